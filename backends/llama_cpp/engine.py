@@ -1,0 +1,167 @@
+"""The llama.cpp engine that runs inside the runner process: prompt, sampling, stop strings, events.
+
+Owns the token loop instead of llama-cpp-python's completion API so that it can stop between any two tokens
+(cancellation), report which stop sequence matched, and time prompt and decode separately. llama-cpp-python's
+exceptions are mapped here, once.
+
+Runs only in the runner process; imports protocols and llama_cpp, never the gateway.
+"""
+
+from __future__ import annotations
+
+import codecs
+import os
+import random
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+from protocols.model import (
+    UNSET,
+    Event,
+    Finished,
+    InvalidRequest,
+    Request,
+    RequestTooLarge,
+    TextDelta,
+    Usage,
+)
+from backends.llama_cpp.prompt import render_prompt
+
+__all__ = ["LlamaEngine", "StopMatcher"]
+
+_DEFAULTS = {"temperature": 0.8, "top_p": 0.95, "top_k": 40, "min_p": 0.05, "repeat_penalty": 1.0,
+             "presence_penalty": 0.0, "frequency_penalty": 0.0}
+
+
+def _value(sampling: Any, name: str) -> Any:
+    value = getattr(sampling, name)
+    return _DEFAULTS[name] if value is UNSET or value is None else value
+
+
+class StopMatcher:
+    """Holds back text that might be the start of a stop sequence; reports the sequence that matched."""
+
+    def __init__(self, stops: tuple[str, ...]) -> None:
+        self.stops = tuple(s for s in stops if s)
+        self.pending = ""
+
+    def feed(self, text: str) -> tuple[str, str | None]:
+        """Add ``text``; return (text safe to emit, matched stop sequence or None)."""
+        self.pending += text
+        if not self.stops:
+            out, self.pending = self.pending, ""
+            return out, None
+        hits = [(self.pending.find(s), s) for s in self.stops if s in self.pending]
+        if hits:
+            at, stop = min(hits)
+            out, self.pending = self.pending[:at], ""
+            return out, stop
+        keep = max((k for s in self.stops for k in range(1, len(s)) if self.pending.endswith(s[:k])), default=0)
+        cut = len(self.pending) - keep
+        out, self.pending = self.pending[:cut], self.pending[cut:]
+        return out, None
+
+    def flush(self) -> str:
+        out, self.pending = self.pending, ""
+        return out
+
+
+class LlamaEngine:
+    """One GGUF loaded with llama-cpp-python, generating for one request at a time."""
+
+    def __init__(self, path: str, *, n_ctx: int = 4096, n_threads: int | None = None) -> None:
+        import llama_cpp
+
+        self._llama_cpp = llama_cpp
+        started = time.perf_counter_ns()
+        self.llm = llama_cpp.Llama(model_path=path, n_ctx=n_ctx, n_threads=n_threads or os.cpu_count(),
+                                   n_threads_batch=n_threads or os.cpu_count(), n_gpu_layers=0, verbose=False)
+        self.load_ns = time.perf_counter_ns() - started
+        self.path = path
+        meta = self.llm.metadata
+        self.family = meta.get("general.architecture", "")
+        self.chat_template = meta.get("tokenizer.chat_template")
+        self._first_request = True
+
+    def health(self) -> dict[str, Any]:
+        return {"status": "ok", "model": self.path, "n_ctx": self.llm.n_ctx(), "family": self.family}
+
+    def _is_eog(self, token: int) -> bool:
+        return bool(self._llama_cpp.llama_vocab_is_eog(self.llm._model.vocab, token))
+
+    def tokenize(self, request: Request) -> list[int]:
+        bos = self.llm._model.token_get_text(self.llm.token_bos())
+        eos = self.llm._model.token_get_text(self.llm.token_eos())
+        prompt = render_prompt(request, self.family, self.chat_template, bos, eos)
+        add_bos = not prompt.startswith(bos)
+        return self.llm.tokenize(prompt.encode(), add_bos=add_bos, special=request.raw_prompt is None)
+
+    def generate(self, request: Request, cancel: threading.Event) -> Iterator[Event]:
+        tokens = self.tokenize(request)
+        n_ctx = self.llm.n_ctx()
+        if len(tokens) >= n_ctx:
+            raise RequestTooLarge(f"the prompt has {len(tokens)} tokens but the context holds {n_ctx}; "
+                                  "shorten the conversation")
+        room = n_ctx - len(tokens)
+        limit = room if request.max_tokens is None else min(request.max_tokens, room)
+        if limit < 1:
+            raise InvalidRequest("max_tokens must be at least 1", param="max_tokens")
+        load_ns, self._first_request = (self.load_ns if self._first_request else 0), False
+        s = request.sampling
+        seed = s.seed if isinstance(s.seed, int) else random.randrange(2**31)
+        self.llm.set_seed(seed)
+        grammar = self._grammar(request)
+        yield Usage(prompt_tokens=len(tokens), load_ns=load_ns)
+
+        stopper = StopMatcher(request.stop)
+        decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        started = time.perf_counter_ns()
+        first_token_at = started
+        count = 0
+        finish = Finished(reason="length")
+        try:
+            for token in self.llm.generate(
+                tokens, temp=_value(s, "temperature"), top_p=_value(s, "top_p"), top_k=_value(s, "top_k"),
+                min_p=_value(s, "min_p"), repeat_penalty=_value(s, "repeat_penalty"),
+                presence_penalty=_value(s, "presence_penalty"), frequency_penalty=_value(s, "frequency_penalty"),
+                grammar=grammar,
+            ):
+                if count == 0:
+                    first_token_at = time.perf_counter_ns()
+                if cancel.is_set():
+                    return
+                if self._is_eog(token):
+                    finish = Finished(reason="stop")
+                    break
+                count += 1
+                text, matched = stopper.feed(decoder.decode(self.llm.detokenize([token])))
+                if text:
+                    yield TextDelta(text=text)
+                if matched is not None:
+                    finish = Finished(reason="stop_sequence", stop_sequence=matched)
+                    break
+                if count >= limit:
+                    break
+        except ValueError as exc:
+            raise InvalidRequest(str(exc)) from exc
+        rest = stopper.flush() + decoder.decode(b"", final=True) if finish.reason != "stop_sequence" else ""
+        if rest:
+            yield TextDelta(text=rest)
+        ended = time.perf_counter_ns()
+        yield Usage(prompt_tokens=len(tokens), completion_tokens=count, load_ns=load_ns,
+                    prompt_ns=first_token_at - started, eval_ns=ended - first_token_at)
+        yield finish
+
+    def _grammar(self, request: Request) -> Any:
+        fmt = request.response_format
+        if fmt.kind == "text":
+            return None
+        from llama_cpp.llama_grammar import JSON_GBNF, LlamaGrammar
+
+        if fmt.kind == "json_schema" and fmt.schema:
+            import json
+
+            return LlamaGrammar.from_json_schema(json.dumps(fmt.schema), verbose=False)
+        return LlamaGrammar.from_string(JSON_GBNF, verbose=False)

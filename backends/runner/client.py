@@ -1,0 +1,77 @@
+"""Read the internal streaming protocol: send a ``Request`` to a runner, get its events back.
+
+Transport failures are mapped here, once, into ``Failed`` events (never raised): a refused connection or a
+runner that dies mid-stream is ``BackendUnavailable``, a stalled one ``BackendTimeout``, garbage
+``BackendProtocolError``. Closing the iterator closes the HTTP response, which cancels the generation.
+
+Imports protocols only.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+import httpx
+import msgspec
+
+from protocols.model import (
+    TERMINAL,
+    BackendProtocolError,
+    BackendTimeout,
+    BackendUnavailable,
+    Event,
+    Failed,
+    GatewayError,
+    Request,
+)
+
+__all__ = ["RunnerClient"]
+
+_event_decoder = msgspec.json.Decoder(Event)
+_encoder = msgspec.json.Encoder()
+
+
+class RunnerClient:
+    """Talks to one runner at ``base_url`` over a shared ``httpx.AsyncClient``."""
+
+    def __init__(self, base_url: str, http: httpx.AsyncClient, *, read_timeout: float = 300.0) -> None:
+        self.base_url = base_url.rstrip("/")
+        self.http = http
+        self.timeout = httpx.Timeout(10.0, read=read_timeout)
+
+    async def health(self) -> dict[str, object]:
+        response = await self.http.get(f"{self.base_url}/health", timeout=5.0)
+        response.raise_for_status()
+        return response.json()
+
+    async def generate(self, request: Request) -> AsyncIterator[Event]:
+        """Stream ``request``'s events; always ends in exactly one ``Finished`` or ``Failed``."""
+        try:
+            async with self.http.stream("POST", f"{self.base_url}/generate", content=_encoder.encode(request),
+                                        headers={"content-type": "application/json"},
+                                        timeout=self.timeout) as response:
+                if response.status_code != 200:
+                    body = (await response.aread()).decode(errors="replace")
+                    yield _failed(BackendProtocolError(f"runner answered {response.status_code}: {body[:200]}"))
+                    return
+                async for line in response.aiter_lines():
+                    if not line:
+                        continue
+                    event = _event_decoder.decode(line)
+                    yield event
+                    if isinstance(event, TERMINAL):
+                        return
+        except httpx.TimeoutException as exc:
+            yield _failed(BackendTimeout(f"the model runner did not answer in time ({type(exc).__name__})"))
+            return
+        except (httpx.ConnectError, httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError) as exc:
+            yield _failed(BackendUnavailable(f"lost the connection to the model runner: {exc or type(exc).__name__}"))
+            return
+        except msgspec.DecodeError as exc:
+            yield _failed(BackendProtocolError(f"the model runner sent an invalid event: {exc}"))
+            return
+        yield _failed(BackendUnavailable("the model runner closed the stream before finishing"))
+
+
+def _failed(err: GatewayError) -> Failed:
+    return Failed(error=err.info())

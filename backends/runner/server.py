@@ -1,0 +1,180 @@
+"""Serve an ``Engine`` over the internal streaming protocol: a small ASGI app, run by uvicorn in the runner.
+
+The engine is synchronous (llama.cpp and MLX generate on a thread); one generation runs at a time and a client
+that disconnects sets the engine's cancel flag, so the runtime stops at its next token.
+
+Imports protocols only; no web framework (a raw ASGI app keeps the runner light).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import socket
+import sys
+import threading
+from collections.abc import Callable, Iterator
+from typing import Any, Protocol
+
+import msgspec
+
+from protocols.model import (
+    TERMINAL,
+    BackendProtocolError,
+    Event,
+    Failed,
+    GatewayError,
+    InvalidRequest,
+    Request,
+)
+
+__all__ = ["Engine", "RunnerApp", "serve"]
+
+READY_LINE = "MESHGATE_RUNNER_READY"
+_encoder = msgspec.json.Encoder()
+_request_decoder = msgspec.json.Decoder(Request)
+
+
+class Engine(Protocol):
+    """A loaded model that generates events synchronously."""
+
+    def generate(self, request: Request, cancel: threading.Event) -> Iterator[Event]:
+        """Yield events for ``request``; stop early when ``cancel`` is set. May raise ``GatewayError``."""
+        ...
+
+    def health(self) -> dict[str, Any]:
+        """Facts about the loaded model for ``GET /health``."""
+        ...
+
+
+class RunnerApp:
+    """ASGI app serving one engine."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+        self._busy = asyncio.Lock()
+
+    async def __call__(self, scope: dict[str, Any], receive: Callable[..., Any], send: Callable[..., Any]) -> None:
+        if scope["type"] == "lifespan":
+            await _lifespan(receive, send)
+            return
+        path, method = scope["path"], scope["method"]
+        if path == "/health" and method == "GET":
+            await _respond(send, 200, _encoder.encode(self.engine.health()))
+        elif path == "/generate" and method == "POST":
+            await self._generate(receive, send)
+        else:
+            await _respond(send, 404, b'{"error":"not found"}')
+
+    async def _generate(self, receive: Callable[..., Any], send: Callable[..., Any]) -> None:
+        body = await _read_body(receive)
+        try:
+            request = _request_decoder.decode(body)
+        except msgspec.MsgspecError as exc:
+            await _respond(send, 400, _encoder.encode({"error": f"bad request: {exc}"}))
+            return
+        await send({"type": "http.response.start", "status": 200,
+                    "headers": [(b"content-type", b"application/x-ndjson")]})
+        cancel = threading.Event()
+        watcher = asyncio.ensure_future(_wait_disconnect(receive, cancel))
+        try:
+            async with self._busy:
+                async for event in _run_in_thread(self.engine, request, cancel):
+                    if cancel.is_set():
+                        break
+                    await send({"type": "http.response.body", "body": _encoder.encode(event) + b"\n",
+                                "more_body": True})
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+        finally:
+            cancel.set()
+            watcher.cancel()
+
+
+async def _run_in_thread(engine: Engine, request: Request, cancel: threading.Event):
+    """Run the engine's generator on a thread, handing events over through a queue; always ends terminal."""
+    loop = asyncio.get_running_loop()
+    queue: asyncio.Queue[Event | None] = asyncio.Queue()
+
+    def produce() -> None:
+        ended = False
+        try:
+            for event in engine.generate(request, cancel):
+                loop.call_soon_threadsafe(queue.put_nowait, event)
+                if isinstance(event, TERMINAL):
+                    ended = True
+                    break
+            if not ended:
+                err: GatewayError = BackendProtocolError("the engine stopped without finishing")
+                loop.call_soon_threadsafe(queue.put_nowait, Failed(error=err.info()))
+        except GatewayError as exc:
+            loop.call_soon_threadsafe(queue.put_nowait, Failed(error=exc.info()))
+        except Exception as exc:  # the runtime's own failure: report it, keep the runner serving
+            wrapped = InvalidRequest(str(exc)) if isinstance(exc, ValueError) else GatewayError(repr(exc))
+            loop.call_soon_threadsafe(queue.put_nowait, Failed(error=wrapped.info()))
+        finally:
+            loop.call_soon_threadsafe(queue.put_nowait, None)
+
+    thread = threading.Thread(target=produce, name="engine", daemon=True)
+    thread.start()
+    try:
+        while (event := await queue.get()) is not None:
+            yield event
+    finally:
+        cancel.set()
+        await asyncio.to_thread(thread.join)
+
+
+async def _wait_disconnect(receive: Callable[..., Any], cancel: threading.Event) -> None:
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            cancel.set()
+            return
+
+
+async def _read_body(receive: Callable[..., Any]) -> bytes:
+    chunks = []
+    while True:
+        message = await receive()
+        chunks.append(message.get("body", b""))
+        if not message.get("more_body"):
+            return b"".join(chunks)
+
+
+async def _respond(send: Callable[..., Any], status: int, body: bytes) -> None:
+    await send({"type": "http.response.start", "status": status,
+                "headers": [(b"content-type", b"application/json")]})
+    await send({"type": "http.response.body", "body": body})
+
+
+async def _lifespan(receive: Callable[..., Any], send: Callable[..., Any]) -> None:
+    while True:
+        message = await receive()
+        if message["type"] == "lifespan.startup":
+            await send({"type": "lifespan.startup.complete"})
+        elif message["type"] == "lifespan.shutdown":
+            await send({"type": "lifespan.shutdown.complete"})
+            return
+
+
+def _exit_when_parent_goes() -> None:
+    """The gateway holds our stdin open; EOF means it is gone, so no runner outlives its gateway."""
+    with contextlib.suppress(Exception):
+        while sys.stdin.buffer.read(1024):
+            pass
+    os._exit(0)
+
+
+def serve(engine: Engine, host: str = "127.0.0.1", port: int = 0) -> None:
+    """Serve ``engine`` on ``host:port`` (0 picks a free port) and print the ready line with the real port."""
+    import uvicorn
+
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    sock.listen(64)
+    threading.Thread(target=_exit_when_parent_goes, name="parent-watch", daemon=True).start()
+    print(f"{READY_LINE} port={sock.getsockname()[1]}", flush=True)
+    config = uvicorn.Config(RunnerApp(engine), log_level="warning", access_log=False, lifespan="on")
+    uvicorn.Server(config).run(sockets=[sock])

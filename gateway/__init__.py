@@ -1,0 +1,1 @@
+"""The server and the control plane. May import everything; nothing imports it."""

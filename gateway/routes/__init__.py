@@ -1,0 +1,1 @@
+"""Thin HTTP handlers, one module per client protocol: decode, translate, dispatch, encode."""

@@ -1,0 +1,39 @@
+"""Anthropic Messages API handlers (``/v1/messages``); ``?beta=true`` and any ``anthropic-version`` accepted."""
+
+from __future__ import annotations
+
+from litestar import Request as HttpRequest
+from litestar import Response, Router, post
+
+from gateway.routes.common import (
+    check_auth,
+    dispatcher_of,
+    error_handler,
+    json_response,
+    new_meta,
+    stream_response,
+)
+from protocols import anthropic
+from protocols.model import GatewayError, collect, decode_body
+
+SSE = "text/event-stream"
+
+
+@post(["/v1/messages"])
+async def messages(request: HttpRequest) -> Response:
+    check_auth(request)
+    wire = decode_body(await request.body(), anthropic.MessagesRequest)
+    internal = anthropic.messages_to_internal(wire)
+    meta = new_meta(internal.model)
+    events = await dispatcher_of(request).open_stream(internal)
+    if internal.stream:
+        return stream_response(anthropic.encode_message_stream(events, meta), SSE)
+    return json_response(anthropic.encode_message_response(await collect(events), meta))
+
+
+router = Router(
+    path="/",
+    route_handlers=[messages],
+    exception_handlers={GatewayError: error_handler(anthropic.error_body)},
+    tags=["anthropic"],
+)

@@ -1,0 +1,86 @@
+"""OpenAI API handlers, served with and without the ``/v1`` prefix (OAI-7).
+
+``GET /v1/models`` is shared with Anthropic clients, who always send ``anthropic-version``: they get
+Anthropic's listing shape and error envelope, everyone else OpenAI's.
+"""
+
+from __future__ import annotations
+
+from urllib.parse import unquote
+
+from litestar import Request as HttpRequest
+from litestar import Response, Router, get, post
+
+from gateway.routes.common import (
+    check_auth,
+    dispatcher_of,
+    error_handler,
+    json_response,
+    model_infos,
+    new_meta,
+    stream_response,
+)
+from protocols import anthropic, openai
+from protocols.model import GatewayError, UnknownModel, collect, decode_body
+
+SSE = "text/event-stream"
+
+
+def _is_anthropic(request: HttpRequest) -> bool:
+    return "anthropic-version" in request.headers
+
+
+def render_error(request: HttpRequest, exc: Exception) -> Response[bytes]:
+    status, body = (anthropic if _is_anthropic(request) else openai).error_body(exc)  # type: ignore[arg-type]
+    return json_response(body, status)
+
+
+@post(["/v1/chat/completions", "/chat/completions"])
+async def chat_completions(request: HttpRequest) -> Response:
+    check_auth(request)
+    wire = decode_body(await request.body(), openai.ChatRequest)
+    internal = openai.chat_to_internal(wire)
+    meta = new_meta(internal.model)
+    events = await dispatcher_of(request).open_stream(internal)
+    if internal.stream:
+        return stream_response(openai.encode_chat_stream(events, meta, include_usage=openai.wants_usage(wire)), SSE)
+    return json_response(openai.encode_chat_response(await collect(events), meta))
+
+
+@post(["/v1/completions"])
+async def completions(request: HttpRequest) -> Response:
+    check_auth(request)
+    wire = decode_body(await request.body(), openai.CompletionRequest)
+    internal = openai.completion_to_internal(wire)
+    meta = new_meta(internal.model)
+    events = await dispatcher_of(request).open_stream(internal)
+    if internal.stream:
+        return stream_response(
+            openai.encode_completion_stream(events, meta, include_usage=openai.wants_usage(wire)), SSE)
+    return json_response(openai.encode_completion_response(await collect(events), meta))
+
+
+@get(["/v1/models", "/models"], sync_to_thread=False)
+def list_models(request: HttpRequest) -> Response[bytes]:
+    check_auth(request)
+    models = model_infos(dispatcher_of(request))
+    return json_response((anthropic if _is_anthropic(request) else openai).encode_models(models))
+
+
+@get(["/v1/models/{model_id:path}", "/models/{model_id:path}"], sync_to_thread=False)
+def get_model(request: HttpRequest, model_id: str) -> Response[bytes]:
+    check_auth(request)
+    name = unquote(model_id.lstrip("/"))
+    card = dispatcher_of(request).resolve(name)
+    info = next((m for m in model_infos(dispatcher_of(request)) if m.name == card.name), None)
+    if info is None:
+        raise UnknownModel(name)
+    return json_response((anthropic if _is_anthropic(request) else openai).encode_model(info))
+
+
+router = Router(
+    path="/",
+    route_handlers=[chat_completions, completions, list_models, get_model],
+    exception_handlers={GatewayError: render_error},
+    tags=["openai"],
+)

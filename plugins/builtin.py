@@ -1,0 +1,36 @@
+"""The built-in plugin: the llama.cpp backend, the packaged and configured GGUF sources, the default policy.
+
+Published as the ``llama_cpp`` entry point in meshgate's own ``pyproject.toml``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import httpx
+
+from backends.base import Backend, ModelCard, ModelSource
+from backends.llama_cpp import LlamaCppBackend
+from backends.llama_cpp.sources import GGUFPathSource, PackagedGGUFSource
+from plugins.hookspecs import hookimpl
+from plugins.settings import Settings
+
+
+@hookimpl
+def meshgate_register_backends(register: Callable[[Backend], None], settings: Settings,
+                               http: httpx.AsyncClient) -> None:
+    register(LlamaCppBackend(http, python=settings.runner_python, n_ctx=settings.n_ctx, threads=settings.threads,
+                             host=settings.runner_host))
+
+
+@hookimpl
+def meshgate_register_model_sources(register: Callable[[ModelSource], None], settings: Settings) -> None:
+    register(PackagedGGUFSource(settings.models_dir))
+    if settings.models:
+        register(GGUFPathSource(settings.model_paths(), Path(settings.data_dir)))
+
+
+@hookimpl(trylast=True)
+def meshgate_choose_backend(card: ModelCard, backends: Sequence[Backend]) -> Backend | None:
+    return next((b for b in backends if b.supports(card)), None)

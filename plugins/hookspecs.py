@@ -1,0 +1,78 @@
+"""Hook specifications: the only contract third-party plugins code against.
+
+A plugin is a module (or object) with functions marked ``@hookimpl`` and named after the specs below,
+published in the ``meshgate`` entry-point group::
+
+    # pyproject.toml of a plugin package
+    [project.entry-points.meshgate]
+    my_backend = "my_package.plugin"
+
+    # my_package/plugin.py
+    from plugins.hookspecs import hookimpl
+
+    @hookimpl
+    def meshgate_register_backends(register, settings, http):
+        register(MyBackend(http))
+
+Hooks are synchronous (pluggy cannot await): they return objects whose methods are async. They are called
+when the gateway starts, never at import.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
+
+import pluggy
+
+if TYPE_CHECKING:
+    import httpx
+
+    from backends.base import Backend, ModelCard, ModelSource
+    from plugins.settings import Settings
+
+__all__ = ["PROJECT", "hookimpl", "hookspec"]
+
+PROJECT = "meshgate"
+hookspec = pluggy.HookspecMarker(PROJECT)
+hookimpl = pluggy.HookimplMarker(PROJECT)
+
+
+@hookspec
+def meshgate_register_backends(
+    register: Callable[[Backend], None], settings: Settings, http: httpx.AsyncClient
+) -> None:
+    """Register backends: runtimes that can start runners for models.
+
+    :param register: Call with each ``backends.base.Backend`` this plugin provides.
+    :param settings: The gateway's settings.
+    :param http: The gateway's shared HTTP client, for talking to runner processes.
+
+    .. versionadded:: 0.1
+    """
+
+
+@hookspec
+def meshgate_register_model_sources(register: Callable[[ModelSource], None], settings: Settings) -> None:
+    """Register model sources: places models are found (packaged files, paths, hubs).
+
+    :param register: Call with each ``backends.base.ModelSource`` this plugin provides.
+    :param settings: The gateway's settings.
+
+    .. versionadded:: 0.1
+    """
+
+
+@hookspec(firstresult=True)
+def meshgate_choose_backend(card: ModelCard, backends: Sequence[Backend]) -> Backend | None:
+    """Choose the backend that serves ``card``.
+
+    Stops at first non-None result.
+
+    :param card: The model to serve.
+    :param backends: Every registered backend, in registration order (not only those that support ``card``).
+    :return: The chosen backend, or ``None`` to leave the choice to other plugins (the built-in policy picks
+        the first backend whose ``supports(card)`` is true).
+
+    .. versionadded:: 0.1
+    """

@@ -1,0 +1,91 @@
+"""meshgate's one Settings object, built once (environment ``MESHGATE_*`` + CLI flags) and passed down.
+
+Example::
+
+    settings = Settings.from_env(os.environ).replace(port=8080)
+    app = create_app(settings, build_plugin_manager(settings))
+
+Every field reads from ``MESHGATE_<FIELD>``; list fields take comma-separated values
+(``MESHGATE_MODELS="mymodel=/models/x.gguf,/models/y.gguf"``).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import msgspec
+
+__all__ = ["Settings", "default_data_dir"]
+
+
+def default_data_dir() -> str:
+    """``$XDG_DATA_HOME/meshgate``, or ``~/.local/share/meshgate``."""
+    base = os.environ.get("XDG_DATA_HOME") or str(Path.home() / ".local" / "share")
+    return str(Path(base) / "meshgate")
+
+
+class Settings(msgspec.Struct, frozen=True, kw_only=True):
+    """Configuration for a gateway and its built-in backends.
+
+    Attributes:
+        host: Address to bind; loopback unless told otherwise.
+        port: Port to bind; Ollama's, so Ollama clients work unconfigured.
+        data_dir: Where models are assembled and state is kept.
+        models: Extra GGUF files, ``name=path`` or a bare path (named after the file).
+        plugins: Extra plugin modules to register, besides the ``meshgate`` entry points.
+        disabled_plugins: Plugin names (entry-point names) not to load.
+        api_keys: When non-empty, clients must present one of these keys.
+        n_ctx: Context length for llama.cpp runners (capped by the model's own).
+        threads: Threads per runner; all cores when unset.
+        runner_python: Interpreter for runner processes (a runtime's own virtual environment).
+        runner_host: Address runner processes bind (loopback by default; never a public interface).
+        log_level: uvicorn/logging level.
+    """
+
+    host: str = "127.0.0.1"
+    port: int = 11434
+    data_dir: str = msgspec.field(default_factory=default_data_dir)
+    models: tuple[str, ...] = ()
+    plugins: tuple[str, ...] = ()
+    disabled_plugins: tuple[str, ...] = ()
+    api_keys: tuple[str, ...] = ()
+    n_ctx: int = 4096
+    threads: int | None = None
+    runner_python: str | None = None
+    runner_host: str = "127.0.0.1"
+    log_level: str = "info"
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str], **overrides: Any) -> Settings:
+        """Settings from ``MESHGATE_*`` variables, then ``overrides`` (CLI flags; ``None`` means not given)."""
+        values: dict[str, Any] = {}
+        for field in msgspec.structs.fields(cls):
+            raw = environ.get(f"MESHGATE_{field.name.upper()}")
+            if raw is not None:
+                values[field.name] = tuple(v.strip() for v in raw.split(",") if v.strip()) \
+                    if field.name in _LIST_FIELDS else raw
+        values.update({k: v for k, v in overrides.items() if v is not None})
+        return msgspec.convert(values, cls, strict=False)
+
+    def replace(self, **changes: Any) -> Settings:
+        return msgspec.structs.replace(self, **changes)
+
+    @property
+    def models_dir(self) -> Path:
+        return Path(self.data_dir) / "models"
+
+    def model_paths(self) -> list[tuple[str, str]]:
+        """``models`` as (name, path) pairs."""
+        pairs = []
+        for entry in self.models:
+            name, sep, path = entry.partition("=")
+            if not sep:
+                path, name = entry, Path(entry).stem
+            pairs.append((name, os.path.expanduser(path)))
+        return pairs
+
+
+_LIST_FIELDS = {"models", "plugins", "disabled_plugins", "api_keys"}

@@ -1,0 +1,1 @@
+"""Client wire protocols and the internal model they translate to (pure; no I/O, no web framework)."""

@@ -1,0 +1,449 @@
+"""The internal language of meshgate: requests, messages, the event stream, errors.
+
+Every client protocol translates into these types and every backend speaks them. Vendor-neutral: no field
+here is named after one wire protocol's spelling.
+
+Must not import anything of ours (it is the bottom of the import graph) and does no I/O.
+
+Shape:
+
+- ``Request``: ``messages`` made of ``Message(role, parts)``; parts are a tagged union (``TextPart``,
+  ``ImagePart``, ``ToolCallPart``, ``ToolResultPart``, ``ReasoningPart``). Sampling values default to
+  ``msgspec.UNSET`` ("backend default"), which differs from an explicit ``None``.
+- The event stream: an async iterator of ``Event`` that ends in exactly one ``Finished`` or ``Failed``.
+  ``Usage`` snapshots are cumulative (the last one wins). ``KeepAlive`` carries no content.
+- ``collect(events)`` folds a stream into a ``Response``; non-streaming endpoints use it, never a second path.
+
+Error tree (status on the class)::
+
+    GatewayError (500)
+    ├── InvalidRequest (400)
+    │   └── UnsupportedFeature (400)
+    ├── AuthenticationFailed (401)
+    ├── NotFound (404)
+    │   └── UnknownModel (404)
+    ├── RequestTooLarge (413)
+    ├── RateLimited (429)
+    ├── NoCapacity (503)          no placement fits / overloaded
+    ├── BackendUnavailable (503)  runner down, crashed or unreachable
+    ├── BackendProtocolError (502)
+    └── BackendTimeout (504)
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterable
+from typing import Any, ClassVar, Literal, TypeAlias, TypeVar
+
+import msgspec
+from msgspec import UNSET, UnsetType
+
+__all__ = [
+    "UNSET",
+    "AuthenticationFailed",
+    "BackendProtocolError",
+    "BackendTimeout",
+    "BackendUnavailable",
+    "ErrorInfo",
+    "Event",
+    "Failed",
+    "Finished",
+    "FinishReason",
+    "GatewayError",
+    "ImagePart",
+    "InvalidRequest",
+    "KeepAlive",
+    "Message",
+    "Meta",
+    "ModelInfo",
+    "NoCapacity",
+    "NotFound",
+    "Part",
+    "RateLimited",
+    "ReasoningDelta",
+    "ReasoningPart",
+    "Request",
+    "RequestTooLarge",
+    "Response",
+    "ResponseFormat",
+    "Sampling",
+    "TextDelta",
+    "TextPart",
+    "Tool",
+    "ToolCall",
+    "ToolCallDelta",
+    "ToolCallPart",
+    "ToolChoice",
+    "ToolResultPart",
+    "UnknownModel",
+    "UnsupportedFeature",
+    "Usage",
+    "collect",
+    "decode_body",
+    "error_from_info",
+]
+
+T = TypeVar("T")
+
+JsonSchema: TypeAlias = dict[str, Any]
+"""A JSON Schema document, kept as parsed JSON (tool parameters, response formats)."""
+
+Role = Literal["system", "user", "assistant", "tool"]
+FinishReason = Literal["stop", "stop_sequence", "length", "tool_calls", "content_filter"]
+
+
+class _Frozen(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
+    pass
+
+
+# ---------------------------------------------------------------------------------------------------- parts
+
+
+class TextPart(_Frozen, tag="text"):
+    text: str
+
+
+class ImagePart(_Frozen, tag="image"):
+    """An image, either inline bytes (``data`` + ``media_type``) or a URL the client gave."""
+
+    data: bytes | None = None
+    media_type: str | None = None
+    url: str | None = None
+
+
+class ToolCallPart(_Frozen, tag="tool_call"):
+    """A tool call the assistant made. ``arguments`` is the JSON text of the arguments object."""
+
+    id: str
+    name: str
+    arguments: str = "{}"
+
+
+class ToolResultPart(_Frozen, tag="tool_result"):
+    call_id: str | None = None
+    name: str | None = None
+    content: tuple[TextPart | ImagePart, ...] = ()
+    is_error: bool = False
+
+
+class ReasoningPart(_Frozen, tag="reasoning"):
+    """Model reasoning. ``provider_metadata`` round-trips opaque data such as a thinking signature."""
+
+    text: str
+    provider_metadata: dict[str, str] | None = None
+
+
+Part: TypeAlias = TextPart | ImagePart | ToolCallPart | ToolResultPart | ReasoningPart
+
+
+class Message(_Frozen):
+    role: Role
+    parts: tuple[Part, ...] = ()
+
+    @property
+    def text(self) -> str:
+        """The concatenated text parts."""
+        return "".join(p.text for p in self.parts if isinstance(p, TextPart))
+
+
+# ---------------------------------------------------------------------------------------------------- request
+
+
+class Tool(_Frozen):
+    name: str
+    description: str | None = None
+    parameters: JsonSchema = msgspec.field(default_factory=lambda: {"type": "object", "properties": {}})
+
+
+class ToolChoice(_Frozen):
+    """``auto``: the model decides; ``none``: no tool calls; ``required``: at least one; ``tool``: ``name``."""
+
+    mode: Literal["auto", "none", "required", "tool"] = "auto"
+    name: str | None = None
+    parallel: bool | UnsetType = UNSET
+
+
+class ResponseFormat(_Frozen):
+    kind: Literal["text", "json_object", "json_schema"] = "text"
+    schema: JsonSchema | None = None
+    name: str | None = None
+
+
+class Sampling(_Frozen):
+    """Sampling values. ``UNSET`` means "backend default"; ``None`` means the client explicitly sent null."""
+
+    temperature: float | None | UnsetType = UNSET
+    top_p: float | None | UnsetType = UNSET
+    top_k: int | None | UnsetType = UNSET
+    min_p: float | None | UnsetType = UNSET
+    seed: int | None | UnsetType = UNSET
+    presence_penalty: float | None | UnsetType = UNSET
+    frequency_penalty: float | None | UnsetType = UNSET
+    repeat_penalty: float | None | UnsetType = UNSET
+
+
+class Request(_Frozen):
+    """One generation request, whatever protocol it arrived in.
+
+    ``raw_prompt`` is set for plain completions (no chat template); ``messages`` is then empty.
+    ``max_tokens`` ``None`` means no limit beyond the context. ``prefill`` asks the backend to continue the
+    last assistant message instead of opening a new turn.
+    """
+
+    model: str
+    messages: tuple[Message, ...] = ()
+    raw_prompt: str | None = None
+    tools: tuple[Tool, ...] = ()
+    tool_choice: ToolChoice = ToolChoice()
+    response_format: ResponseFormat = ResponseFormat()
+    sampling: Sampling = Sampling()
+    stop: tuple[str, ...] = ()
+    max_tokens: int | None = None
+    stream: bool = False
+    prefill: bool = False
+    reasoning: bool | UnsetType = UNSET
+    num_ctx: int | UnsetType = UNSET
+
+
+# ---------------------------------------------------------------------------------------------------- events
+
+
+class TextDelta(_Frozen, tag="text"):
+    text: str
+
+
+class ReasoningDelta(_Frozen, tag="reasoning"):
+    text: str
+    provider_metadata: dict[str, str] | None = None
+
+
+class ToolCallDelta(_Frozen, tag="tool_call"):
+    """A fragment of tool call ``index``. ``id`` and ``name`` come once, on its first fragment."""
+
+    index: int
+    id: str | None = None
+    name: str | None = None
+    arguments: str = ""
+
+
+class Usage(_Frozen, tag="usage"):
+    """Cumulative token counts and timings (nanoseconds); a later ``Usage`` replaces an earlier one."""
+
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+    load_ns: int = 0
+    prompt_ns: int = 0
+    eval_ns: int = 0
+
+
+class KeepAlive(_Frozen, tag="keepalive"):
+    """Nothing happened yet (loading, placing); lets a protocol send its heartbeat."""
+
+
+class Finished(_Frozen, tag="finished"):
+    reason: FinishReason = "stop"
+    stop_sequence: str | None = None
+
+
+class ErrorInfo(_Frozen):
+    """A serializable error: ``kind`` is a ``GatewayError`` subclass name."""
+
+    kind: str
+    message: str
+
+
+class Failed(_Frozen, tag="failed"):
+    error: ErrorInfo
+
+
+Event: TypeAlias = TextDelta | ReasoningDelta | ToolCallDelta | Usage | KeepAlive | Finished | Failed
+TERMINAL = (Finished, Failed)
+
+
+# ---------------------------------------------------------------------------------------------------- errors
+
+
+class GatewayError(Exception):
+    """Base of every error meshgate reports to a client. ``status`` is the HTTP status it maps to."""
+
+    status: ClassVar[int] = 500
+
+    def __init__(self, message: str, *, param: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.param = param
+
+    def info(self) -> ErrorInfo:
+        return ErrorInfo(kind=type(self).__name__, message=self.message)
+
+
+class InvalidRequest(GatewayError):
+    status = 400
+
+
+class UnsupportedFeature(InvalidRequest):
+    status = 400
+
+
+class AuthenticationFailed(GatewayError):
+    status = 401
+
+
+class NotFound(GatewayError):
+    status = 404
+
+
+class UnknownModel(NotFound):
+    def __init__(self, model: str) -> None:
+        super().__init__(f"model '{model}' not found", param="model")
+        self.model = model
+
+
+class RequestTooLarge(GatewayError):
+    status = 413
+
+
+class RateLimited(GatewayError):
+    status = 429
+
+
+class NoCapacity(GatewayError):
+    status = 503
+
+
+class BackendUnavailable(GatewayError):
+    status = 503
+
+
+class BackendProtocolError(GatewayError):
+    status = 502
+
+
+class BackendTimeout(GatewayError):
+    status = 504
+
+
+def _subclasses(cls: type[GatewayError]) -> dict[str, type[GatewayError]]:
+    found = {cls.__name__: cls}
+    for sub in cls.__subclasses__():
+        found.update(_subclasses(sub))
+    return found
+
+
+def error_from_info(info: ErrorInfo) -> GatewayError:
+    """Rebuild the exception a ``Failed`` event describes (unknown kinds become ``GatewayError``)."""
+    cls = _subclasses(GatewayError).get(info.kind, GatewayError)
+    if cls is UnknownModel:
+        err: GatewayError = NotFound(info.message, param="model")
+    else:
+        err = cls(info.message)
+    return err
+
+
+# ---------------------------------------------------------------------------------------------------- context
+
+
+class Meta(_Frozen):
+    """What a protocol needs to frame an answer besides the events: an id, the model name, a timestamp.
+
+    ``id`` is bare (protocols add their own prefix such as ``chatcmpl-``); ``created`` is unix seconds.
+    """
+
+    id: str
+    model: str
+    created: float
+
+
+class ModelInfo(_Frozen):
+    """A model as the listing endpoints show it."""
+
+    name: str
+    created: float = 0.0
+    size: int = 0
+    digest: str = ""
+    format: str = "gguf"
+    family: str = ""
+    parameter_size: str = ""
+    quantization: str = ""
+    context_length: int = 0
+
+
+def decode_body(body: bytes, into: type[T]) -> T:
+    """Decode a JSON request body into a wire Struct; bad JSON or a bad field becomes ``InvalidRequest``.
+
+    The message names the offending field (``Object missing required field `max_tokens```,
+    ``Expected `str`, got `int` - at `$.messages[0].content```).
+    """
+    try:
+        return msgspec.json.decode(body, type=into)
+    except msgspec.ValidationError as exc:
+        raise InvalidRequest(f"invalid request body: {exc}", param=_param_of(str(exc))) from exc
+    except msgspec.DecodeError as exc:
+        raise InvalidRequest(f"request body is not valid JSON: {exc}") from exc
+
+
+def _param_of(message: str) -> str | None:
+    if "`" not in message:
+        return None
+    if " - at `$." in message:
+        return message.rsplit(" - at `$.", 1)[1].rstrip("`")
+    return message.split("`")[1]
+
+
+# ---------------------------------------------------------------------------------------------------- collect
+
+
+class ToolCall(_Frozen):
+    id: str
+    name: str
+    arguments: str = ""
+
+
+class Response(_Frozen):
+    """A whole answer: the collected event stream."""
+
+    text: str = ""
+    reasoning: str = ""
+    reasoning_metadata: dict[str, str] | None = None
+    tool_calls: tuple[ToolCall, ...] = ()
+    usage: Usage = Usage()
+    finish: Finished = Finished()
+
+
+async def collect(events: AsyncIterable[Event]) -> Response:
+    """Fold an event stream into a ``Response``; a ``Failed`` event raises its ``GatewayError``."""
+    text: list[str] = []
+    reasoning: list[str] = []
+    metadata: dict[str, str] | None = None
+    calls: dict[int, list[str]] = {}
+    heads: dict[int, tuple[str, str]] = {}
+    usage = Usage()
+    async for event in events:
+        match event:
+            case TextDelta(text=t):
+                text.append(t)
+            case ReasoningDelta(text=t, provider_metadata=m):
+                reasoning.append(t)
+                metadata = m or metadata
+            case ToolCallDelta(index=i, id=cid, name=name, arguments=args):
+                if i not in heads:
+                    heads[i] = (cid or f"call_{i}", name or "")
+                calls.setdefault(i, []).append(args)
+            case Usage():
+                usage = event
+            case Finished():
+                tool_calls = tuple(
+                    ToolCall(id=heads[i][0], name=heads[i][1], arguments="".join(calls[i])) for i in sorted(calls)
+                )
+                return Response(
+                    text="".join(text),
+                    reasoning="".join(reasoning),
+                    reasoning_metadata=metadata,
+                    tool_calls=tool_calls,
+                    usage=usage,
+                    finish=event,
+                )
+            case Failed(error=info):
+                raise error_from_info(info)
+    raise BackendProtocolError("the backend's stream ended without a finish or failure event")

@@ -1,0 +1,736 @@
+"""The OpenAI wire protocol: chat completions, legacy completions, model listings and errors.
+
+Pure translation between OpenAI's JSON and ``protocols.model``: request Structs and ``*_to_internal`` going
+in; ``encode_*`` functions that turn a ``Response`` or an event stream into response bytes going out. The
+checklist items it implements are PROTOCOLS.md section 1 (OAI-n, cited where they decide something).
+
+Imports only ``protocols.model``, msgspec, the standard library and ``sse_starlette.event.ServerSentEvent``
+(SSE framing). No I/O, no web framework, no HTTP client.
+
+Decisions worth knowing:
+
+- ``developer`` and ``system`` messages both become role ``system``. The deprecated ``function`` role becomes
+  a tool result; an assistant ``function_call`` gets the id ``call_<message index>`` so the two pair up.
+- Reasoning goes out as the non-standard ``reasoning_content`` field (llama.cpp's spelling) on the message
+  and on deltas, and is read back from ``reasoning_content`` or ``reasoning`` on assistant messages.
+- Accepted and ignored: ``logprobs``, ``top_logprobs``, ``logit_bias``, ``user``, ``metadata``,
+  image ``detail``, ``json_schema.strict`` and ``tools[].function.strict``. Refused with a 400: ``n`` other
+  than 1, audio and file parts, and (legacy completions) ``echo``, ``suffix``, ``best_of`` other than 1,
+  token-id prompts and several prompts.
+- Legacy completions have no 16-token default here: an absent ``max_tokens`` means no limit.
+- A stream that ends without ``Finished`` or ``Failed`` is rendered as a ``BackendProtocolError`` frame.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import re
+from collections.abc import AsyncIterable, AsyncIterator, Sequence
+from typing import Annotated, Any, Literal, TypeAlias
+
+import msgspec
+from msgspec import UNSET, UnsetType
+from sse_starlette.event import ServerSentEvent
+
+from protocols.model import (
+    AuthenticationFailed,
+    BackendProtocolError,
+    Event,
+    Failed,
+    Finished,
+    GatewayError,
+    ImagePart,
+    InvalidRequest,
+    KeepAlive,
+    Message,
+    Meta,
+    ModelInfo,
+    NotFound,
+    Part,
+    RateLimited,
+    ReasoningDelta,
+    ReasoningPart,
+    Request,
+    Response,
+    ResponseFormat,
+    Sampling,
+    TextDelta,
+    TextPart,
+    Tool,
+    ToolCallDelta,
+    ToolCallPart,
+    ToolChoice,
+    ToolResultPart,
+    UnsupportedFeature,
+    Usage,
+    error_from_info,
+)
+
+Temperature = Annotated[float, msgspec.Meta(ge=0, le=2)]
+Probability = Annotated[float, msgspec.Meta(ge=0, le=1)]
+Penalty = Annotated[float, msgspec.Meta(ge=-2, le=2)]
+TokenLimit = Annotated[int, msgspec.Meta(ge=1)]
+TopLogprobs = Annotated[int, msgspec.Meta(ge=0, le=20)]
+
+
+class _Wire(msgspec.Struct, kw_only=True):
+    """Base of the request Structs: keyword-only, unknown fields ignored."""
+
+
+# ---------------------------------------------------------------------------------------------------- content
+
+
+class TextContent(_Wire, tag_field="type", tag="text"):
+    text: str
+
+
+class RefusalContent(_Wire, tag_field="type", tag="refusal"):
+    refusal: str
+
+
+class ImageURL(_Wire):
+    url: str
+    detail: str | None = None
+
+
+class ImageContent(_Wire, tag_field="type", tag="image_url"):
+    image_url: ImageURL
+
+
+class AudioContent(_Wire, tag_field="type", tag="input_audio"):
+    """Read only to refuse it by name; its fields are not kept."""
+
+
+class FileContent(_Wire, tag_field="type", tag="file"):
+    """Read only to refuse it by name; its fields are not kept."""
+
+
+UserContent: TypeAlias = TextContent | ImageContent | AudioContent | FileContent
+
+# ---------------------------------------------------------------------------------------------------- messages
+
+
+class DeveloperMessage(_Wire, tag_field="role", tag="developer"):
+    content: str | list[TextContent]
+    name: str | None = None
+
+
+class SystemMessage(_Wire, tag_field="role", tag="system"):
+    content: str | list[TextContent]
+    name: str | None = None
+
+
+class UserMessage(_Wire, tag_field="role", tag="user"):
+    content: str | list[UserContent]
+    name: str | None = None
+
+
+class FunctionCall(_Wire):
+    arguments: str
+    name: str
+
+
+class ToolCall(_Wire):
+    id: str
+    function: FunctionCall
+    type: Literal["function"] = "function"
+
+
+class AssistantMessage(_Wire, tag_field="role", tag="assistant"):
+    content: str | list[TextContent | RefusalContent] | None = None
+    function_call: FunctionCall | None = None
+    name: str | None = None
+    refusal: str | None = None
+    tool_calls: list[ToolCall] | None = None
+    reasoning_content: str | None = None  # not OpenAI's: llama.cpp's spelling
+    reasoning: str | None = None  # not OpenAI's: vLLM's and Ollama's spelling
+
+
+class ToolMessage(_Wire, tag_field="role", tag="tool"):
+    content: str | list[TextContent]
+    tool_call_id: str
+
+
+class FunctionMessage(_Wire, tag_field="role", tag="function"):
+    content: str | None
+    name: str
+
+
+ChatMessage: TypeAlias = (
+    DeveloperMessage | SystemMessage | UserMessage | AssistantMessage | ToolMessage | FunctionMessage
+)
+
+# ---------------------------------------------------------------------------------------------------- options
+
+
+class FunctionDefinition(_Wire):
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ToolParam(_Wire):
+    function: FunctionDefinition
+    type: Literal["function"] = "function"
+
+
+class FunctionName(_Wire):
+    name: str
+
+
+class NamedToolChoice(_Wire):
+    function: FunctionName
+    type: Literal["function"] = "function"
+
+
+ToolChoiceOption: TypeAlias = Literal["none", "auto", "required"] | NamedToolChoice
+
+
+class JSONSchema(_Wire):
+    name: str
+    description: str | None = None
+    schema: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class TextFormat(_Wire, tag_field="type", tag="text"):
+    pass
+
+
+class JSONObjectFormat(_Wire, tag_field="type", tag="json_object"):
+    pass
+
+
+class JSONSchemaFormat(_Wire, tag_field="type", tag="json_schema"):
+    json_schema: JSONSchema
+
+
+class StreamOptions(_Wire):
+    include_obfuscation: bool | None = None
+    include_usage: bool | None = None
+
+
+# ---------------------------------------------------------------------------------------------------- requests
+
+
+class ChatRequest(_Wire):
+    """The body of ``POST /v1/chat/completions`` (OAI-14..OAI-26)."""
+
+    messages: list[ChatMessage]
+    model: str
+    frequency_penalty: Penalty | None | UnsetType = UNSET
+    logit_bias: dict[str, int] | None = None
+    logprobs: bool | None = None
+    max_completion_tokens: TokenLimit | None = None
+    max_tokens: TokenLimit | None = None
+    metadata: dict[str, str] | None = None
+    n: int | None = None
+    parallel_tool_calls: bool | None | UnsetType = UNSET
+    presence_penalty: Penalty | None | UnsetType = UNSET
+    reasoning_effort: str | None = None
+    response_format: TextFormat | JSONObjectFormat | JSONSchemaFormat | None = None
+    seed: int | None | UnsetType = UNSET
+    stop: str | list[str] | None = None
+    stream: bool | None = None
+    stream_options: StreamOptions | None = None
+    temperature: Temperature | None | UnsetType = UNSET
+    tool_choice: ToolChoiceOption | None = None
+    tools: list[ToolParam] | None = None
+    top_logprobs: TopLogprobs | None = None
+    top_p: Probability | None | UnsetType = UNSET
+    user: str | None = None
+    # extra_body keys (OAI-26)
+    top_k: int | None | UnsetType = UNSET
+    min_p: float | None | UnsetType = UNSET
+    repeat_penalty: float | None | UnsetType = UNSET
+
+
+class CompletionRequest(_Wire):
+    """The body of the legacy ``POST /v1/completions`` (OAI-27)."""
+
+    model: str
+    prompt: str | list[str | int | list[int]] | None
+    best_of: int | None = None
+    echo: bool | None = None
+    frequency_penalty: Penalty | None | UnsetType = UNSET
+    logit_bias: dict[str, int] | None = None
+    logprobs: int | None = None
+    max_tokens: TokenLimit | None = None
+    n: int | None = None
+    presence_penalty: Penalty | None | UnsetType = UNSET
+    seed: int | None | UnsetType = UNSET
+    stop: str | list[str] | None = None
+    stream: bool | None = None
+    stream_options: StreamOptions | None = None
+    suffix: str | None = None
+    temperature: Temperature | None | UnsetType = UNSET
+    top_p: Probability | None | UnsetType = UNSET
+    user: str | None = None
+    # extra_body keys (OAI-26)
+    top_k: int | None | UnsetType = UNSET
+    min_p: float | None | UnsetType = UNSET
+    repeat_penalty: float | None | UnsetType = UNSET
+
+
+# ---------------------------------------------------------------------------------------------------- to internal
+
+
+def chat_to_internal(wire: ChatRequest) -> Request:
+    """Translate a chat completions body into a ``Request``.
+
+    Raises:
+        InvalidRequest: no messages, ``n`` other than 1, a bad image URL, or a ``tool_choice`` that names
+            no offered tool.
+        UnsupportedFeature: audio or file content parts.
+    """
+    if not wire.messages:
+        raise InvalidRequest("messages must contain at least one message", param="messages")
+    _only_one(wire.n, "n")
+    tools = tuple(_tool(t.function) for t in wire.tools or ())
+    return Request(
+        model=wire.model,
+        messages=_messages(wire.messages),
+        tools=tools,
+        tool_choice=_tool_choice(wire.tool_choice, wire.parallel_tool_calls, tools),
+        response_format=_response_format(wire.response_format),
+        sampling=_sampling(wire),
+        stop=_stop(wire.stop),
+        max_tokens=wire.max_completion_tokens if wire.max_completion_tokens is not None else wire.max_tokens,
+        stream=bool(wire.stream),
+        reasoning=UNSET if wire.reasoning_effort is None else wire.reasoning_effort != "none",
+    )
+
+
+def completion_to_internal(wire: CompletionRequest) -> Request:
+    """Translate a legacy completions body into a ``Request`` with ``raw_prompt`` set.
+
+    Raises:
+        InvalidRequest: a prompt that is not one string, or ``n``/``best_of`` other than 1.
+        UnsupportedFeature: token-id prompts, ``echo`` or ``suffix``.
+    """
+    _only_one(wire.n, "n")
+    _only_one(wire.best_of, "best_of")
+    if wire.echo:
+        raise UnsupportedFeature("echo is not supported; omit it or set it to false", param="echo")
+    if wire.suffix:
+        raise UnsupportedFeature("suffix is not supported; omit it", param="suffix")
+    prompt = wire.prompt
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+        prompt = prompt[0]
+    if isinstance(prompt, list) and any(not isinstance(p, str) for p in prompt):
+        raise UnsupportedFeature("token-id prompts are not supported; send the prompt as a string", param="prompt")
+    if not isinstance(prompt, str):
+        raise InvalidRequest("prompt must be one string; several prompts per request are not served", param="prompt")
+    return Request(
+        model=wire.model,
+        raw_prompt=prompt,
+        sampling=_sampling(wire),
+        stop=_stop(wire.stop),
+        max_tokens=wire.max_tokens,
+        stream=bool(wire.stream),
+    )
+
+
+def wants_usage(wire: ChatRequest | CompletionRequest) -> bool:
+    """Whether the client asked for the final usage chunk (``stream_options.include_usage``, OAI-52)."""
+    return bool(wire.stream_options and wire.stream_options.include_usage)
+
+
+def _only_one(value: int | None, param: str) -> None:
+    if value is not None and value != 1:
+        raise InvalidRequest(f"{param}={value} is not supported: only {param}=1 is served; omit it", param=param)
+
+
+def _sampling(wire: ChatRequest | CompletionRequest) -> Sampling:
+    return Sampling(
+        temperature=wire.temperature,
+        top_p=wire.top_p,
+        top_k=wire.top_k,
+        min_p=wire.min_p,
+        seed=wire.seed,
+        presence_penalty=wire.presence_penalty,
+        frequency_penalty=wire.frequency_penalty,
+        repeat_penalty=wire.repeat_penalty,
+    )
+
+
+def _stop(stop: str | list[str] | None) -> tuple[str, ...]:
+    if stop is None:
+        return ()
+    return (stop,) if isinstance(stop, str) else tuple(stop)
+
+
+def _tool(function: FunctionDefinition) -> Tool:
+    if function.parameters is None:
+        return Tool(name=function.name, description=function.description)
+    return Tool(name=function.name, description=function.description, parameters=function.parameters)
+
+
+def _tool_choice(
+    choice: ToolChoiceOption | None, parallel: bool | None | UnsetType, tools: tuple[Tool, ...]
+) -> ToolChoice:
+    parallel = UNSET if parallel is None else parallel
+    if choice is None:
+        return ToolChoice(parallel=parallel)
+    if isinstance(choice, str):
+        if choice == "required" and not tools:
+            message = "tool_choice 'required' needs tools; send tools or drop tool_choice"
+            raise InvalidRequest(message, param="tool_choice")
+        return ToolChoice(mode=choice, parallel=parallel)
+    name = choice.function.name
+    if name not in {t.name for t in tools}:
+        raise InvalidRequest(f"tool_choice names '{name}', which is not among tools", param="tool_choice")
+    return ToolChoice(mode="tool", name=name, parallel=parallel)
+
+
+def _response_format(fmt: TextFormat | JSONObjectFormat | JSONSchemaFormat | None) -> ResponseFormat:
+    match fmt:
+        case JSONObjectFormat():
+            return ResponseFormat(kind="json_object")
+        case JSONSchemaFormat(json_schema=spec):
+            return ResponseFormat(kind="json_schema", schema=spec.schema, name=spec.name)
+    return ResponseFormat()
+
+
+def _messages(wire: list[ChatMessage]) -> tuple[Message, ...]:
+    function_ids: dict[str, str] = {}  # legacy function_call name -> the id given to it
+    messages: list[Message] = []
+    for i, msg in enumerate(wire):
+        match msg:
+            case DeveloperMessage() | SystemMessage():
+                messages.append(Message(role="system", parts=_texts(msg.content)))
+            case UserMessage():
+                messages.append(Message(role="user", parts=_user_parts(msg.content, f"messages[{i}].content")))
+            case AssistantMessage():
+                messages.append(Message(role="assistant", parts=_assistant_parts(msg, i, function_ids)))
+            case ToolMessage():
+                result = ToolResultPart(call_id=msg.tool_call_id, content=_texts(msg.content))
+                messages.append(Message(role="tool", parts=(result,)))
+            case FunctionMessage():
+                content = _texts(msg.content or "")
+                result = ToolResultPart(call_id=function_ids.get(msg.name), name=msg.name, content=content)
+                messages.append(Message(role="tool", parts=(result,)))
+    return tuple(messages)
+
+
+def _texts(content: str | list[TextContent]) -> tuple[TextPart, ...]:
+    if isinstance(content, str):
+        return (TextPart(text=content),)
+    return tuple(TextPart(text=p.text) for p in content)
+
+
+def _user_parts(content: str | list[UserContent], at: str) -> tuple[Part, ...]:
+    if isinstance(content, str):
+        return (TextPart(text=content),)
+    parts: list[Part] = []
+    for j, part in enumerate(content):
+        match part:
+            case TextContent(text=text):
+                parts.append(TextPart(text=text))
+            case ImageContent(image_url=image):
+                parts.append(_image(image.url, f"{at}[{j}].image_url.url"))
+            case AudioContent() | FileContent():
+                kind = "input_audio" if isinstance(part, AudioContent) else "file"
+                message = f"{kind} content parts are not supported; send text or images"
+                raise UnsupportedFeature(message, param=f"{at}[{j}]")
+    return tuple(parts)
+
+
+def _image(url: str, at: str) -> ImagePart:
+    """An http(s) URL stays a URL; a ``data:<media type>;base64,<data>`` URI is decoded (OAI-17)."""
+    if url.startswith(("http://", "https://")):
+        return ImagePart(url=url)
+    header, comma, payload = url.partition(",")
+    if url.startswith("data:") and comma:
+        media_type, *params = header.removeprefix("data:").split(";")
+        if "base64" in params:
+            try:
+                data = base64.b64decode("".join(payload.split()), validate=True)
+            except binascii.Error:
+                raise InvalidRequest("image data URI does not hold valid base64", param=at) from None
+            return ImagePart(data=data, media_type=media_type or None)
+    raise InvalidRequest("image_url.url must be an http(s) URL or a data:<media type>;base64,<data> URI", param=at)
+
+
+def _assistant_parts(msg: AssistantMessage, index: int, function_ids: dict[str, str]) -> tuple[Part, ...]:
+    parts: list[Part] = []
+    if reasoning := msg.reasoning_content or msg.reasoning:
+        parts.append(ReasoningPart(text=reasoning))
+    content = [TextContent(text=msg.content)] if isinstance(msg.content, str) else msg.content or []
+    texts = [p.text if isinstance(p, TextContent) else p.refusal for p in content] + [msg.refusal or ""]
+    parts.extend(TextPart(text=text) for text in texts if text)
+    for call in msg.tool_calls or ():
+        parts.append(ToolCallPart(id=call.id, name=call.function.name, arguments=call.function.arguments or "{}"))
+    if msg.function_call is not None:
+        call_id = function_ids[msg.function_call.name] = f"call_{index}"
+        arguments = msg.function_call.arguments or "{}"
+        parts.append(ToolCallPart(id=call_id, name=msg.function_call.name, arguments=arguments))
+    return tuple(parts)
+
+
+# ---------------------------------------------------------------------------------------------------- responses
+
+_FINISH = {
+    "stop": "stop",
+    "stop_sequence": "stop",
+    "length": "length",
+    "tool_calls": "tool_calls",
+    "content_filter": "content_filter",
+}
+
+
+def _finish_reason(finish: Finished, has_tool_calls: bool) -> str:
+    """OAI-34: a natural stop after tool calls reports ``tool_calls``."""
+    if finish.reason == "stop" and has_tool_calls:
+        return "tool_calls"
+    return _FINISH[finish.reason]
+
+
+def _completion_finish_reason(finish: Finished) -> str:
+    return finish.reason if finish.reason in ("length", "content_filter") else "stop"
+
+
+def _usage(usage: Usage) -> dict[str, Any]:
+    body: dict[str, Any] = {
+        "prompt_tokens": usage.prompt_tokens,
+        "completion_tokens": usage.completion_tokens,
+        "total_tokens": usage.prompt_tokens + usage.completion_tokens,
+    }
+    if usage.cached_tokens:
+        body["prompt_tokens_details"] = {"cached_tokens": usage.cached_tokens}
+    return body
+
+
+def encode_chat_response(response: Response, meta: Meta) -> bytes:
+    """A whole ``chat.completion`` object (OAI-31..OAI-35)."""
+    message: dict[str, Any] = {"role": "assistant", "content": response.text or (None if response.tool_calls else "")}
+    if response.reasoning:
+        message["reasoning_content"] = response.reasoning
+    if response.tool_calls:
+        message["tool_calls"] = [
+            {"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments or "{}"}}
+            for c in response.tool_calls
+        ]
+    choice = {
+        "index": 0,
+        "message": message,
+        "logprobs": None,
+        "finish_reason": _finish_reason(response.finish, bool(response.tool_calls)),
+    }
+    return msgspec.json.encode(
+        {
+            "id": f"chatcmpl-{meta.id}",
+            "object": "chat.completion",
+            "created": int(meta.created),
+            "model": meta.model,
+            "choices": [choice],
+            "usage": _usage(response.usage),
+        }
+    )
+
+
+def encode_completion_response(response: Response, meta: Meta) -> bytes:
+    """A whole legacy ``text_completion`` object (OAI-38)."""
+    finish_reason = _completion_finish_reason(response.finish)
+    choice = {"index": 0, "text": response.text, "logprobs": None, "finish_reason": finish_reason}
+    return msgspec.json.encode(
+        {
+            "id": f"cmpl-{meta.id}",
+            "object": "text_completion",
+            "created": int(meta.created),
+            "model": meta.model,
+            "choices": [choice],
+            "usage": _usage(response.usage),
+        }
+    )
+
+
+# ---------------------------------------------------------------------------------------------------- streams
+
+_DONE = ServerSentEvent(data="[DONE]").encode()
+_KEEPALIVE = ServerSentEvent(comment="keep-alive").encode()
+
+
+def _frame(payload: dict[str, Any]) -> bytes:
+    """One ``data:`` frame and no ``event:`` line (OAI-40, OAI-41)."""
+    return ServerSentEvent(data=msgspec.json.encode(payload).decode()).encode()
+
+
+class _ChatChunks:
+    """Encoder state for one chat stream: the role goes out once (OAI-47), a tool call's head once (OAI-48)."""
+
+    def __init__(self, meta: Meta) -> None:
+        self.head = {
+            "id": f"chatcmpl-{meta.id}",
+            "object": "chat.completion.chunk",
+            "created": int(meta.created),
+            "model": meta.model,
+        }
+        self.role_sent = False
+        self.tool_indexes: set[int] = set()
+
+    def delta(self, delta: dict[str, Any], finish_reason: str | None = None) -> bytes:
+        if not self.role_sent:
+            delta = {"role": "assistant", **delta}
+            self.role_sent = True
+        choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+        return _frame({**self.head, "choices": [choice]})
+
+    def tool_call(self, event: ToolCallDelta) -> bytes:
+        if event.index in self.tool_indexes:
+            return self.delta({"tool_calls": [{"index": event.index, "function": {"arguments": event.arguments}}]})
+        self.tool_indexes.add(event.index)
+        call = {
+            "index": event.index,
+            "id": event.id or f"call_{event.index}",
+            "type": "function",
+            "function": {"name": event.name or "", "arguments": event.arguments},
+        }
+        return self.delta({"tool_calls": [call]})
+
+    def usage(self, usage: Usage) -> bytes:
+        return _frame({**self.head, "choices": [], "usage": _usage(usage)})
+
+
+async def encode_chat_stream(
+    events: AsyncIterable[Event], meta: Meta, *, include_usage: bool
+) -> AsyncIterator[bytes]:
+    """SSE frames of ``chat.completion.chunk`` objects, ending in ``data: [DONE]`` (OAI-40..OAI-53, OAI-62).
+
+    Args:
+        events: the backend's event stream; it ends in one ``Finished`` or ``Failed``.
+        meta: id, model and timestamp shared by every chunk.
+        include_usage: send one ``choices: []`` chunk with usage after the finish chunk (OAI-52).
+    """
+    chunks = _ChatChunks(meta)
+    usage = Usage()
+    async for event in events:
+        match event:
+            case TextDelta(text=text) if text:
+                yield chunks.delta({"content": text})
+            case ReasoningDelta(text=text) if text:
+                yield chunks.delta({"reasoning_content": text})
+            case ToolCallDelta():
+                yield chunks.tool_call(event)
+            case Usage():
+                usage = event
+            case KeepAlive():
+                yield _KEEPALIVE
+            case Finished():
+                if not chunks.role_sent:
+                    yield chunks.delta({"content": ""})
+                yield chunks.delta({}, _finish_reason(event, bool(chunks.tool_indexes)))
+                if include_usage:
+                    yield chunks.usage(usage)
+                yield _DONE
+                return
+            case Failed(error=info):
+                yield stream_error_frame(error_from_info(info))
+                yield _DONE
+                return
+    yield stream_error_frame(BackendProtocolError("the backend's stream ended without finishing"))
+    yield _DONE
+
+
+async def encode_completion_stream(
+    events: AsyncIterable[Event], meta: Meta, *, include_usage: bool
+) -> AsyncIterator[bytes]:
+    """SSE frames of legacy ``text_completion`` chunks, ending in ``data: [DONE]`` (OAI-56).
+
+    Args:
+        events: the backend's event stream; only text, usage and the terminal event matter here.
+        meta: id, model and timestamp shared by every chunk.
+        include_usage: send one ``choices: []`` chunk with usage after the finish chunk.
+    """
+    head = {"id": f"cmpl-{meta.id}", "object": "text_completion", "created": int(meta.created), "model": meta.model}
+
+    def chunk(text: str, finish_reason: str | None = None) -> bytes:
+        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+        return _frame({**head, "choices": [choice]})
+
+    usage = Usage()
+    async for event in events:
+        match event:
+            case TextDelta(text=text) if text:
+                yield chunk(text)
+            case Usage():
+                usage = event
+            case KeepAlive():
+                yield _KEEPALIVE
+            case Finished():
+                yield chunk("", _completion_finish_reason(event))
+                if include_usage:
+                    yield _frame({**head, "choices": [], "usage": _usage(usage)})
+                yield _DONE
+                return
+            case Failed(error=info):
+                yield stream_error_frame(error_from_info(info))
+                yield _DONE
+                return
+    yield stream_error_frame(BackendProtocolError("the backend's stream ended without finishing"))
+    yield _DONE
+
+
+# ---------------------------------------------------------------------------------------------------- models
+
+
+def _model(model: ModelInfo) -> dict[str, Any]:
+    return {"id": model.name, "object": "model", "created": int(model.created), "owned_by": "meshgate"}
+
+
+def encode_models(models: Sequence[ModelInfo]) -> bytes:
+    """The ``GET /v1/models`` page: ``{"object": "list", "data": [...]}`` (OAI-3, OAI-39)."""
+    return msgspec.json.encode({"object": "list", "data": [_model(m) for m in models]})
+
+
+def encode_model(model: ModelInfo) -> bytes:
+    """One model object for ``GET /v1/models/{model}`` (OAI-4, OAI-39)."""
+    return msgspec.json.encode(_model(model))
+
+
+# ---------------------------------------------------------------------------------------------------- errors
+
+_CODES: dict[type[GatewayError], str] = {
+    AuthenticationFailed: "invalid_api_key",
+    RateLimited: "rate_limit_exceeded",
+}
+
+
+def _error_type(status: int) -> str:
+    if status == 401:
+        return "authentication_error"
+    if status == 404:
+        return "not_found_error"
+    if status == 429:
+        return "rate_limit_error"
+    return "invalid_request_error" if 400 <= status < 500 else "api_error"
+
+
+def _error_code(err: GatewayError) -> str | None:
+    """OpenAI's own code where one exists, else the error class in snake_case; ``None`` for the base class."""
+    if isinstance(err, NotFound) and err.param == "model":
+        return "model_not_found"
+    for cls, code in _CODES.items():
+        if isinstance(err, cls):
+            return code
+    if type(err) is GatewayError:
+        return None
+    return re.sub(r"(?<!^)(?=[A-Z])", "_", type(err).__name__).lower()
+
+
+def _envelope(err: GatewayError) -> dict[str, Any]:
+    """OAI-57: ``{"error": {message, type, param, code}}``."""
+    error = {"message": err.message, "type": _error_type(err.status), "param": err.param, "code": _error_code(err)}
+    return {"error": error}
+
+
+def error_body(err: GatewayError) -> tuple[int, bytes]:
+    """The HTTP status and JSON body for an error found before the response started (OAI-57, OAI-63)."""
+    return err.status, msgspec.json.encode(_envelope(err))
+
+
+def stream_error_frame(err: GatewayError) -> bytes:
+    """The ``data: {"error": {...}}`` frame for an error after the stream started (OAI-62)."""
+    return _frame(_envelope(err))

@@ -1,0 +1,847 @@
+"""Tests for protocols.openai: pure translation, checked against PROTOCOLS.md section 1 and the openai SDK's types.
+
+Fixtures follow the request and response examples of OpenAI's API reference (chat, vision, function calling).
+Streams are parsed back with the SDK's own ``Stream`` and accumulated with ``ChatCompletionStreamState``.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+from collections.abc import AsyncIterator, Iterable
+from typing import Any
+
+import msgspec
+import openai
+import pytest
+from openai._streaming import Stream
+from openai.lib.streaming.chat import ChatCompletionStreamState
+from openai.types import Completion, Model
+from openai.types.chat import ChatCompletion, ChatCompletionChunk
+
+from protocols import openai as oai
+from protocols.model import (
+    UNSET,
+    AuthenticationFailed,
+    BackendTimeout,
+    BackendUnavailable,
+    Event,
+    Failed,
+    Finished,
+    GatewayError,
+    ImagePart,
+    InvalidRequest,
+    KeepAlive,
+    Message,
+    Meta,
+    ModelInfo,
+    NoCapacity,
+    NotFound,
+    RateLimited,
+    ReasoningDelta,
+    ReasoningPart,
+    RequestTooLarge,
+    Response,
+    ResponseFormat,
+    Sampling,
+    TextDelta,
+    TextPart,
+    Tool,
+    ToolCall,
+    ToolCallDelta,
+    ToolCallPart,
+    ToolChoice,
+    ToolResultPart,
+    UnknownModel,
+    UnsupportedFeature,
+    Usage,
+    decode_body,
+)
+
+try:  # openai 3.x talks through httpx2, 1.x through httpx
+    import httpx2 as httpx
+except ImportError:  # pragma: no cover
+    import httpx  # type: ignore[no-redef]
+
+META = Meta(id="abc123", model="gemma-3-270m", created=1741569952.7)
+WEATHER_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "get_current_weather",
+        "description": "Get the current weather in a given location",
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "location": {"type": "string", "description": "The city and state, e.g. San Francisco, CA"},
+                "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]},
+            },
+            "required": ["location"],
+        },
+    },
+}
+PNG = b"\x89PNG\r\n\x1a\n"
+
+
+def chat(**body: Any) -> oai.ChatRequest:
+    body.setdefault("model", "gpt-4o")
+    body.setdefault("messages", [{"role": "user", "content": "Hello!"}])
+    return decode_body(msgspec.json.encode(body), oai.ChatRequest)
+
+
+def internal(**body: Any):
+    return oai.chat_to_internal(chat(**body))
+
+
+def completion(**body: Any):
+    body.setdefault("model", "gpt-3.5-turbo-instruct")
+    return oai.completion_to_internal(decode_body(msgspec.json.encode(body), oai.CompletionRequest))
+
+
+async def feed(events: Iterable[Event]) -> AsyncIterator[Event]:
+    for event in events:
+        yield event
+
+
+async def chat_stream(events: Iterable[Event], include_usage: bool = False) -> bytes:
+    return b"".join([frame async for frame in oai.encode_chat_stream(feed(events), META, include_usage=include_usage)])
+
+
+def payloads(raw: bytes) -> list[Any]:
+    """The ``data:`` payloads of an SSE body, JSON-decoded except ``[DONE]``; fails on any ``event:`` line."""
+    out = []
+    for frame in raw.decode().split("\r\n\r\n")[:-1]:
+        for line in frame.split("\r\n"):
+            assert not line.startswith("event:"), line
+            if line.startswith("data: "):
+                data = line.removeprefix("data: ")
+                out.append(data if data == "[DONE]" else json.loads(data))
+    return out
+
+
+def sdk_stream(raw: bytes, cast_to: type = ChatCompletionChunk) -> list[Any]:
+    """Parse a body exactly as the openai SDK does (its own SSE decoder and ``Stream``)."""
+    client = openai.OpenAI(api_key="dummy", base_url="http://gateway.test/v1")
+    request = httpx.Request("POST", "http://gateway.test/v1/chat/completions")
+    response = httpx.Response(200, content=raw, request=request)
+    return list(Stream(cast_to=cast_to, response=response, client=client))
+
+
+def accumulate(chunks: list[ChatCompletionChunk]):
+    state = ChatCompletionStreamState(input_tools=[WEATHER_TOOL])
+    for chunk in chunks:
+        state.handle_chunk(chunk)
+    return state.get_final_completion()
+
+
+# ---------------------------------------------------------------------------------------------------- requests
+
+
+def test_oai_14_model_and_messages_are_required():
+    with pytest.raises(InvalidRequest) as exc:
+        decode_body(b'{"model": "gpt-4o"}', oai.ChatRequest)
+    assert exc.value.param == "messages"
+    with pytest.raises(InvalidRequest) as exc:
+        decode_body(b'{"messages": []}', oai.ChatRequest)
+    assert exc.value.param == "model"
+
+
+def test_oai_14_empty_messages_is_invalid():
+    with pytest.raises(InvalidRequest) as exc:
+        internal(messages=[])
+    assert exc.value.param == "messages"
+
+
+def test_oai_14_docs_example_translates():
+    request = internal(
+        messages=[
+            {"role": "developer", "content": "You are a helpful assistant."},
+            {"role": "user", "content": "Hello!"},
+        ]
+    )
+    assert request.model == "gpt-4o"
+    assert request.messages == (
+        Message(role="system", parts=(TextPart(text="You are a helpful assistant."),)),
+        Message(role="user", parts=(TextPart(text="Hello!"),)),
+    )
+    assert request.stream is False
+    assert request.raw_prompt is None
+    assert request.sampling == Sampling()
+    assert request.max_tokens is None
+
+
+def test_oai_15_developer_and_system_both_map_to_system():
+    request = internal(
+        messages=[
+            {"role": "system", "content": "Be terse."},
+            {"role": "user", "content": "Hi"},
+            {"role": "developer", "content": [{"type": "text", "text": "Answer in French."}], "name": "ops"},
+        ]
+    )
+    assert [m.role for m in request.messages] == ["system", "user", "system"]
+    assert request.messages[2].text == "Answer in French."
+
+
+def test_oai_15_unknown_role_is_rejected_naming_the_field():
+    with pytest.raises(InvalidRequest) as exc:
+        chat(messages=[{"role": "wizard", "content": "hi"}])
+    assert exc.value.param == "messages[0].role"
+
+
+def test_oai_15_function_role_pairs_with_legacy_function_call():
+    request = internal(
+        messages=[
+            {"role": "user", "content": "Weather in Paris?"},
+            {"role": "assistant", "content": None, "function_call": {"name": "get_weather", "arguments": '{"c":1}'}},
+            {"role": "function", "name": "get_weather", "content": "18C"},
+        ]
+    )
+    assert request.messages[1].parts == (ToolCallPart(id="call_1", name="get_weather", arguments='{"c":1}'),)
+    assert request.messages[2] == Message(
+        role="tool", parts=(ToolResultPart(call_id="call_1", name="get_weather", content=(TextPart(text="18C"),)),)
+    )
+
+
+def test_oai_16_text_and_image_parts_keep_their_order():
+    url = "https://upload.wikimedia.org/wikipedia/commons/thumb/d/dd/Gfp-wisconsin-madison-the-nature-boardwalk.jpg"
+    request = internal(
+        messages=[
+            {
+                "role": "user",
+                "content": [
+                    {"type": "text", "text": "What's in this image?"},
+                    {"type": "image_url", "image_url": {"url": url, "detail": "high"}},
+                    {"type": "text", "text": "Be brief."},
+                ],
+            }
+        ]
+    )
+    assert request.messages[0].parts == (
+        TextPart(text="What's in this image?"),
+        ImagePart(url=url),
+        TextPart(text="Be brief."),
+    )
+
+
+@pytest.mark.parametrize(
+    "part",
+    [
+        {"type": "input_audio", "input_audio": {"data": "UklGRg==", "format": "wav"}},
+        {"type": "file", "file": {"file_id": "file-abc"}},
+    ],
+)
+def test_oai_16_audio_and_file_parts_are_unsupported(part):
+    with pytest.raises(UnsupportedFeature) as exc:
+        internal(messages=[{"role": "user", "content": [{"type": "text", "text": "hi"}, part]}])
+    assert exc.value.param == "messages[0].content[1]"
+    assert part["type"] in exc.value.message
+
+
+def test_oai_16_system_messages_take_text_parts_only():
+    with pytest.raises(InvalidRequest) as exc:
+        chat(messages=[{"role": "system", "content": [{"type": "image_url", "image_url": {"url": "https://x/y.png"}}]}])
+    assert exc.value.param == "messages[0].content[0].type"
+
+
+def test_oai_17_data_uri_is_decoded():
+    uri = "data:image/png;base64," + base64.b64encode(PNG).decode()
+    request = internal(messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": uri}}]}])
+    assert request.messages[0].parts == (ImagePart(data=PNG, media_type="image/png"),)
+
+
+@pytest.mark.parametrize(
+    "url", ["ftp://host/cat.png", "data:image/png,not-base64", "data:image/png;base64,@@@", "cat.png"]
+)
+def test_oai_17_other_image_urls_are_rejected(url):
+    with pytest.raises(InvalidRequest) as exc:
+        internal(messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}}]}])
+    assert exc.value.param == "messages[0].content[0].image_url.url"
+
+
+def test_oai_18_assistant_tool_calls_with_null_content():
+    function = {"name": "get_current_weather", "arguments": '{"location": "Boston, MA"}'}
+    call = {"id": "call_abc", "type": "function", "function": function}
+    request = internal(
+        messages=[
+            {"role": "user", "content": "What's the weather like in Boston today?"},
+            {"role": "assistant", "content": None, "tool_calls": [call]},
+        ]
+    )
+    assert request.messages[1] == Message(
+        role="assistant",
+        parts=(ToolCallPart(id="call_abc", name="get_current_weather", arguments='{"location": "Boston, MA"}'),),
+    )
+
+
+def test_oai_18_assistant_reasoning_text_and_refusal_parts():
+    request = internal(
+        messages=[
+            {"role": "user", "content": "hi"},
+            {
+                "role": "assistant",
+                "reasoning_content": "They greet me.",
+                "content": [{"type": "text", "text": "Hello"}, {"type": "refusal", "refusal": "No."}],
+            },
+        ]
+    )
+    assert request.messages[1].parts == (
+        ReasoningPart(text="They greet me."),
+        TextPart(text="Hello"),
+        TextPart(text="No."),
+    )
+
+
+def test_oai_19_tool_message_becomes_tool_result():
+    request = internal(
+        messages=[
+            {"role": "user", "content": "Weather?"},
+            {"role": "tool", "tool_call_id": "call_abc", "content": [{"type": "text", "text": '{"temp": 22}'}]},
+        ]
+    )
+    assert request.messages[1] == Message(
+        role="tool", parts=(ToolResultPart(call_id="call_abc", content=(TextPart(text='{"temp": 22}'),)),)
+    )
+
+
+def test_oai_19_tool_call_id_is_required():
+    with pytest.raises(InvalidRequest) as exc:
+        chat(messages=[{"role": "tool", "content": "22"}])
+    assert "`tool_call_id`" in exc.value.message
+    assert exc.value.param == "messages[0]"
+
+
+def test_oai_20_tools_keep_name_description_and_schema():
+    bare = {"type": "function", "function": {"name": "now"}}
+    request = internal(tools=[WEATHER_TOOL, bare])
+    assert request.tools == (
+        Tool(
+            name="get_current_weather",
+            description="Get the current weather in a given location",
+            parameters=WEATHER_TOOL["function"]["parameters"],
+        ),
+        Tool(name="now", parameters={"type": "object", "properties": {}}),
+    )
+
+
+@pytest.mark.parametrize(
+    ("tool_choice", "expected"),
+    [
+        (None, ToolChoice()),
+        ("none", ToolChoice(mode="none")),
+        ("auto", ToolChoice(mode="auto")),
+        ("required", ToolChoice(mode="required")),
+        (
+            {"type": "function", "function": {"name": "get_current_weather"}},
+            ToolChoice(mode="tool", name="get_current_weather"),
+        ),
+    ],
+)
+def test_oai_21_tool_choice_modes(tool_choice, expected):
+    assert internal(tools=[WEATHER_TOOL], tool_choice=tool_choice).tool_choice == expected
+
+
+def test_oai_21_parallel_tool_calls():
+    assert internal(tools=[WEATHER_TOOL], parallel_tool_calls=False).tool_choice == ToolChoice(parallel=False)
+    assert internal(tool_choice="auto", parallel_tool_calls=True).tool_choice == ToolChoice(parallel=True)
+    assert internal().tool_choice.parallel is UNSET
+    assert internal(parallel_tool_calls=None).tool_choice.parallel is UNSET
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        {"tool_choice": "required"},
+        {"tools": [WEATHER_TOOL], "tool_choice": {"type": "function", "function": {"name": "nope"}}},
+    ],
+)
+def test_oai_21_tool_choice_without_a_matching_tool_is_invalid(body):
+    with pytest.raises(InvalidRequest) as exc:
+        internal(**body)
+    assert exc.value.param == "tool_choice"
+
+
+@pytest.mark.parametrize(
+    ("body", "expected"),
+    [
+        ({"max_tokens": 50}, 50),
+        ({"max_completion_tokens": 80}, 80),
+        ({"max_tokens": 50, "max_completion_tokens": 80}, 80),
+        ({"max_tokens": None}, None),
+        ({}, None),
+    ],
+)
+def test_oai_22_max_completion_tokens_wins_over_max_tokens(body, expected):
+    assert internal(**body).max_tokens == expected
+
+
+def test_oai_23_sampling_keeps_unset_apart_from_null():
+    request = internal(temperature=0.2, top_p=None, seed=42, presence_penalty=-1.5)
+    assert request.sampling == Sampling(temperature=0.2, top_p=None, seed=42, presence_penalty=-1.5)
+    assert request.sampling.top_p is None
+    assert request.sampling.frequency_penalty is UNSET
+    assert request.sampling.top_k is UNSET
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [("temperature", 2.5), ("temperature", -0.1), ("top_p", 1.5), ("presence_penalty", 3), ("frequency_penalty", -2.1)],
+)
+def test_oai_23_out_of_range_values_are_rejected(field, value):
+    with pytest.raises(InvalidRequest) as exc:
+        chat(**{field: value})
+    assert exc.value.param == field
+
+
+@pytest.mark.parametrize(("stop", "expected"), [("\n", ("\n",)), (["END", "###"], ("END", "###")), (None, ())])
+def test_oai_23_stop_string_or_list_becomes_tuple(stop, expected):
+    assert internal(stop=stop).stop == expected
+
+
+@pytest.mark.parametrize("n", [2, 0])
+def test_oai_23_n_other_than_one_is_invalid(n):
+    with pytest.raises(InvalidRequest) as exc:
+        internal(n=n)
+    assert exc.value.param == "n"
+    assert "only n=1 is served" in exc.value.message
+
+
+def test_oai_23_n_one_logprobs_user_metadata_are_accepted():
+    request = internal(
+        n=1, logprobs=True, top_logprobs=3, logit_bias={"50256": -100}, user="user-1234", metadata={"team": "a"}
+    )
+    assert request.messages[0].text == "Hello!"
+
+
+@pytest.mark.parametrize(("effort", "expected"), [("none", False), ("low", True), ("high", True), (None, UNSET)])
+def test_oai_23_reasoning_effort(effort, expected):
+    assert internal(reasoning_effort=effort).reasoning == expected
+
+
+@pytest.mark.parametrize(
+    ("fmt", "expected"),
+    [
+        ({"type": "text"}, ResponseFormat()),
+        ({"type": "json_object"}, ResponseFormat(kind="json_object")),
+        (
+            {"type": "json_schema", "json_schema": {"name": "answer", "strict": True, "schema": {"type": "object"}}},
+            ResponseFormat(kind="json_schema", schema={"type": "object"}, name="answer"),
+        ),
+        (None, ResponseFormat()),
+    ],
+)
+def test_oai_24_response_format(fmt, expected):
+    assert internal(response_format=fmt).response_format == expected
+
+
+def test_oai_24_json_schema_needs_a_name():
+    with pytest.raises(InvalidRequest) as exc:
+        chat(response_format={"type": "json_schema", "json_schema": {"schema": {}}})
+    assert exc.value.param == "response_format.json_schema"
+
+
+def test_oai_25_stream_and_include_usage():
+    wire = chat(stream=True, stream_options={"include_usage": True})
+    assert oai.chat_to_internal(wire).stream is True
+    assert oai.wants_usage(wire) is True
+    assert oai.wants_usage(chat(stream=True)) is False
+    assert oai.wants_usage(chat(stream=True, stream_options={"include_usage": False})) is False
+
+
+def test_oai_26_extra_body_keys_reach_sampling_and_unknown_keys_are_ignored():
+    request = internal(top_k=40, min_p=0.05, repeat_penalty=1.1, mirostat=2, cache_prompt=True)
+    assert request.sampling == Sampling(top_k=40, min_p=0.05, repeat_penalty=1.1)
+
+
+# ---------------------------------------------------------------------------------------------------- legacy
+
+
+@pytest.mark.parametrize("prompt", ["Say this is a test", ["Say this is a test"]])
+def test_oai_27_completion_prompt_becomes_raw_prompt(prompt):
+    request = completion(prompt=prompt, max_tokens=7, temperature=0, stop="\n", top_k=20)
+    assert request.raw_prompt == "Say this is a test"
+    assert request.messages == ()
+    assert request.max_tokens == 7
+    assert request.stop == ("\n",)
+    assert request.sampling == Sampling(temperature=0, top_k=20)
+
+
+@pytest.mark.parametrize(
+    ("body", "error", "param"),
+    [
+        ({"prompt": ["a", "b"]}, InvalidRequest, "prompt"),
+        ({"prompt": []}, InvalidRequest, "prompt"),
+        ({"prompt": None}, InvalidRequest, "prompt"),
+        ({"prompt": [1, 2, 3]}, UnsupportedFeature, "prompt"),
+        ({"prompt": [[1, 2]]}, UnsupportedFeature, "prompt"),
+        ({"prompt": "x", "n": 3}, InvalidRequest, "n"),
+        ({"prompt": "x", "best_of": 2}, InvalidRequest, "best_of"),
+        ({"prompt": "x", "echo": True}, UnsupportedFeature, "echo"),
+        ({"prompt": "x", "suffix": "end"}, UnsupportedFeature, "suffix"),
+    ],
+)
+def test_oai_27_completion_requests_we_do_not_serve(body, error, param):
+    with pytest.raises(error) as exc:
+        completion(**body)
+    assert type(exc.value) is error
+    assert exc.value.param == param
+
+
+def test_oai_27_completion_prompt_is_required():
+    with pytest.raises(InvalidRequest) as exc:
+        decode_body(b'{"model": "m"}', oai.CompletionRequest)
+    assert exc.value.param == "prompt"
+
+
+# ---------------------------------------------------------------------------------------------------- responses
+
+
+def test_oai_31_chat_completion_shape():
+    usage = Usage(prompt_tokens=9, completion_tokens=12)
+    response = Response(text="Hello there, how may I assist you today?", usage=usage)
+    body = json.loads(oai.encode_chat_response(response, META))
+    assert body == {
+        "id": "chatcmpl-abc123",
+        "object": "chat.completion",
+        "created": 1741569952,
+        "model": "gemma-3-270m",
+        "choices": [
+            {
+                "index": 0,
+                "message": {"role": "assistant", "content": "Hello there, how may I assist you today?"},
+                "logprobs": None,
+                "finish_reason": "stop",
+            }
+        ],
+        "usage": {"prompt_tokens": 9, "completion_tokens": 12, "total_tokens": 21},
+    }
+    assert ChatCompletion.model_validate(body).choices[0].message.content == body["choices"][0]["message"]["content"]
+
+
+def test_oai_31_cached_tokens_and_reasoning():
+    usage = Usage(prompt_tokens=30, completion_tokens=5, cached_tokens=16)
+    response = Response(text="4", reasoning="2+2=4", usage=usage)
+    body = json.loads(oai.encode_chat_response(response, META))
+    assert body["usage"] == {
+        "prompt_tokens": 30,
+        "completion_tokens": 5,
+        "total_tokens": 35,
+        "prompt_tokens_details": {"cached_tokens": 16},
+    }
+    assert body["choices"][0]["message"]["reasoning_content"] == "2+2=4"
+    assert ChatCompletion.model_validate(body).usage.prompt_tokens_details.cached_tokens == 16
+
+
+def test_oai_35_tool_calls_with_json_string_arguments_and_null_content():
+    call = ToolCall(id="call_abc123", name="get_current_weather", arguments='{"location": "Boston, MA"}')
+    response = Response(tool_calls=(call,), usage=Usage(prompt_tokens=82, completion_tokens=17))
+    body = json.loads(oai.encode_chat_response(response, META))
+    message = body["choices"][0]["message"]
+    assert message == {
+        "role": "assistant",
+        "content": None,
+        "tool_calls": [
+            {
+                "id": "call_abc123",
+                "type": "function",
+                "function": {"name": "get_current_weather", "arguments": '{"location": "Boston, MA"}'},
+            }
+        ],
+    }
+    assert body["choices"][0]["finish_reason"] == "tool_calls"
+    parsed = ChatCompletion.model_validate(body).choices[0].message.tool_calls[0]
+    assert json.loads(parsed.function.arguments) == {"location": "Boston, MA"}
+
+
+def test_oai_31_empty_answer_has_empty_string_content():
+    body = json.loads(oai.encode_chat_response(Response(), META))
+    assert body["choices"][0]["message"]["content"] == ""
+
+
+@pytest.mark.parametrize(
+    ("finish", "tool_calls", "expected"),
+    [
+        (Finished(reason="stop"), False, "stop"),
+        (Finished(reason="stop"), True, "tool_calls"),
+        (Finished(reason="tool_calls"), True, "tool_calls"),
+        (Finished(reason="stop_sequence", stop_sequence="###"), False, "stop"),
+        (Finished(reason="length"), False, "length"),
+        (Finished(reason="length"), True, "length"),
+        (Finished(reason="content_filter"), False, "content_filter"),
+    ],
+)
+def test_oai_34_finish_reason_mapping(finish, tool_calls, expected):
+    calls = (ToolCall(id="call_1", name="f", arguments="{}"),) if tool_calls else ()
+    body = json.loads(oai.encode_chat_response(Response(tool_calls=calls, finish=finish), META))
+    assert body["choices"][0]["finish_reason"] == expected
+
+
+@pytest.mark.parametrize(
+    ("reason", "expected"),
+    [
+        ("stop", "stop"),
+        ("stop_sequence", "stop"),
+        ("length", "length"),
+        ("tool_calls", "stop"),
+        ("content_filter", "content_filter"),
+    ],
+)
+def test_oai_38_legacy_completion_shape(reason, expected):
+    usage = Usage(prompt_tokens=5, completion_tokens=7)
+    response = Response(text="This is a test.", usage=usage, finish=Finished(reason=reason))
+    body = json.loads(oai.encode_completion_response(response, META))
+    assert body == {
+        "id": "cmpl-abc123",
+        "object": "text_completion",
+        "created": 1741569952,
+        "model": "gemma-3-270m",
+        "choices": [{"index": 0, "text": "This is a test.", "logprobs": None, "finish_reason": expected}],
+        "usage": {"prompt_tokens": 5, "completion_tokens": 7, "total_tokens": 12},
+    }
+    assert Completion.model_validate(body).choices[0].text == "This is a test."
+
+
+def test_oai_39_model_list_and_model():
+    models = [ModelInfo(name="gemma-3-270m", created=1686935002.9), ModelInfo(name="org/qwen3:0.6b")]
+    body = json.loads(oai.encode_models(models))
+    assert body == {
+        "object": "list",
+        "data": [
+            {"id": "gemma-3-270m", "object": "model", "created": 1686935002, "owned_by": "meshgate"},
+            {"id": "org/qwen3:0.6b", "object": "model", "created": 0, "owned_by": "meshgate"},
+        ],
+    }
+    assert [Model.model_validate(m).id for m in body["data"]] == ["gemma-3-270m", "org/qwen3:0.6b"]
+    assert json.loads(oai.encode_model(models[1])) == body["data"][1]
+
+
+# ---------------------------------------------------------------------------------------------------- streams
+
+
+async def test_oai_40_41_data_only_frames_ending_in_done():
+    events = [Usage(prompt_tokens=3), TextDelta(text="Hi"), Usage(prompt_tokens=3, completion_tokens=1), Finished()]
+    raw = await chat_stream(events)
+    head = '{"id":"chatcmpl-abc123","object":"chat.completion.chunk","created":1741569952,"model":"gemma-3-270m",'
+    assert raw == (
+        b"data: " + head.encode()
+        + b'"choices":[{"index":0,"delta":{"role":"assistant","content":"Hi"},'
+        + b'"logprobs":null,"finish_reason":null}]}\r\n\r\n'
+        + b"data: " + head.encode()
+        + b'"choices":[{"index":0,"delta":{},"logprobs":null,"finish_reason":"stop"}]}\r\n\r\n'
+        + b"data: [DONE]\r\n\r\n"
+    )  # fmt: skip
+    assert b"event:" not in raw
+
+
+async def test_oai_44_keepalive_is_an_sse_comment_the_sdk_skips():
+    raw = await chat_stream([KeepAlive(), TextDelta(text="Hi"), KeepAlive(), Finished()])
+    assert raw.startswith(b": keep-alive\r\n\r\ndata: ")
+    assert [c.choices[0].delta.content for c in sdk_stream(raw)] == ["Hi", None]
+
+
+async def test_oai_45_46_every_chunk_shares_id_created_model_and_object():
+    call = ToolCallDelta(index=0, id="call_1", name="f", arguments="{}")
+    events = [TextDelta(text="a"), ReasoningDelta(text="r"), call, Finished()]
+    chunks = [p for p in payloads(await chat_stream(events, include_usage=True)) if p != "[DONE]"]
+    assert len(chunks) == 5
+    assert all(ChatCompletionChunk.model_validate(c).object == "chat.completion.chunk" for c in chunks)
+    assert {(c["id"], c["object"], c["created"], c["model"]) for c in chunks} == {
+        ("chatcmpl-abc123", "chat.completion.chunk", 1741569952, "gemma-3-270m")
+    }
+
+
+async def test_oai_47_role_only_in_first_delta():
+    raw = await chat_stream([TextDelta(text="Hel"), TextDelta(text="lo"), Finished()])
+    deltas = [p["choices"][0]["delta"] for p in payloads(raw)[:-1]]
+    assert deltas == [{"role": "assistant", "content": "Hel"}, {"content": "lo"}, {}]
+    final = accumulate(sdk_stream(raw))
+    assert final.choices[0].message.role == "assistant"
+    assert final.choices[0].message.content == "Hello"
+
+
+async def test_oai_47_empty_answer_still_sends_the_role_once():
+    raw = await chat_stream([Usage(prompt_tokens=3), Finished()])
+    deltas = [p["choices"][0]["delta"] for p in payloads(raw)[:-1]]
+    assert deltas == [{"role": "assistant", "content": ""}, {}]
+    assert accumulate(sdk_stream(raw)).choices[0].message.role == "assistant"
+
+
+async def test_oai_48_49_tool_call_head_only_in_first_delta_of_each_index():
+    events = [
+        ToolCallDelta(index=0, id="call_abc", name="get_current_weather", arguments='{"location": '),
+        ToolCallDelta(index=0, arguments='"Boston, MA"}'),
+        ToolCallDelta(index=1, id="call_def", name="get_current_weather"),
+        ToolCallDelta(index=1, arguments='{"location": "Paris"}'),
+        Finished(),
+    ]
+    raw = await chat_stream(events)
+    calls = [p["choices"][0]["delta"].get("tool_calls") for p in payloads(raw)[:-1]]
+    assert calls == [
+        [
+            {
+                "index": 0,
+                "id": "call_abc",
+                "type": "function",
+                "function": {"name": "get_current_weather", "arguments": '{"location": '},
+            }
+        ],
+        [{"index": 0, "function": {"arguments": '"Boston, MA"}'}}],
+        [
+            {
+                "index": 1,
+                "id": "call_def",
+                "type": "function",
+                "function": {"name": "get_current_weather", "arguments": ""},
+            }
+        ],
+        [{"index": 1, "function": {"arguments": '{"location": "Paris"}'}}],
+        None,
+    ]
+    final = accumulate(sdk_stream(raw))
+    assert final.choices[0].finish_reason == "tool_calls"
+    tool_calls = final.choices[0].message.tool_calls
+    assert [(c.id, c.function.name) for c in tool_calls] == [
+        ("call_abc", "get_current_weather"),
+        ("call_def", "get_current_weather"),
+    ]
+    assert [json.loads(c.function.arguments) for c in tool_calls] == [{"location": "Boston, MA"}, {"location": "Paris"}]
+
+
+async def test_oai_48_missing_backend_tool_call_id_gets_one():
+    raw = await chat_stream([ToolCallDelta(index=0, name="now", arguments="{}"), Finished()])
+    assert payloads(raw)[0]["choices"][0]["delta"]["tool_calls"][0]["id"] == "call_0"
+
+
+async def test_oai_51_final_chunk_has_finish_reason_and_empty_delta():
+    raw = await chat_stream([TextDelta(text="a b c"), Finished(reason="length")])
+    assert payloads(raw)[-2]["choices"] == [{"index": 0, "delta": {}, "logprobs": None, "finish_reason": "length"}]
+    assert payloads(raw)[-1] == "[DONE]"
+
+
+async def test_oai_52_53_usage_chunk_last_with_empty_choices():
+    final_usage = Usage(prompt_tokens=9, completion_tokens=2, cached_tokens=4)
+    events = [Usage(prompt_tokens=9), TextDelta(text="Hi"), final_usage, Finished()]
+    parsed = payloads(await chat_stream(events, include_usage=True))
+    assert [("usage" in p) if p != "[DONE]" else p for p in parsed] == [False, False, True, "[DONE]"]
+    assert parsed[2]["choices"] == []
+    assert parsed[2]["usage"] == {
+        "prompt_tokens": 9,
+        "completion_tokens": 2,
+        "total_tokens": 11,
+        "prompt_tokens_details": {"cached_tokens": 4},
+    }
+    chunks = sdk_stream(await chat_stream(events, include_usage=True))
+    assert chunks[-1].usage.total_tokens == 11
+    assert accumulate(chunks).usage.completion_tokens == 2
+
+
+async def test_oai_52_no_usage_chunk_unless_asked():
+    raw = await chat_stream([Usage(prompt_tokens=9), TextDelta(text="Hi"), Finished()])
+    assert all("usage" not in p for p in payloads(raw)[:-1])
+
+
+async def test_oai_reasoning_streams_as_reasoning_content():
+    raw = await chat_stream([ReasoningDelta(text="think"), TextDelta(text="done"), Finished()])
+    deltas = [p["choices"][0]["delta"] for p in payloads(raw)[:-1]]
+    assert deltas == [{"role": "assistant", "reasoning_content": "think"}, {"content": "done"}, {}]
+
+
+async def test_oai_62_failed_mid_stream_is_an_error_frame_then_done():
+    events = [TextDelta(text="Hel"), Failed(error=BackendUnavailable("runner on node-2 went away").info())]
+    raw = await chat_stream(events, include_usage=True)
+    parsed = payloads(raw)
+    assert parsed[1:] == [
+        {
+            "error": {
+                "message": "runner on node-2 went away",
+                "type": "api_error",
+                "param": None,
+                "code": "backend_unavailable",
+            }
+        },
+        "[DONE]",
+    ]
+    with pytest.raises(openai.APIError) as exc:
+        sdk_stream(raw)
+    assert type(exc.value) is openai.APIError
+    assert exc.value.message == "runner on node-2 went away"
+
+
+async def test_oai_62_stream_without_terminal_event_ends_in_an_error_frame():
+    parsed = payloads(await chat_stream([TextDelta(text="Hel")]))
+    assert parsed[-2]["error"]["type"] == "api_error"
+    assert parsed[-2]["error"]["code"] == "backend_protocol_error"
+    assert parsed[-1] == "[DONE]"
+
+
+async def test_oai_56_legacy_completion_stream():
+    events = [
+        Usage(prompt_tokens=5),
+        TextDelta(text="This is"),
+        KeepAlive(),
+        TextDelta(text=" a test."),
+        Usage(prompt_tokens=5, completion_tokens=7),
+        Finished(reason="length"),
+    ]
+    frames = [f async for f in oai.encode_completion_stream(feed(events), META, include_usage=True)]
+    assert frames[1] == b": keep-alive\r\n\r\n"
+    parsed = payloads(b"".join(frames))
+    assert [p["choices"] for p in parsed[:-1]] == [
+        [{"index": 0, "text": "This is", "logprobs": None, "finish_reason": None}],
+        [{"index": 0, "text": " a test.", "logprobs": None, "finish_reason": None}],
+        [{"index": 0, "text": "", "logprobs": None, "finish_reason": "length"}],
+        [],
+    ]
+    assert {(p["id"], p["object"]) for p in parsed[:-1]} == {("cmpl-abc123", "text_completion")}
+    assert parsed[3]["usage"] == {"prompt_tokens": 5, "completion_tokens": 7, "total_tokens": 12}
+    assert parsed[-1] == "[DONE]"
+    assert Completion.model_validate(parsed[2]).choices[0].finish_reason == "length"
+    assert "".join(c.choices[0].text for c in sdk_stream(b"".join(frames), Completion)[:2]) == "This is a test."
+
+
+async def test_oai_62_legacy_completion_stream_error_frame():
+    events = feed([Failed(error=BackendTimeout("too slow").info())])
+    frames = [f async for f in oai.encode_completion_stream(events, META, include_usage=False)]
+    assert payloads(b"".join(frames)) == [
+        {"error": {"message": "too slow", "type": "api_error", "param": None, "code": "backend_timeout"}},
+        "[DONE]",
+    ]
+
+
+# ---------------------------------------------------------------------------------------------------- errors
+
+
+@pytest.mark.parametrize(
+    ("err", "status", "type_", "code", "param"),
+    [
+        (InvalidRequest("no messages", param="messages"), 400, "invalid_request_error", "invalid_request", "messages"),
+        (UnsupportedFeature("no audio", param="tools"), 400, "invalid_request_error", "unsupported_feature", "tools"),
+        (AuthenticationFailed("bad key"), 401, "authentication_error", "invalid_api_key", None),
+        (UnknownModel("gpt-9"), 404, "not_found_error", "model_not_found", "model"),
+        (NotFound("model 'gpt-9' not found", param="model"), 404, "not_found_error", "model_not_found", "model"),
+        (RequestTooLarge("body too large"), 413, "invalid_request_error", "request_too_large", None),
+        (RateLimited("slow down"), 429, "rate_limit_error", "rate_limit_exceeded", None),
+        (NoCapacity("no node fits"), 503, "api_error", "no_capacity", None),
+        (BackendTimeout("too slow"), 504, "api_error", "backend_timeout", None),
+        (GatewayError("boom"), 500, "api_error", None, None),
+    ],
+)
+def test_oai_57_error_envelope(err, status, type_, code, param):
+    got_status, body = oai.error_body(err)
+    assert got_status == status
+    assert json.loads(body) == {"error": {"message": err.message, "type": type_, "param": param, "code": code}}
+
+
+def test_oai_58_sdk_reads_message_type_param_and_code():
+    status, body = oai.error_body(UnknownModel("gpt-9"))
+    client = openai.OpenAI(api_key="dummy", base_url="http://gateway.test/v1")
+    request = httpx.Request("GET", "http://gateway.test/v1/models/gpt-9")
+    error = client._make_status_error_from_response(httpx.Response(status, content=body, request=request))
+    assert isinstance(error, openai.NotFoundError)
+    assert (error.type, error.param, error.code) == ("not_found_error", "model", "model_not_found")
+    assert "model 'gpt-9' not found" in error.message
+
+
+def test_oai_62_stream_error_frame():
+    assert oai.stream_error_frame(RateLimited("slow down")) == (
+        b'data: {"error":{"message":"slow down","type":"rate_limit_error",'
+        b'"param":null,"code":"rate_limit_exceeded"}}\r\n\r\n'
+    )

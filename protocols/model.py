@@ -384,11 +384,14 @@ def decode_body(body: bytes, into: type[T]) -> T:
 
 
 def _param_of(message: str) -> str | None:
+    """The field a msgspec error names: ``messages[0].role`` from "... - at `$.messages[0].role`"."""
     if "`" not in message:
         return None
-    if " - at `$." in message:
-        return message.rsplit(" - at `$.", 1)[1].rstrip("`")
-    return message.split("`")[1]
+    at = message.rsplit(" - at `$.", 1)[1].rstrip("`") if " - at `$." in message else None
+    if message.startswith("Object missing required field"):
+        field = message.split("`")[1]
+        return f"{at}.{field}" if at else field
+    return at or message.split("`")[1]
 
 
 # ---------------------------------------------------------------------------------------------------- collect

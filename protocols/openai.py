@@ -18,7 +18,10 @@ Decisions worth knowing:
   than 1, audio and file parts, and (legacy completions) ``echo``, ``suffix``, ``best_of`` other than 1,
   token-id prompts and several prompts.
 - Legacy completions have no 16-token default here: an absent ``max_tokens`` means no limit.
+- Documented ranges (temperature 0..2, top_p 0..1, penalties -2..2, top_logprobs 0..20, token limits >= 1)
+  are msgspec constraints, so the decoder's error names the field.
 - A stream that ends without ``Finished`` or ``Failed`` is rendered as a ``BackendProtocolError`` frame.
+- Longer than the 450-line aim: about half the file is the declarative wire Structs, which read quickly.
 """
 
 from __future__ import annotations

@@ -54,6 +54,7 @@ class RunnerApp:
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
         self._busy = asyncio.Lock()
+        self.stats = {"active": 0, "finished": 0, "cancelled": 0}
 
     async def __call__(self, scope: dict[str, Any], receive: Callable[..., Any], send: Callable[..., Any]) -> None:
         if scope["type"] == "lifespan":
@@ -61,7 +62,7 @@ class RunnerApp:
             return
         path, method = scope["path"], scope["method"]
         if path == "/health" and method == "GET":
-            await _respond(send, 200, _encoder.encode(self.engine.health()))
+            await _respond(send, 200, _encoder.encode({**self.engine.health(), **self.stats}))
         elif path == "/generate" and method == "POST":
             await self._generate(receive, send)
         else:
@@ -80,11 +81,16 @@ class RunnerApp:
         watcher = asyncio.ensure_future(_wait_disconnect(receive, cancel))
         try:
             async with self._busy:
-                async for event in _run_in_thread(self.engine, request, cancel):
-                    if cancel.is_set():
-                        break
-                    await send({"type": "http.response.body", "body": _encoder.encode(event) + b"\n",
-                                "more_body": True})
+                self.stats["active"] += 1
+                try:
+                    async for event in _run_in_thread(self.engine, request, cancel):
+                        if cancel.is_set():
+                            break
+                        await send({"type": "http.response.body", "body": _encoder.encode(event) + b"\n",
+                                    "more_body": True})
+                finally:
+                    self.stats["active"] -= 1
+                    self.stats["cancelled" if cancel.is_set() else "finished"] += 1
             await send({"type": "http.response.body", "body": b"", "more_body": False})
         finally:
             cancel.set()

@@ -306,7 +306,7 @@ def test_oai_19_tool_call_id_is_required():
     with pytest.raises(InvalidRequest) as exc:
         chat(messages=[{"role": "tool", "content": "22"}])
     assert "`tool_call_id`" in exc.value.message
-    assert exc.value.param == "messages[0]"
+    assert exc.value.param == "messages[0].tool_call_id"
 
 
 def test_oai_20_tools_keep_name_description_and_schema():
@@ -435,7 +435,7 @@ def test_oai_24_response_format(fmt, expected):
 def test_oai_24_json_schema_needs_a_name():
     with pytest.raises(InvalidRequest) as exc:
         chat(response_format={"type": "json_schema", "json_schema": {"schema": {}}})
-    assert exc.value.param == "response_format.json_schema"
+    assert exc.value.param == "response_format.json_schema.name"
 
 
 def test_oai_25_stream_and_include_usage():

@@ -1,0 +1,94 @@
+"""Fixtures: real gateway processes (``meshgate serve``) on free loopback ports, sharing one data directory.
+
+The data directory lives under ``.cache/test-data`` in the repository (or ``MESHGATE_TEST_DATA``) so the packaged
+GGUF is assembled once, not per run.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+MODEL = "gemma3:270m"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    """A ``meshgate serve`` subprocess."""
+
+    def __init__(self, data_dir: Path, *args: str, env: dict[str, str] | None = None) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log = data_dir / f"server-{self.port}.log"
+        full_env = {**os.environ, "PYTHONPATH": str(ROOT), **(env or {})}
+        full_env.pop("MESHGATE_API_KEYS", None)
+        with open(self.log, "wb") as log:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "gateway.cli", "serve", "--port", str(self.port), "--data-dir", str(data_dir),
+                 "--log-level", "warning", *args],
+                stdout=log, stderr=subprocess.STDOUT, env=full_env, cwd=ROOT)
+        self._wait_ready()
+
+    def _wait_ready(self, timeout: float = 60.0) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited early:\n{self.log.read_text()}")
+            try:
+                if httpx.get(f"{self.url}/api/version", timeout=1).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                time.sleep(0.2)
+        self.stop()
+        raise RuntimeError(f"server not ready in {timeout}s:\n{self.log.read_text()}")
+
+    def children(self) -> list[int]:
+        """Pids of the server's child processes (runners)."""
+        path = Path(f"/proc/{self.proc.pid}/task/{self.proc.pid}/children")
+        return [int(p) for p in path.read_text().split()] if path.exists() else []
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(15)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+@pytest.fixture(scope="session")
+def data_dir() -> Path:
+    path = Path(os.environ.get("MESHGATE_TEST_DATA", ROOT / ".cache" / "test-data"))
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+@pytest.fixture(scope="session")
+def real_server(data_dir: Path) -> Iterator[Server]:
+    """A gateway with the built-in plugins and the real Gemma 3 270M model."""
+    server = Server(data_dir, "--n-ctx", "2048")
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="session")
+def scripted_server(data_dir: Path) -> Iterator[Server]:
+    """A gateway that also loads the scripted test backend (model ``scripted``)."""
+    server = Server(data_dir, "--plugin", "tests.scripted_plugin")
+    yield server
+    server.stop()

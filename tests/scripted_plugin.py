@@ -1,0 +1,96 @@
+"""A scripted backend for exact wire-format tests, registered as a plugin (``--plugin tests.scripted_plugin``).
+
+Model ``scripted`` plays back a script chosen by the last user message's text (``SCRIPTS``); anything else is
+echoed back word by word. It never ships as a default: only tests load it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Callable, Sequence
+
+from backends.base import Backend, Capabilities, ModelCard, ModelSource
+from plugins.hookspecs import hookimpl
+from protocols.model import (
+    ErrorInfo,
+    Event,
+    Failed,
+    Finished,
+    KeepAlive,
+    ReasoningDelta,
+    Request,
+    TextDelta,
+    ToolCallDelta,
+    Usage,
+)
+
+CARD = ModelCard(name="scripted", path="", format="scripted", family="script", parameter_size="0", size=1,
+                 digest="0" * 64, created=1_700_000_000.0, context_length=1024)
+
+SCRIPTS: dict[str, list[Event]] = {
+    "hello": [Usage(prompt_tokens=7), TextDelta(text="Hello"), TextDelta(text=", world"),
+              Usage(prompt_tokens=7, completion_tokens=2), Finished(reason="stop")],
+    "length": [Usage(prompt_tokens=3), TextDelta(text="cut"), Usage(prompt_tokens=3, completion_tokens=1),
+               Finished(reason="length")],
+    "stopseq": [Usage(prompt_tokens=3), TextDelta(text="one two"), Usage(prompt_tokens=3, completion_tokens=2),
+                Finished(reason="stop_sequence", stop_sequence="three")],
+    "tool": [Usage(prompt_tokens=11), ToolCallDelta(index=0, id="call_abc", name="get_weather", arguments='{"ci'),
+             ToolCallDelta(index=0, arguments='ty": "Paris"}'), Usage(prompt_tokens=11, completion_tokens=9),
+             Finished(reason="tool_calls")],
+    "think": [Usage(prompt_tokens=4), ReasoningDelta(text="Let me see."), TextDelta(text="Yes."),
+              Usage(prompt_tokens=4, completion_tokens=5), Finished(reason="stop")],
+    "keepalive": [KeepAlive(), Usage(prompt_tokens=2), TextDelta(text="ok"),
+                  Usage(prompt_tokens=2, completion_tokens=1), Finished(reason="stop")],
+    "fail": [Usage(prompt_tokens=5), TextDelta(text="partial"),
+             Failed(error=ErrorInfo(kind="BackendUnavailable", message="runner lost"))],
+    "failfirst": [Failed(error=ErrorInfo(kind="NoCapacity", message="no node has room for this model"))],
+}
+
+
+class ScriptedRunner:
+    card = CARD
+    alive = True
+
+    async def generate(self, request: Request) -> AsyncIterator[Event]:
+        last = request.messages[-1].text.strip() if request.messages else (request.raw_prompt or "")
+        script = SCRIPTS.get(last)
+        if script is None:
+            words = last.split()
+            script = [Usage(prompt_tokens=len(words)), *(TextDelta(text=w + " ") for w in words),
+                      Usage(prompt_tokens=len(words), completion_tokens=len(words)), Finished(reason="stop")]
+        for event in script:
+            await asyncio.sleep(0)
+            yield event
+
+    async def close(self) -> None:
+        pass
+
+
+class ScriptedBackend:
+    name = "scripted"
+
+    def supports(self, card: ModelCard) -> bool:
+        return card.format == "scripted"
+
+    def capabilities(self, card: ModelCard) -> Capabilities:
+        return Capabilities(tools=True, vision=True, json_schema=True, reasoning=True)
+
+    async def start(self, card: ModelCard) -> ScriptedRunner:
+        return ScriptedRunner()
+
+
+class ScriptedSource:
+    name = "scripted"
+
+    def models(self) -> Sequence[ModelCard]:
+        return [CARD]
+
+
+@hookimpl
+def meshgate_register_backends(register: Callable[[Backend], None], settings, http) -> None:
+    register(ScriptedBackend())
+
+
+@hookimpl
+def meshgate_register_model_sources(register: Callable[[ModelSource], None], settings) -> None:
+    register(ScriptedSource())

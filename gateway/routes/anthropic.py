@@ -19,7 +19,7 @@ from protocols.model import GatewayError, collect, decode_body
 SSE = "text/event-stream"
 
 
-@post(["/v1/messages"])
+@post(["/v1/messages"], status_code=200)
 async def messages(request: HttpRequest) -> Response:
     check_auth(request)
     wire = decode_body(await request.body(), anthropic.MessagesRequest)

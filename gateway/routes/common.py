@@ -46,7 +46,7 @@ def json_response(body: bytes, status: int = 200) -> Response[bytes]:
 
 
 def stream_response(chunks: AsyncIterator[bytes], media_type: str) -> Stream:
-    return Stream(chunks, media_type=media_type, headers={"cache-control": "no-cache", "x-accel-buffering": "no"})
+    return Stream(chunks, status_code=200, media_type=media_type, headers={"cache-control": "no-cache", "x-accel-buffering": "no"})
 
 
 def error_handler(render: Callable[[GatewayError], tuple[int, bytes]]):

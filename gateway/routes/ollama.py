@@ -41,14 +41,14 @@ def tags(request: HttpRequest) -> Response[bytes]:
     return json_response(ollama.encode_tags(model_infos(dispatcher_of(request))))
 
 
-@post("/api/chat")
+@post("/api/chat", status_code=200)
 async def chat(request: HttpRequest) -> Response:
     check_auth(request)
     wire = decode_body(await request.body(), ollama.ChatRequest)
     return await _run(request, wire, ollama.chat_to_internal(wire), chat=True)
 
 
-@post("/api/generate")
+@post("/api/generate", status_code=200)
 async def generate(request: HttpRequest) -> Response:
     check_auth(request)
     wire = decode_body(await request.body(), ollama.GenerateRequest)

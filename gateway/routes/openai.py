@@ -35,7 +35,7 @@ def render_error(request: HttpRequest, exc: Exception) -> Response[bytes]:
     return json_response(body, status)
 
 
-@post(["/v1/chat/completions", "/chat/completions"])
+@post(["/v1/chat/completions", "/chat/completions"], status_code=200)
 async def chat_completions(request: HttpRequest) -> Response:
     check_auth(request)
     wire = decode_body(await request.body(), openai.ChatRequest)
@@ -47,7 +47,7 @@ async def chat_completions(request: HttpRequest) -> Response:
     return json_response(openai.encode_chat_response(await collect(events), meta))
 
 
-@post(["/v1/completions"])
+@post(["/v1/completions"], status_code=200)
 async def completions(request: HttpRequest) -> Response:
     check_auth(request)
     wire = decode_body(await request.body(), openai.CompletionRequest)

@@ -1,0 +1,132 @@
+"""Runner processes under stress: a client that disconnects cancels the generation; a runner killed mid-stream
+gives each protocol's mid-stream error, the gateway keeps serving, and the next request starts a fresh runner."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+from collections.abc import Iterator
+
+import anthropic
+import httpx
+import ollama
+import openai
+import pytest
+
+from tests.conftest import MODEL, Server
+
+LONG = "Count from one to one thousand, one number per line."
+
+
+@pytest.fixture(scope="module")
+def server(data_dir) -> Iterator[Server]:
+    s = Server(data_dir, "--n-ctx", "2048")
+    yield s
+    s.stop()
+
+
+def runner_pid(server: Server) -> int:
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        if children := server.children():
+            return children[0]
+        time.sleep(0.1)
+    raise AssertionError("no runner process")
+
+
+def cpu_seconds(pid: int) -> float:
+    fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def warm(server: Server) -> int:
+    httpx.post(f"{server.url}/api/generate", json={"model": MODEL, "prompt": "", "stream": False}, timeout=60)
+    return runner_pid(server)
+
+
+def test_client_disconnect_cancels_generation(server):
+    pid = warm(server)
+    with httpx.stream("POST", f"{server.url}/v1/chat/completions", timeout=30,
+                      json={"model": MODEL, "stream": True, "max_tokens": 1500,
+                            "messages": [{"role": "user", "content": LONG}]}) as r:
+        lines = r.iter_lines()
+        for _ in range(6):
+            next(lines)
+    time.sleep(1.0)  # the runner notices the disconnect at its next token
+    before = cpu_seconds(pid)
+    time.sleep(1.5)
+    burned = cpu_seconds(pid) - before
+    assert burned < 0.3, f"runner kept generating after the client left ({burned:.2f} CPU s in 1.5 s)"
+    ok = httpx.post(f"{server.url}/api/generate", timeout=60,
+                    json={"model": MODEL, "prompt": "Hi", "stream": False, "options": {"num_predict": 2}})
+    assert ok.status_code == 200 and ok.json()["eval_count"] == 2
+
+
+def _kill_after_first_chunk(server: Server, chunks: Iterator) -> tuple[int, list]:
+    pid = runner_pid(server)
+    seen = [next(chunks)]
+    os.kill(pid, signal.SIGKILL)
+    return pid, seen
+
+
+def _next_request_works(server: Server, old_pid: int) -> None:
+    response = ollama.Client(host=server.url).generate(model=MODEL, prompt="Hello", options={"num_predict": 3})
+    assert response.eval_count == 3
+    assert runner_pid(server) != old_pid
+
+
+def test_openai_runner_killed_mid_stream(server):
+    warm(server)
+    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="x", max_retries=0)
+    stream = iter(client.chat.completions.create(model=MODEL, stream=True, max_tokens=1500,
+                                                 messages=[{"role": "user", "content": LONG}]))
+    pid, _ = _kill_after_first_chunk(server, stream)
+    with pytest.raises(openai.APIError) as exc:
+        for _ in stream:
+            pass
+    assert "model runner" in exc.value.message
+    _next_request_works(server, pid)
+
+
+def test_anthropic_runner_killed_mid_stream(server):
+    warm(server)
+    client = anthropic.Anthropic(base_url=server.url, api_key="x", max_retries=0)
+    stream = iter(client.messages.create(model=MODEL, max_tokens=1500, stream=True,
+                                         messages=[{"role": "user", "content": LONG}]))
+    pid, _ = _kill_after_first_chunk(server, stream)
+    with pytest.raises(anthropic.APIStatusError) as exc:
+        for _ in stream:
+            pass
+    assert exc.value.body["error"]["type"] == "overloaded_error"
+    _next_request_works(server, pid)
+
+
+def test_ollama_runner_killed_mid_stream(server):
+    warm(server)
+    client = ollama.Client(host=server.url)
+    stream = iter(client.chat(model=MODEL, stream=True, options={"num_predict": 1500},
+                              messages=[{"role": "user", "content": LONG}]))
+    pid, _ = _kill_after_first_chunk(server, stream)
+    with pytest.raises(ollama.ResponseError) as exc:
+        for _ in stream:
+            pass
+    assert exc.value.status_code == -1 and "model runner" in exc.value.error
+    _next_request_works(server, pid)
+
+
+def test_no_runner_outlives_its_gateway(data_dir):
+    s = Server(data_dir, "--n-ctx", "512")
+    try:
+        pid = warm(s)
+    finally:
+        s.proc.kill()  # no graceful shutdown: the runner must notice on its own
+        s.proc.wait()
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and os.path.exists(f"/proc/{pid}"):
+        if open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0] == "Z":
+            break
+        time.sleep(0.1)
+    alive = os.path.exists(f"/proc/{pid}") and open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0] != "Z"
+    assert not alive, "runner survived its gateway"

@@ -1,0 +1,1 @@
+"""An example meshgate backend plugin."""

@@ -1,0 +1,60 @@
+"""The echo backend: registered through meshgate's hooks, found through the ``meshgate`` entry point."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+from backends.base import Capabilities, ModelCard
+from plugins.hookspecs import hookimpl
+from protocols.model import Event, Finished, Request, TextDelta, Usage
+
+CARD = ModelCard(name="echo:latest", path="", format="echo", family="echo", parameter_size="0", size=0,
+                 context_length=4096, source="meshgate-echo")
+
+
+class EchoRunner:
+    card = CARD
+    alive = True
+
+    async def generate(self, request: Request) -> AsyncIterator[Event]:
+        text = request.messages[-1].text if request.messages else (request.raw_prompt or "")
+        words = text.split()
+        limit = len(words) if request.max_tokens is None else min(len(words), request.max_tokens)
+        yield Usage(prompt_tokens=len(words))
+        for i, word in enumerate(words[:limit]):
+            yield TextDelta(text=word if i == 0 else " " + word)
+        yield Usage(prompt_tokens=len(words), completion_tokens=limit)
+        yield Finished(reason="length" if limit < len(words) else "stop")
+
+    async def close(self) -> None:
+        pass
+
+
+class EchoBackend:
+    name = "echo"
+
+    def supports(self, card: ModelCard) -> bool:
+        return card.format == "echo"
+
+    def capabilities(self, card: ModelCard) -> Capabilities:
+        return Capabilities()
+
+    async def start(self, card: ModelCard) -> EchoRunner:
+        return EchoRunner()
+
+
+class EchoSource:
+    name = "echo"
+
+    def models(self) -> list[ModelCard]:
+        return [CARD]
+
+
+@hookimpl
+def meshgate_register_backends(register, settings, http) -> None:
+    register(EchoBackend())
+
+
+@hookimpl
+def meshgate_register_model_sources(register, settings) -> None:
+    register(EchoSource())

@@ -1,16 +1,16 @@
-"""The built-in plugin: the llama.cpp backend, the packaged and configured GGUF sources, the default policy.
+"""The built-in llama.cpp plugin: the llama.cpp backend and the packaged and configured GGUF sources.
 
 Published as the ``llama_cpp`` entry point in meshgate's own ``pyproject.toml``.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from pathlib import Path
 
 import httpx
 
-from backends.base import Backend, ModelCard, ModelSource
+from backends.base import Backend, ModelSource
 from backends.llama_cpp import LlamaCppBackend
 from backends.llama_cpp.sources import GGUFPathSource, PackagedGGUFSource
 from plugins.hookspecs import hookimpl
@@ -30,7 +30,3 @@ def meshgate_register_model_sources(register: Callable[[ModelSource], None], set
     if settings.models:
         register(GGUFPathSource(settings.model_paths(), Path(settings.data_dir)))
 
-
-@hookimpl(trylast=True)
-def meshgate_choose_backend(card: ModelCard, backends: Sequence[Backend]) -> Backend | None:
-    return next((b for b in backends if b.supports(card)), None)

@@ -79,6 +79,14 @@ def data_dir() -> Path:
 
 
 @pytest.fixture(scope="session")
+def packaged_gguf(data_dir: Path) -> Path:
+    """The packaged Gemma 3 270M GGUF, assembled into the test data directory (as the gateway does)."""
+    from backends.llama_cpp.sources import PackagedGGUFSource
+
+    return Path(PackagedGGUFSource(data_dir / "models").models()[0].path)
+
+
+@pytest.fixture(scope="session")
 def real_server(data_dir: Path) -> Iterator[Server]:
     """A gateway with the built-in plugins and the real Gemma 3 270M model."""
     server = Server(data_dir, "--n-ctx", "2048")

@@ -58,7 +58,7 @@ def test_choose_backend_policy_is_a_hook_with_a_default():
 def echo_site(tmp_path_factory):
     """The example plugin, pip-installed into its own target directory (its entry point included)."""
     target = tmp_path_factory.mktemp("echo-site")
-    subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--no-build-isolation",
+    subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--no-deps",
                     "--target", str(target), str(ROOT / "examples" / "meshgate-echo")], check=True)
     return target
 

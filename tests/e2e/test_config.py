@@ -11,9 +11,8 @@ from tests.conftest import Server
 
 
 @pytest.fixture(scope="module")
-def server(data_dir):
-    gguf = next((data_dir / "models").glob("*.gguf"))
-    s = Server(data_dir, "--model", f"mygemma:q4={gguf}", "--api-key", "sesame", "--n-ctx", "512")
+def server(data_dir, packaged_gguf):
+    s = Server(data_dir, "--model", f"mygemma:q4={packaged_gguf}", "--api-key", "sesame", "--n-ctx", "512")
     yield s
     s.stop()
 

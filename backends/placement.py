@@ -1,0 +1,139 @@
+"""The cluster's vocabulary: nodes, links, a topology snapshot, model specs, shards and placement candidates.
+
+These are data, shared by the planner (gateway), the ranking policy (a plugin hook) and the backends that launch
+shards. All frozen msgspec Structs, serializable as they are into the state store and the HTTP API.
+
+Units: bytes for memory, seconds for time, bytes/second for bandwidth.
+
+Imports only msgspec and the standard library.
+"""
+
+from __future__ import annotations
+
+from typing import Literal, NewType
+
+import msgspec
+
+__all__ = ["Candidate", "InstanceId", "Link", "ModelSpec", "Node", "NodeId", "Shard", "Strategy", "Topology"]
+
+NodeId = NewType("NodeId", str)
+InstanceId = NewType("InstanceId", str)
+Strategy = Literal["single", "pipeline", "tensor", "hybrid"]
+
+
+class _Data(msgspec.Struct, frozen=True, kw_only=True):
+    pass
+
+
+class Node(_Data):
+    """One machine as its agent reports it.
+
+    ``flops`` is a relative compute speed (the agent's own measurement, e.g. GFLOP/s of a small matmul), used to
+    weigh pipeline splits and estimate tok/s. ``address`` is the cluster interface runtimes bind to;
+    ``agent_url`` is where the agent answers link probes.
+    """
+
+    id: NodeId
+    name: str
+    address: str = "127.0.0.1"
+    agent_url: str = ""
+    memory_total: int = 0
+    memory_available: int = 0
+    cpu_count: int = 1
+    flops: float = 1.0e10
+    accelerators: tuple[str, ...] = ()
+    runtimes: dict[str, str] = msgspec.field(default_factory=dict)
+    heartbeat_at: float = 0.0
+
+
+class Link(_Data):
+    """A measured one-way view of the path from ``src`` to ``dst``."""
+
+    src: NodeId
+    dst: NodeId
+    latency: float
+    bandwidth: float
+    measured_at: float = 0.0
+
+
+class Topology(_Data):
+    """A frozen snapshot of the cluster, the planner's only input about machines."""
+
+    nodes: tuple[Node, ...] = ()
+    links: tuple[Link, ...] = ()
+
+    def node(self, node_id: NodeId) -> Node | None:
+        return next((n for n in self.nodes if n.id == node_id), None)
+
+    def link(self, src: NodeId, dst: NodeId) -> Link | None:
+        return next((link for link in self.links if link.src == src and link.dst == dst), None)
+
+
+class ModelSpec(_Data):
+    """What the planner needs to know about a model (a "model card" in placement terms).
+
+    ``layer_bytes`` is the weight size of one transformer block; ``embedding_bytes`` the token embedding (which
+    may double as the output layer, ``tied_output``), placed whole on one shard; ``output_bytes`` a separate
+    output layer if untied.
+    """
+
+    name: str
+    n_layers: int
+    hidden_size: int
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    context_length: int
+    layer_bytes: int
+    embedding_bytes: int = 0
+    output_bytes: int = 0
+    tied_output: bool = True
+    kv_bytes_per_element: int = 2
+
+    @property
+    def weight_bytes(self) -> int:
+        return self.n_layers * self.layer_bytes + self.embedding_bytes + self.output_bytes
+
+    def kv_bytes(self, context: int, layers: int | None = None) -> int:
+        """KV cache for ``context`` tokens over ``layers`` blocks (all by default): K and V per KV head."""
+        n = self.n_layers if layers is None else layers
+        return 2 * self.n_kv_heads * self.head_dim * self.kv_bytes_per_element * context * n
+
+
+class Shard(_Data):
+    """One node's part of a placement: a layer range (pipeline) and/or a tensor rank."""
+
+    node_id: NodeId
+    layer_start: int
+    layer_end: int
+    tensor_rank: int = 0
+    tensor_size: int = 1
+    holds_embedding: bool = False
+    weight_bytes: int = 0
+    kv_bytes: int = 0
+    overhead_bytes: int = 0
+
+    @property
+    def memory_bytes(self) -> int:
+        return self.weight_bytes + self.kv_bytes + self.overhead_bytes
+
+
+class Candidate(_Data):
+    """A placement record: where a model's shards go, what it costs, and whether it fits.
+
+    ``link_cost`` is the estimated seconds per decoded token spent on links; ``tok_s`` the estimated decode
+    speed. A rejected candidate has ``fits=False`` and the reason in words.
+    """
+
+    id: str
+    model: str
+    backend: str
+    strategy: Strategy
+    context: int
+    shards: tuple[Shard, ...]
+    memory_per_node: dict[str, int]
+    link_cost: float = 0.0
+    tok_s: float = 0.0
+    fits: bool = True
+    reason: str | None = None
+    score: float = 0.0

@@ -1,22 +1,24 @@
 """The contract between the gateway and a runtime: model cards, sources, backends, runners, capabilities.
 
-A ``ModelSource`` lists ``ModelCard``s; a ``Backend`` says which cards it can serve and starts a ``Runner`` for
-one; a ``Runner`` turns a ``Request`` into an event stream that ends in exactly one ``Finished`` or ``Failed``.
-Runners live in their own processes: the objects here are the gateway-side handles.
+A ``ModelSource`` lists ``ModelCard``s; a ``Backend`` says which cards it can serve, how they may be placed,
+launches shards on a node (``Launched``, held by the node agent) and gives the gateway a ``Runner`` client that
+turns a ``Request`` into an event stream ending in exactly one ``Finished`` or ``Failed``. Runtimes live in their
+own processes, never in the gateway.
 
-Imports only ``protocols.model``; must not import the gateway, plugins or a web framework.
+Imports ``protocols.model`` and ``backends.placement``; must not import the gateway, plugins or a web framework.
 """
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Mapping, Sequence
 from typing import Protocol, runtime_checkable
 
 import msgspec
 
+from backends.placement import Candidate, ModelSpec, Shard, Strategy
 from protocols.model import Event, ImagePart, Request, UnsupportedFeature
 
-__all__ = ["Backend", "Capabilities", "ModelCard", "ModelSource", "Runner", "check_capabilities"]
+__all__ = ["Backend", "Capabilities", "Launched", "ModelCard", "ModelSource", "Runner", "check_capabilities"]
 
 
 class ModelCard(msgspec.Struct, frozen=True, kw_only=True):
@@ -62,14 +64,7 @@ def check_capabilities(request: Request, caps: Capabilities, model: str) -> None
 
 @runtime_checkable
 class Runner(Protocol):
-    """A started model: the gateway-side handle of a runner process."""
-
-    card: ModelCard
-
-    @property
-    def alive(self) -> bool:
-        """False once the runner process has exited; the gateway then starts a fresh one."""
-        ...
+    """The gateway-side client of a placed model's head runner."""
 
     def generate(self, request: Request) -> AsyncIterator[Event]:
         """Stream events for ``request``; ends in exactly one ``Finished`` or ``Failed``; never raises.
@@ -78,14 +73,30 @@ class Runner(Protocol):
         """
         ...
 
-    async def close(self) -> None:
-        """Stop the runner process and release its resources."""
+
+@runtime_checkable
+class Launched(Protocol):
+    """The node-side handle of a started shard (a runner or worker process an agent supervises)."""
+
+    url: str | None
+    pid: int | None
+
+    @property
+    def alive(self) -> bool:
+        """False once the process has exited."""
+        ...
+
+    async def stop(self) -> None:
+        """Stop the process and release its resources."""
         ...
 
 
 @runtime_checkable
 class Backend(Protocol):
-    """A runtime that can start runners for some models."""
+    """A runtime: which models it serves, how their shards start on a node, how the gateway reaches them.
+
+    ``launch`` runs in a node agent (on the machine that holds the shard); ``connect`` runs in a gateway.
+    """
 
     name: str
 
@@ -97,8 +108,20 @@ class Backend(Protocol):
         """What this backend can do for ``card``."""
         ...
 
-    async def start(self, card: ModelCard) -> Runner:
-        """Start a runner for ``card``; raise a ``GatewayError`` (e.g. ``BackendUnavailable``) on failure."""
+    def strategies(self, card: ModelCard) -> frozenset[Strategy]:
+        """Placement strategies this backend supports for ``card`` (``single``, ``pipeline``, ...)."""
+        ...
+
+    def spec(self, card: ModelCard) -> ModelSpec:
+        """The model's shape and sizes, for the planner."""
+        ...
+
+    async def launch(self, card: ModelCard, placement: Candidate, shard: Shard, *, host: str) -> Launched:
+        """Start ``shard`` of ``placement`` on this node, bound to ``host``; raise ``GatewayError`` on failure."""
+        ...
+
+    def connect(self, card: ModelCard, placement: Candidate, urls: Mapping[str, str]) -> Runner:
+        """A client for the placed model, given each shard's URL by node id."""
         ...
 
 

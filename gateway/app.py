@@ -7,20 +7,18 @@ are rendered in the envelope of the protocol the path belongs to.
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import logging
 from collections.abc import AsyncIterator
 
-import httpx
 import pluggy
 from litestar import Litestar, Request, Response
 from litestar.exceptions import HTTPException
 from litestar.openapi import OpenAPIConfig
 
-from backends.base import Backend, ModelSource
-from gateway.dispatch import Dispatcher
+from gateway.cluster.runtime import control_plane
 from gateway.routes import anthropic as anthropic_routes
+from gateway.routes import cluster as cluster_routes
 from gateway.routes import ollama as ollama_routes
 from gateway.routes import openai as openai_routes
 from plugins.settings import Settings
@@ -55,23 +53,17 @@ def create_app(settings: Settings, plugins: pluggy.PluginManager) -> Litestar:
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Litestar) -> AsyncIterator[None]:
-        async with httpx.AsyncClient(limits=httpx.Limits(max_connections=256, max_keepalive_connections=64),
-                                     trust_env=False) as http:
-            backends: list[Backend] = []
-            sources: list[ModelSource] = []
-            plugins.hook.meshgate_register_backends(register=backends.append, settings=settings, http=http)
-            plugins.hook.meshgate_register_model_sources(register=sources.append, settings=settings)
-            dispatcher = Dispatcher(backends, sources, plugins.hook.meshgate_choose_backend)
-            cards = await asyncio.to_thread(dispatcher.refresh)
-            log.info("meshgate: %d backend(s), models: %s", len(backends), ", ".join(c.name for c in cards) or "-")
-            app.state.dispatcher = dispatcher
-            try:
-                yield
-            finally:
-                await dispatcher.close()
+        embedded_agent = not settings.redis
+        async with control_plane(settings, plugins, gateway=True, agent=embedded_agent) as plane:
+            log.info("meshgate: %d backend(s), models: %s; state in %s", len(plane.backends),
+                     ", ".join(c.name for c in plane.catalog.models()) or "-",
+                     "redis" if settings.redis else "memory (embedded agent)")
+            app.state.dispatcher = plane.dispatcher
+            app.state.plane = plane
+            yield
 
     app = Litestar(
-        route_handlers=[openai_routes.router, anthropic_routes.router, ollama_routes.router],
+        route_handlers=[openai_routes.router, anthropic_routes.router, ollama_routes.router, cluster_routes.router],
         lifespan=[lifespan],
         exception_handlers={Exception: _render_for_path},
         openapi_config=OpenAPIConfig(title="meshgate", version="0.1.0", path="/schema"),

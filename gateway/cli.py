@@ -1,7 +1,10 @@
 """``meshgate``: the command line. Builds Settings once and passes them down.
 
-    meshgate serve [--host H] [--port P] [--data-dir D] [--model NAME=PATH ...] [--plugin MODULE ...]
-    meshgate models
+    meshgate serve [--redis URL] [--host H] [--port P] [--data-dir D] [--model NAME=PATH ...] [--plugin MODULE]
+    meshgate node --redis URL [--name N] [--address A]     a node agent
+    meshgate models                                        what this machine can serve
+    meshgate ps [--url U]                                  instances of a running gateway
+    meshgate place MODEL [--preview] [--nodes a,b] [--url U]
 """
 
 from __future__ import annotations
@@ -19,7 +22,8 @@ def _settings(args: argparse.Namespace) -> Settings:
     base = Settings.from_env(os.environ)
     overrides = {
         "host": args.host, "port": args.port, "data_dir": args.data_dir, "log_level": args.log_level,
-        "n_ctx": args.n_ctx, "threads": args.threads,
+        "n_ctx": args.n_ctx, "threads": args.threads, "redis": args.redis, "node_name": args.name,
+        "cluster_address": args.address, "placement": args.placement,
         "models": base.models + tuple(args.model) if args.model else None,
         "plugins": base.plugins + tuple(args.plugin) if args.plugin else None,
         "api_keys": base.api_keys + tuple(args.api_key) if args.api_key else None,
@@ -27,36 +31,105 @@ def _settings(args: argparse.Namespace) -> Settings:
     return base.replace(**{k: v for k, v in overrides.items() if v is not None})
 
 
-def _serve(settings: Settings) -> int:
+def _serve(settings: Settings, args: argparse.Namespace) -> int:
     import uvicorn
 
     from gateway.app import create_app
 
-    logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    logging.getLogger("httpx").setLevel(logging.WARNING)
+    _logging(settings)
     app = create_app(settings, build_plugin_manager(settings))
     uvicorn.run(app, host=settings.host, port=settings.port, log_level=settings.log_level,
                 access_log=settings.log_level == "debug", timeout_graceful_shutdown=5)
     return 0
 
 
-def _models(settings: Settings) -> int:
-    from gateway.dispatch import Dispatcher
+def _node(settings: Settings, args: argparse.Namespace) -> int:
+    import asyncio
+    import signal
+
+    from gateway.cluster.runtime import control_plane
+
+    if not settings.redis:
+        print("meshgate node needs --redis URL (or MESHGATE_REDIS): the agents and gateways share it", file=sys.stderr)
+        return 2
+    _logging(settings)
+
+    async def run() -> None:
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, stop.set)
+        async with control_plane(settings, build_plugin_manager(settings), gateway=False, agent=True) as plane:
+            logging.getLogger("meshgate").info("node %s up; probes at %s", plane.agent.name, plane.agent.agent_url)
+            await stop.wait()
+
+    asyncio.run(run())
+    return 0
+
+
+def _models(settings: Settings, args: argparse.Namespace) -> int:
+    from gateway.dispatch import Catalog
 
     pm = build_plugin_manager(settings)
     sources: list = []
     pm.hook.meshgate_register_model_sources(register=sources.append, settings=settings)
-    for card in Dispatcher([], sources, pm.hook.meshgate_choose_backend).refresh():
+    for card in Catalog(sources).refresh():
         print(f"{card.name:30} {card.family:10} {card.parameter_size:8} {card.quantization:8} {card.path}")
     return 0
 
 
+def _client(args: argparse.Namespace):
+    import httpx
+
+    return httpx.Client(base_url=args.url, timeout=300, trust_env=False)
+
+
+def _ps(settings: Settings, args: argparse.Namespace) -> int:
+    with _client(args) as http:
+        cluster = http.get("/cluster").raise_for_status().json()
+    print(f"{'NODE':20} {'ADDRESS':16} {'MEMORY FREE':>12} {'CPUS':>5} RUNTIMES")
+    for n in cluster["nodes"]:
+        print(f"{n['name']:20} {n['address']:16} {n['memory_available'] / 2**30:10.1f}Gi {n['cpu_count']:5} "
+              f"{', '.join(f'{k} {v}' for k, v in n['runtimes'].items())}")
+    print(f"\n{'INSTANCE':14} {'MODEL':24} {'STATE':10} {'BACKEND':10} {'STRATEGY':9} NODES")
+    for i in cluster["instances"]:
+        nodes = ", ".join(f"{s['node_id']}[{s['layer_start']}:{s['layer_end']}]" for s in i["placement"]["shards"])
+        print(f"{i['id']:14} {i['model']:24} {i['state']['state']:10} {i['placement']['backend']:10} "
+              f"{i['placement']['strategy']:9} {nodes}")
+    return 0
+
+
+def _place(settings: Settings, args: argparse.Namespace) -> int:
+    import json
+
+    with _client(args) as http:
+        if args.preview:
+            params = {"model": args.model_name, **({"nodes": args.nodes} if args.nodes else {})}
+            body = http.get("/instances/previews", params=params).json()
+            for c in body.get("candidates", []):
+                memory = ", ".join(f"{k}={v / 2**20:.0f}MiB" for k, v in c["memory_per_node"].items())
+                verdict = f"{c['tok_s']:.1f} tok/s" if c["fits"] else f"rejected: {c['reason']}"
+                print(f"{c['id']:12} {c['backend']:10} {c['strategy']:9} {memory:40} {verdict}")
+            return 0 if "candidates" in body else 1
+        payload = {"model": args.model_name, **({"nodes": args.nodes.split(",")} if args.nodes else {})}
+        response = http.post("/instances", json=payload)
+        print(json.dumps(response.json(), indent=2))
+        return 0 if response.status_code == 201 else 1
+
+
+def _logging(settings: Settings) -> None:
+    logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="meshgate", description="An inference gateway for OpenAI, Anthropic "
-                                     "and Ollama clients.")
+                                     "and Ollama clients, over models split across machines.")
     sub = parser.add_subparsers(dest="command", required=True)
-    for name, text in (("serve", "run the gateway"), ("models", "list the models meshgate can serve")):
+    for name, text in (("serve", "run the gateway"), ("node", "run a node agent"),
+                       ("models", "list the models this machine can serve")):
         p = sub.add_parser(name, help=text)
+        p.add_argument("--redis", help="Redis URL for cluster state (default: in memory, one machine)")
         p.add_argument("--host", help="address to bind (default 127.0.0.1)")
         p.add_argument("--port", type=int, help="port to bind (default 11434)")
         p.add_argument("--data-dir", help="where models and state live (default $XDG_DATA_HOME/meshgate)")
@@ -65,10 +138,22 @@ def main(argv: list[str] | None = None) -> int:
         p.add_argument("--api-key", action="append", default=[], help="require this API key (repeatable)")
         p.add_argument("--n-ctx", type=int, help="context length for llama.cpp runners (default 4096)")
         p.add_argument("--threads", type=int, help="threads per runner (default: all cores)")
+        p.add_argument("--name", help="this node's name (default: the host name)")
+        p.add_argument("--address", help="cluster address runtimes bind (default 127.0.0.1)")
+        p.add_argument("--placement", choices=["auto", "never"], help="place models on first request (auto)")
         p.add_argument("--log-level", help="debug, info, warning or error")
+    for name, text in (("ps", "show nodes and instances of a running gateway"),
+                       ("place", "preview or create a placement")):
+        p = sub.add_parser(name, help=text)
+        p.add_argument("--url", default="http://127.0.0.1:11434", help="the gateway (default %(default)s)")
+        if name == "place":
+            p.add_argument("model_name", metavar="MODEL")
+            p.add_argument("--preview", action="store_true", help="list candidates instead of creating")
+            p.add_argument("--nodes", help="comma-separated node names to place on")
     args = parser.parse_args(argv)
-    settings = _settings(args)
-    return {"serve": _serve, "models": _models}[args.command](settings)
+    settings = _settings(args) if args.command in ("serve", "node", "models") else Settings.from_env(os.environ)
+    commands = {"serve": _serve, "node": _node, "models": _models, "ps": _ps, "place": _place}
+    return commands[args.command](settings, args)
 
 
 if __name__ == "__main__":

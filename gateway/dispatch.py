@@ -1,8 +1,10 @@
-"""Model name -> backend -> runner; runs a request and hands its event stream to the protocol encoders.
+"""Model name -> instance -> runner; runs a request and hands its event stream to the protocol encoders.
 
 The first event is awaited before anything is sent to the client, so a failure to start (unknown model,
-unsupported feature, a runner that will not come up) is a real HTTP error status; a failure after that travels
-in the stream as ``Failed``. Runners are started lazily, one per model, and replaced when they die.
+unsupported feature, nothing fits) is a real HTTP error status; a failure after that travels in the stream as
+``Failed``. A model with no instance is placed automatically (``InstanceManager.acquire``); a streaming client
+gets keep-alives while it comes up, a non-streaming one waits. A runner that cannot be reached at the start of a
+request fails its instance (so it is re-placed) and the request is retried once on the new one.
 """
 
 from __future__ import annotations
@@ -12,11 +14,15 @@ import contextlib
 import logging
 from collections.abc import AsyncIterator, Sequence
 
-from backends.base import Backend, ModelCard, ModelSource, Runner, check_capabilities
+from backends.base import Backend, ModelCard, ModelSource, check_capabilities
+from gateway.cluster.instances import InstanceManager
+from gateway.cluster.records import Instance, Ready
 from protocols.model import (
+    BackendUnavailable,
     Event,
     Failed,
     GatewayError,
+    KeepAlive,
     NoCapacity,
     Request,
     UnknownModel,
@@ -26,6 +32,7 @@ from protocols.model import (
 __all__ = ["Dispatcher", "normalize_model_name"]
 
 log = logging.getLogger("meshgate.dispatch")
+KEEPALIVE_EVERY = 2.0
 
 
 def normalize_model_name(name: str) -> str:
@@ -33,16 +40,12 @@ def normalize_model_name(name: str) -> str:
     return name if ":" in name.rsplit("/", 1)[-1] else f"{name}:latest"
 
 
-class Dispatcher:
-    """Resolves models, owns the runners, opens event streams."""
+class Catalog:
+    """The models the model sources offer, by name."""
 
-    def __init__(self, backends: Sequence[Backend], sources: Sequence[ModelSource], choose) -> None:
-        self.backends = list(backends)
+    def __init__(self, sources: Sequence[ModelSource]) -> None:
         self.sources = list(sources)
-        self._choose = choose
         self._cards: dict[str, ModelCard] = {}
-        self._runners: dict[str, Runner] = {}
-        self._locks: dict[str, asyncio.Lock] = {}
 
     def refresh(self) -> list[ModelCard]:
         """Ask every source for its models (blocking: a source may assemble files)."""
@@ -68,41 +71,40 @@ class Dispatcher:
             raise UnknownModel(name)
         return card
 
+
+class Dispatcher:
+    """Resolves models, finds or places their instances, opens event streams."""
+
+    def __init__(self, catalog: Catalog, backends: Sequence[Backend], choose, instances: InstanceManager) -> None:
+        self.catalog = catalog
+        self.backends = list(backends)
+        self._choose = choose
+        self.instances = instances
+
+    def models(self) -> list[ModelCard]:
+        return self.catalog.models()
+
+    def resolve(self, name: str) -> ModelCard:
+        return self.catalog.resolve(name)
+
     def backend_for(self, card: ModelCard) -> Backend:
         backend = self._choose(card=card, backends=self.backends)
         if backend is None:
             raise NoCapacity(f"no backend can serve model '{card.name}' (format {card.format})")
         return backend
 
-    def loaded(self) -> list[Runner]:
-        return [r for r in self._runners.values() if r.alive]
-
-    async def _runner(self, card: ModelCard, backend: Backend) -> Runner:
-        lock = self._locks.setdefault(card.name, asyncio.Lock())
-        async with lock:
-            runner = self._runners.get(card.name)
-            if runner is not None and runner.alive:
-                return runner
-            if runner is not None:
-                log.warning("runner for %s has exited; starting a fresh one", card.name)
-                await runner.close()
-            runner = await backend.start(card)
-            self._runners[card.name] = runner
-            return runner
-
-    async def load(self, name: str) -> ModelCard:
-        """Start ``name``'s runner if it is not running (Ollama's empty-prompt load)."""
+    async def load(self, name: str) -> Instance:
+        """Place ``name`` if needed and wait until it is ready (Ollama's empty-prompt load)."""
         card = self.resolve(name)
-        await self._runner(card, self.backend_for(card))
-        return card
+        instance = await self.instances.acquire(card)
+        return await self.instances.wait_ready(instance.id)
 
     async def unload(self, name: str) -> ModelCard:
-        """Stop ``name``'s runner if one runs (Ollama's ``keep_alive: 0``)."""
+        """Delete ``name``'s instances (Ollama's ``keep_alive: 0``)."""
         card = self.resolve(name)
-        async with self._locks.setdefault(card.name, asyncio.Lock()):
-            runner = self._runners.pop(card.name, None)
-            if runner is not None:
-                await runner.close()
+        for instance in self.instances.cached(card.name):
+            with contextlib.suppress(GatewayError):
+                await self.instances.delete(instance.id)
         return card
 
     async def open_stream(self, request: Request) -> AsyncIterator[Event]:
@@ -110,17 +112,50 @@ class Dispatcher:
         card = self.resolve(request.model)
         backend = self.backend_for(card)
         check_capabilities(request, backend.capabilities(card), card.name)
-        runner = await self._runner(card, backend)
-        events = runner.generate(request)
+        instance = await self.instances.acquire(card)
+        if not isinstance(instance.state, Ready) and request.stream:
+            return self._after_ready(instance, card, backend, request)
+        return await self._start(instance, card, backend, request)
+
+    async def _start(self, instance: Instance, card: ModelCard, backend: Backend, request: Request,
+                     retry: bool = True) -> AsyncIterator[Event]:
+        if not isinstance(instance.state, Ready):
+            instance = await self.instances.wait_ready(instance.id)
+        urls = {node: status.url for node, status in instance.runners.items() if status.url}
+        events = backend.connect(card, instance.placement, urls).generate(request)
         first = await anext(events)
         if isinstance(first, Failed):
             await events.aclose()
-            raise error_from_info(first.error)
+            error = error_from_info(first.error)
+            if retry and isinstance(error, BackendUnavailable):
+                log.warning("instance %s unreachable (%s); re-placing", instance.id, error.message)
+                await self.instances.report_unreachable(instance, error.message)
+                replacement = await self.instances.acquire(card)
+                return await self._start(replacement, card, backend, request, retry=False)
+            raise error
         return _chain(first, events)
 
-    async def close(self) -> None:
-        runners, self._runners = list(self._runners.values()), {}
-        await asyncio.gather(*(r.close() for r in runners), return_exceptions=True)
+    async def _after_ready(self, instance: Instance, card: ModelCard, backend: Backend,
+                           request: Request) -> AsyncIterator[Event]:
+        """Keep-alives while the instance comes up, then the generation (errors as ``Failed``)."""
+        waiting = asyncio.ensure_future(self._start(instance, card, backend, request))
+        try:
+            while True:
+                done, _ = await asyncio.wait({waiting}, timeout=KEEPALIVE_EVERY)
+                if done:
+                    break
+                yield KeepAlive()
+            try:
+                events = waiting.result()
+            except GatewayError as exc:
+                yield Failed(error=exc.info())
+                return
+            async with contextlib.aclosing(events):
+                async for event in events:
+                    yield event
+        finally:
+            if not waiting.done():
+                waiting.cancel()
 
 
 async def _chain(first: Event, rest: AsyncIterator[Event]) -> AsyncIterator[Event]:

@@ -20,8 +20,7 @@ from plugins.settings import Settings
 @hookimpl
 def meshgate_register_backends(register: Callable[[Backend], None], settings: Settings,
                                http: httpx.AsyncClient) -> None:
-    register(LlamaCppBackend(http, python=settings.runner_python, n_ctx=settings.n_ctx, threads=settings.threads,
-                             host=settings.runner_host))
+    register(LlamaCppBackend(http, python=settings.runner_python, n_ctx=settings.n_ctx, threads=settings.threads))
 
 
 @hookimpl

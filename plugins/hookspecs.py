@@ -29,6 +29,7 @@ if TYPE_CHECKING:
     import httpx
 
     from backends.base import Backend, ModelCard, ModelSource
+    from backends.placement import Candidate, Topology
     from plugins.settings import Settings
 
 __all__ = ["PROJECT", "hookimpl", "hookspec"]
@@ -73,6 +74,21 @@ def meshgate_choose_backend(card: ModelCard, backends: Sequence[Backend]) -> Bac
     :param backends: Every registered backend, in registration order (not only those that support ``card``).
     :return: The chosen backend, or ``None`` to leave the choice to other plugins (the built-in policy picks
         the first backend whose ``supports(card)`` is true).
+
+    .. versionadded:: 0.1
+    """
+
+
+@hookspec(firstresult=True)
+def meshgate_rank_candidates(candidates: list[Candidate], topology: Topology) -> list[Candidate] | None:
+    """Order placement candidates, best first (the placement policy).
+
+    Stops at first non-None result.
+
+    :param candidates: The fitting candidates the planner found for one model (rejected ones are not passed).
+    :param topology: The frozen topology snapshot they were planned on.
+    :return: The candidates in preference order (a plugin may drop some), or ``None`` to leave the order to
+        other plugins (the built-in policy: fewest nodes, then fastest, then least link cost, then most headroom).
 
     .. versionadded:: 0.1
     """

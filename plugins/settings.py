@@ -41,8 +41,14 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
         n_ctx: Context length for llama.cpp runners (capped by the model's own).
         threads: Threads per runner; all cores when unset.
         runner_python: Interpreter for runner processes (a runtime's own virtual environment).
-        runner_host: Address runner processes bind (loopback by default; never a public interface).
         log_level: uvicorn/logging level.
+        redis: Redis URL for cluster state; without it state is in memory and the gateway embeds a local agent.
+        node_name: This node's name (agents); the host name by default.
+        cluster_address: Address this node's agent and runtime processes bind (loopback by default).
+        agent_port: Port of the agent's link-probe endpoint (0 picks a free one).
+        heartbeat: Seconds between an agent's heartbeats.
+        node_ttl: Seconds without a heartbeat after which a node leaves the topology.
+        placement: ``auto`` places a model on its first request; ``never`` requires ``POST /instances``.
     """
 
     host: str = "127.0.0.1"
@@ -55,8 +61,14 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     n_ctx: int = 4096
     threads: int | None = None
     runner_python: str | None = None
-    runner_host: str = "127.0.0.1"
     log_level: str = "info"
+    redis: str | None = None
+    node_name: str | None = None
+    cluster_address: str = "127.0.0.1"
+    agent_port: int = 0
+    heartbeat: float = 1.0
+    node_ttl: float = 3.0
+    placement: str = "auto"
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str], **overrides: Any) -> Settings:

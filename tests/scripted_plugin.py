@@ -7,9 +7,10 @@ echoed back word by word. It never ships as a default: only tests load it.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 
 from backends.base import Backend, Capabilities, ModelCard, ModelSource
+from backends.placement import Candidate, ModelSpec, Shard
 from plugins.hookspecs import hookimpl
 from protocols.model import (
     ErrorInfo,
@@ -48,9 +49,6 @@ SCRIPTS: dict[str, list[Event]] = {
 
 
 class ScriptedRunner:
-    card = CARD
-    alive = True
-
     async def generate(self, request: Request) -> AsyncIterator[Event]:
         last = request.messages[-1].text.strip() if request.messages else (request.raw_prompt or "")
         script = SCRIPTS.get(last)
@@ -62,9 +60,6 @@ class ScriptedRunner:
             await asyncio.sleep(0)
             yield event
 
-    async def close(self) -> None:
-        pass
-
 
 class ScriptedBackend:
     name = "scripted"
@@ -75,8 +70,29 @@ class ScriptedBackend:
     def capabilities(self, card: ModelCard) -> Capabilities:
         return Capabilities(tools=True, vision=True, json_schema=True, reasoning=True)
 
-    async def start(self, card: ModelCard) -> ScriptedRunner:
+    def strategies(self, card: ModelCard) -> frozenset[str]:
+        return frozenset({"single"})
+
+    def spec(self, card: ModelCard) -> ModelSpec:
+        return ModelSpec(name=card.name, n_layers=1, hidden_size=8, n_heads=1, n_kv_heads=1, head_dim=8,
+                         context_length=card.context_length, layer_bytes=1 << 20)
+
+    async def launch(self, card: ModelCard, placement: Candidate, shard: Shard, *, host: str) -> InProcess:
+        return InProcess()
+
+    def connect(self, card: ModelCard, placement: Candidate, urls: Mapping[str, str]) -> ScriptedRunner:
         return ScriptedRunner()
+
+
+class InProcess:
+    """Nothing to start: this backend generates inside the gateway."""
+
+    url = "inproc://"
+    pid = None
+    alive = True
+
+    async def stop(self) -> None:
+        pass
 
 
 class ScriptedSource:

@@ -8,7 +8,8 @@ import argparse
 def test_defaults_are_loopback_on_ollamas_port(monkeypatch):
     monkeypatch.setenv("XDG_DATA_HOME", "/xdg")
     s = Settings.from_env({})
-    assert (s.host, s.port, s.runner_host) == ("127.0.0.1", 11434, "127.0.0.1")
+    assert (s.host, s.port, s.cluster_address) == ("127.0.0.1", 11434, "127.0.0.1")
+    assert s.redis is None and s.placement == "auto"
     assert s.data_dir == "/xdg/meshgate" == default_data_dir()
 
 
@@ -24,6 +25,7 @@ def test_environment_and_overrides():
 def test_cli_flags_extend_environment_lists(monkeypatch):
     monkeypatch.setenv("MESHGATE_MODELS", "a=/x.gguf")
     args = argparse.Namespace(host=None, port=1234, data_dir="/d", log_level=None, n_ctx=None, threads=None,
+                              redis=None, name=None, address=None, placement=None,
                               model=["b=/y.gguf"], plugin=[], api_key=[])
     s = _settings(args)
     assert s.port == 1234 and s.data_dir == "/d" and s.models == ("a=/x.gguf", "b=/y.gguf")

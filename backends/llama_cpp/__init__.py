@@ -1,42 +1,52 @@
 """llama.cpp through llama-cpp-python: GGUF models, each served by a runner process.
 
-``LlamaCppBackend`` is the gateway-side half: it starts ``python -m backends.llama_cpp.runner`` for a model and
-hands back a ``LlamaCppRunner`` that speaks the internal streaming protocol to it. llama-cpp-python itself is
+``LlamaCppBackend.launch`` (in a node agent) starts ``python -m backends.llama_cpp.runner`` for a shard;
+``LlamaCppBackend.connect`` (in the gateway) gives a ``LlamaCppRunner`` that speaks the internal streaming protocol
+to the head runner. llama-cpp-python itself is
 only ever imported inside the runner process, so a crash in the runtime cannot take the gateway down.
 """
 
 from __future__ import annotations
 
 import sys
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 
 import httpx
 
 from backends.base import Capabilities, ModelCard
+from backends.llama_cpp.gguf import read_metadata, tensor_sizes
+from backends.placement import Candidate, ModelSpec, Shard, Strategy
 from backends.runner.client import RunnerClient
 from backends.runner.process import RunnerProcess
 from protocols.model import Event, Request
 
-__all__ = ["LlamaCppBackend", "LlamaCppRunner"]
+__all__ = ["LaunchedRunner", "LlamaCppBackend", "LlamaCppRunner", "spec_from_gguf"]
 
 
 class LlamaCppRunner:
-    """A running llama.cpp runner process for one model."""
+    """The gateway's client for a llama.cpp head runner."""
 
-    def __init__(self, card: ModelCard, process: RunnerProcess, client: RunnerClient) -> None:
-        self.card = card
-        self.process = process
+    def __init__(self, client: RunnerClient) -> None:
         self.client = client
-
-    @property
-    def alive(self) -> bool:
-        return self.process.alive
 
     async def generate(self, request: Request) -> AsyncIterator[Event]:
         async for event in self.client.generate(request):
             yield event
 
-    async def close(self) -> None:
+
+class LaunchedRunner:
+    """A runner process an agent started for one shard."""
+
+    def __init__(self, process: RunnerProcess, host: str) -> None:
+        self.process = process
+        self.pid: int | None = process.pid
+        self.url: str | None = f"http://{_url_host(host)}:{process.port}"
+
+    @property
+    def alive(self) -> bool:
+        return self.process.alive
+
+    async def stop(self) -> None:
         await self.process.stop()
 
 
@@ -46,12 +56,11 @@ class LlamaCppBackend:
     name = "llama_cpp"
 
     def __init__(self, http: httpx.AsyncClient, *, python: str | None = None, n_ctx: int = 4096,
-                 threads: int | None = None, host: str = "127.0.0.1", ready_timeout: float = 120.0) -> None:
+                 threads: int | None = None, ready_timeout: float = 120.0) -> None:
         self.http = http
         self.python = python or sys.executable
         self.n_ctx = n_ctx
         self.threads = threads
-        self.host = host
         self.ready_timeout = ready_timeout
 
     def supports(self, card: ModelCard) -> bool:
@@ -60,10 +69,49 @@ class LlamaCppBackend:
     def capabilities(self, card: ModelCard) -> Capabilities:
         return Capabilities(tools=False, vision=False, json_schema=True, raw_prompt=True)
 
-    async def start(self, card: ModelCard) -> LlamaCppRunner:
-        argv = [self.python, "-m", "backends.llama_cpp.runner", "--model", card.path, "--host", self.host,
-                "--n-ctx", str(min(self.n_ctx, card.context_length or self.n_ctx))]
+    def strategies(self, card: ModelCard) -> frozenset[Strategy]:
+        return frozenset({"single"})
+
+    def context(self, card: ModelCard) -> int:
+        return min(self.n_ctx, card.context_length or self.n_ctx)
+
+    def spec(self, card: ModelCard) -> ModelSpec:
+        return spec_from_gguf(card.name, card.path)
+
+    async def launch(self, card: ModelCard, placement: Candidate, shard: Shard, *, host: str) -> LaunchedRunner:
+        argv = [self.python, "-m", "backends.llama_cpp.runner", "--model", card.path, "--host", host,
+                "--n-ctx", str(placement.context or self.context(card))]
         if self.threads:
             argv += ["--threads", str(self.threads)]
         process = await RunnerProcess.start(argv, name=card.name, ready_timeout=self.ready_timeout)
-        return LlamaCppRunner(card, process, RunnerClient(f"http://{self.host}:{process.port}", self.http))
+        return LaunchedRunner(process, host)
+
+    def connect(self, card: ModelCard, placement: Candidate, urls: Mapping[str, str]) -> LlamaCppRunner:
+        head = next(s.node_id for s in placement.shards if s.layer_start == 0)
+        return LlamaCppRunner(RunnerClient(urls[head], self.http))
+
+
+def _url_host(host: str) -> str:
+    return f"[{host}]" if ":" in host else host
+
+
+def spec_from_gguf(name: str, path: str) -> ModelSpec:
+    """The planner's view of a GGUF: shape from its metadata, sizes from its tensor table."""
+    meta = read_metadata(path)
+    arch = meta.get("general.architecture", "")
+    sizes = tensor_sizes(path)
+    n_layers = int(meta.get(f"{arch}.block_count", 1))
+    hidden = int(meta.get(f"{arch}.embedding_length", 0))
+    n_heads = int(meta.get(f"{arch}.attention.head_count", 1))
+    layer_total = sum(v for k, v in sizes.items() if k.startswith("blk."))
+    output = sizes.get("output.weight", 0)
+    return ModelSpec(
+        name=name, n_layers=n_layers, hidden_size=hidden, n_heads=n_heads,
+        n_kv_heads=int(meta.get(f"{arch}.attention.head_count_kv", n_heads)),
+        head_dim=int(meta.get(f"{arch}.attention.key_length", hidden // max(n_heads, 1))),
+        context_length=int(meta.get(f"{arch}.context_length", 2048)),
+        layer_bytes=-(-layer_total // max(n_layers, 1)),
+        embedding_bytes=sizes.get("token_embd.weight", 0),
+        output_bytes=output + sum(v for k, v in sizes.items() if k.startswith("output_norm")),
+        tied_output=output == 0,
+    )

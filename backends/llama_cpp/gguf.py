@@ -9,7 +9,7 @@ from __future__ import annotations
 import struct
 from typing import Any, BinaryIO
 
-__all__ = ["FILE_TYPES", "read_metadata"]
+__all__ = ["FILE_TYPES", "read_metadata", "tensor_sizes"]
 
 _SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
 _STRING, _ARRAY = 8, 9
@@ -47,17 +47,40 @@ def _value(f: BinaryIO, kind: int, keep_arrays: bool) -> Any:
     raise ValueError(f"unknown GGUF value type {kind}")
 
 
+def _header(f: BinaryIO, path: str) -> tuple[int, dict[str, Any]]:
+    if f.read(4) != b"GGUF":
+        raise ValueError(f"{path} is not a GGUF file")
+    version = _read(f, "<I")
+    if version < 2:
+        raise ValueError(f"GGUF version {version} is not supported")
+    n_tensors, count = _read(f, "<Q"), _read(f, "<Q")
+    meta: dict[str, Any] = {}
+    for _ in range(count):
+        key = _string(f)
+        meta[key] = _value(f, _read(f, "<I"), keep_arrays=False)
+    return n_tensors, meta
+
+
 def read_metadata(path: str) -> dict[str, Any]:
     """The GGUF key/value metadata; arrays are replaced by their length."""
     with open(path, "rb") as f:
-        if f.read(4) != b"GGUF":
-            raise ValueError(f"{path} is not a GGUF file")
-        version = _read(f, "<I")
-        if version < 2:
-            raise ValueError(f"GGUF version {version} is not supported")
-        _tensors, count = _read(f, "<Q"), _read(f, "<Q")
-        meta: dict[str, Any] = {}
-        for _ in range(count):
-            key = _string(f)
-            meta[key] = _value(f, _read(f, "<I"), keep_arrays=False)
-        return meta
+        return _header(f, path)[1]
+
+
+def tensor_sizes(path: str) -> dict[str, int]:
+    """Bytes each tensor occupies in the file, by tensor name (from the gaps between data offsets)."""
+    with open(path, "rb") as f:
+        n_tensors, meta = _header(f, path)
+        offsets = []
+        for _ in range(n_tensors):
+            name = _string(f)
+            n_dims = _read(f, "<I")
+            f.seek(8 * n_dims + 4, 1)  # dims, type
+            offsets.append((_read(f, "<Q"), name))
+        alignment = int(meta.get("general.alignment", 32))
+        data_start = -(-f.tell() // alignment) * alignment
+        f.seek(0, 2)
+        data_size = f.tell() - data_start
+    offsets.sort()
+    ends = [o for o, _ in offsets[1:]] + [data_size]
+    return {name: end - start for (start, name), end in zip(offsets, ends)}

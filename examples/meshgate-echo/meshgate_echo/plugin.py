@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 
 from backends.base import Capabilities, ModelCard
+from backends.placement import Candidate, ModelSpec, Shard
 from plugins.hookspecs import hookimpl
 from protocols.model import Event, Finished, Request, TextDelta, Usage
 
@@ -13,9 +14,6 @@ CARD = ModelCard(name="echo:latest", path="", format="echo", family="echo", para
 
 
 class EchoRunner:
-    card = CARD
-    alive = True
-
     async def generate(self, request: Request) -> AsyncIterator[Event]:
         text = request.messages[-1].text if request.messages else (request.raw_prompt or "")
         words = text.split()
@@ -25,9 +23,6 @@ class EchoRunner:
             yield TextDelta(text=word if i == 0 else " " + word)
         yield Usage(prompt_tokens=len(words), completion_tokens=limit)
         yield Finished(reason="length" if limit < len(words) else "stop")
-
-    async def close(self) -> None:
-        pass
 
 
 class EchoBackend:
@@ -39,8 +34,29 @@ class EchoBackend:
     def capabilities(self, card: ModelCard) -> Capabilities:
         return Capabilities()
 
-    async def start(self, card: ModelCard) -> EchoRunner:
+    def strategies(self, card: ModelCard) -> frozenset[str]:
+        return frozenset({"single"})
+
+    def spec(self, card: ModelCard) -> ModelSpec:
+        return ModelSpec(name=card.name, n_layers=1, hidden_size=8, n_heads=1, n_kv_heads=1, head_dim=8,
+                         context_length=card.context_length, layer_bytes=1 << 20)
+
+    async def launch(self, card: ModelCard, placement: Candidate, shard: Shard, *, host: str) -> InProcess:
+        return InProcess()
+
+    def connect(self, card: ModelCard, placement: Candidate, urls: Mapping[str, str]) -> EchoRunner:
         return EchoRunner()
+
+
+class InProcess:
+    """Nothing to start: this backend generates inside the gateway."""
+
+    url = "inproc://"
+    pid = None
+    alive = True
+
+    async def stop(self) -> None:
+        pass
 
 
 class EchoSource:

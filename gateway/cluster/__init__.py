@@ -1,0 +1,1 @@
+"""The control plane: state store, planner, instances, node agent."""

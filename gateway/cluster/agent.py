@@ -1,0 +1,237 @@
+"""The node agent (``meshgate node``, or embedded in a single-machine gateway).
+
+It registers its node with a heartbeat TTL, measures latency and bandwidth to the other agents, and reconciles:
+every shard the stored instances place on this node gets a process (``Backend.launch``), reported back as a
+``RunnerStatus``; processes whose instance is gone, failed or re-placed are stopped; a process that dies is
+reported failed. Runtime processes bind to the node's cluster address, never a public one by default.
+
+It serves two tiny endpoints for link probes (``GET /ping``, ``GET /blob?bytes=N``) on the cluster address.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import socket
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import httpx
+
+from backends.base import Backend, Launched, ModelCard
+from backends.placement import Link, NodeId
+from gateway.cluster.node import describe_node, measure_flops
+from gateway.cluster.records import Failed, Instance, RunnerStatus
+from gateway.cluster.store import StateStore
+
+__all__ = ["NodeAgent"]
+
+log = logging.getLogger("meshgate.agent")
+_BLOB = b"\0" * (1 << 20)
+
+
+class NodeAgent:
+    """One machine's agent: heartbeat, link probes, shard processes."""
+
+    def __init__(self, store: StateStore, backends: Sequence[Backend], resolve: Callable[[str], ModelCard], *,
+                 choose: Callable[..., Backend | None], name: str | None = None, address: str = "127.0.0.1",
+                 port: int = 0, heartbeat: float = 1.0, ttl: float = 3.0, probe_every: float = 30.0,
+                 probe_bytes: int = 4 << 20) -> None:
+        self.store = store
+        self.backends = list(backends)
+        self.resolve = resolve
+        self.choose = choose
+        self.name = name or socket.gethostname()
+        self.node_id = NodeId(self.name)
+        self.address = address
+        self.port = port
+        self.heartbeat = heartbeat
+        self.ttl = ttl
+        self.probe_every = probe_every
+        self.probe_bytes = probe_bytes
+        self.launched: dict[str, tuple[int, Launched]] = {}
+        self._starting: dict[str, asyncio.Task] = {}
+        self._tasks: list[asyncio.Task] = []
+        self._flops = measure_flops()
+        self._server: Any = None
+        self._wake = asyncio.Event()
+
+    @property
+    def agent_url(self) -> str:
+        host = f"[{self.address}]" if ":" in self.address else self.address
+        return f"http://{host}:{self.port}"
+
+    async def start(self) -> None:
+        await self._serve_probes()
+        await self._register()
+        await self.store.append_event("node.joined", f"node {self.name} joined", node_id=self.node_id)
+        self._tasks += [asyncio.create_task(c, name=n) for n, c in (
+            ("agent-heartbeat", self._heartbeat_loop()), ("agent-reconcile", self._reconcile_loop()),
+            ("agent-watch", self._watch()), ("agent-probe", self._probe_loop()))]
+
+    async def close(self, *, deregister: bool = True) -> None:
+        for task in [*self._tasks, *self._starting.values()]:
+            task.cancel()
+        for task in [*self._tasks, *self._starting.values()]:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+        await asyncio.gather(*(launched.stop() for _, launched in self.launched.values()), return_exceptions=True)
+        self.launched.clear()
+        if deregister:
+            with contextlib.suppress(Exception):
+                await self.store.remove_node(self.node_id)
+                await self.store.append_event("node.left", f"node {self.name} left", node_id=self.node_id)
+        if self._server is not None:
+            self._server.should_exit = True
+
+    # ------------------------------------------------------------------------------------------- heartbeat
+
+    async def _register(self) -> None:
+        node = describe_node(self.name, self.address, self.agent_url, flops=self._flops)
+        await self.store.put_node(node, self.ttl)
+
+    async def _heartbeat_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.heartbeat)
+            try:
+                await self._register()
+            except Exception:
+                log.exception("heartbeat failed")
+
+    # ------------------------------------------------------------------------------------------- shards
+
+    async def _watch(self) -> None:
+        async for _ in self.store.watch():
+            self._wake.set()
+
+    async def _reconcile_loop(self) -> None:
+        while True:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._wake.wait(), 0.5)
+            self._wake.clear()
+            try:
+                await self.reconcile()
+            except Exception:
+                log.exception("agent reconcile failed")
+
+    async def reconcile(self) -> None:
+        """Start what is placed here, stop what is not, report processes that died."""
+        wanted: dict[str, Instance] = {}
+        for instance in await self.store.instances():
+            if isinstance(instance.state, Failed):
+                continue
+            if any(s.node_id == self.node_id for s in instance.placement.shards):
+                wanted[instance.id] = instance
+        for instance_id, (epoch, launched) in list(self.launched.items()):
+            instance = wanted.get(instance_id)
+            if instance is None or instance.epoch != epoch:
+                del self.launched[instance_id]
+                await launched.stop()
+                log.info("stopped shard of %s (epoch %s)", instance_id, epoch)
+            elif not launched.alive:
+                del self.launched[instance_id]
+                await self._report(instance, "failed", error="the runner process exited")
+        for instance_id, instance in wanted.items():
+            if instance_id in self.launched or instance_id in self._starting:
+                continue
+            status = instance.runners.get(self.node_id)
+            if status is not None and status.epoch == instance.epoch and status.state == "failed":
+                continue  # reported; the gateway re-places it
+            self._starting[instance_id] = asyncio.create_task(self._launch(instance))
+
+    async def _launch(self, instance: Instance) -> None:
+        try:
+            shard = next(s for s in instance.placement.shards if s.node_id == self.node_id)
+            await self._report(instance, "starting")
+            card = self.resolve(instance.model)
+            backend = next((b for b in self.backends if b.name == instance.placement.backend), None)
+            if backend is None:
+                raise RuntimeError(f"backend {instance.placement.backend} is not installed on {self.name}")
+            launched = await backend.launch(card, instance.placement, shard, host=self.address)
+            self.launched[instance.id] = (instance.epoch, launched)
+            await self._report(instance, "ready", url=launched.url, pid=launched.pid)
+            log.info("started shard of %s on %s: %s", instance.model, self.name, launched.url)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            log.warning("could not start %s: %s", instance.model, exc)
+            await self._report(instance, "failed", error=str(exc) or type(exc).__name__)
+        finally:
+            self._starting.pop(instance.id, None)
+            self._wake.set()
+
+    async def _report(self, instance: Instance, state: str, *, url: str | None = None, pid: int | None = None,
+                      error: str | None = None) -> None:
+        await self.store.update_runner(instance.id, RunnerStatus(
+            node_id=self.node_id, state=state, url=url, pid=pid, error=error, epoch=instance.epoch))
+
+    # ------------------------------------------------------------------------------------------- links
+
+    async def _probe_loop(self) -> None:
+        await asyncio.sleep(0.2)
+        while True:
+            try:
+                await self.probe_links()
+            except Exception:
+                log.exception("link probe failed")
+            await asyncio.sleep(self.probe_every)
+
+    async def probe_links(self) -> list[Link]:
+        """Measure latency (best of 5 pings, halved) and bandwidth (one blob) to every other agent."""
+        links = []
+        async with httpx.AsyncClient(timeout=10.0, trust_env=False) as http:
+            for node in await self.store.nodes():
+                if node.id == self.node_id or not node.agent_url:
+                    continue
+                try:
+                    rtts = []
+                    for _ in range(5):
+                        started = time.perf_counter()
+                        (await http.get(f"{node.agent_url}/ping")).raise_for_status()
+                        rtts.append(time.perf_counter() - started)
+                    started = time.perf_counter()
+                    body = (await http.get(f"{node.agent_url}/blob", params={"bytes": self.probe_bytes})).content
+                    elapsed = max(time.perf_counter() - started - min(rtts), 1e-6)
+                except httpx.HTTPError as exc:
+                    log.info("cannot probe %s: %s", node.id, exc)
+                    continue
+                link = Link(src=self.node_id, dst=node.id, latency=min(rtts) / 2, bandwidth=len(body) / elapsed,
+                            measured_at=time.time())
+                await self.store.put_link(link)
+                links.append(link)
+        return links
+
+    async def _serve_probes(self) -> None:
+        import uvicorn
+
+        family = socket.AF_INET6 if ":" in self.address else socket.AF_INET
+        sock = socket.socket(family, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((self.address, self.port))
+        sock.listen(64)
+        self.port = sock.getsockname()[1]
+        config = uvicorn.Config(_probe_app, log_level="warning", access_log=False, lifespan="off")
+        self._server = uvicorn.Server(config)
+        self._server.install_signal_handlers = lambda: None  # type: ignore[method-assign]
+        self._tasks.append(asyncio.create_task(self._server.serve(sockets=[sock]), name="agent-probes"))
+
+
+async def _probe_app(scope: dict[str, Any], receive: Callable[..., Any], send: Callable[..., Any]) -> None:
+    if scope["type"] != "http":
+        return
+    if scope["path"] == "/blob":
+        query = dict(p.split("=", 1) for p in scope.get("query_string", b"").decode().split("&") if "=" in p)
+        size = min(int(query.get("bytes", len(_BLOB))), 64 << 20)
+        await send({"type": "http.response.start", "status": 200,
+                    "headers": [(b"content-type", b"application/octet-stream"),
+                                (b"content-length", str(size).encode())]})
+        while size > 0:
+            chunk = _BLOB[:min(size, len(_BLOB))]
+            size -= len(chunk)
+            await send({"type": "http.response.body", "body": chunk, "more_body": size > 0})
+        return
+    status, body = (200, b"pong") if scope["path"] == "/ping" else (404, b"not found")
+    await send({"type": "http.response.start", "status": status, "headers": [(b"content-type", b"text/plain")]})
+    await send({"type": "http.response.body", "body": body})

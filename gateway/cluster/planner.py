@@ -1,0 +1,339 @@
+"""The placement planner: a pure function from a model spec, a topology snapshot and the backends on offer to
+ranked candidate placements (``plan``), plus the default ranking policy (``default_rank``).
+
+No I/O, no Redis, no asyncio: previews, ``meshgate place`` and instance creation call the same function over a
+frozen ``Topology``. Imports only ``backends.placement``, the standard library and msgspec.
+
+Estimates, per decoded token at batch size one (units: bytes, seconds, bytes/second):
+
+* Memory of a shard = its weights + KV cache for ``context`` tokens over its layers (``ModelSpec.kv_bytes``) +
+  the backend's runtime overhead. It fits when that is at most the node's ``memory_available``.
+* Compute: a shard's matmuls cost ``2 * PARAMS_PER_BYTE * bytes`` FLOPs (2 FLOPs per parameter; a ~4-bit
+  quantized model has about 2 parameters per byte), taking that over ``Node.flops`` seconds. Agents report no
+  memory bandwidth, so the bandwidth bound is not modelled apart from what the flops measurement captures.
+  An untied embedding is a lookup, not a matmul, and costs nothing.
+* single: time = compute.  pipeline: stages run one after another, time = sum of stage times + link cost, where
+  each of the k-1 hops carries one hidden state of ``hidden_size * 2`` bytes: latency + bytes / bandwidth.
+  tensor: ranks work at once, time = slowest rank's compute (1/k of the model) + link cost, where every layer
+  runs two all-reduces of ``hidden_size * 2`` bytes, each a ring of 2(k-1) steps of latency + bytes/k/bandwidth
+  on the group's worst link; latency dominates, so every pair of ranks must be under ``TENSOR_MAX_LATENCY``.
+  tok_s = 1 / time.
+* Links: a hop uses the measured ``src -> dst`` link, else the reverse one (paths are taken as symmetric);
+  neither measured means unknown, and a candidate that needs it is rejected. A node needs no link to itself.
+
+Node choice, so 1,000 nodes plan in well under 100 ms: nodes are ordered greedily (most available memory, then
+fastest, then id). Single tries the fastest nodes that fit (or, when none does, the roomiest). Pipeline and
+tensor start from each of the first ``ALTERNATIVES`` nodes and grow one node at a time, pipeline through the
+tail's best linked neighbour, tensor through the best node with fast links to every rank so far; sizes below
+the smallest k whose k roomiest nodes could hold the model are skipped, and growth stops at the first size
+that fits (so the smallest set wins) or once a link is missing or too slow. Hybrid (tensor inside pipeline
+stages) is not planned: an offer of "hybrid" alone yields nothing.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import heapq
+import math
+from collections.abc import Callable, Iterator, Sequence
+from itertools import accumulate, combinations, pairwise
+
+import msgspec
+
+from backends.placement import Candidate, Link, ModelSpec, Node, NodeId, Shard, Strategy, Topology
+
+__all__ = ["ACTIVATION_BYTES", "ALTERNATIVES", "PARAMS_PER_BYTE", "TENSOR_MAX_LATENCY", "BackendOffer", "Rank",
+           "default_rank", "plan"]
+
+MiB = 1 << 20
+GiB = 1 << 30
+PARAMS_PER_BYTE = 2.0
+"""Parameters per weight byte, for the FLOP estimate (2 for ~4-bit quantized weights, 0.5 for fp16)."""
+ACTIVATION_BYTES = 2
+"""Bytes per hidden-state element sent between nodes (fp16)."""
+TENSOR_MAX_LATENCY = 0.002
+"""Slowest link (seconds) tensor parallel ranks may be joined by."""
+ALTERNATIVES = 3
+"""How many seed nodes multi-node growth starts from, and how many single-node candidates that fit to offer."""
+
+Rank = Callable[[list[Candidate], Topology], list[Candidate]]
+_STRATEGIES: tuple[Strategy, ...] = ("single", "pipeline", "tensor", "hybrid")
+_Next = Callable[[list[Node], set[str], Iterator[Node]], tuple[Node, bool] | None]
+
+
+class BackendOffer(msgspec.Struct, frozen=True, kw_only=True):
+    """What one backend offers for a model.
+
+    Attributes:
+        backend: The backend's name, copied into each candidate.
+        strategies: Any of "single", "pipeline", "tensor", "hybrid" (hybrid is not planned yet).
+        overhead_bytes: Runtime memory per shard beyond weights and KV cache (buffers, the process itself).
+        required_runtime: When set, only nodes whose ``Node.runtimes`` has this key are eligible.
+    """
+
+    backend: str
+    strategies: frozenset[str]
+    overhead_bytes: int = 64 * MiB
+    required_runtime: str | None = None
+
+
+def plan(spec: ModelSpec, topology: Topology, backends: Sequence[BackendOffer], *, context: int | None = None,
+         nodes: Sequence[NodeId] | None = None, rank: Rank | None = None,
+         max_nodes: int | None = None) -> list[Candidate]:
+    """Every placement considered for ``spec`` on ``topology``: fitting ones best first, then rejected ones.
+
+    Args:
+        spec: The model.
+        topology: A snapshot of nodes and measured links.
+        backends: The backends that may run it, each with its strategies, overhead and required runtime.
+        context: Tokens of KV cache to reserve; ``spec.context_length`` when None.
+        nodes: Only place on these node ids (ids not in the topology are ignored).
+        rank: Orders the fitting candidates, best first; ``default_rank`` when None.
+        max_nodes: Use at most this many nodes per candidate.
+
+    Returns:
+        Fitting candidates in ``rank`` order, then rejected ones (``fits=False``, ``reason`` in words) in the
+        order considered. Candidates with the same id are listed once.
+    """
+    ctx = spec.context_length if context is None else context
+    allowed = None if nodes is None else set(nodes)
+    links = {(link.src, link.dst): link for link in topology.links}
+    views: dict[str | None, _View] = {}
+    considered: dict[str, Candidate] = {}
+    for offer in backends:
+        runtime = offer.required_runtime
+        if runtime not in views:
+            eligible = [n for n in topology.nodes
+                        if (allowed is None or n.id in allowed) and (runtime is None or runtime in n.runtimes)]
+            views[runtime] = _View(eligible, links)
+        for candidate in _Planner(spec, offer, ctx, views[runtime]).candidates(max_nodes):
+            considered.setdefault(candidate.id, candidate)
+    fitting = [c for c in considered.values() if c.fits]
+    rejected = [c for c in considered.values() if not c.fits]
+    return (rank or default_rank)(fitting, topology) + rejected
+
+
+def default_rank(candidates: list[Candidate], topology: Topology) -> list[Candidate]:
+    """Fewest nodes first, then highest tok/s, then lowest link cost, then most memory headroom (on the tightest
+    node), then id, so the order is total."""
+    available = {n.id: n.memory_available for n in topology.nodes}
+
+    def headroom(c: Candidate) -> int:
+        return min((available.get(NodeId(nid), 0) - used for nid, used in c.memory_per_node.items()), default=0)
+
+    return sorted(candidates, key=lambda c: (len(c.memory_per_node), -c.tok_s, c.link_cost, -headroom(c), c.id))
+
+
+class _View:
+    """Indexes over the eligible nodes for one plan() call: by id, in greedy order, neighbours in greedy order."""
+
+    def __init__(self, nodes: list[Node], links: dict[tuple[str, str], Link]) -> None:
+        self.nodes = {n.id: n for n in nodes}
+        self.order = sorted(nodes, key=_greedy)
+        self.links = links
+        self.roomiest = list(accumulate(n.memory_available for n in self.order))
+        adjacent: dict[str, set[str]] = {n.id: set() for n in nodes}
+        for src, dst in links:
+            if src != dst and src in adjacent and dst in adjacent:
+                adjacent[src].add(dst)
+                adjacent[dst].add(src)
+        self.neighbours = {nid: sorted((self.nodes[m] for m in ms), key=_greedy) for nid, ms in adjacent.items()}
+
+    def link(self, a: str, b: str) -> Link | None:
+        return self.links.get((a, b)) or self.links.get((b, a))
+
+
+class _Planner:
+    """The candidates one backend offer yields on one view."""
+
+    def __init__(self, spec: ModelSpec, offer: BackendOffer, context: int, view: _View) -> None:
+        self.spec, self.offer, self.ctx, self.view = spec, offer, context, view
+
+    def candidates(self, max_nodes: int | None) -> Iterator[Candidate]:
+        offered = [s for s in _STRATEGIES if s in self.offer.strategies]
+        if not offered:
+            return
+        if not self.view.order:
+            yield self._finish(offered[0], (), 0.0, 0.0, [self._nobody()])
+            return
+        limit = len(self.view.order) if max_nodes is None else min(max_nodes, len(self.view.order))
+        if "single" in offered and limit >= 1:
+            yield from self._singles()
+        if "pipeline" in offered:
+            yield from self._grow(min(limit, self.spec.n_layers), self._next_stage, self.pipeline)
+        if "tensor" in offered:
+            yield from self._grow(min(limit, self.spec.n_heads), self._next_rank, self.tensor, tensor=True)
+
+    def _nobody(self) -> str:
+        runtime = self.offer.required_runtime
+        return f"no eligible node has the {runtime} runtime" if runtime else "no nodes to place on"
+
+    # ------------------------------------------------------------------------------------------ node choice
+
+    def _singles(self) -> Iterator[Candidate]:
+        need = self.spec.weight_bytes + self.spec.kv_bytes(self.ctx) + self.offer.overhead_bytes
+        fit = sorted((n for n in self.view.order if n.memory_available >= need), key=lambda n: (-n.flops, n.id))
+        for node in fit[:ALTERNATIVES] or self.view.order[:1]:
+            yield self.pipeline([node], "single")
+
+    def _smallest_size(self, limit: int) -> int:
+        """The smallest k >= 2 whose k roomiest nodes could hold the model at all; ``limit`` when none can."""
+        total = self.spec.weight_bytes + self.spec.kv_bytes(self.ctx)
+        for k in range(2, limit + 1):
+            if self.view.roomiest[k - 1] >= total + k * self.offer.overhead_bytes:
+                return k
+        return limit
+
+    def _grow(self, limit: int, next_node: _Next, build: Callable[[list[Node]], Candidate], *,
+              tensor: bool = False) -> Iterator[Candidate]:
+        """From each seed, add nodes one at a time; emit a candidate per size from the smallest plausible one
+        until one fits or a link is missing or too slow (every larger group from this seed would share it)."""
+        if limit < 2:
+            return
+        start = self._smallest_size(limit)
+        for seed in self.view.order[:ALTERNATIVES]:
+            group, used, broken = [seed], {seed.id}, False
+            rest = (n for n in self.view.order if n.id not in used)
+            while len(group) < limit:
+                found = next_node(group, used, rest)
+                if found is None:
+                    break
+                node, linked = found
+                group.append(node)
+                used.add(node.id)
+                broken = broken or not linked
+                if len(group) < start or (tensor and len(group) > start and not self._divides(len(group))):
+                    continue  # tensor sizes that do not divide the heads are shown once, at the smallest size
+                candidate = build(group)
+                yield candidate
+                if candidate.fits or broken:
+                    break
+
+    def _divides(self, k: int) -> bool:
+        return self.spec.n_heads % k == 0 and self.spec.n_kv_heads % k == 0
+
+    def _next_stage(self, chain: list[Node], used: set[str], rest: Iterator[Node]) -> tuple[Node, bool] | None:
+        """The tail's best unused linked neighbour, else (unlinked) the best unused node."""
+        for node in self.view.neighbours[chain[-1].id]:
+            if node.id not in used:
+                return node, True
+        node = next(rest, None)
+        return None if node is None else (node, False)
+
+    def _next_rank(self, group: list[Node], used: set[str], rest: Iterator[Node]) -> tuple[Node, bool] | None:
+        """The best unused node with fast measured links to every rank; else a slow or unlinked one, flagged."""
+        fallback = None
+        for node in self.view.neighbours[group[0].id]:
+            if node.id in used:
+                continue
+            links = [self.view.link(node.id, m.id) for m in group]
+            if all(link is not None and link.latency <= TENSOR_MAX_LATENCY for link in links):
+                return node, True
+            fallback = fallback or node
+        node = fallback or next(rest, None)
+        return None if node is None else (node, False)
+
+    # ---------------------------------------------------------------------------------------- one candidate
+
+    def pipeline(self, chain: list[Node], strategy: Strategy = "pipeline") -> Candidate:
+        """Layers over ``chain`` in order, balanced by compute within each node's memory; stage 0 holds the
+        embedding, the last stage the untied output layer. Every stage gets at least one layer."""
+        spec, k, overhead = self.spec, len(chain), self.offer.overhead_bytes
+        fixed = [(spec.embedding_bytes if i == 0 else 0) + (spec.output_bytes if i == k - 1 else 0) for i in range(k)]
+        work = [(spec.embedding_bytes if i == 0 and spec.tied_output else 0)
+                + (spec.output_bytes if i == k - 1 else 0) for i in range(k)]
+        per_layer = max(1, spec.layer_bytes + spec.kv_bytes(self.ctx, 1))
+        caps = [(n.memory_available - overhead - f) // per_layer for n, f in zip(chain, fixed, strict=True)]
+        layers = [1] * k
+        remaining = spec.n_layers - k
+
+        def stage_time_with_one_more(i: int) -> float:
+            return _seconds(work[i] + (layers[i] + 1) * spec.layer_bytes, chain[i])
+
+        for within_caps in (True, False):  # first within memory; what is left over shows where memory runs out
+            heap = [(stage_time_with_one_more(i), i) for i in range(k) if not within_caps or layers[i] < caps[i]]
+            heapq.heapify(heap)
+            while remaining > 0 and heap:
+                _, i = heapq.heappop(heap)
+                layers[i] += 1
+                remaining -= 1
+                if not within_caps or layers[i] < caps[i]:
+                    heapq.heappush(heap, (stage_time_with_one_more(i), i))
+        shards, first = [], 0
+        for i, node in enumerate(chain):
+            shards.append(Shard(node_id=node.id, layer_start=first, layer_end=first + layers[i],
+                                holds_embedding=i == 0, weight_bytes=fixed[i] + layers[i] * spec.layer_bytes,
+                                kv_bytes=spec.kv_bytes(self.ctx, layers[i]), overhead_bytes=overhead))
+            first += layers[i]
+        compute = sum(_seconds(work[i] + layers[i] * spec.layer_bytes, node) for i, node in enumerate(chain))
+        link_cost, problems = 0.0, []
+        for a, b in pairwise(chain):
+            link = self.view.link(a.id, b.id)
+            if link is None:
+                problems.append(f"no link measured between {a.id} and {b.id}")
+            else:
+                link_cost += link.latency + spec.hidden_size * ACTIVATION_BYTES / link.bandwidth
+        return self._finish(strategy, tuple(shards), compute, link_cost, problems)
+
+    def tensor(self, group: list[Node]) -> Candidate:
+        """Every layer split across ``group`` (ranks in greedy order), each rank holding 1/k of all weights
+        (embedding and output vocab-parallel, so every rank has ``holds_embedding``) and 1/k of the KV heads."""
+        spec, k = self.spec, len(group)
+        ranks = sorted(group, key=_greedy)
+        problems = []
+        if not self._divides(k):
+            problems.append(f"tensor parallel over {k} nodes needs n_heads ({spec.n_heads}) and n_kv_heads "
+                            f"({spec.n_kv_heads}) divisible by {k}")
+        latency, bandwidth = 0.0, math.inf
+        for a, b in combinations(ranks, 2):
+            link = self.view.link(a.id, b.id)
+            if link is None:
+                problems.append(f"no link measured between {a.id} and {b.id}")
+                continue
+            if link.latency > TENSOR_MAX_LATENCY:
+                problems.append(f"tensor parallel over a {_ms(link.latency)} link ({a.id}-{b.id}; the limit is "
+                                f"{_ms(TENSOR_MAX_LATENCY)})")
+            latency, bandwidth = max(latency, link.latency), min(bandwidth, link.bandwidth)
+        step = latency + spec.hidden_size * ACTIVATION_BYTES / k / bandwidth
+        link_cost = 2 * spec.n_layers * 2 * (k - 1) * step
+        weight, kv = -(-spec.weight_bytes // k), -(-spec.kv_bytes(self.ctx) // k)
+        shards = tuple(Shard(node_id=n.id, layer_start=0, layer_end=spec.n_layers, tensor_rank=r, tensor_size=k,
+                             holds_embedding=True, weight_bytes=weight, kv_bytes=kv,
+                             overhead_bytes=self.offer.overhead_bytes) for r, n in enumerate(ranks))
+        work = spec.weight_bytes - (0 if spec.tied_output else spec.embedding_bytes)
+        compute = max(_seconds(work / k, n) for n in ranks)
+        return self._finish("tensor", shards, compute, link_cost, problems)
+
+    def _finish(self, strategy: Strategy, shards: tuple[Shard, ...], compute: float, link_cost: float,
+                problems: list[str]) -> Candidate:
+        """The record: memory per node, tok/s, the first node short of memory (if any), a content id."""
+        memory = {s.node_id: s.memory_bytes for s in shards}
+        short = next((s for s in shards if s.memory_bytes > self.view.nodes[s.node_id].memory_available), None)
+        if short is not None:
+            reason = (f"needs {_size(short.memory_bytes)} on node {short.node_id} "
+                      f"({_size(self.view.nodes[short.node_id].memory_available)} available)")
+            if short.kv_bytes:
+                reason += f", including {_size(short.kv_bytes)} of KV cache for {self.ctx:,} tokens"
+            problems = [*problems, reason]
+        time = compute + link_cost
+        content = msgspec.json.encode([self.spec.name, self.offer.backend, strategy, self.ctx, shards])
+        return Candidate(id=hashlib.blake2b(content, digest_size=6).hexdigest(), model=self.spec.name,
+                         backend=self.offer.backend, strategy=strategy, context=self.ctx, shards=shards,
+                         memory_per_node=memory, link_cost=link_cost, tok_s=1.0 / time if time > 0 else 0.0,
+                         fits=not problems, reason="; ".join(problems) or None)
+
+
+def _greedy(node: Node) -> tuple[int, float, str]:
+    return -node.memory_available, -node.flops, node.id
+
+
+def _seconds(matmul_bytes: float, node: Node) -> float:
+    return 2 * PARAMS_PER_BYTE * matmul_bytes / max(node.flops, 1.0)
+
+
+def _size(n: int) -> str:
+    return f"{n / GiB:.1f} GiB" if abs(n) >= GiB else f"{n / MiB:.0f} MiB"
+
+
+def _ms(seconds: float) -> str:
+    return f"{seconds * 1e3:.3g} ms"

@@ -1,0 +1,94 @@
+"""The records the state store keeps about running models: instances, their lifecycle state, runner reports, events.
+
+An ``Instance`` is one placed model: the chosen placement record (a ``Candidate``), a lifecycle state and the
+status each node's agent reports for its runner. The state is a tagged union of frozen Structs, encoded as
+``{"state": "ready"}`` or ``{"state": "failed", "reason": "..."}``.
+
+``epoch`` counts re-placements of one instance (0 when first placed): a runner reports the epoch it was
+started for, so a report from a superseded placement is recognisable. ``attempts`` counts re-placement tries.
+
+All frozen msgspec Structs, serializable as they are (``msgspec.json``). Imports only msgspec, the standard
+library and ``backends.placement``.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import msgspec
+
+from backends.placement import Candidate, InstanceId, NodeId
+
+__all__ = [
+    "STATE_TYPES", "Draining", "Failed", "Instance", "InstanceState", "Ready", "RunnerState", "RunnerStatus",
+    "Starting", "StoreEvent", "state_tag",
+]
+
+
+class Starting(msgspec.Struct, frozen=True, tag_field="state", tag="starting"):
+    """Placed; runners are being started."""
+
+
+class Ready(msgspec.Struct, frozen=True, tag_field="state", tag="ready"):
+    """Every runner reported ready; requests may go to the head."""
+
+
+class Draining(msgspec.Struct, frozen=True, tag_field="state", tag="draining"):
+    """Finishing in-flight requests before it is stopped; takes no new ones."""
+
+
+class Failed(msgspec.Struct, frozen=True, tag_field="state", tag="failed"):
+    """A node left or a runner failed; a gateway may re-place it."""
+
+    reason: str
+
+
+InstanceState = Starting | Ready | Draining | Failed
+STATE_TYPES: tuple[type, ...] = (Starting, Ready, Draining, Failed)
+
+RunnerState = Literal["starting", "ready", "failed", "stopped"]
+
+
+def state_tag(state: type | InstanceState) -> str:
+    """The wire tag of a state class or value (``Ready`` -> ``"ready"``)."""
+    cls = state if isinstance(state, type) else type(state)
+    if cls not in STATE_TYPES:
+        raise TypeError(f"not an instance state: {cls!r}")
+    return cls.__struct_config__.tag  # type: ignore[attr-defined]
+
+
+class RunnerStatus(msgspec.Struct, frozen=True):
+    """What one node's agent reports about its runner process for an instance."""
+
+    node_id: NodeId
+    state: RunnerState
+    url: str | None = None
+    pid: int | None = None
+    error: str | None = None
+    epoch: int = 0
+
+
+class Instance(msgspec.Struct, frozen=True):
+    """One placed model. ``runners`` is keyed by node id; times are Unix seconds."""
+
+    id: InstanceId
+    model: str
+    placement: Candidate
+    state: InstanceState
+    created_at: float
+    updated_at: float
+    runners: dict[str, RunnerStatus] = msgspec.field(default_factory=dict)
+    epoch: int = 0
+    attempts: int = 0
+
+
+class StoreEvent(msgspec.Struct, frozen=True):
+    """One entry of the audit stream. ``id`` is ordered (``"<ms>-<seq>"``, Redis stream ids); ``at`` Unix seconds."""
+
+    id: str
+    at: float
+    kind: str
+    instance_id: str | None = None
+    node_id: str | None = None
+    message: str = ""
+    data: dict[str, str] | None = None

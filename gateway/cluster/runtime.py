@@ -1,0 +1,91 @@
+"""Assemble the control plane for a process from settings and plugins: the store, the catalog, backends, the
+instance manager and (embedded, or as ``meshgate node``) the node agent.
+
+Both ``create_app`` and ``meshgate node`` use it, so a gateway and an agent see the same backends and models.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+import httpx
+import pluggy
+
+from backends.base import Backend, ModelSource
+from gateway.cluster.agent import NodeAgent
+from gateway.cluster.instances import InstanceManager
+from gateway.cluster.planner import default_rank
+from gateway.cluster.store import MemoryStore, RedisStore, StateStore
+from gateway.dispatch import Catalog, Dispatcher
+from plugins.settings import Settings
+
+__all__ = ["ControlPlane", "control_plane", "make_store"]
+
+
+def make_store(settings: Settings) -> StateStore:
+    return RedisStore(settings.redis) if settings.redis else MemoryStore()
+
+
+@dataclass
+class ControlPlane:
+    store: StateStore
+    catalog: Catalog
+    backends: list[Backend]
+    plugins: pluggy.PluginManager
+    http: httpx.AsyncClient
+    instances: InstanceManager | None = None
+    agent: NodeAgent | None = None
+    dispatcher: Dispatcher | None = None
+    extra: dict = field(default_factory=dict)
+
+
+@contextlib.asynccontextmanager
+async def control_plane(settings: Settings, plugins: pluggy.PluginManager, *, gateway: bool,
+                        agent: bool) -> AsyncIterator[ControlPlane]:
+    """Everything a gateway (``gateway=True``) and/or a node agent (``agent=True``) needs, started and closed."""
+    async with httpx.AsyncClient(limits=httpx.Limits(max_connections=256, max_keepalive_connections=64),
+                                 trust_env=False) as http:
+        backends: list[Backend] = []
+        sources: list[ModelSource] = []
+        plugins.hook.meshgate_register_backends(register=backends.append, settings=settings, http=http)
+        plugins.hook.meshgate_register_model_sources(register=sources.append, settings=settings)
+        catalog = Catalog(sources)
+        await asyncio.to_thread(catalog.refresh)
+        store = make_store(settings)
+        plane = ControlPlane(store=store, catalog=catalog, backends=backends, plugins=plugins, http=http)
+        choose = plugins.hook.meshgate_choose_backend
+        try:
+            if agent:
+                plane.agent = NodeAgent(store, backends, catalog.resolve, choose=choose, name=settings.node_name,
+                                        address=settings.cluster_address, port=settings.agent_port,
+                                        heartbeat=settings.heartbeat, ttl=settings.node_ttl)
+                await plane.agent.start()
+            if gateway:
+                def context(backend: Backend, card) -> int | None:
+                    return getattr(backend, "context", lambda c: None)(card)
+
+                plane.instances = InstanceManager(
+                    store, backends, resolve=catalog.resolve, choose=choose,
+                    rank=_rank(plugins), auto_place=settings.placement != "never", context=context)
+                await plane.instances.start()
+                plane.dispatcher = Dispatcher(catalog, backends, choose, plane.instances)
+            yield plane
+        finally:
+            if plane.instances is not None:
+                await plane.instances.close()
+            if plane.agent is not None:
+                await plane.agent.close()
+            await store.close()
+
+
+def _rank(plugins: pluggy.PluginManager):
+    """The placement policy: the first plugin that answers ``meshgate_rank_candidates``, else the built-in."""
+
+    def rank(candidates, topology):
+        ranked = plugins.hook.meshgate_rank_candidates(candidates=candidates, topology=topology)
+        return ranked if ranked is not None else default_rank(candidates, topology)
+
+    return rank

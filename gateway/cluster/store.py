@@ -1,0 +1,509 @@
+"""The cluster's state store: nodes, links, instances, the audit event stream and change notifications.
+
+One interface (``StateStore``), two implementations: ``MemoryStore``, the embedded default for a gateway on one
+machine, and ``RedisStore``, shared by several gateway replicas and node agents. This module owns every Redis
+key; nothing else talks to Redis about cluster state. Values are ``msgspec.json`` (never pickle).
+
+Redis keys, all under ``prefix`` (default ``meshgate:``)::
+
+    node:{node_id}       string  Node JSON, PX expiry = the heartbeat TTL (refreshed by every put_node)
+    nodes                set     node ids; an id whose node key expired is removed lazily by the next read
+    links                hash    field JSON ["src", "dst"] -> Link JSON
+    instance:{id}        hash    record -> Instance JSON (runners left empty); state -> InstanceState JSON;
+                                 updated_at -> float; runner:{node_id} -> RunnerStatus JSON (one per node,
+                                 so two agents never overwrite each other)
+    instances            set     instance ids
+    events               stream  field e -> StoreEvent JSON (id left empty: the stream id is the event id);
+                                 XADD MAXLEN ~ 10000
+    generation           int     bumped by every write that changes nodes, links or instances
+    changes              pub/sub channel; messages "nodes" | "links" | "instances" (wake-ups only)
+
+Decisions:
+    * State lives in keys, never in pub/sub: notifications only say "look again", so a lost message costs a
+      stale cache, not lost state. With AOF on, instances, links, events and the generation survive a restart.
+    * A new watcher first yields every kind once (read everything now), and does so again whenever its Redis
+      subscription is re-established, since messages sent while disconnected are lost. Wake-ups of one kind
+      coalesce while unread. Consumers re-read on a wake-up; they never count them.
+    * A node whose TTL passes disappears from ``nodes()`` at once, but nothing is published then: the next
+      ``nodes()``/``links()`` call prunes the index, drops that node's links and publishes "nodes" and "links".
+      A cache keyed on ``generation()`` must therefore be re-read at least once per heartbeat TTL.
+    * ``links()`` returns only links whose two ends are live nodes; the others stay stored until their node is
+      pruned or removed, so a link put just before its node registers is not lost.
+    * Compare-and-set (``set_state``) and runner reports (``update_runner``) are Lua scripts, atomic on the
+      server; ``update_runner`` never re-creates a deleted instance.
+    * ``MemoryStore`` keeps encoded bytes too, so both implementations hand out fresh objects and behave alike.
+    * Audit events are not state: appending one bumps no generation and wakes no watcher.
+
+Imports msgspec, redis and ``backends.placement``; nothing imports this but the gateway.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+import time
+from collections import deque
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
+from typing import Protocol, runtime_checkable
+
+import msgspec
+import redis.asyncio as aioredis
+from redis.exceptions import RedisError
+
+from backends.placement import InstanceId, Link, Node, NodeId
+from gateway.cluster.records import Instance, InstanceState, RunnerStatus, StoreEvent, state_tag
+
+__all__ = ["KINDS", "MAX_EVENTS", "MemoryStore", "RedisStore", "StateStore"]
+
+log = logging.getLogger(__name__)
+
+KINDS = ("nodes", "links", "instances")
+MAX_EVENTS = 10_000
+
+_encode = msgspec.json.Encoder().encode
+_node = msgspec.json.Decoder(Node)
+_link = msgspec.json.Decoder(Link)
+_instance = msgspec.json.Decoder(Instance)
+_state = msgspec.json.Decoder(InstanceState)
+_runner = msgspec.json.Decoder(RunnerStatus)
+_event = msgspec.json.Decoder(StoreEvent)
+_ends = msgspec.json.Decoder(tuple[str, str])
+
+
+@runtime_checkable
+class StateStore(Protocol):
+    """Cluster state shared by gateways and node agents. Every method is safe to call concurrently."""
+
+    async def put_node(self, node: Node, ttl: float) -> None:
+        """Register or refresh ``node``; it vanishes from ``nodes()`` ``ttl`` seconds after the last refresh."""
+
+    async def nodes(self) -> list[Node]:
+        """Live nodes, by id."""
+
+    async def remove_node(self, node_id: NodeId) -> bool:
+        """Forget a node (a clean shutdown) and its links. True if it was registered."""
+
+    async def put_link(self, link: Link) -> None:
+        """Store the latest measurement of ``link.src`` -> ``link.dst``."""
+
+    async def links(self) -> list[Link]:
+        """Links whose two ends are live nodes, by (src, dst)."""
+
+    async def put_instance(self, inst: Instance) -> None:
+        """Create or replace an instance whole, runner reports included."""
+
+    async def get_instance(self, instance_id: InstanceId) -> Instance | None:
+        """The instance with its latest state and runner reports, or None."""
+
+    async def instances(self) -> list[Instance]:
+        """Every instance, oldest first."""
+
+    async def delete_instance(self, instance_id: InstanceId) -> bool:
+        """Delete an instance. True if it existed."""
+
+    async def update_runner(self, instance_id: InstanceId, status: RunnerStatus) -> bool:
+        """Record one node's runner status; False (and nothing stored) if the instance does not exist."""
+
+    async def set_state(self, instance_id: InstanceId, state: InstanceState, *, expected: type | None = None) -> bool:
+        """Set the state if the instance exists and (when given) its state is of class ``expected``."""
+
+    async def append_event(self, kind: str, message: str, *, instance_id: str | None = None,
+                           node_id: str | None = None, data: dict[str, str] | None = None) -> StoreEvent:
+        """Append to the audit stream (the newest ``MAX_EVENTS`` or so are kept)."""
+
+    async def events(self, since: str | None = None, count: int = 100) -> list[StoreEvent]:
+        """Up to ``count`` events after the event id ``since`` (from the oldest kept when None), oldest first."""
+
+    async def generation(self) -> int:
+        """A counter bumped by every change of nodes, links or instances."""
+
+    def watch(self) -> AsyncIterator[str]:
+        """Wake-ups: the kinds ("nodes", "links", "instances") that changed. Ends when the store closes."""
+
+    async def close(self) -> None:
+        """Release connections and end every watcher."""
+
+
+class _Mailbox:
+    """One watcher's pending kinds, coalesced, in arrival order."""
+
+    def __init__(self) -> None:
+        self.pending = dict.fromkeys(KINDS)
+        self.wake = asyncio.Event()
+        self.closed = False
+
+    def put(self, kind: str) -> None:
+        self.pending[kind] = None
+        self.wake.set()
+
+    async def get(self) -> str | None:
+        while not self.pending:
+            if self.closed:
+                return None
+            self.wake.clear()
+            await self.wake.wait()
+        kind = next(iter(self.pending))
+        del self.pending[kind]
+        return kind
+
+
+class _Watchers:
+    def __init__(self) -> None:
+        self.boxes: set[_Mailbox] = set()
+        self.closed = False
+
+    def notify(self, kinds: Iterable[str]) -> None:
+        for box in self.boxes:
+            for kind in kinds:
+                box.put(kind)
+
+    def close(self) -> None:
+        self.closed = True
+        for box in self.boxes:
+            box.closed = True
+            box.wake.set()
+
+    async def stream(self, ready: Callable[[], Awaitable[None]]) -> AsyncIterator[str]:
+        if self.closed:
+            return
+        box = _Mailbox()
+        self.boxes.add(box)
+        try:
+            await ready()
+            while (kind := await box.get()) is not None and not self.closed:
+                yield kind
+        finally:
+            self.boxes.discard(box)
+
+
+def _stream_id(event_id: str) -> tuple[int, int]:
+    ms, _, seq = event_id.partition("-")
+    return int(ms), int(seq or 0)
+
+
+class MemoryStore:
+    """The embedded store: one process, no Redis. Expiry uses the monotonic clock."""
+
+    def __init__(self) -> None:
+        self._nodes: dict[str, tuple[bytes, float]] = {}
+        self._links: dict[tuple[str, str], bytes] = {}
+        self._instances: dict[str, bytes] = {}
+        self._events: deque[bytes] = deque(maxlen=MAX_EVENTS)
+        self._last_id = (0, 0)
+        self._generation = 0
+        self._watchers = _Watchers()
+
+    def _changed(self, *kinds: str) -> None:
+        self._generation += 1
+        self._watchers.notify(kinds)
+
+    def _live(self) -> dict[str, bytes]:
+        now = time.monotonic()
+        gone = [node_id for node_id, (_, deadline) in self._nodes.items() if deadline <= now]
+        if gone:
+            self._drop(gone)
+        return {node_id: value for node_id, (value, _) in self._nodes.items()}
+
+    def _drop(self, node_ids: Iterable[str]) -> bool:
+        gone = {node_id for node_id in node_ids if self._nodes.pop(node_id, None) is not None}
+        for ends in [ends for ends in self._links if ends[0] in gone or ends[1] in gone]:
+            del self._links[ends]
+        if gone:
+            self._changed("nodes", "links")
+        return bool(gone)
+
+    async def put_node(self, node: Node, ttl: float) -> None:
+        self._nodes[node.id] = (_encode(node), time.monotonic() + ttl)
+        self._changed("nodes")
+
+    async def nodes(self) -> list[Node]:
+        return [_node.decode(value) for _, value in sorted(self._live().items())]
+
+    async def remove_node(self, node_id: NodeId) -> bool:
+        return self._drop([node_id])
+
+    async def put_link(self, link: Link) -> None:
+        self._links[(link.src, link.dst)] = _encode(link)
+        self._changed("links")
+
+    async def links(self) -> list[Link]:
+        live = self._live()
+        return [_link.decode(value) for (src, dst), value in sorted(self._links.items())
+                if src in live and dst in live]
+
+    async def put_instance(self, inst: Instance) -> None:
+        self._instances[inst.id] = _encode(inst)
+        self._changed("instances")
+
+    async def get_instance(self, instance_id: InstanceId) -> Instance | None:
+        value = self._instances.get(instance_id)
+        return None if value is None else _instance.decode(value)
+
+    async def instances(self) -> list[Instance]:
+        return sorted((_instance.decode(v) for v in self._instances.values()), key=lambda i: (i.created_at, i.id))
+
+    async def delete_instance(self, instance_id: InstanceId) -> bool:
+        if self._instances.pop(instance_id, None) is None:
+            return False
+        self._changed("instances")
+        return True
+
+    async def update_runner(self, instance_id: InstanceId, status: RunnerStatus) -> bool:
+        inst = await self.get_instance(instance_id)
+        if inst is None:
+            return False
+        runners = {**inst.runners, status.node_id: status}
+        self._instances[instance_id] = _encode(msgspec.structs.replace(inst, runners=runners))
+        self._changed("instances")
+        return True
+
+    async def set_state(self, instance_id: InstanceId, state: InstanceState, *, expected: type | None = None) -> bool:
+        tag = None if expected is None else state_tag(expected)
+        inst = await self.get_instance(instance_id)
+        if inst is None or (tag is not None and state_tag(inst.state) != tag):
+            return False
+        new = msgspec.structs.replace(inst, state=state, updated_at=time.time())
+        self._instances[instance_id] = _encode(new)
+        self._changed("instances")
+        return True
+
+    async def append_event(self, kind: str, message: str, *, instance_id: str | None = None,
+                           node_id: str | None = None, data: dict[str, str] | None = None) -> StoreEvent:
+        at = time.time()
+        ms, seq = self._last_id
+        self._last_id = (ms, seq + 1) if int(at * 1000) <= ms else (int(at * 1000), 0)
+        event = StoreEvent(f"{self._last_id[0]}-{self._last_id[1]}", at, kind, instance_id, node_id, message, data)
+        self._events.append(_encode(event))
+        return _event.decode(self._events[-1])
+
+    async def events(self, since: str | None = None, count: int = 100) -> list[StoreEvent]:
+        after = (-1, -1) if since is None else _stream_id(since)
+        found = (e for e in map(_event.decode, self._events) if _stream_id(e.id) > after)
+        return list(itertools.islice(found, count))
+
+    async def generation(self) -> int:
+        return self._generation
+
+    def watch(self) -> AsyncIterator[str]:
+        return self._watchers.stream(_nothing)
+
+    async def close(self) -> None:
+        self._watchers.close()
+
+
+async def _nothing() -> None:
+    return None
+
+
+# KEYS: nodes index, links hash, generation, node:{id}...  ARGV: channel, force ("1": delete), id...
+# Drops the given nodes whose key is gone (or every given node when forced), and their links.
+_DROP_NODES = """
+local gone, n = {}, 0
+for i = 4, #KEYS do
+  local id = ARGV[i - 1]
+  local deleted = 0
+  if ARGV[2] == '1' then deleted = redis.call('DEL', KEYS[i]) end
+  if redis.call('EXISTS', KEYS[i]) == 0 and (redis.call('SREM', KEYS[1], id) + deleted) > 0 then
+    gone[id] = true
+    n = n + 1
+  end
+end
+if n == 0 then return 0 end
+for _, field in ipairs(redis.call('HKEYS', KEYS[2])) do
+  local ends = cjson.decode(field)
+  if gone[ends[1]] or gone[ends[2]] then redis.call('HDEL', KEYS[2], field) end
+end
+redis.call('INCR', KEYS[3])
+redis.call('PUBLISH', ARGV[1], 'nodes')
+redis.call('PUBLISH', ARGV[1], 'links')
+return n
+"""
+
+# KEYS: instance:{id}, generation  ARGV: channel, field, value
+_UPDATE_RUNNER = """
+if redis.call('HEXISTS', KEYS[1], 'record') == 0 then return 0 end
+redis.call('HSET', KEYS[1], ARGV[2], ARGV[3])
+redis.call('INCR', KEYS[2])
+redis.call('PUBLISH', ARGV[1], 'instances')
+return 1
+"""
+
+# KEYS: instance:{id}, generation  ARGV: channel, expected tag ('' = any), state JSON, updated_at
+_SET_STATE = """
+local current = redis.call('HGET', KEYS[1], 'state')
+if not current then return 0 end
+if ARGV[2] ~= '' and cjson.decode(current)['state'] ~= ARGV[2] then return 0 end
+redis.call('HSET', KEYS[1], 'state', ARGV[3], 'updated_at', ARGV[4])
+redis.call('INCR', KEYS[2])
+redis.call('PUBLISH', ARGV[1], 'instances')
+return 1
+"""
+
+
+class RedisStore:
+    """The shared store. ``url`` as redis-py takes it (``redis://host:6379/0``); every key under ``prefix``.
+
+    The client connects lazily and reconnects by itself; one pub/sub connection serves every watcher.
+    """
+
+    def __init__(self, url: str, prefix: str = "meshgate:") -> None:
+        self.prefix = prefix
+        self._r = aioredis.Redis.from_url(url)
+        self._channel = prefix + "changes"
+        self._drop_nodes = self._r.register_script(_DROP_NODES)
+        self._update_runner = self._r.register_script(_UPDATE_RUNNER)
+        self._set_state = self._r.register_script(_SET_STATE)
+        self._watchers = _Watchers()
+        self._listener: asyncio.Task[None] | None = None
+        self._subscribed = asyncio.Event()
+
+    def _key(self, *parts: str) -> str:
+        return self.prefix + ":".join(parts)
+
+    async def _write(self, kind: str, *ops: Callable[[aioredis.client.Pipeline], object]) -> list[object]:
+        """Run ``ops`` in one MULTI/EXEC with the generation bump and the wake-up."""
+        async with self._r.pipeline(transaction=True) as pipe:
+            for op in ops:
+                op(pipe)
+            pipe.incr(self._key("generation"))
+            pipe.publish(self._channel, kind)
+            return await pipe.execute()
+
+    async def _gc_nodes(self, node_ids: list[str], *, force: bool = False) -> int:
+        keys = [self._key("nodes"), self._key("links"), self._key("generation")]
+        keys += [self._key("node", node_id) for node_id in node_ids]
+        return int(await self._drop_nodes(keys=keys, args=[self._channel, "1" if force else "0", *node_ids]))
+
+    async def _live(self) -> dict[str, bytes]:
+        ids = sorted(i.decode() for i in await self._r.smembers(self._key("nodes")))
+        values = await self._r.mget([self._key("node", i) for i in ids]) if ids else []
+        gone = [i for i, value in zip(ids, values, strict=True) if value is None]
+        if gone:
+            await self._gc_nodes(gone)
+        return {i: value for i, value in zip(ids, values, strict=True) if value is not None}
+
+    async def put_node(self, node: Node, ttl: float) -> None:
+        await self._write("nodes", lambda p: p.set(self._key("node", node.id), _encode(node),
+                                                   px=max(1, round(ttl * 1000))),
+                          lambda p: p.sadd(self._key("nodes"), node.id))
+
+    async def nodes(self) -> list[Node]:
+        return [_node.decode(value) for value in (await self._live()).values()]
+
+    async def remove_node(self, node_id: NodeId) -> bool:
+        return await self._gc_nodes([node_id], force=True) > 0
+
+    async def put_link(self, link: Link) -> None:
+        await self._write("links", lambda p: p.hset(self._key("links"), _encode((link.src, link.dst)), _encode(link)))
+
+    async def links(self) -> list[Link]:
+        live = await self._live()
+        stored = await self._r.hgetall(self._key("links"))
+        ends = sorted((_ends.decode(field), value) for field, value in stored.items())
+        return [_link.decode(value) for (src, dst), value in ends if src in live and dst in live]
+
+    async def put_instance(self, inst: Instance) -> None:
+        key = self._key("instance", inst.id)
+        fields: dict[str, bytes] = {
+            "record": _encode(msgspec.structs.replace(inst, runners={})),
+            "state": _encode(inst.state),
+            "updated_at": repr(inst.updated_at).encode(),
+            **{f"runner:{node_id}": _encode(status) for node_id, status in inst.runners.items()},
+        }
+        await self._write("instances", lambda p: p.delete(key), lambda p: p.hset(key, mapping=fields),
+                          lambda p: p.sadd(self._key("instances"), inst.id))
+
+    @staticmethod
+    def _decode_instance(fields: dict[bytes, bytes]) -> Instance | None:
+        if b"record" not in fields:
+            return None
+        runners = {k[7:].decode(): _runner.decode(v) for k, v in fields.items() if k.startswith(b"runner:")}
+        return msgspec.structs.replace(_instance.decode(fields[b"record"]), state=_state.decode(fields[b"state"]),
+                                       updated_at=float(fields[b"updated_at"]), runners=runners)
+
+    async def get_instance(self, instance_id: InstanceId) -> Instance | None:
+        return self._decode_instance(await self._r.hgetall(self._key("instance", instance_id)))
+
+    async def instances(self) -> list[Instance]:
+        ids = [i.decode() for i in await self._r.smembers(self._key("instances"))]
+        async with self._r.pipeline(transaction=False) as pipe:
+            for instance_id in ids:
+                pipe.hgetall(self._key("instance", instance_id))
+            found = [self._decode_instance(fields) for fields in await pipe.execute()]
+        return sorted((i for i in found if i is not None), key=lambda i: (i.created_at, i.id))
+
+    async def delete_instance(self, instance_id: InstanceId) -> bool:
+        deleted, *_ = await self._write("instances", lambda p: p.delete(self._key("instance", instance_id)),
+                                        lambda p: p.srem(self._key("instances"), instance_id))
+        return bool(deleted)
+
+    async def update_runner(self, instance_id: InstanceId, status: RunnerStatus) -> bool:
+        keys = [self._key("instance", instance_id), self._key("generation")]
+        args = [self._channel, f"runner:{status.node_id}", _encode(status)]
+        return bool(await self._update_runner(keys=keys, args=args))
+
+    async def set_state(self, instance_id: InstanceId, state: InstanceState, *, expected: type | None = None) -> bool:
+        keys = [self._key("instance", instance_id), self._key("generation")]
+        args = [self._channel, "" if expected is None else state_tag(expected), _encode(state), repr(time.time())]
+        return bool(await self._set_state(keys=keys, args=args))
+
+    async def append_event(self, kind: str, message: str, *, instance_id: str | None = None,
+                           node_id: str | None = None, data: dict[str, str] | None = None) -> StoreEvent:
+        event = StoreEvent("", time.time(), kind, instance_id, node_id, message, data)
+        event_id = await self._r.xadd(self._key("events"), {"e": _encode(event)}, maxlen=MAX_EVENTS,
+                                      approximate=True)
+        return msgspec.structs.replace(event, id=event_id.decode())
+
+    async def events(self, since: str | None = None, count: int = 100) -> list[StoreEvent]:
+        entries = await self._r.xrange(self._key("events"), "-" if since is None else f"({since}", "+", count=count)
+        return [msgspec.structs.replace(_event.decode(fields[b"e"]), id=entry_id.decode())
+                for entry_id, fields in entries or []]
+
+    async def generation(self) -> int:
+        return int(await self._r.get(self._key("generation")) or 0)
+
+    def watch(self) -> AsyncIterator[str]:
+        return self._watchers.stream(self._ready)
+
+    async def _ready(self) -> None:
+        if self._listener is None:
+            self._listener = asyncio.create_task(self._listen(), name="meshgate-store-changes")
+        await self._subscribed.wait()  # the listener retries until subscribed; close() sets it too
+
+    async def _listen(self) -> None:
+        """Fan the changes channel out to the watchers; on every (re)subscription wake them for every kind."""
+        delay = 0.05
+        while not self._watchers.closed:
+            pubsub = self._r.pubsub()
+            try:
+                await pubsub.subscribe(self._channel)
+                while True:
+                    message = await pubsub.get_message(timeout=None)
+                    if message is None:
+                        continue
+                    if message["type"] == "subscribe":
+                        self._watchers.notify(KINDS)
+                        self._subscribed.set()
+                        delay = 0.05
+                    elif message["type"] == "message":
+                        self._watchers.notify([message["data"].decode()])
+            except (RedisError, OSError) as exc:
+                log.warning("store change feed lost (%s); resubscribing in %.2fs", exc, delay)
+            except Exception:  # a bad message must not end every watcher's wake-ups
+                log.exception("store change feed failed; resubscribing in %.2fs", delay)
+            finally:
+                with contextlib.suppress(RedisError, OSError):
+                    await pubsub.aclose()
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 2.0)
+
+    async def close(self) -> None:
+        self._watchers.close()
+        self._subscribed.set()
+        if self._listener is not None:
+            self._listener.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._listener
+        await self._r.aclose()

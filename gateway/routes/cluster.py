@@ -1,0 +1,128 @@
+"""The cluster API: topology, placement previews and instances (``/cluster``, ``/instances``, ``/events``).
+
+Errors use OpenAI's envelope (``{"error": {"message", "type", ...}}``), the most widely parsed one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+
+import msgspec
+from litestar import Request as HttpRequest
+from litestar import Router, delete, get, post
+from litestar.response import Stream
+from sse_starlette.event import ServerSentEvent
+
+from backends.placement import Candidate, Link, Node
+from gateway.cluster.instances import InstanceManager
+from gateway.cluster.records import Failed, Instance, Ready, StoreEvent
+from gateway.routes.common import check_auth, error_handler
+from protocols import openai
+from protocols.model import GatewayError, InvalidRequest, NotFound
+
+
+class ClusterView(msgspec.Struct, frozen=True):
+    nodes: list[Node]
+    links: list[Link]
+    instances: list[Instance]
+
+
+class Preview(msgspec.Struct, frozen=True):
+    model: str
+    candidates: list[Candidate]
+
+
+class CreateInstance(msgspec.Struct, frozen=True, kw_only=True):
+    """Create from a preview (``candidate_id``) or from constraints (``nodes``); the best fit otherwise."""
+
+    model: str
+    candidate_id: str | None = None
+    nodes: list[str] | None = None
+
+
+def _instances(request: HttpRequest) -> InstanceManager:
+    check_auth(request)
+    return request.app.state.plane.instances
+
+
+def _nodes(value: str | None) -> list[str] | None:
+    return [n.strip() for n in value.split(",") if n.strip()] if value else None
+
+
+@get("/cluster", summary="Nodes, measured links and instances")
+async def cluster(request: HttpRequest) -> ClusterView:
+    manager = _instances(request)
+    topology = await manager.topology()
+    return ClusterView(nodes=list(topology.nodes), links=list(topology.links),
+                       instances=await manager.store.instances())
+
+
+@get("/instances/previews", summary="Every placement candidate for a model, with memory per node, cost and error")
+async def previews(request: HttpRequest, model: str, nodes: str | None = None) -> Preview:
+    card = request.app.state.plane.catalog.resolve(model)
+    return Preview(model=card.name, candidates=await _instances(request).preview(card.name, nodes=_nodes(nodes)))
+
+
+@post("/instances", summary="Create an instance from a preview or from constraints", status_code=201)
+async def create_instance(request: HttpRequest, data: CreateInstance) -> Instance:
+    return await _instances(request).create(data.model, candidate_id=data.candidate_id, nodes=data.nodes)
+
+
+@get("/instances", summary="All instances")
+async def list_instances(request: HttpRequest) -> list[Instance]:
+    return await _instances(request).store.instances()
+
+
+@get("/instances/{instance_id:str}", summary="One instance")
+async def get_instance(request: HttpRequest, instance_id: str) -> Instance:
+    instance = await _instances(request).store.get_instance(instance_id)
+    if instance is None:
+        raise NotFound(f"instance '{instance_id}' not found")
+    return instance
+
+
+@delete("/instances/{instance_id:str}", summary="Delete an instance and stop its processes", status_code=204)
+async def delete_instance(request: HttpRequest, instance_id: str) -> None:
+    await _instances(request).delete(instance_id)
+
+
+@get("/instances/{instance_id:str}/events", summary="Server-sent state changes until ready or failed")
+async def instance_events(request: HttpRequest, instance_id: str) -> Stream:
+    manager = _instances(request)
+    if await manager.store.get_instance(instance_id) is None:
+        raise NotFound(f"instance '{instance_id}' not found")
+    return Stream(_state_changes(manager, instance_id), media_type="text/event-stream")
+
+
+async def _state_changes(manager: InstanceManager, instance_id: str) -> AsyncIterator[bytes]:
+    last = None
+    for _ in range(3000):  # bounded: 10 minutes at 0.2 s
+        instance = await manager.store.get_instance(instance_id)
+        if instance is None:
+            yield ServerSentEvent(data='{"state":"deleted"}', event="deleted").encode()
+            return
+        snapshot = msgspec.json.encode(instance)
+        if snapshot != last:
+            last = snapshot
+            yield ServerSentEvent(data=snapshot.decode(), event=type(instance.state).__name__.lower()).encode()
+        if isinstance(instance.state, Ready) or (isinstance(instance.state, Failed) and instance.attempts >= 3):
+            return
+        await asyncio.sleep(0.2)
+    yield ServerSentEvent(comment="timed out").encode()
+
+
+@get("/events", summary="The audit stream: placements, state changes, nodes joining and leaving")
+async def events(request: HttpRequest, since: str | None = None, count: int = 100) -> list[StoreEvent]:
+    if not 1 <= count <= 10000:
+        raise InvalidRequest("count must be between 1 and 10000", param="count")
+    return await _instances(request).store.events(since=since, count=count)
+
+
+router = Router(
+    path="/",
+    route_handlers=[cluster, previews, create_instance, list_instances, get_instance, delete_instance,
+                    instance_events, events],
+    exception_handlers={GatewayError: error_handler(openai.error_body)},
+    tags=["cluster"],
+)

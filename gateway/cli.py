@@ -23,7 +23,7 @@ def _settings(args: argparse.Namespace) -> Settings:
     overrides = {
         "host": args.host, "port": args.port, "data_dir": args.data_dir, "log_level": args.log_level,
         "n_ctx": args.n_ctx, "threads": args.threads, "redis": args.redis, "node_name": args.name,
-        "cluster_address": args.address, "placement": args.placement,
+        "cluster_address": args.address, "placement": args.placement, "node_memory": args.memory,
         "models": base.models + tuple(args.model) if args.model else None,
         "plugins": base.plugins + tuple(args.plugin) if args.plugin else None,
         "api_keys": base.api_keys + tuple(args.api_key) if args.api_key else None,
@@ -141,6 +141,7 @@ def main(argv: list[str] | None = None) -> int:
         p.add_argument("--name", help="this node's name (default: the host name)")
         p.add_argument("--address", help="cluster address runtimes bind (default 127.0.0.1)")
         p.add_argument("--placement", choices=["auto", "never"], help="place models on first request (auto)")
+        p.add_argument("--memory", type=int, help="bytes of memory this node offers for models")
         p.add_argument("--log-level", help="debug, info, warning or error")
     for name, text in (("ps", "show nodes and instances of a running gateway"),
                        ("place", "preview or create a placement")):

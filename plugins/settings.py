@@ -49,6 +49,7 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
         heartbeat: Seconds between an agent's heartbeats.
         node_ttl: Seconds without a heartbeat after which a node leaves the topology.
         placement: ``auto`` places a model on its first request; ``never`` requires ``POST /instances``.
+        node_memory: Bytes of memory this node offers for models (default: what the OS reports available).
     """
 
     host: str = "127.0.0.1"
@@ -69,6 +70,7 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     heartbeat: float = 1.0
     node_ttl: float = 3.0
     placement: str = "auto"
+    node_memory: int | None = None
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str], **overrides: Any) -> Settings:

@@ -28,6 +28,10 @@ from protocols.model import (
 CARD = ModelCard(name="scripted", path="", format="scripted", family="script", parameter_size="0", size=1,
                  digest="0" * 64, created=1_700_000_000.0, context_length=1024)
 
+BIG = ModelCard(name="scripted-big:latest", path="", format="scripted", family="script", parameter_size="1B",
+                size=2 << 30, digest="1" * 64, created=1_700_000_000.0, context_length=1024)
+"""A 2 GiB model (16 x 128 MiB layers) that may be split into a pipeline: for placement tests."""
+
 SCRIPTS: dict[str, list[Event]] = {
     "hello": [Usage(prompt_tokens=7), TextDelta(text="Hello"), TextDelta(text=", world"),
               Usage(prompt_tokens=7, completion_tokens=2), Finished(reason="stop")],
@@ -71,9 +75,12 @@ class ScriptedBackend:
         return Capabilities(tools=True, vision=True, json_schema=True, reasoning=True)
 
     def strategies(self, card: ModelCard) -> frozenset[str]:
-        return frozenset({"single"})
+        return frozenset({"single", "pipeline"} if card.name == BIG.name else {"single"})
 
     def spec(self, card: ModelCard) -> ModelSpec:
+        if card.name == BIG.name:
+            return ModelSpec(name=card.name, n_layers=16, hidden_size=2048, n_heads=16, n_kv_heads=4, head_dim=128,
+                             context_length=card.context_length, layer_bytes=128 << 20)
         return ModelSpec(name=card.name, n_layers=1, hidden_size=8, n_heads=1, n_kv_heads=1, head_dim=8,
                          context_length=card.context_length, layer_bytes=1 << 20)
 
@@ -99,7 +106,7 @@ class ScriptedSource:
     name = "scripted"
 
     def models(self) -> Sequence[ModelCard]:
-        return [CARD]
+        return [CARD, BIG]
 
 
 @hookimpl

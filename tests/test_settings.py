@@ -25,7 +25,7 @@ def test_environment_and_overrides():
 def test_cli_flags_extend_environment_lists(monkeypatch):
     monkeypatch.setenv("MESHGATE_MODELS", "a=/x.gguf")
     args = argparse.Namespace(host=None, port=1234, data_dir="/d", log_level=None, n_ctx=None, threads=None,
-                              redis=None, name=None, address=None, placement=None,
+                              redis=None, name=None, address=None, placement=None, memory=None,
                               model=["b=/y.gguf"], plugin=[], api_key=[])
     s = _settings(args)
     assert s.port == 1234 and s.data_dir == "/d" and s.models == ("a=/x.gguf", "b=/y.gguf")

@@ -38,7 +38,7 @@ class NodeAgent:
     def __init__(self, store: StateStore, backends: Sequence[Backend], resolve: Callable[[str], ModelCard], *,
                  choose: Callable[..., Backend | None], name: str | None = None, address: str = "127.0.0.1",
                  port: int = 0, heartbeat: float = 1.0, ttl: float = 3.0, probe_every: float = 30.0,
-                 probe_bytes: int = 4 << 20) -> None:
+                 probe_bytes: int = 4 << 20, memory: int | None = None) -> None:
         self.store = store
         self.backends = list(backends)
         self.resolve = resolve
@@ -51,6 +51,7 @@ class NodeAgent:
         self.ttl = ttl
         self.probe_every = probe_every
         self.probe_bytes = probe_bytes
+        self.memory = memory
         self.launched: dict[str, tuple[int, Launched]] = {}
         self._starting: dict[str, asyncio.Task] = {}
         self._tasks: list[asyncio.Task] = []
@@ -89,7 +90,7 @@ class NodeAgent:
     # ------------------------------------------------------------------------------------------- heartbeat
 
     async def _register(self) -> None:
-        node = describe_node(self.name, self.address, self.agent_url, flops=self._flops)
+        node = describe_node(self.name, self.address, self.agent_url, flops=self._flops, memory=self.memory)
         await self.store.put_node(node, self.ttl)
 
     async def _heartbeat_loop(self) -> None:
@@ -170,13 +171,18 @@ class NodeAgent:
     # ------------------------------------------------------------------------------------------- links
 
     async def _probe_loop(self) -> None:
-        await asyncio.sleep(0.2)
+        """Probe every ``probe_every`` seconds, and at once when the set of nodes changes."""
+        known: set[str] = set()
+        last = 0.0
         while True:
+            await asyncio.sleep(0.5)
             try:
-                await self.probe_links()
+                peers = {n.id for n in await self.store.nodes()} - {self.node_id}
+                if peers != known or time.monotonic() - last > self.probe_every:
+                    known, last = peers, time.monotonic()
+                    await self.probe_links()
             except Exception:
                 log.exception("link probe failed")
-            await asyncio.sleep(self.probe_every)
 
     async def probe_links(self) -> list[Link]:
         """Measure latency (best of 5 pings, halved) and bandwidth (one blob) to every other agent."""

@@ -60,9 +60,15 @@ def measure_flops(seconds: float = 0.05) -> float:
     return 2 * 256**3 * runs / elapsed
 
 
-def describe_node(name: str | None, address: str, agent_url: str, flops: float | None = None) -> Node:
-    """This machine, as a ``Node`` record (memory read now; call again to refresh)."""
+def describe_node(name: str | None, address: str, agent_url: str, flops: float | None = None,
+                  memory: int | None = None) -> Node:
+    """This machine, as a ``Node`` record (memory read now; call again to refresh).
+
+    ``memory`` caps what the node offers (a reservation for other work, or a test's smaller node).
+    """
     total, available = _meminfo()
+    if memory is not None:
+        total, available = min(total, memory), min(available, memory)
     name = name or socket.gethostname()
     return Node(id=NodeId(name), name=name, address=address, agent_url=agent_url, memory_total=total,
                 memory_available=available, cpu_count=os.cpu_count() or 1,

@@ -114,8 +114,16 @@ def plan(spec: ModelSpec, topology: Topology, backends: Sequence[BackendOffer], 
 
 
 def default_rank(candidates: list[Candidate], topology: Topology) -> list[Candidate]:
-    """Fewest nodes first, then highest tok/s, then lowest link cost, then most memory headroom (on the tightest
-    node), then id, so the order is total."""
+    """The default ranking policy: fewest nodes, then highest tok/s, lowest link cost, most memory headroom.
+
+    Args:
+        candidates: Fitting candidates, in any order.
+        topology: The snapshot they were planned on (for each node's available memory).
+
+    Returns:
+        The candidates best first. Headroom is that of the tightest node; ties end on the id, so the order is
+        total and the same input always ranks the same way.
+    """
     available = {n.id: n.memory_available for n in topology.nodes}
 
     def headroom(c: Candidate) -> int:
@@ -162,7 +170,8 @@ class _Planner:
         if "pipeline" in offered:
             yield from self._grow(min(limit, self.spec.n_layers), self._next_stage, self.pipeline)
         if "tensor" in offered:
-            yield from self._grow(min(limit, self.spec.n_heads), self._next_rank, self.tensor, tensor=True)
+            largest = math.gcd(self.spec.n_heads, self.spec.n_kv_heads)  # the most ranks the heads allow
+            yield from self._grow(min(limit, largest), self._next_rank, self.tensor, tensor=True)
 
     def _nobody(self) -> str:
         runtime = self.offer.required_runtime
@@ -266,14 +275,14 @@ class _Planner:
                                 kv_bytes=spec.kv_bytes(self.ctx, layers[i]), overhead_bytes=overhead))
             first += layers[i]
         compute = sum(_seconds(work[i] + layers[i] * spec.layer_bytes, node) for i, node in enumerate(chain))
-        link_cost, problems = 0.0, []
+        link_cost, missing = 0.0, []
         for a, b in pairwise(chain):
             link = self.view.link(a.id, b.id)
             if link is None:
-                problems.append(f"no link measured between {a.id} and {b.id}")
+                missing.append((a, b))
             else:
                 link_cost += link.latency + spec.hidden_size * ACTIVATION_BYTES / link.bandwidth
-        return self._finish(strategy, tuple(shards), compute, link_cost, problems)
+        return self._finish(strategy, tuple(shards), compute, link_cost, _unmeasured(missing))
 
     def tensor(self, group: list[Node]) -> Candidate:
         """Every layer split across ``group`` (ranks in greedy order), each rank holding 1/k of all weights
@@ -284,16 +293,19 @@ class _Planner:
         if not self._divides(k):
             problems.append(f"tensor parallel over {k} nodes needs n_heads ({spec.n_heads}) and n_kv_heads "
                             f"({spec.n_kv_heads}) divisible by {k}")
-        latency, bandwidth = 0.0, math.inf
+        latency, bandwidth, missing, worst = 0.0, math.inf, [], ""
         for a, b in combinations(ranks, 2):
             link = self.view.link(a.id, b.id)
             if link is None:
-                problems.append(f"no link measured between {a.id} and {b.id}")
+                missing.append((a, b))
                 continue
-            if link.latency > TENSOR_MAX_LATENCY:
-                problems.append(f"tensor parallel over a {_ms(link.latency)} link ({a.id}-{b.id}; the limit is "
-                                f"{_ms(TENSOR_MAX_LATENCY)})")
+            if link.latency > max(latency, TENSOR_MAX_LATENCY):
+                worst = f"{a.id}-{b.id}"
             latency, bandwidth = max(latency, link.latency), min(bandwidth, link.bandwidth)
+        problems += _unmeasured(missing)
+        if worst:
+            problems.append(f"tensor parallel over a {_ms(latency)} link ({worst}; the limit is "
+                            f"{_ms(TENSOR_MAX_LATENCY)})")
         step = latency + spec.hidden_size * ACTIVATION_BYTES / k / bandwidth
         link_cost = 2 * spec.n_layers * 2 * (k - 1) * step
         weight, kv = -(-spec.weight_bytes // k), -(-spec.kv_bytes(self.ctx) // k)
@@ -321,6 +333,13 @@ class _Planner:
                          backend=self.offer.backend, strategy=strategy, context=self.ctx, shards=shards,
                          memory_per_node=memory, link_cost=link_cost, tok_s=1.0 / time if time > 0 else 0.0,
                          fits=not problems, reason="; ".join(problems) or None)
+
+
+def _unmeasured(pairs: list[tuple[Node, Node]]) -> list[str]:
+    if not pairs:
+        return []
+    more = f" (and {len(pairs) - 1} more pairs)" if len(pairs) > 1 else ""
+    return [f"no link measured between {pairs[0][0].id} and {pairs[0][1].id}{more}"]
 
 
 def _greedy(node: Node) -> tuple[int, float, str]:

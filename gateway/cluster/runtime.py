@@ -61,7 +61,8 @@ async def control_plane(settings: Settings, plugins: pluggy.PluginManager, *, ga
             if agent:
                 plane.agent = NodeAgent(store, backends, catalog.resolve, choose=choose, name=settings.node_name,
                                         address=settings.cluster_address, port=settings.agent_port,
-                                        heartbeat=settings.heartbeat, ttl=settings.node_ttl)
+                                        heartbeat=settings.heartbeat, ttl=settings.node_ttl,
+                                        memory=settings.node_memory)
                 await plane.agent.start()
             if gateway:
                 def context(backend: Backend, card) -> int | None:

@@ -307,13 +307,13 @@ async def test_watchers_coalesce_and_end_on_close(store_kind: str, prefix: str, 
         await drain_initial(w)
     for i in range(20):
         await s.put_node(node(f"n{i}"), ttl=30)
-
-    async def got_nodes() -> bool:
-        return await next_kind(watches[0]) == "nodes"
-
-    await eventually(got_nodes)
-    with pytest.raises(TimeoutError):  # twenty writes, one wake-up
-        await next_kind(watches[0], timeout=0.3)
+    await s.put_link(link("n0", "n1"))  # delivered after every "nodes" message (one channel keeps order)
+    while await next_kind(watches[0]) != "links":  # once the first watcher has it, so has the second
+        pass
+    assert [await next_kind(watches[1]), await next_kind(watches[1])] == ["nodes", "links"]  # 20 writes, 1 wake
+    for w in watches:
+        with pytest.raises(TimeoutError):
+            await next_kind(w, timeout=0.2)
     await s.close()
     for w in watches:
         with pytest.raises(StopAsyncIteration):

@@ -1,0 +1,216 @@
+"""The control plane for real: redis-server with AOF, node agents and gateways as separate processes on loopback.
+
+Agents heartbeat every 0.3 s with a 1.5 s TTL so node loss is seen quickly; each offers 1.5 GiB so that the
+2 GiB ``scripted-big`` model needs a two-node pipeline while Gemma 3 270M fits on one node.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+from tests.cluster.redis_server import RedisServer
+from tests.conftest import MODEL, ROOT, Server
+
+FAST = {"MESHGATE_HEARTBEAT": "0.3", "MESHGATE_NODE_TTL": "1.5"}
+NODE_MEMORY = str(3 << 29)  # 1.5 GiB
+
+
+def wait_for(check: Callable[[], object], timeout: float = 60.0, what: str = "condition") -> object:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if result := check():
+            return result
+        time.sleep(0.1)
+    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+
+
+class Agent:
+    """A ``meshgate node`` process."""
+
+    def __init__(self, redis_url: str, name: str, data_dir: Path, log_dir: Path) -> None:
+        self.name = name
+        self.log = log_dir / f"agent-{name}.log"
+        with open(self.log, "wb") as log:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "gateway.cli", "node", "--redis", redis_url, "--name", name,
+                 "--data-dir", str(data_dir), "--memory", NODE_MEMORY, "--n-ctx", "1024", "--log-level", "info",
+                 "--plugin", "tests.scripted_plugin"],
+                stdout=log, stderr=subprocess.STDOUT, cwd=ROOT,
+                env={**os.environ, **FAST, "PYTHONPATH": str(ROOT)})
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGKILL)
+            self.proc.wait()
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(15)
+            except subprocess.TimeoutExpired:
+                self.kill()
+
+
+@pytest.fixture(scope="module")
+def redis(tmp_path_factory) -> Iterator[RedisServer]:
+    with RedisServer(tmp_path_factory.mktemp("redis-aof"), appendonly=True) as server:
+        yield server
+
+
+@pytest.fixture(scope="module")
+def cluster(redis, data_dir, packaged_gguf, tmp_path_factory):
+    """Agents a and b, and one gateway, all on the same Redis."""
+    logs = tmp_path_factory.mktemp("logs")
+    agents = {name: Agent(redis.url, name, data_dir, logs) for name in ("a", "b")}
+    gateway = Server(data_dir, "--redis", redis.url, "--plugin", "tests.scripted_plugin", env=FAST)
+    try:
+        wait_for(lambda: len(nodes(gateway)) == 2, 60, "two nodes registered")
+        yield gateway, agents, logs
+    finally:
+        gateway.stop()
+        for agent in agents.values():
+            agent.stop()
+
+
+def nodes(gateway: Server) -> dict[str, dict]:
+    return {n["id"]: n for n in httpx.get(f"{gateway.url}/cluster").json()["nodes"]}
+
+
+def instance(gateway: Server, instance_id: str) -> dict:
+    return httpx.get(f"{gateway.url}/instances/{instance_id}").json()
+
+
+def test_agents_register_resources_and_measure_links(cluster):
+    gateway, _, _ = cluster
+    found = nodes(gateway)
+    assert set(found) == {"a", "b"}
+    for node in found.values():
+        assert node["memory_total"] == 3 << 29 and node["cpu_count"] >= 1 and node["flops"] > 0
+        assert "llama_cpp" in node["runtimes"] and node["address"] == "127.0.0.1"
+    links = wait_for(lambda: {(k["src"], k["dst"]): k for k in httpx.get(f"{gateway.url}/cluster").json()["links"]}
+                     if len(httpx.get(f"{gateway.url}/cluster").json()["links"]) >= 2 else None, 30, "links")
+    assert {("a", "b"), ("b", "a")} <= set(links)
+    assert all(0 < link["latency"] < 0.05 and link["bandwidth"] > 1e7 for link in links.values())
+
+
+def test_previews_show_memory_cost_and_reasons(cluster):
+    gateway, _, _ = cluster
+    wait_for(lambda: len(httpx.get(f"{gateway.url}/cluster").json()["links"]) >= 2, 30, "links")
+    body = httpx.get(f"{gateway.url}/instances/previews", params={"model": "scripted-big"}).json()
+    fitting = [c for c in body["candidates"] if c["fits"]]
+    assert fitting and fitting[0]["strategy"] == "pipeline" and set(fitting[0]["memory_per_node"]) == {"a", "b"}
+    assert sum(s["layer_end"] - s["layer_start"] for s in fitting[0]["shards"]) == 16
+    assert fitting[0]["tok_s"] > 0 and fitting[0]["link_cost"] > 0
+    only_a = httpx.get(f"{gateway.url}/instances/previews", params={"model": "scripted-big", "nodes": "a"}).json()
+    assert not any(c["fits"] for c in only_a["candidates"])
+    assert all(c["reason"] for c in only_a["candidates"])
+    small = httpx.get(f"{gateway.url}/instances/previews", params={"model": MODEL}).json()["candidates"][0]
+    assert small["fits"] and small["strategy"] == "single"
+    [(node, memory)] = small["memory_per_node"].items()
+    assert memory > 246_587_904  # weights + KV cache + overhead
+
+
+def test_create_wait_serve_delete(cluster):
+    gateway, _, _ = cluster
+    created = httpx.post(f"{gateway.url}/instances", json={"model": MODEL, "nodes": ["a"]}).json()
+    with httpx.stream("GET", f"{gateway.url}/instances/{created['id']}/events", timeout=120) as r:
+        states = [line.split(": ", 1)[1] for line in r.iter_lines() if line.startswith("event: ")]
+    assert states[-1] == "ready"
+    ready = instance(gateway, created["id"])
+    pid = ready["runners"]["a"]["pid"]
+    client = openai.OpenAI(base_url=f"{gateway.url}/v1", api_key="x", max_retries=0)
+    reply = client.completions.create(model=MODEL, prompt="The sky is", max_tokens=3)
+    assert reply.usage.completion_tokens == 3
+    assert httpx.delete(f"{gateway.url}/instances/{created['id']}").status_code == 204
+    wait_for(lambda: not os.path.exists(f"/proc/{pid}") or "Z" in open(f"/proc/{pid}/stat").read().split()[2],
+             30, "runner stopped")
+    assert httpx.get(f"{gateway.url}/instances/{created['id']}").status_code == 404
+
+
+def test_a_model_that_fits_nowhere_gets_the_planners_reason(cluster, data_dir):
+    gateway, _, _ = cluster
+    r = httpx.post(f"{gateway.url}/v1/chat/completions", json={"model": "scripted-big", "messages": [
+        {"role": "user", "content": "hi"}], "max_tokens": 2}, headers={"x-test": "nodes"}, timeout=30)
+    # two 1.5 GiB nodes hold the 2 GiB model: it places and answers
+    assert r.status_code == 200
+    assert httpx.post(f"{gateway.url}/instances", json={"model": "scripted-big", "nodes": ["b"]}).status_code == 503
+    body = httpx.post(f"{gateway.url}/instances", json={"model": "scripted-big", "nodes": ["b"]}).json()
+    assert "fits nowhere" in body["error"]["message"] and "GiB" in body["error"]["message"]
+
+
+def test_two_gateways_share_instances(cluster, redis, data_dir):
+    gateway, _, _ = cluster
+    other = Server(data_dir, "--redis", redis.url, "--plugin", "tests.scripted_plugin", env=FAST)
+    try:
+        created = httpx.post(f"{gateway.url}/instances", json={"model": "scripted", "nodes": ["b"]}).json()
+        seen = wait_for(lambda: instance(other, created["id"]) if instance(other, created["id"]).get(
+            "state", {}).get("state") == "ready" else None, 30, "ready seen by the second gateway")
+        assert seen["placement"] == created["placement"]
+        client = openai.OpenAI(base_url=f"{other.url}/v1", api_key="x", max_retries=0)
+        assert client.chat.completions.create(model="scripted", messages=[
+            {"role": "user", "content": "hello"}]).choices[0].message.content == "Hello, world"
+        ids = [i["id"] for i in httpx.get(f"{other.url}/instances").json() if i["model"] == "scripted"]
+        assert ids == [created["id"]], "the second gateway placed no instance of its own"
+    finally:
+        other.stop()
+
+
+def test_node_loss_fails_in_flight_requests_and_replaces(cluster):
+    gateway, agents, _ = cluster
+    for old in httpx.get(f"{gateway.url}/instances").json():
+        httpx.delete(f"{gateway.url}/instances/{old['id']}")
+    created = httpx.post(f"{gateway.url}/instances", json={"model": MODEL, "nodes": ["a"]}).json()
+    wait_for(lambda: instance(gateway, created["id"])["state"]["state"] == "ready", 120, "ready on a")
+    client = openai.OpenAI(base_url=f"{gateway.url}/v1", api_key="x", max_retries=0)
+    stream = iter(client.chat.completions.create(model=MODEL, stream=True, max_tokens=1000, messages=[
+        {"role": "user", "content": "Count to a thousand."}]))
+    next(stream)
+    killed_at = time.monotonic()
+    agents["a"].kill()
+    with pytest.raises(openai.APIError):
+        for _ in stream:
+            pass
+    wait_for(lambda: "a" not in nodes(gateway), 10, "node a leaving")
+    assert time.monotonic() - killed_at < 1.5 + 2.0, "node left within the heartbeat TTL (plus polling slack)"
+    replaced = wait_for(lambda: (i := instance(gateway, created["id"]))["state"]["state"] == "ready"
+                        and i["placement"]["shards"][0]["node_id"] == "b" and i, 120, "re-placed on b")
+    assert replaced["epoch"] == 1
+    reply = client.completions.create(model=MODEL, prompt="Hello", max_tokens=2)
+    assert reply.usage.completion_tokens == 2
+    kinds = [e["kind"] for e in httpx.get(f"{gateway.url}/events", params={"count": 1000}).json()
+             if e["instance_id"] == created["id"]]
+    assert kinds[0] == "instance.placed" and "instance.failed" in kinds and "instance.replaced" in kinds
+    assert kinds.index("instance.failed") < kinds.index("instance.replaced")
+
+
+def test_placements_survive_a_redis_restart_and_a_gateway_restart(cluster, redis, data_dir):
+    gateway, _, _ = cluster
+    before = {i["id"]: i["placement"] for i in httpx.get(f"{gateway.url}/instances").json()}
+    assert before
+    redis.restart()
+    after = wait_for(lambda: _instances_or_none(gateway), 30, "gateway reconnects to redis")
+    assert {i["id"]: i["placement"] for i in after} == before
+    restarted = Server(data_dir, "--redis", redis.url, "--plugin", "tests.scripted_plugin", env=FAST)
+    try:
+        assert {i["id"]: i["placement"] for i in httpx.get(f"{restarted.url}/instances").json()} == before
+    finally:
+        restarted.stop()
+
+
+def _instances_or_none(gateway: Server) -> list | None:
+    try:
+        r = httpx.get(f"{gateway.url}/instances", timeout=5)
+        return r.json() if r.status_code == 200 else None
+    except httpx.HTTPError:
+        return None

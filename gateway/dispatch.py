@@ -32,7 +32,6 @@ from protocols.model import (
 __all__ = ["Dispatcher", "normalize_model_name"]
 
 log = logging.getLogger("meshgate.dispatch")
-KEEPALIVE_EVERY = 2.0
 
 
 def normalize_model_name(name: str) -> str:
@@ -75,8 +74,10 @@ class Catalog:
 class Dispatcher:
     """Resolves models, finds or places their instances, opens event streams."""
 
-    def __init__(self, catalog: Catalog, backends: Sequence[Backend], choose, instances: InstanceManager) -> None:
+    def __init__(self, catalog: Catalog, backends: Sequence[Backend], choose, instances: InstanceManager, *,
+                 keepalive: float = 2.0) -> None:
         self.catalog = catalog
+        self.keepalive = keepalive
         self.backends = list(backends)
         self._choose = choose
         self.instances = instances
@@ -141,7 +142,7 @@ class Dispatcher:
         waiting = asyncio.ensure_future(self._start(instance, card, backend, request))
         try:
             while True:
-                done, _ = await asyncio.wait({waiting}, timeout=KEEPALIVE_EVERY)
+                done, _ = await asyncio.wait({waiting}, timeout=self.keepalive)
                 if done:
                     break
                 yield KeepAlive()

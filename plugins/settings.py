@@ -50,6 +50,8 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
         node_ttl: Seconds without a heartbeat after which a node leaves the topology.
         placement: ``auto`` places a model on its first request; ``never`` requires ``POST /instances``.
         node_memory: Bytes of memory this node offers for models (default: what the OS reports available).
+        link_probe_every: Seconds between an agent's link measurements (also re-measured when nodes change).
+        keepalive: Seconds between keep-alives while a streaming request waits for its model to come up.
     """
 
     host: str = "127.0.0.1"
@@ -71,6 +73,8 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     node_ttl: float = 3.0
     placement: str = "auto"
     node_memory: int | None = None
+    keepalive: float = 2.0
+    link_probe_every: float = 30.0
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str], **overrides: Any) -> Settings:

@@ -7,6 +7,8 @@ echoed back word by word. It never ships as a default: only tests load it.
 from __future__ import annotations
 
 import asyncio
+
+import msgspec
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 
 from backends.base import Backend, Capabilities, ModelCard, ModelSource
@@ -31,6 +33,9 @@ CARD = ModelCard(name="scripted", path="", format="scripted", family="script", p
 BIG = ModelCard(name="scripted-big:latest", path="", format="scripted", family="script", parameter_size="1B",
                 size=2 << 30, digest="1" * 64, created=1_700_000_000.0, context_length=1024)
 """A 2 GiB model (16 x 128 MiB layers) that may be split into a pipeline: for placement tests."""
+
+HUGE = msgspec.structs.replace(BIG, name="scripted-huge:latest", size=64 << 30)
+"""A 64 GiB model that fits on no test node."""
 
 SCRIPTS: dict[str, list[Event]] = {
     "hello": [Usage(prompt_tokens=7), TextDelta(text="Hello"), TextDelta(text=", world"),
@@ -75,12 +80,12 @@ class ScriptedBackend:
         return Capabilities(tools=True, vision=True, json_schema=True, reasoning=True)
 
     def strategies(self, card: ModelCard) -> frozenset[str]:
-        return frozenset({"single", "pipeline"} if card.name == BIG.name else {"single"})
+        return frozenset({"single", "pipeline"} if card.size > 1 << 30 else {"single"})
 
     def spec(self, card: ModelCard) -> ModelSpec:
-        if card.name == BIG.name:
+        if card.size > 1 << 30:
             return ModelSpec(name=card.name, n_layers=16, hidden_size=2048, n_heads=16, n_kv_heads=4, head_dim=128,
-                             context_length=card.context_length, layer_bytes=128 << 20)
+                             context_length=card.context_length, layer_bytes=card.size // 16)
         return ModelSpec(name=card.name, n_layers=1, hidden_size=8, n_heads=1, n_kv_heads=1, head_dim=8,
                          context_length=card.context_length, layer_bytes=1 << 20)
 
@@ -106,7 +111,7 @@ class ScriptedSource:
     name = "scripted"
 
     def models(self) -> Sequence[ModelCard]:
-        return [CARD, BIG]
+        return [CARD, BIG, HUGE]
 
 
 @hookimpl

@@ -62,7 +62,7 @@ async def control_plane(settings: Settings, plugins: pluggy.PluginManager, *, ga
                 plane.agent = NodeAgent(store, backends, catalog.resolve, choose=choose, name=settings.node_name,
                                         address=settings.cluster_address, port=settings.agent_port,
                                         heartbeat=settings.heartbeat, ttl=settings.node_ttl,
-                                        memory=settings.node_memory)
+                                        memory=settings.node_memory, probe_every=settings.link_probe_every)
                 await plane.agent.start()
             if gateway:
                 def context(backend: Backend, card) -> int | None:
@@ -72,7 +72,7 @@ async def control_plane(settings: Settings, plugins: pluggy.PluginManager, *, ga
                     store, backends, resolve=catalog.resolve, choose=choose,
                     rank=_rank(plugins), auto_place=settings.placement != "never", context=context)
                 await plane.instances.start()
-                plane.dispatcher = Dispatcher(catalog, backends, choose, plane.instances)
+                plane.dispatcher = Dispatcher(catalog, backends, choose, plane.instances, keepalive=settings.keepalive)
             yield plane
         finally:
             if plane.instances is not None:

@@ -138,15 +138,38 @@ def test_create_wait_serve_delete(cluster):
     assert httpx.get(f"{gateway.url}/instances/{created['id']}").status_code == 404
 
 
-def test_a_model_that_fits_nowhere_gets_the_planners_reason(cluster, data_dir):
+def test_a_model_that_fits_nowhere_gets_each_protocols_error_with_the_reason(cluster):
     gateway, _, _ = cluster
-    r = httpx.post(f"{gateway.url}/v1/chat/completions", json={"model": "scripted-big", "messages": [
-        {"role": "user", "content": "hi"}], "max_tokens": 2}, headers={"x-test": "nodes"}, timeout=30)
-    # two 1.5 GiB nodes hold the 2 GiB model: it places and answers
-    assert r.status_code == 200
-    assert httpx.post(f"{gateway.url}/instances", json={"model": "scripted-big", "nodes": ["b"]}).status_code == 503
-    body = httpx.post(f"{gateway.url}/instances", json={"model": "scripted-big", "nodes": ["b"]}).json()
-    assert "fits nowhere" in body["error"]["message"] and "GiB" in body["error"]["message"]
+    chat = {"model": "scripted-huge", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    r = httpx.post(f"{gateway.url}/v1/chat/completions", json=chat)
+    assert r.status_code == 503 and "fits nowhere" in r.json()["error"]["message"]
+    assert "GiB" in r.json()["error"]["message"]
+    r = httpx.post(f"{gateway.url}/v1/messages", json=chat)
+    assert r.status_code == 529 and r.json()["error"]["type"] == "overloaded_error"
+    assert "fits nowhere" in r.json()["error"]["message"]
+    r = httpx.post(f"{gateway.url}/api/chat", json={"model": "scripted-huge", "messages": chat["messages"]})
+    assert r.status_code == 503 and "fits nowhere" in r.json()["error"]
+    body = httpx.post(f"{gateway.url}/instances", json={"model": "scripted-big", "nodes": ["b"]})
+    assert body.status_code == 503 and "fits nowhere" in body.json()["error"]["message"]
+
+
+def test_first_request_places_the_model_with_keepalives(redis, data_dir, cluster):
+    gateway = Server(data_dir, "--redis", redis.url, "--plugin", "tests.scripted_plugin",
+                     env={**FAST, "MESHGATE_KEEPALIVE": "0.2"})
+    try:
+        for old in httpx.get(f"{gateway.url}/instances").json():
+            if old["model"] == MODEL:
+                httpx.delete(f"{gateway.url}/instances/{old['id']}")
+        with httpx.stream("POST", f"{gateway.url}/v1/chat/completions", timeout=120, json={
+                "model": MODEL, "stream": True, "max_tokens": 3,
+                "messages": [{"role": "user", "content": "Hi"}]}) as r:
+            lines = [line for line in r.iter_lines() if line]
+        assert lines[0].startswith(":"), "keep-alive comments while the instance starts"
+        assert lines[-1] == "data: [DONE]" and any('"content"' in line for line in lines)
+        placed = [i for i in httpx.get(f"{gateway.url}/instances").json() if i["model"] == MODEL]
+        assert len(placed) == 1 and placed[0]["state"]["state"] == "ready"
+    finally:
+        gateway.stop()
 
 
 def test_two_gateways_share_instances(cluster, redis, data_dir):

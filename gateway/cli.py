@@ -105,16 +105,23 @@ def _place(settings: Settings, args: argparse.Namespace) -> int:
     with _client(args) as http:
         if args.preview:
             params = {"model": args.model_name, **({"nodes": args.nodes} if args.nodes else {})}
-            body = http.get("/instances/previews", params=params).json()
-            for c in body.get("candidates", []):
+            response = http.get("/instances/previews", params=params)
+            body = response.json()
+            if response.status_code != 200:
+                print(body.get("error", {}).get("message", response.text), file=sys.stderr)
+                return 1
+            for c in body["candidates"]:
                 memory = ", ".join(f"{k}={v / 2**20:.0f}MiB" for k, v in c["memory_per_node"].items())
                 verdict = f"{c['tok_s']:.1f} tok/s" if c["fits"] else f"rejected: {c['reason']}"
                 print(f"{c['id']:12} {c['backend']:10} {c['strategy']:9} {memory:40} {verdict}")
-            return 0 if "candidates" in body else 1
+            return 0
         payload = {"model": args.model_name, **({"nodes": args.nodes.split(",")} if args.nodes else {})}
         response = http.post("/instances", json=payload)
+        if response.status_code != 201:
+            print(response.json().get("error", {}).get("message", response.text), file=sys.stderr)
+            return 1
         print(json.dumps(response.json(), indent=2))
-        return 0 if response.status_code == 201 else 1
+        return 0
 
 
 def _logging(settings: Settings) -> None:

@@ -13,8 +13,7 @@ Redis keys, all under ``prefix`` (default ``meshgate:``)::
                                  updated_at -> float; runner:{node_id} -> RunnerStatus JSON (one per node,
                                  so two agents never overwrite each other)
     instances            set     instance ids
-    events               stream  field e -> StoreEvent JSON (id left empty: the stream id is the event id);
-                                 XADD MAXLEN ~ 10000
+    events               stream  field e -> StoreEvent JSON, its id the stream id; XADD MAXLEN ~ 10000
     generation           int     bumped by every write that changes nodes, links or instances
     changes              pub/sub channel; messages "nodes" | "links" | "instances" (wake-ups only)
 
@@ -50,7 +49,9 @@ from typing import Protocol, runtime_checkable
 
 import msgspec
 import redis.asyncio as aioredis
-from redis.exceptions import RedisError
+from redis.asyncio.retry import Retry
+from redis.backoff import ExponentialBackoff
+from redis.exceptions import ConnectionError as RedisConnectionError, RedisError, TimeoutError as RedisTimeoutError
 
 from backends.placement import InstanceId, Link, Node, NodeId
 from gateway.cluster.records import Instance, InstanceState, RunnerStatus, StoreEvent, state_tag
@@ -78,109 +79,75 @@ class StateStore(Protocol):
 
     async def put_node(self, node: Node, ttl: float) -> None:
         """Register or refresh ``node``; it vanishes from ``nodes()`` ``ttl`` seconds after the last refresh."""
-
     async def nodes(self) -> list[Node]:
         """Live nodes, by id."""
-
     async def remove_node(self, node_id: NodeId) -> bool:
         """Forget a node (a clean shutdown) and its links. True if it was registered."""
 
     async def put_link(self, link: Link) -> None:
         """Store the latest measurement of ``link.src`` -> ``link.dst``."""
-
     async def links(self) -> list[Link]:
         """Links whose two ends are live nodes, by (src, dst)."""
 
     async def put_instance(self, inst: Instance) -> None:
         """Create or replace an instance whole, runner reports included."""
-
     async def get_instance(self, instance_id: InstanceId) -> Instance | None:
         """The instance with its latest state and runner reports, or None."""
-
     async def instances(self) -> list[Instance]:
         """Every instance, oldest first."""
-
     async def delete_instance(self, instance_id: InstanceId) -> bool:
         """Delete an instance. True if it existed."""
-
     async def update_runner(self, instance_id: InstanceId, status: RunnerStatus) -> bool:
         """Record one node's runner status; False (and nothing stored) if the instance does not exist."""
-
     async def set_state(self, instance_id: InstanceId, state: InstanceState, *, expected: type | None = None) -> bool:
         """Set the state if the instance exists and (when given) its state is of class ``expected``."""
 
     async def append_event(self, kind: str, message: str, *, instance_id: str | None = None,
                            node_id: str | None = None, data: dict[str, str] | None = None) -> StoreEvent:
         """Append to the audit stream (the newest ``MAX_EVENTS`` or so are kept)."""
-
     async def events(self, since: str | None = None, count: int = 100) -> list[StoreEvent]:
         """Up to ``count`` events after the event id ``since`` (from the oldest kept when None), oldest first."""
 
     async def generation(self) -> int:
         """A counter bumped by every change of nodes, links or instances."""
-
     def watch(self) -> AsyncIterator[str]:
         """Wake-ups: the kinds ("nodes", "links", "instances") that changed. Ends when the store closes."""
-
     async def close(self) -> None:
         """Release connections and end every watcher."""
 
 
-class _Mailbox:
-    """One watcher's pending kinds, coalesced, in arrival order."""
-
-    def __init__(self) -> None:
-        self.pending = dict.fromkeys(KINDS)
-        self.wake = asyncio.Event()
-        self.closed = False
-
-    def put(self, kind: str) -> None:
-        self.pending[kind] = None
-        self.wake.set()
-
-    async def get(self) -> str | None:
-        while not self.pending:
-            if self.closed:
-                return None
-            self.wake.clear()
-            await self.wake.wait()
-        kind = next(iter(self.pending))
-        del self.pending[kind]
-        return kind
-
-
 class _Watchers:
+    """Fan-out of wake-ups: per watcher, an event and its pending kinds (coalesced, in arrival order)."""
+
     def __init__(self) -> None:
-        self.boxes: set[_Mailbox] = set()
+        self.boxes: dict[asyncio.Event, dict[str, None]] = {}
         self.closed = False
 
-    def notify(self, kinds: Iterable[str]) -> None:
-        for box in self.boxes:
-            for kind in kinds:
-                box.put(kind)
+    def notify(self, *kinds: str) -> None:
+        for wake, pending in self.boxes.items():
+            pending.update(dict.fromkeys(kinds))
+            wake.set()
 
     def close(self) -> None:
         self.closed = True
-        for box in self.boxes:
-            box.closed = True
-            box.wake.set()
+        for wake in self.boxes:
+            wake.set()
 
-    async def stream(self, ready: Callable[[], Awaitable[None]]) -> AsyncIterator[str]:
-        if self.closed:
-            return
-        box = _Mailbox()
-        self.boxes.add(box)
+    async def stream(self, ready: Callable[[], Awaitable[object]]) -> AsyncIterator[str]:
+        wake, pending = asyncio.Event(), dict.fromkeys(KINDS)
+        self.boxes[wake] = pending
         try:
             await ready()
-            while (kind := await box.get()) is not None and not self.closed:
-                yield kind
+            while not self.closed:
+                if pending:
+                    kind = next(iter(pending))
+                    del pending[kind]
+                    yield kind
+                else:
+                    wake.clear()
+                    await wake.wait()
         finally:
-            self.boxes.discard(box)
-
-
-def _stream_id(event_id: str) -> tuple[int, int]:
-    ms, _, seq = event_id.partition("-")
-    return int(ms), int(seq or 0)
+            del self.boxes[wake]
 
 
 class MemoryStore:
@@ -190,20 +157,18 @@ class MemoryStore:
         self._nodes: dict[str, tuple[bytes, float]] = {}
         self._links: dict[tuple[str, str], bytes] = {}
         self._instances: dict[str, bytes] = {}
-        self._events: deque[bytes] = deque(maxlen=MAX_EVENTS)
+        self._events: deque[tuple[tuple[int, int], bytes]] = deque(maxlen=MAX_EVENTS)
         self._last_id = (0, 0)
         self._generation = 0
         self._watchers = _Watchers()
 
     def _changed(self, *kinds: str) -> None:
         self._generation += 1
-        self._watchers.notify(kinds)
+        self._watchers.notify(*kinds)
 
     def _live(self) -> dict[str, bytes]:
         now = time.monotonic()
-        gone = [node_id for node_id, (_, deadline) in self._nodes.items() if deadline <= now]
-        if gone:
-            self._drop(gone)
+        self._drop([node_id for node_id, (_, deadline) in self._nodes.items() if deadline <= now])
         return {node_id: value for node_id, (value, _) in self._nodes.items()}
 
     def _drop(self, node_ids: Iterable[str]) -> bool:
@@ -252,20 +217,17 @@ class MemoryStore:
 
     async def update_runner(self, instance_id: InstanceId, status: RunnerStatus) -> bool:
         inst = await self.get_instance(instance_id)
-        if inst is None:
-            return False
-        runners = {**inst.runners, status.node_id: status}
-        self._instances[instance_id] = _encode(msgspec.structs.replace(inst, runners=runners))
-        self._changed("instances")
-        return True
+        return inst is not None and self._replace(inst, runners={**inst.runners, status.node_id: status})
 
     async def set_state(self, instance_id: InstanceId, state: InstanceState, *, expected: type | None = None) -> bool:
         tag = None if expected is None else state_tag(expected)
         inst = await self.get_instance(instance_id)
         if inst is None or (tag is not None and state_tag(inst.state) != tag):
             return False
-        new = msgspec.structs.replace(inst, state=state, updated_at=time.time())
-        self._instances[instance_id] = _encode(new)
+        return self._replace(inst, state=state, updated_at=time.time())
+
+    def _replace(self, inst: Instance, **changes: object) -> bool:
+        self._instances[inst.id] = _encode(msgspec.structs.replace(inst, **changes))
         self._changed("instances")
         return True
 
@@ -275,38 +237,36 @@ class MemoryStore:
         ms, seq = self._last_id
         self._last_id = (ms, seq + 1) if int(at * 1000) <= ms else (int(at * 1000), 0)
         event = StoreEvent(f"{self._last_id[0]}-{self._last_id[1]}", at, kind, instance_id, node_id, message, data)
-        self._events.append(_encode(event))
-        return _event.decode(self._events[-1])
+        self._events.append((self._last_id, _encode(event)))
+        return event
 
     async def events(self, since: str | None = None, count: int = 100) -> list[StoreEvent]:
-        after = (-1, -1) if since is None else _stream_id(since)
-        found = (e for e in map(_event.decode, self._events) if _stream_id(e.id) > after)
-        return list(itertools.islice(found, count))
+        after = (-1, -1) if since is None else tuple(int(part) for part in f"{since}-0".split("-")[:2])
+        found = (value for key, value in self._events if key > after)
+        return [_event.decode(value) for value in itertools.islice(found, count)]
 
     async def generation(self) -> int:
         return self._generation
 
     def watch(self) -> AsyncIterator[str]:
-        return self._watchers.stream(_nothing)
+        return self._watchers.stream(lambda: asyncio.sleep(0))
 
     async def close(self) -> None:
         self._watchers.close()
 
 
-async def _nothing() -> None:
-    return None
-
+# Every script ends by bumping the generation (KEYS[gen]) and publishing its kind on the channel (ARGV[1]).
+_BUMP = "redis.call('INCR', KEYS[{gen}]) redis.call('PUBLISH', ARGV[1], '{kind}')"
 
 # KEYS: nodes index, links hash, generation, node:{id}...  ARGV: channel, force ("1": delete), id...
 # Drops the given nodes whose key is gone (or every given node when forced), and their links.
 _DROP_NODES = """
 local gone, n = {}, 0
 for i = 4, #KEYS do
-  local id = ARGV[i - 1]
   local deleted = 0
   if ARGV[2] == '1' then deleted = redis.call('DEL', KEYS[i]) end
-  if redis.call('EXISTS', KEYS[i]) == 0 and (redis.call('SREM', KEYS[1], id) + deleted) > 0 then
-    gone[id] = true
+  if redis.call('EXISTS', KEYS[i]) == 0 and (redis.call('SREM', KEYS[1], ARGV[i - 1]) + deleted) > 0 then
+    gone[ARGV[i - 1]] = true
     n = n + 1
   end
 end
@@ -315,20 +275,13 @@ for _, field in ipairs(redis.call('HKEYS', KEYS[2])) do
   local ends = cjson.decode(field)
   if gone[ends[1]] or gone[ends[2]] then redis.call('HDEL', KEYS[2], field) end
 end
-redis.call('INCR', KEYS[3])
-redis.call('PUBLISH', ARGV[1], 'nodes')
-redis.call('PUBLISH', ARGV[1], 'links')
-return n
-"""
+""" + _BUMP.format(gen=3, kind="nodes") + " redis.call('PUBLISH', ARGV[1], 'links') return n"
 
 # KEYS: instance:{id}, generation  ARGV: channel, field, value
 _UPDATE_RUNNER = """
 if redis.call('HEXISTS', KEYS[1], 'record') == 0 then return 0 end
 redis.call('HSET', KEYS[1], ARGV[2], ARGV[3])
-redis.call('INCR', KEYS[2])
-redis.call('PUBLISH', ARGV[1], 'instances')
-return 1
-"""
+""" + _BUMP.format(gen=2, kind="instances") + " return 1"
 
 # KEYS: instance:{id}, generation  ARGV: channel, expected tag ('' = any), state JSON, updated_at
 _SET_STATE = """
@@ -336,21 +289,20 @@ local current = redis.call('HGET', KEYS[1], 'state')
 if not current then return 0 end
 if ARGV[2] ~= '' and cjson.decode(current)['state'] ~= ARGV[2] then return 0 end
 redis.call('HSET', KEYS[1], 'state', ARGV[3], 'updated_at', ARGV[4])
-redis.call('INCR', KEYS[2])
-redis.call('PUBLISH', ARGV[1], 'instances')
-return 1
-"""
+""" + _BUMP.format(gen=2, kind="instances") + " return 1"
 
 
 class RedisStore:
-    """The shared store. ``url`` as redis-py takes it (``redis://host:6379/0``); every key under ``prefix``.
+    """The shared store at ``url`` (``redis://host:6379/0``), every key under ``prefix``.
 
-    The client connects lazily and reconnects by itself; one pub/sub connection serves every watcher.
-    """
+    Connects lazily and reconnects by itself; one pub/sub connection serves every watcher."""
 
     def __init__(self, url: str, prefix: str = "meshgate:") -> None:
         self.prefix = prefix
-        self._r = aioredis.Redis.from_url(url)
+        # Reconnect transparently when Redis restarts: a pooled connection that broke is retried on a new one.
+        self._r = aioredis.Redis.from_url(url, retry=Retry(ExponentialBackoff(cap=1.0, base=0.05), 5),
+                                          retry_on_error=[RedisConnectionError, RedisTimeoutError],
+                                          health_check_interval=10)
         self._channel = prefix + "changes"
         self._drop_nodes = self._r.register_script(_DROP_NODES)
         self._update_runner = self._r.register_script(_UPDATE_RUNNER)
@@ -406,12 +358,9 @@ class RedisStore:
 
     async def put_instance(self, inst: Instance) -> None:
         key = self._key("instance", inst.id)
-        fields: dict[str, bytes] = {
-            "record": _encode(msgspec.structs.replace(inst, runners={})),
-            "state": _encode(inst.state),
-            "updated_at": repr(inst.updated_at).encode(),
-            **{f"runner:{node_id}": _encode(status) for node_id, status in inst.runners.items()},
-        }
+        fields = {"record": _encode(msgspec.structs.replace(inst, runners={})), "state": _encode(inst.state),
+                  "updated_at": repr(inst.updated_at).encode(),
+                  **{f"runner:{node_id}": _encode(status) for node_id, status in inst.runners.items()}}
         await self._write("instances", lambda p: p.delete(key), lambda p: p.hset(key, mapping=fields),
                           lambda p: p.sadd(self._key("instances"), inst.id))
 
@@ -467,10 +416,10 @@ class RedisStore:
     def watch(self) -> AsyncIterator[str]:
         return self._watchers.stream(self._ready)
 
-    async def _ready(self) -> None:
+    def _ready(self) -> Awaitable[object]:
         if self._listener is None:
             self._listener = asyncio.create_task(self._listen(), name="meshgate-store-changes")
-        await self._subscribed.wait()  # the listener retries until subscribed; close() sets it too
+        return self._subscribed.wait()  # the listener retries until subscribed; close() sets it too
 
     async def _listen(self) -> None:
         """Fan the changes channel out to the watchers; on every (re)subscription wake them for every kind."""
@@ -480,15 +429,13 @@ class RedisStore:
             try:
                 await pubsub.subscribe(self._channel)
                 while True:
-                    message = await pubsub.get_message(timeout=None)
-                    if message is None:
-                        continue
-                    if message["type"] == "subscribe":
-                        self._watchers.notify(KINDS)
+                    message = await pubsub.get_message(timeout=None) or {}
+                    if message.get("type") == "subscribe":
+                        self._watchers.notify(*KINDS)
                         self._subscribed.set()
                         delay = 0.05
-                    elif message["type"] == "message":
-                        self._watchers.notify([message["data"].decode()])
+                    elif message.get("type") == "message":
+                        self._watchers.notify(message["data"].decode())
             except (RedisError, OSError) as exc:
                 log.warning("store change feed lost (%s); resubscribing in %.2fs", exc, delay)
             except Exception:  # a bad message must not end every watcher's wake-ups

@@ -237,3 +237,27 @@ def _instances_or_none(gateway: Server) -> list | None:
         return r.json() if r.status_code == 200 else None
     except httpx.HTTPError:
         return None
+
+
+def test_cli_ps_and_place_mirror_the_api(cluster):
+    gateway, _, _ = cluster
+    run = lambda *a: subprocess.run([sys.executable, "-m", "gateway.cli", *a, "--url", gateway.url],  # noqa: E731
+                                    capture_output=True, text=True, cwd=ROOT, timeout=60)
+    preview = run("place", "scripted-big", "--preview")
+    assert preview.returncode == 0, preview.stderr
+    assert "b=" in preview.stdout and "MiB" in preview.stdout  # node a was lost earlier: only b is left
+    assert "rejected: needs" in preview.stdout
+    created = run("place", "scripted", "--nodes", "b")
+    assert created.returncode == 0 and '"model": "scripted' in created.stdout
+    ps = run("ps")
+    assert ps.returncode == 0 and "NODE" in ps.stdout and "scripted" in ps.stdout
+    assert all(name in ps.stdout for name in ("b",))
+
+
+def test_cluster_api_is_in_the_openapi_schema(cluster):
+    gateway, _, _ = cluster
+    paths = httpx.get(f"{gateway.url}/schema/openapi.json").json()["paths"]
+    for path in ("/cluster", "/instances", "/instances/previews", "/instances/{instance_id}",
+                 "/instances/{instance_id}/events", "/events"):
+        assert path in paths, path
+    assert {"get", "post"} <= set(paths["/instances"]) and "delete" in paths["/instances/{instance_id}"]

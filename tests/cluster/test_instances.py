@@ -1,0 +1,98 @@
+"""InstanceManager on a MemoryStore: the ranking policy hook, creation, failure and re-placement, no processes."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from backends.placement import Node, NodeId
+from gateway.cluster.instances import MAX_ATTEMPTS, InstanceManager
+from gateway.cluster.records import Failed, Ready, RunnerStatus, Starting
+from gateway.cluster.runtime import _rank
+from gateway.cluster.store import MemoryStore
+from gateway.dispatch import Catalog
+from plugins.hookspecs import hookimpl
+from plugins.manager import build_plugin_manager
+from plugins.settings import Settings
+from protocols.model import NoCapacity
+from tests import scripted_plugin
+
+
+def node(name: str, flops: float, memory: int = 8 << 30) -> Node:
+    return Node(id=NodeId(name), name=name, memory_total=memory, memory_available=memory, flops=flops,
+                heartbeat_at=time.time())
+
+
+@pytest.fixture
+async def manager(request):
+    store = MemoryStore()
+    await store.put_node(node("fast", 5e10), ttl=60)
+    await store.put_node(node("slow", 1e10), ttl=60)
+    pm = build_plugin_manager(Settings(disabled_plugins=("llama_cpp",)), extra=[scripted_plugin,
+                                                                                 *getattr(request, "param", [])])
+    catalog = Catalog([scripted_plugin.ScriptedSource()])
+    catalog.refresh()
+    backend = scripted_plugin.ScriptedBackend()
+    m = InstanceManager(store, [backend], resolve=catalog.resolve, choose=pm.hook.meshgate_choose_backend,
+                        rank=_rank(pm))
+    yield m
+    await store.close()
+
+
+async def test_default_policy_prefers_the_faster_node(manager):
+    candidates = await manager.preview("scripted")
+    assert [c.shards[0].node_id for c in candidates if c.fits][:2] == ["fast", "slow"]
+
+
+class PreferSlow:
+    @hookimpl
+    def meshgate_rank_candidates(self, candidates, topology):
+        return sorted(candidates, key=lambda c: c.shards[0].node_id != "slow")
+
+
+@pytest.mark.parametrize("manager", [[PreferSlow()]], indirect=True)
+async def test_a_plugin_ranking_policy_decides(manager):
+    assert (await manager.preview("scripted"))[0].shards[0].node_id == "slow"
+    instance = await manager.create("scripted")
+    assert instance.placement.shards[0].node_id == "slow" and isinstance(instance.state, Starting)
+
+
+async def test_ready_when_every_runner_reports_then_replaced_when_its_node_leaves(manager):
+    instance = await manager.create("scripted", nodes=["fast"])
+    await manager.store.update_runner(instance.id, RunnerStatus(node_id=NodeId("fast"), state="ready", url="x"))
+    await manager._refresh(force=True)
+    await manager.reconcile()
+    assert isinstance((await manager.store.get_instance(instance.id)).state, Ready)
+    await manager.store.remove_node(NodeId("fast"))
+    await manager._refresh(force=True)
+    await manager.reconcile()
+    failed = await manager.store.get_instance(instance.id)
+    assert isinstance(failed.state, Failed) and "fast left" in failed.state.reason
+    await manager._refresh(force=True)
+    await manager.reconcile()
+    moved = await manager.store.get_instance(instance.id)
+    assert isinstance(moved.state, Starting) and moved.placement.shards[0].node_id == "slow"
+    assert moved.epoch == 1 and moved.runners == {}
+    kinds = [e.kind for e in await manager.store.events()]
+    assert kinds == ["instance.placed", "instance.ready", "instance.failed", "instance.replaced"]
+
+
+async def test_nothing_fits_gives_the_reason(manager):
+    with pytest.raises(NoCapacity) as exc:
+        await manager.create("scripted-huge")
+    assert "fits nowhere" in exc.value.message and "GiB" in exc.value.message
+
+
+async def test_a_failing_runner_is_retried_a_bounded_number_of_times(manager):
+    instance = await manager.create("scripted", nodes=["fast"])
+    for _ in range(MAX_ATTEMPTS + 2):
+        current = await manager.store.get_instance(instance.id)
+        for shard in current.placement.shards:
+            await manager.store.update_runner(instance.id, RunnerStatus(
+                node_id=shard.node_id, state="failed", error="boom", epoch=current.epoch))
+        for _ in range(2):
+            await manager._refresh(force=True)
+            await manager.reconcile()
+    final = await manager.store.get_instance(instance.id)
+    assert isinstance(final.state, Failed) and final.attempts == MAX_ATTEMPTS

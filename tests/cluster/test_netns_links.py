@@ -1,0 +1,323 @@
+"""Measured links steer placement: three hosts in network namespaces, one of them behind a slow link.
+
+Each host is a network namespace joined by a veth pair to a bridge in the root namespace; redis-server listens on
+the bridge address, one ``meshgate node`` runs in each namespace and a gateway in the root namespace. ``tbf`` on
+both ends of one host's veth (the kernel here has no ``netem``) makes its links slow in both directions, so the
+agents measure far less bandwidth to it, and the 2 GiB ``scripted-big`` model (a two-node pipeline on 1.5 GiB
+nodes) is planned over the two fast hosts. Moving the shaping to another host moves the choice with it.
+
+The agents' compute estimate is pinned to one value (``FLOPS``): measured, it varies more between three agents
+starting at once on two cores than the link cost does, and it orders the planner's pipeline growth, so it would
+decide the ranking instead of the links. Needs root, iproute2 (``ip``, ``tc``) and redis-server; skipped without.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import secrets
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.cluster.redis_server import RedisServerMissing, find_redis_server
+from tests.conftest import ROOT, Server
+
+NAMES = ("a", "b", "c")
+NODE_MEMORY = str(3 << 29)  # 1.5 GiB: scripted-big (2 GiB) needs two nodes
+RATE = "8mbit"  # 1 MB/s: a 4 MiB probe takes ~4 s; the 4 KiB pipeline hop costs ~4 ms (vs ~0.2 ms unshaped)
+PROBE_BYTES = 4 << 20  # the agent's blob size (NodeAgent.probe_bytes)
+FLOPS = 1e11
+AGENT_ENV = {"MESHGATE_HEARTBEAT": "0.5", "MESHGATE_NODE_TTL": "5", "MESHGATE_LINK_PROBE_EVERY": "1"}
+# ``python -m gateway.cli`` with the compute estimate pinned (patched before the agent module imports it).
+AGENT_MAIN = ("import runpy, gateway.cluster.node as node; "
+              f"node.measure_flops = lambda seconds=0.05: {FLOPS!r}; "
+              "runpy.run_module('gateway.cli', run_name='__main__', alter_sys=True)")
+
+
+def _missing() -> str | None:
+    if sys.platform != "linux" or os.geteuid() != 0:
+        return "network namespaces need root on Linux"
+    if not (shutil.which("ip") and shutil.which("tc")):
+        return "iproute2 (ip, tc) is not installed"
+    try:
+        find_redis_server()
+    except RedisServerMissing as exc:
+        return str(exc)
+    return None
+
+
+pytestmark = pytest.mark.skipif(bool(_missing()), reason=_missing() or "")
+
+
+def sh(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+    result = subprocess.run(args, capture_output=True, text=True, timeout=15)
+    if check and result.returncode != 0:
+        raise RuntimeError(f"{' '.join(args)} failed ({result.returncode}): {result.stderr.strip()}")
+    return result
+
+
+def wait_for(check: Callable[[], object], timeout: float, what: str, last: Callable[[], object] | None = None,
+             interval: float = 0.25) -> object:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if result := check():
+            return result
+        time.sleep(interval)
+    raise AssertionError(f"timed out after {timeout}s waiting for {what}" + (f"; last seen: {last()}" if last else ""))
+
+
+class Hosts:
+    """Three namespaces on a bridge, with redis-server, one agent per namespace and a gateway; ``close()`` undoes
+    everything it made, whatever state it got to."""
+
+    def __init__(self, data_dir: Path, log_dir: Path) -> None:
+        self.tag = secrets.token_hex(3)
+        self.subnet = f"10.213.{secrets.randbelow(200) + 20}"
+        self.bridge = f"mg{self.tag}br"
+        self.bridge_ip = f"{self.subnet}.1"
+        self.ns = {n: f"mg{self.tag}-{n}" for n in NAMES}
+        self.outer = {n: f"mg{self.tag}{n}" for n in NAMES}  # root side of each veth
+        self.inner = {n: f"mg{self.tag}{n}i" for n in NAMES}  # namespace side
+        self.ip = {n: f"{self.subnet}.{11 + i}" for i, n in enumerate(NAMES)}
+        self.data_dir, self.log_dir = data_dir, log_dir
+        self.made_bridge = False
+        self.made_ns: list[str] = []
+        self.made_veth: list[str] = []
+        self.redis: subprocess.Popen[bytes] | None = None
+        self.agents: dict[str, subprocess.Popen[bytes]] = {}
+        self.gateway: Server | None = None
+
+    # ------------------------------------------------------------------------------------------- network
+
+    def build(self) -> None:
+        sh("ip", "link", "add", self.bridge, "type", "bridge")
+        self.made_bridge = True
+        sh("ip", "addr", "add", f"{self.bridge_ip}/24", "dev", self.bridge)
+        sh("ip", "link", "set", self.bridge, "up")
+        for n in NAMES:
+            ns, outer, inner = self.ns[n], self.outer[n], self.inner[n]
+            sh("ip", "netns", "add", ns)
+            self.made_ns.append(ns)
+            sh("ip", "link", "add", outer, "type", "veth", "peer", "name", inner)
+            self.made_veth.append(outer)
+            sh("ip", "link", "set", inner, "netns", ns)
+            sh("ip", "link", "set", outer, "master", self.bridge)
+            sh("ip", "link", "set", outer, "up")
+            sh("ip", "-n", ns, "link", "set", "lo", "up")
+            sh("ip", "-n", ns, "addr", "add", f"{self.ip[n]}/24", "dev", inner)
+            sh("ip", "-n", ns, "link", "set", inner, "up")
+
+    def shape(self, n: str) -> None:
+        """Slow both directions of ``n``'s link: into it (root side egress) and out of it (namespace side)."""
+        tbf = ("root", "tbf", "rate", RATE, "burst", "32kb", "latency", "100ms")
+        sh("tc", "qdisc", "replace", "dev", self.outer[n], *tbf)
+        sh("ip", "netns", "exec", self.ns[n], "tc", "qdisc", "replace", "dev", self.inner[n], *tbf)
+
+    def unshape(self, n: str) -> None:
+        sh("tc", "qdisc", "del", "dev", self.outer[n], "root")
+        sh("ip", "netns", "exec", self.ns[n], "tc", "qdisc", "del", "dev", self.inner[n], "root")
+
+    # ------------------------------------------------------------------------------------------- processes
+
+    @property
+    def redis_url(self) -> str:
+        return f"redis://{self.bridge_ip}:{self.redis_port}/0"
+
+    def start_redis(self) -> None:
+        # RedisServer binds 127.0.0.1 only; the agents reach this one over the bridge.
+        with socket.socket() as s:
+            s.bind((self.bridge_ip, 0))
+            self.redis_port = s.getsockname()[1]
+        redis_dir = self.log_dir / "redis"
+        redis_dir.mkdir()
+        self.redis = subprocess.Popen(
+            [find_redis_server(), "--port", str(self.redis_port), "--bind", self.bridge_ip, "127.0.0.1",
+             "--dir", str(redis_dir), "--save", "", "--appendonly", "no", "--daemonize", "no",
+             "--protected-mode", "no", "--logfile", str(redis_dir / "redis.log")],
+            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+
+        def pong() -> bool:
+            assert self.redis is not None and self.redis.poll() is None, "redis-server exited"
+            with contextlib.suppress(OSError), socket.create_connection((self.bridge_ip, self.redis_port), 0.5) as s:
+                s.sendall(b"PING\r\n")
+                return s.recv(64).startswith(b"+PONG")
+            return False
+
+        wait_for(pong, 10, "redis-server", interval=0.05)
+
+    def start_agent(self, n: str) -> None:
+        log = open(self.log_dir / f"agent-{n}.log", "ab")
+        with log:
+            self.agents[n] = subprocess.Popen(
+                ["ip", "netns", "exec", self.ns[n], sys.executable, "-c", AGENT_MAIN, "node",
+                 "--redis", self.redis_url, "--name", n, "--address", self.ip[n], "--memory", NODE_MEMORY,
+                 "--n-ctx", "1024", "--data-dir", str(self.data_dir), "--log-level", "info",
+                 "--plugin", "tests.scripted_plugin"],
+                stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT,
+                env={**os.environ, **AGENT_ENV, "PYTHONPATH": str(ROOT)})
+
+    def stop_agent(self, n: str) -> None:
+        proc = self.agents.pop(n, None)
+        if proc is None or proc.poll() is not None:
+            return
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(5)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(5)
+
+    def start_gateway(self) -> None:
+        self.gateway = Server(self.data_dir, "--redis", self.redis_url, "--plugin", "tests.scripted_plugin",
+                              env=AGENT_ENV)
+
+    # ------------------------------------------------------------------------------------------- teardown
+
+    def close(self) -> list[str]:
+        """Stop every process, then remove namespaces, veths and the bridge; returns what could not be undone."""
+        problems: list[str] = []
+
+        def attempt(what: str, action: Callable[[], object]) -> None:
+            try:
+                action()
+            except Exception as exc:  # keep going: everything else must still be removed
+                problems.append(f"{what}: {exc}")
+
+        if self.gateway is not None:
+            attempt("stop gateway", self.gateway.stop)
+        for n in list(self.agents):
+            attempt(f"stop agent {n}", lambda n=n: self.stop_agent(n))
+        if self.redis is not None and self.redis.poll() is None:
+            self.redis.kill()
+            attempt("stop redis-server", lambda: self.redis.wait(5))  # type: ignore[union-attr]
+        for ns in self.made_ns:
+            attempt(f"delete {ns}", lambda ns=ns: sh("ip", "netns", "del", ns))
+        for veth in self.made_veth:  # normally gone with its peer's namespace
+            if sh("ip", "link", "show", veth, check=False).returncode == 0:
+                attempt(f"delete {veth}", lambda veth=veth: sh("ip", "link", "del", veth))
+        if self.made_bridge:
+            attempt(f"delete {self.bridge}", lambda: sh("ip", "link", "del", self.bridge))
+        return problems
+
+    def log_tails(self) -> str:
+        out = []
+        for path in sorted(self.log_dir.glob("agent-*.log")):
+            lines = path.read_text(errors="replace").splitlines()[-15:]
+            out.append(f"--- {path.name}\n" + "\n".join(lines))
+        return "\n".join(out)
+
+
+@pytest.fixture
+def hosts(data_dir: Path, tmp_path: Path) -> Iterator[Hosts]:
+    h = Hosts(data_dir, tmp_path)
+    try:
+        try:
+            h.build()
+        except RuntimeError as exc:
+            if "Operation not permitted" in str(exc) or "not supported" in str(exc).lower():
+                pytest.skip(f"cannot build network namespaces here: {exc}")
+            raise
+        yield h
+    finally:
+        problems = h.close()
+        print(h.log_tails())
+        assert not problems, f"cleanup failed: {problems}"
+
+
+# ----------------------------------------------------------------------------------------------- queries
+
+def cluster(gateway: Server) -> dict:
+    return httpx.get(f"{gateway.url}/cluster", timeout=5).json()
+
+
+def links(gateway: Server) -> dict[tuple[str, str], dict]:
+    return {(k["src"], k["dst"]): k for k in cluster(gateway)["links"]}
+
+
+def fitting(gateway: Server) -> list[dict]:
+    body = httpx.get(f"{gateway.url}/instances/previews", params={"model": "scripted-big"}, timeout=10).json()
+    return [c for c in body["candidates"] if c["fits"]]
+
+
+def all_links_since(gateway: Server, since: float) -> dict[tuple[str, str], dict] | None:
+    """All six directed links, when each was measured by a probe whose blob started after ``since``."""
+    found = links(gateway)
+    pairs = [(s, d) for s in NAMES for d in NAMES if s != d]
+    if not all(p in found for p in pairs):
+        return None
+    started = {p: found[p]["measured_at"] - PROBE_BYTES / found[p]["bandwidth"] for p in pairs}
+    return found if all(t > since + 0.1 for t in started.values()) else None
+
+
+def summary(found: dict[tuple[str, str], dict]) -> str:
+    return ", ".join(f"{s}->{d} {k['bandwidth'] / 1e6:.3g} MB/s {k['latency'] * 1e3:.2f} ms"
+                     for (s, d), k in sorted(found.items()))
+
+
+def assert_pipeline_avoids(gateway: Server, found: dict[tuple[str, str], dict], slow: str) -> None:
+    fast = [n for n in NAMES if n != slow]
+    for other in fast:
+        for a, b in ((fast[0], fast[1]), (fast[1], fast[0])):
+            assert found[(a, b)]["bandwidth"] > 4 * found[(other, slow)]["bandwidth"], summary(found)
+            assert found[(a, b)]["bandwidth"] > 4 * found[(slow, other)]["bandwidth"], summary(found)
+    candidates = fitting(gateway)
+    assert candidates, "no fitting candidate for scripted-big"
+    best = candidates[0]
+    assert best["strategy"] == "pipeline" and set(best["memory_per_node"]) == set(fast), (best, summary(found))
+    with_slow = [c for c in candidates if slow in c["memory_per_node"]]
+    without = [c for c in candidates if slow not in c["memory_per_node"] and len(c["memory_per_node"]) == 2]
+    assert with_slow and without, [sorted(c["memory_per_node"]) for c in candidates]
+    costs = {"-".join(c["memory_per_node"]): round(c["link_cost"] * 1e3, 2) for c in candidates}
+    print(f"  link cost (ms): {costs}")
+    assert min(c["link_cost"] for c in with_slow) > max(c["link_cost"] for c in without), candidates
+
+
+# ----------------------------------------------------------------------------------------------- the test
+
+def test_placement_follows_the_measured_links(hosts: Hosts) -> None:
+    t0 = time.monotonic()
+    hosts.shape("c")  # before any probe, so every measurement of c's links is a slow one
+    hosts.start_redis()
+    for n in NAMES:
+        hosts.start_agent(n)
+    hosts.start_gateway()
+    gateway = hosts.gateway
+    assert gateway is not None
+
+    def dead() -> list[str]:
+        return [n for n, p in hosts.agents.items() if p.poll() is not None]
+
+    def measured_since(since: float) -> Callable[[], dict | None]:
+        def check() -> dict | None:
+            assert not dead(), f"agents exited: {dead()}\n{hosts.log_tails()}"
+            return all_links_since(gateway, since)
+        return check
+
+    # Only probes that started once every process was up: pings taken while the others still import are slow
+    # enough (tens of ms on two cores) to outweigh the slow link's ~4 ms of transfer time.
+    started = time.time() + 0.5
+    found = wait_for(measured_since(started), 40, "six links measured after start-up",
+                     lambda: summary(links(gateway)))
+    t_first = time.monotonic()
+    assert isinstance(found, dict)
+    print(f"\nc shaped ({RATE}): {summary(found)}")
+    assert_pipeline_avoids(gateway, found, "c")
+
+    switched = time.time()
+    hosts.unshape("c")
+    hosts.shape("b")
+    found = wait_for(measured_since(switched), 40, "every link re-measured after the switch",
+                     lambda: summary(links(gateway)))
+    assert isinstance(found, dict)
+    print(f"b shaped ({RATE}): {summary(found)}")
+    assert_pipeline_avoids(gateway, found, "b")
+    print(f"first measurement after {t_first - t0:.1f} s, re-measured after {time.monotonic() - t_first:.1f} s")

@@ -18,7 +18,7 @@ import msgspec
 from backends.placement import Candidate, ModelSpec, Shard, Strategy
 from protocols.model import Event, ImagePart, Request, UnsupportedFeature
 
-__all__ = ["Backend", "Capabilities", "Launched", "ModelCard", "ModelSource", "Runner", "check_capabilities"]
+__all__ = ["Backend", "Capabilities", "InProcess", "Launched", "ModelCard", "ModelSource", "Runner", "check_capabilities"]
 
 
 class ModelCard(msgspec.Struct, frozen=True, kw_only=True):
@@ -89,6 +89,20 @@ class Launched(Protocol):
     async def stop(self) -> None:
         """Stop the process and release its resources."""
         ...
+
+
+class InProcess:
+    """A ``Launched`` for backends that generate inside the gateway process (nothing to start on the node).
+
+    For tests and trivial plugins only: real runtimes run in their own processes.
+    """
+
+    url: str | None = "inproc://"
+    pid: int | None = None
+    alive = True
+
+    async def stop(self) -> None:
+        pass
 
 
 @runtime_checkable

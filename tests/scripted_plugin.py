@@ -11,7 +11,7 @@ import asyncio
 import msgspec
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 
-from backends.base import Backend, Capabilities, ModelCard, ModelSource
+from backends.base import Backend, Capabilities, InProcess, ModelCard, ModelSource
 from backends.placement import Candidate, ModelSpec, Shard
 from plugins.hookspecs import hookimpl
 from protocols.model import (
@@ -94,17 +94,6 @@ class ScriptedBackend:
 
     def connect(self, card: ModelCard, placement: Candidate, urls: Mapping[str, str]) -> ScriptedRunner:
         return ScriptedRunner()
-
-
-class InProcess:
-    """Nothing to start: this backend generates inside the gateway."""
-
-    url = "inproc://"
-    pid = None
-    alive = True
-
-    async def stop(self) -> None:
-        pass
 
 
 class ScriptedSource:

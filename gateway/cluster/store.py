@@ -130,8 +130,7 @@ class _Watchers:
 
     def close(self) -> None:
         self.closed = True
-        for wake in self.boxes:
-            wake.set()
+        self.notify()  # wakes every watcher, which then ends
 
     async def stream(self, ready: Callable[[], Awaitable[object]]) -> AsyncIterator[str]:
         wake, pending = asyncio.Event(), dict.fromkeys(KINDS)
@@ -173,9 +172,8 @@ class MemoryStore:
 
     def _drop(self, node_ids: Iterable[str]) -> bool:
         gone = {node_id for node_id in node_ids if self._nodes.pop(node_id, None) is not None}
-        for ends in [ends for ends in self._links if ends[0] in gone or ends[1] in gone]:
-            del self._links[ends]
         if gone:
+            self._links = {ends: value for ends, value in self._links.items() if gone.isdisjoint(ends)}
             self._changed("nodes", "links")
         return bool(gone)
 
@@ -210,10 +208,9 @@ class MemoryStore:
         return sorted((_instance.decode(v) for v in self._instances.values()), key=lambda i: (i.created_at, i.id))
 
     async def delete_instance(self, instance_id: InstanceId) -> bool:
-        if self._instances.pop(instance_id, None) is None:
-            return False
-        self._changed("instances")
-        return True
+        if existed := (self._instances.pop(instance_id, None) is not None):
+            self._changed("instances")
+        return existed
 
     async def update_runner(self, instance_id: InstanceId, status: RunnerStatus) -> bool:
         inst = await self.get_instance(instance_id)
@@ -257,7 +254,6 @@ class MemoryStore:
 
 # Every script ends by bumping the generation (KEYS[gen]) and publishing its kind on the channel (ARGV[1]).
 _BUMP = "redis.call('INCR', KEYS[{gen}]) redis.call('PUBLISH', ARGV[1], '{kind}')"
-
 # KEYS: nodes index, links hash, generation, node:{id}...  ARGV: channel, force ("1": delete), id...
 # Drops the given nodes whose key is gone (or every given node when forced), and their links.
 _DROP_NODES = """
@@ -293,9 +289,7 @@ redis.call('HSET', KEYS[1], 'state', ARGV[3], 'updated_at', ARGV[4])
 
 
 class RedisStore:
-    """The shared store at ``url`` (``redis://host:6379/0``), every key under ``prefix``.
-
-    Connects lazily and reconnects by itself; one pub/sub connection serves every watcher."""
+    """The shared store at ``url`` (``redis://host:6379/0``), keys under ``prefix``; reconnects by itself."""
 
     def __init__(self, url: str, prefix: str = "meshgate:") -> None:
         self.prefix = prefix
@@ -436,10 +430,9 @@ class RedisStore:
                         delay = 0.05
                     elif message.get("type") == "message":
                         self._watchers.notify(message["data"].decode())
-            except (RedisError, OSError) as exc:
-                log.warning("store change feed lost (%s); resubscribing in %.2fs", exc, delay)
-            except Exception:  # a bad message must not end every watcher's wake-ups
-                log.exception("store change feed failed; resubscribing in %.2fs", delay)
+            except Exception as exc:  # a lost connection, or a bad message: the wake-ups must go on
+                log.warning("store change feed lost (%r); resubscribing in %.2fs", exc, delay,
+                            exc_info=not isinstance(exc, RedisError | OSError))
             finally:
                 with contextlib.suppress(RedisError, OSError):
                     await pubsub.aclose()

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator, Mapping
 
-from backends.base import Capabilities, ModelCard
+from backends.base import Capabilities, InProcess, ModelCard
 from backends.placement import Candidate, ModelSpec, Shard
 from plugins.hookspecs import hookimpl
 from protocols.model import Event, Finished, Request, TextDelta, Usage
@@ -46,17 +46,6 @@ class EchoBackend:
 
     def connect(self, card: ModelCard, placement: Candidate, urls: Mapping[str, str]) -> EchoRunner:
         return EchoRunner()
-
-
-class InProcess:
-    """Nothing to start: this backend generates inside the gateway."""
-
-    url = "inproc://"
-    pid = None
-    alive = True
-
-    async def stop(self) -> None:
-        pass
 
 
 class EchoSource:

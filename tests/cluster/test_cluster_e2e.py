@@ -133,7 +133,7 @@ def test_create_wait_serve_delete(cluster):
     reply = client.completions.create(model=MODEL, prompt="The sky is", max_tokens=3)
     assert reply.usage.completion_tokens == 3
     assert httpx.delete(f"{gateway.url}/instances/{created['id']}").status_code == 204
-    wait_for(lambda: not os.path.exists(f"/proc/{pid}") or "Z" in open(f"/proc/{pid}/stat").read().split()[2],
+    wait_for(lambda: not os.path.exists(f"/proc/{pid}") or "Z" in Path(f"/proc/{pid}/stat").read_text().split()[2],
              30, "runner stopped")
     assert httpx.get(f"{gateway.url}/instances/{created['id']}").status_code == 404
 

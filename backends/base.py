@@ -10,7 +10,7 @@ Imports ``protocols.model`` and ``backends.placement``; must not import the gate
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from typing import Protocol, runtime_checkable
 
 import msgspec
@@ -18,7 +18,7 @@ import msgspec
 from backends.placement import Candidate, ModelSpec, Shard, Strategy
 from protocols.model import Event, ImagePart, Request, UnsupportedFeature
 
-__all__ = ["Backend", "Capabilities", "InProcess", "Launched", "ModelCard", "ModelSource", "Runner", "check_capabilities"]
+__all__ = ["Backend", "Capabilities", "InProcess", "Launched", "ModelCard", "ModelSource", "Peers", "Runner", "check_capabilities"]
 
 
 class ModelCard(msgspec.Struct, frozen=True, kw_only=True):
@@ -60,6 +60,10 @@ def check_capabilities(request: Request, caps: Capabilities, model: str) -> None
         raise UnsupportedFeature(f"model '{model}' does not support structured output", param="response_format")
     if request.raw_prompt is not None and not caps.raw_prompt:
         raise UnsupportedFeature(f"model '{model}' does not support raw prompts", param="prompt")
+
+
+Peers = Callable[[], Awaitable[Mapping[str, str]]]
+"""Waits for the other shards of a placement and returns their URLs by node id."""
 
 
 @runtime_checkable
@@ -130,8 +134,12 @@ class Backend(Protocol):
         """The model's shape and sizes, for the planner."""
         ...
 
-    async def launch(self, card: ModelCard, placement: Candidate, shard: Shard, *, host: str) -> Launched:
-        """Start ``shard`` of ``placement`` on this node, bound to ``host``; raise ``GatewayError`` on failure."""
+    async def launch(self, card: ModelCard, placement: Candidate, shard: Shard, *, host: str, peers: Peers) -> Launched:
+        """Start ``shard`` of ``placement`` on this node, bound to ``host``; raise ``GatewayError`` on failure.
+
+        ``await peers()`` waits until every other shard of the placement is up and returns their URLs by node id
+        (a head that must connect to its workers calls it; workers don't).
+        """
         ...
 
     def connect(self, card: ModelCard, placement: Candidate, urls: Mapping[str, str]) -> Runner:

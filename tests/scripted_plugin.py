@@ -11,7 +11,7 @@ import asyncio
 import msgspec
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 
-from backends.base import Backend, Capabilities, InProcess, ModelCard, ModelSource
+from backends.base import Backend, Capabilities, InProcess, ModelCard, ModelSource, Peers
 from backends.placement import Candidate, ModelSpec, Shard
 from plugins.hookspecs import hookimpl
 from protocols.model import (
@@ -89,7 +89,8 @@ class ScriptedBackend:
         return ModelSpec(name=card.name, n_layers=1, hidden_size=8, n_heads=1, n_kv_heads=1, head_dim=8,
                          context_length=card.context_length, layer_bytes=1 << 20)
 
-    async def launch(self, card: ModelCard, placement: Candidate, shard: Shard, *, host: str) -> InProcess:
+    async def launch(self, card: ModelCard, placement: Candidate, shard: Shard, *, host: str,
+                     peers: Peers) -> InProcess:
         return InProcess()
 
     def connect(self, card: ModelCard, placement: Candidate, urls: Mapping[str, str]) -> ScriptedRunner:

@@ -13,7 +13,7 @@ from collections.abc import AsyncIterator, Mapping
 
 import httpx
 
-from backends.base import Capabilities, ModelCard
+from backends.base import Capabilities, ModelCard, Peers
 from backends.llama_cpp.gguf import read_metadata, tensor_sizes
 from backends.placement import Candidate, ModelSpec, Shard, Strategy
 from backends.runner.client import RunnerClient
@@ -78,7 +78,8 @@ class LlamaCppBackend:
     def spec(self, card: ModelCard) -> ModelSpec:
         return spec_from_gguf(card.name, card.path)
 
-    async def launch(self, card: ModelCard, placement: Candidate, shard: Shard, *, host: str) -> LaunchedRunner:
+    async def launch(self, card: ModelCard, placement: Candidate, shard: Shard, *, host: str,
+                     peers: Peers) -> LaunchedRunner:
         argv = [self.python, "-m", "backends.llama_cpp.runner", "--model", card.path, "--host", host,
                 "--n-ctx", str(placement.context or self.context(card))]
         if self.threads:

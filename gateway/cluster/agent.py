@@ -150,7 +150,8 @@ class NodeAgent:
             backend = next((b for b in self.backends if b.name == instance.placement.backend), None)
             if backend is None:
                 raise RuntimeError(f"backend {instance.placement.backend} is not installed on {self.name}")
-            launched = await backend.launch(card, instance.placement, shard, host=self.address)
+            launched = await backend.launch(card, instance.placement, shard, host=self.address,
+                                            peers=lambda: self._peers(instance))
             self.launched[instance.id] = (instance.epoch, launched)
             await self._report(instance, "ready", url=launched.url, pid=launched.pid)
             log.info("started shard of %s on %s: %s", instance.model, self.name, launched.url)
@@ -162,6 +163,23 @@ class NodeAgent:
         finally:
             self._starting.pop(instance.id, None)
             self._wake.set()
+
+    async def _peers(self, instance: Instance, timeout: float = 300.0) -> dict[str, str]:
+        """Wait until every other shard of ``instance`` reports ready for its epoch; their URLs by node id."""
+        others = [s.node_id for s in instance.placement.shards if s.node_id != self.node_id]
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            current = await self.store.get_instance(instance.id)
+            if current is None or current.epoch != instance.epoch or isinstance(current.state, Failed):
+                raise RuntimeError("the placement changed while waiting for its other shards")
+            statuses = {n: current.runners.get(n) for n in others}
+            failed = [n for n, s in statuses.items() if s and s.epoch == instance.epoch and s.state == "failed"]
+            if failed:
+                raise RuntimeError(f"shard on {failed[0]} failed: {statuses[failed[0]].error}")
+            if all(s and s.epoch == instance.epoch and s.state == "ready" and s.url for s in statuses.values()):
+                return {n: s.url for n, s in statuses.items()}
+            await asyncio.sleep(0.1)
+        raise TimeoutError(f"the other shards were not up within {timeout:.0f}s")
 
     async def _report(self, instance: Instance, state: str, *, url: str | None = None, pid: int | None = None,
                       error: str | None = None) -> None:

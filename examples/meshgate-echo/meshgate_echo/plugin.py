@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator, Mapping
 
-from backends.base import Capabilities, InProcess, ModelCard
+from backends.base import Capabilities, InProcess, ModelCard, Peers
 from backends.placement import Candidate, ModelSpec, Shard
 from plugins.hookspecs import hookimpl
 from protocols.model import Event, Finished, Request, TextDelta, Usage
@@ -41,7 +41,8 @@ class EchoBackend:
         return ModelSpec(name=card.name, n_layers=1, hidden_size=8, n_heads=1, n_kv_heads=1, head_dim=8,
                          context_length=card.context_length, layer_bytes=1 << 20)
 
-    async def launch(self, card: ModelCard, placement: Candidate, shard: Shard, *, host: str) -> InProcess:
+    async def launch(self, card: ModelCard, placement: Candidate, shard: Shard, *, host: str,
+                     peers: Peers) -> InProcess:
         return InProcess()
 
     def connect(self, card: ModelCard, placement: Candidate, urls: Mapping[str, str]) -> EchoRunner:

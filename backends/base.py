@@ -15,7 +15,7 @@ from typing import Protocol, runtime_checkable
 
 import msgspec
 
-from backends.placement import Candidate, ModelSpec, Shard, Strategy
+from backends.placement import Candidate, ModelSpec, Shard, ShardCosts, Strategy
 from protocols.model import Event, ImagePart, Request, UnsupportedFeature
 
 __all__ = ["Backend", "Capabilities", "InProcess", "Launched", "ModelCard", "ModelSource", "Peers", "Runner", "check_capabilities"]
@@ -132,6 +132,10 @@ class Backend(Protocol):
 
     def spec(self, card: ModelCard) -> ModelSpec:
         """The model's shape and sizes, for the planner."""
+        ...
+
+    def costs(self, card: ModelCard) -> ShardCosts:
+        """Memory a shard costs beyond weights and KV cache, for the planner."""
         ...
 
     async def launch(self, card: ModelCard, placement: Candidate, shard: Shard, *, host: str, peers: Peers) -> Launched:

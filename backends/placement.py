@@ -14,7 +14,8 @@ from typing import Literal, NewType
 
 import msgspec
 
-__all__ = ["Candidate", "InstanceId", "Link", "ModelSpec", "Node", "NodeId", "Shard", "Strategy", "Topology"]
+__all__ = ["Candidate", "InstanceId", "Link", "ModelSpec", "Node", "NodeId", "Shard", "ShardCosts", "Strategy",
+           "Topology"]
 
 NodeId = NewType("NodeId", str)
 InstanceId = NewType("InstanceId", str)
@@ -98,6 +99,21 @@ class ModelSpec(_Data):
         """KV cache for ``context`` tokens over ``layers`` blocks (all by default): K and V per KV head."""
         n = self.n_layers if layers is None else layers
         return 2 * self.n_kv_heads * self.head_dim * self.kv_bytes_per_element * context * n
+
+
+class ShardCosts(_Data):
+    """What a runtime costs per shard beyond weights and KV cache, for the planner's memory estimate.
+
+    ``base_bytes`` is the process and fixed buffers of every shard; ``head_bytes`` what the head shard (the one
+    that serves requests) costs on top; ``per_token_bytes`` grows the compute buffers with the context;
+    ``tied_output_copy`` says a multi-stage split holds a second copy of a tied embedding as the output layer on
+    its last stage.
+    """
+
+    base_bytes: int = 64 << 20
+    head_bytes: int = 0
+    per_token_bytes: int = 0
+    tied_output_copy: bool = False
 
 
 class Shard(_Data):

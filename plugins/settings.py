@@ -51,6 +51,8 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
         placement: ``auto`` places a model on its first request; ``never`` requires ``POST /instances``.
         node_memory: Bytes of memory this node offers for models (default: what the OS reports available).
         link_probe_every: Seconds between an agent's link measurements (also re-measured when nodes change).
+        llama_repack: Let llama.cpp repack CPU weights (faster on some CPUs; a split model then no longer gives
+            exactly the tokens of a single process, so it is off by default).
         keepalive: Seconds between keep-alives while a streaming request waits for its model to come up.
     """
 
@@ -74,6 +76,7 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     placement: str = "auto"
     node_memory: int | None = None
     keepalive: float = 2.0
+    llama_repack: bool = False
     link_probe_every: float = 30.0
 
     @classmethod

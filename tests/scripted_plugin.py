@@ -12,7 +12,7 @@ import msgspec
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 
 from backends.base import Backend, Capabilities, InProcess, ModelCard, ModelSource, Peers
-from backends.placement import Candidate, ModelSpec, Shard
+from backends.placement import Candidate, ModelSpec, Shard, ShardCosts
 from plugins.hookspecs import hookimpl
 from protocols.model import (
     ErrorInfo,
@@ -88,6 +88,9 @@ class ScriptedBackend:
                              context_length=card.context_length, layer_bytes=card.size // 16)
         return ModelSpec(name=card.name, n_layers=1, hidden_size=8, n_heads=1, n_kv_heads=1, head_dim=8,
                          context_length=card.context_length, layer_bytes=1 << 20)
+
+    def costs(self, card: ModelCard) -> ShardCosts:
+        return ShardCosts()
 
     async def launch(self, card: ModelCard, placement: Candidate, shard: Shard, *, host: str,
                      peers: Peers) -> InProcess:

@@ -8,6 +8,7 @@ only ever imported inside the runner process, so a crash in the runtime cannot t
 
 from __future__ import annotations
 
+import json
 import sys
 from collections.abc import AsyncIterator, Mapping
 
@@ -15,7 +16,7 @@ import httpx
 
 from backends.base import Capabilities, ModelCard, Peers
 from backends.llama_cpp.gguf import read_metadata, tensor_sizes
-from backends.placement import Candidate, ModelSpec, Shard, Strategy
+from backends.placement import Candidate, ModelSpec, Shard, ShardCosts, Strategy
 from backends.runner.client import RunnerClient
 from backends.runner.process import RunnerProcess
 from protocols.model import Event, Request
@@ -35,12 +36,12 @@ class LlamaCppRunner:
 
 
 class LaunchedRunner:
-    """A runner process an agent started for one shard."""
+    """A process an agent started for one shard: a head runner (``http://``) or an RPC worker (``rpc://``)."""
 
-    def __init__(self, process: RunnerProcess, host: str) -> None:
+    def __init__(self, process: RunnerProcess, host: str, scheme: str = "http") -> None:
         self.process = process
         self.pid: int | None = process.pid
-        self.url: str | None = f"http://{_url_host(host)}:{process.port}"
+        self.url: str | None = f"{scheme}://{_url_host(host)}:{process.port}"
 
     @property
     def alive(self) -> bool:
@@ -50,18 +51,31 @@ class LaunchedRunner:
         await self.process.stop()
 
 
+MiB = 1 << 20
+
+
 class LlamaCppBackend:
-    """Serves GGUF models with llama-cpp-python in runner processes."""
+    """Serves GGUF models with llama-cpp-python in runner processes, split over llama.cpp RPC workers.
+
+    A single-node placement is one runner process. A pipeline places the first layer range in the head runner
+    (on the first shard's node, which also keeps the input embedding) and every later range in an RPC worker
+    (``python -m backends.llama_cpp.rpc``) on its node; the head registers the workers and loads with the
+    ``tensor_split`` that puts exactly each range on its worker. Weight repacking is off unless asked for, so a
+    split model gives the same tokens as a single process.
+    """
 
     name = "llama_cpp"
 
     def __init__(self, http: httpx.AsyncClient, *, python: str | None = None, n_ctx: int = 4096,
-                 threads: int | None = None, ready_timeout: float = 120.0) -> None:
+                 threads: int | None = None, ready_timeout: float = 120.0, cache_dir: str | None = None,
+                 repack: bool = False) -> None:
         self.http = http
         self.python = python or sys.executable
         self.n_ctx = n_ctx
         self.threads = threads
         self.ready_timeout = ready_timeout
+        self.cache_dir = cache_dir
+        self.repack = repack
 
     def supports(self, card: ModelCard) -> bool:
         return card.format == "gguf"
@@ -70,7 +84,15 @@ class LlamaCppBackend:
         return Capabilities(tools=False, vision=False, json_schema=True, raw_prompt=True)
 
     def strategies(self, card: ModelCard) -> frozenset[Strategy]:
-        return frozenset({"single"})
+        return frozenset({"single", "pipeline"})
+
+    def costs(self, card: ModelCard) -> ShardCosts:
+        # Measured on Gemma 3 270M (llama-cpp-python 0.3.36, batch 512): an RPC worker with its ggml buffers is
+        # ~55 MiB resident, the head runner (Python, its HTTP server, CPU buffers) ~70 MiB more; compute grows ~23 KiB
+        # per context token; a split holds a second copy of a tied embedding as the output layer on its last
+        # worker, while the head keeps the input embedding (file-backed pages of the GGUF).
+        return ShardCosts(base_bytes=55 * MiB, head_bytes=70 * MiB, per_token_bytes=23 << 10,
+                          tied_output_copy=True)
 
     def context(self, card: ModelCard) -> int:
         return min(self.n_ctx, card.context_length or self.n_ctx)
@@ -80,12 +102,27 @@ class LlamaCppBackend:
 
     async def launch(self, card: ModelCard, placement: Candidate, shard: Shard, *, host: str,
                      peers: Peers) -> LaunchedRunner:
+        if shard.layer_start != 0:
+            return await self._worker(card, host)
+        shards: list[tuple[str | None, int, int]] = [(None, shard.layer_start, shard.layer_end)]
+        if len(placement.shards) > 1:
+            urls = await peers()
+            shards += [(urls[s.node_id].removeprefix("rpc://"), s.layer_start, s.layer_end)
+                       for s in placement.shards if s.layer_start != 0]
         argv = [self.python, "-m", "backends.llama_cpp.runner", "--model", card.path, "--host", host,
-                "--n-ctx", str(placement.context or self.context(card))]
-        if self.threads:
-            argv += ["--threads", str(self.threads)]
-        process = await RunnerProcess.start(argv, name=card.name, ready_timeout=self.ready_timeout)
+                "--n-ctx", str(placement.context or self.context(card)), "--shards", json.dumps(shards)]
+        argv += ["--threads", str(self.threads)] if self.threads else []
+        argv += ["--repack"] if self.repack else []
+        process = await RunnerProcess.start(argv, name=card.name, ready_timeout=self.ready_timeout,
+                                            env={"GGML_NO_BACKTRACE": "1"})
         return LaunchedRunner(process, host)
+
+    async def _worker(self, card: ModelCard, host: str) -> LaunchedRunner:
+        argv = [self.python, "-m", "backends.llama_cpp.rpc", "--host", host, "--port", "0"]
+        argv += ["--threads", str(self.threads)] if self.threads else []
+        argv += ["--cache-dir", self.cache_dir] if self.cache_dir else []
+        process = await RunnerProcess.start(argv, name=f"{card.name} worker", ready_timeout=self.ready_timeout)
+        return LaunchedRunner(process, host, scheme="rpc")
 
     def connect(self, card: ModelCard, placement: Candidate, urls: Mapping[str, str]) -> LlamaCppRunner:
         head = next(s.node_id for s in placement.shards if s.layer_start == 0)

@@ -14,7 +14,7 @@ import os
 import random
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 from protocols.model import (
@@ -71,13 +71,27 @@ class StopMatcher:
 class LlamaEngine:
     """One GGUF loaded with llama-cpp-python, generating for one request at a time."""
 
-    def __init__(self, path: str, *, n_ctx: int = 4096, n_threads: int | None = None) -> None:
+    def __init__(self, path: str, *, n_ctx: int = 4096, n_threads: int | None = None,
+                 shards: Sequence[tuple[str | None, int, int]] = (), repack: bool = False) -> None:
+        """Load ``path``; with ``shards`` (``(endpoint or None for local, layer_start, layer_end)`` in pipeline
+        order) the blocks are split over llama.cpp RPC workers. ``repack`` lets llama.cpp repack CPU weights
+        (faster on some CPUs, but different numerics from a split run)."""
         import llama_cpp
+
+        from backends.llama_cpp.gguf import read_metadata
+        from backends.llama_cpp.rpc import add_rpc_servers, split_kwargs, weight_repacking
 
         self._llama_cpp = llama_cpp
         started = time.perf_counter_ns()
-        self.llm = llama_cpp.Llama(model_path=path, n_ctx=n_ctx, n_threads=n_threads or os.cpu_count(),
-                                   n_threads_batch=n_threads or os.cpu_count(), n_gpu_layers=0, verbose=False)
+        split: dict[str, Any] = {"n_gpu_layers": 0}
+        remote = [endpoint for endpoint, _, _ in shards if endpoint is not None]
+        if remote:
+            meta = read_metadata(path)
+            n_layers = int(meta.get(f"{meta.get('general.architecture', '')}.block_count", 0))
+            split = split_kwargs(shards, n_layers, add_rpc_servers(remote))
+        with weight_repacking(repack):
+            self.llm = llama_cpp.Llama(model_path=path, n_ctx=n_ctx, n_threads=n_threads or os.cpu_count(),
+                                       n_threads_batch=n_threads or os.cpu_count(), verbose=False, **split)
         self.load_ns = time.perf_counter_ns() - started
         self.path = path
         meta = self.llm.metadata

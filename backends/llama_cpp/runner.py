@@ -7,9 +7,11 @@ supervised by ``LlamaCppBackend``; exits when the gateway that started it goes a
 from __future__ import annotations
 
 import argparse
+import json
+import sys
 
 from backends.llama_cpp.engine import LlamaEngine
-from backends.runner.server import serve
+from backends.runner.server import FAILED_LINE, serve
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -19,8 +21,17 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--port", type=int, default=0)
     parser.add_argument("--n-ctx", type=int, default=4096)
     parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--shards", default="[]", help='JSON [[endpoint or null, layer_start, layer_end], ...]: '
+                        "split the blocks over llama.cpp RPC workers (null: held by this process)")
+    parser.add_argument("--repack", action="store_true", help="let llama.cpp repack CPU weights")
     args = parser.parse_args(argv)
-    engine = LlamaEngine(args.model, n_ctx=args.n_ctx, n_threads=args.threads)
+    try:
+        shards = [(e, int(a), int(b)) for e, a, b in json.loads(args.shards)]
+        engine = LlamaEngine(args.model, n_ctx=args.n_ctx, n_threads=args.threads, shards=shards,
+                             repack=args.repack)
+    except Exception as exc:  # tell the supervisor why, then exit: nothing is served
+        print(f"{FAILED_LINE} {exc}", flush=True)
+        sys.exit(1)
     serve(engine, args.host, args.port)
 
 

@@ -20,6 +20,7 @@ from protocols.model import BackendTimeout, BackendUnavailable
 __all__ = ["RunnerProcess"]
 
 READY_PREFIX = b"MESHGATE_RUNNER_READY port="
+FAILED_PREFIX = b"MESHGATE_RUNNER_FAILED "
 
 
 class RunnerProcess:
@@ -47,7 +48,7 @@ class RunnerProcess:
             env={**os.environ, **(env or {})}, start_new_session=True,
         )
         try:
-            port = await asyncio.wait_for(_read_ready(proc), ready_timeout)
+            port, why = await asyncio.wait_for(_read_ready(proc), ready_timeout)
         except TimeoutError:
             await _terminate(proc)
             raise BackendTimeout(f"runner for {name} was not ready within {ready_timeout:.0f}s") from None
@@ -56,7 +57,7 @@ class RunnerProcess:
             raise
         if port is None:
             code = await proc.wait()
-            raise BackendUnavailable(f"runner for {name} exited with code {code} before it was ready")
+            raise BackendUnavailable(why or f"runner for {name} exited with code {code} before it was ready")
         runner = cls(proc, port, name)
         asyncio.ensure_future(_drain(proc))
         return runner
@@ -65,12 +66,15 @@ class RunnerProcess:
         await _terminate(self.proc, grace)
 
 
-async def _read_ready(proc: asyncio.subprocess.Process) -> int | None:
+async def _read_ready(proc: asyncio.subprocess.Process) -> tuple[int | None, str | None]:
+    """The port from the ready line, or the reason from a failed line (or neither, at EOF)."""
     assert proc.stdout is not None
     while line := await proc.stdout.readline():
         if line.startswith(READY_PREFIX):
-            return int(line[len(READY_PREFIX):].strip())
-    return None
+            return int(line[len(READY_PREFIX):].strip()), None
+        if line.startswith(FAILED_PREFIX):
+            return None, line[len(FAILED_PREFIX):].decode(errors="replace").strip()
+    return None, None
 
 
 async def _drain(proc: asyncio.subprocess.Process) -> None:

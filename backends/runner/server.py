@@ -32,6 +32,7 @@ from protocols.model import (
 __all__ = ["Engine", "RunnerApp", "serve"]
 
 READY_LINE = "MESHGATE_RUNNER_READY"
+FAILED_LINE = "MESHGATE_RUNNER_FAILED"
 _encoder = msgspec.json.Encoder()
 _request_decoder = msgspec.json.Decoder(Request)
 

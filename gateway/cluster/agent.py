@@ -54,6 +54,7 @@ class NodeAgent:
         self.memory = memory
         self.launched: dict[str, tuple[int, Launched]] = {}
         self._starting: dict[str, asyncio.Task] = {}
+        self._failed: set[tuple[str, int]] = set()
         self._tasks: list[asyncio.Task] = []
         self._flops = measure_flops()
         self._server: Any = None
@@ -133,13 +134,13 @@ class NodeAgent:
                 log.info("stopped shard of %s (epoch %s)", instance_id, epoch)
             elif not launched.alive:
                 del self.launched[instance_id]
+                self._failed.add((instance_id, epoch))
                 await self._report(instance, "failed", error="the runner process exited")
         for instance_id, instance in wanted.items():
             if instance_id in self.launched or instance_id in self._starting:
                 continue
-            status = instance.runners.get(self.node_id)
-            if status is not None and status.epoch == instance.epoch and status.state == "failed":
-                continue  # reported; the gateway re-places it
+            if (instance_id, instance.epoch) in self._failed:
+                continue  # reported failed; the gateway re-places it with a new epoch
             self._starting[instance_id] = asyncio.create_task(self._launch(instance))
 
     async def _launch(self, instance: Instance) -> None:
@@ -159,6 +160,7 @@ class NodeAgent:
             raise
         except Exception as exc:
             log.warning("could not start %s: %s", instance.model, exc)
+            self._failed.add((instance.id, instance.epoch))
             await self._report(instance, "failed", error=str(exc) or type(exc).__name__)
         finally:
             self._starting.pop(instance.id, None)

@@ -98,23 +98,28 @@ class InstanceManager:
         chosen = self.choose(card=card, backends=self.backends)
         if chosen is None:
             raise NoCapacity(f"no backend can serve model '{card.name}' (format {card.format})")
+        costs = chosen.costs(card)
         return [(chosen, BackendOffer(backend=chosen.name, strategies=frozenset(chosen.strategies(card)),
-                                      required_runtime=None))]
+                                      overhead_bytes=costs.base_bytes, overhead_per_token=costs.per_token_bytes,
+                                      head_overhead_bytes=costs.head_bytes,
+                                      tied_output_copy=costs.tied_output_copy, required_runtime=None))]
 
-    async def preview(self, model: str, *, nodes: Sequence[str] | None = None) -> list[Candidate]:
+    async def preview(self, model: str, *, nodes: Sequence[str] | None = None, strategy: str | None = None,
+                      min_nodes: int | None = None) -> list[Candidate]:
         """Every candidate placement for ``model``, fitting ones first, best first."""
         card = self.resolve(model)
         offers = self._offers(card)
         backend = offers[0][0]
         context = self.context(backend, card) if self.context else None
         return plan(backend.spec(card), await self.topology(), [o for _, o in offers], context=context,
-                    nodes=nodes, rank=self.rank)
+                    nodes=nodes, rank=self.rank, strategy=strategy, min_nodes=min_nodes)
 
     async def create(self, model: str, *, candidate_id: str | None = None, nodes: Sequence[str] | None = None,
+                     strategy: str | None = None, min_nodes: int | None = None,
                      reason: str = "requested") -> Instance:
-        """Place ``model`` (a previewed candidate by id, or the best under ``nodes``) and store the instance."""
+        """Place ``model`` (a previewed candidate by id, or the best under the constraints); store the instance."""
         card = self.resolve(model)
-        candidates = await self.preview(card.name, nodes=nodes)
+        candidates = await self.preview(card.name, nodes=nodes, strategy=strategy, min_nodes=min_nodes)
         fitting = [c for c in candidates if c.fits]
         if candidate_id is not None:
             fitting = [c for c in candidates if c.id == candidate_id]
@@ -126,7 +131,8 @@ class InstanceManager:
             raise NoCapacity(_no_fit_message(card.name, candidates))
         now = time.time()
         instance = Instance(id=InstanceId(uuid.uuid4().hex[:12]), model=card.name, placement=fitting[0],
-                            state=Starting(), created_at=now, updated_at=now, runners={})
+                            state=Starting(), created_at=now, updated_at=now, runners={}, strategy=strategy,
+                            min_nodes=min_nodes)
         await self.store.put_instance(instance)
         await self.store.append_event("instance.placed", f"placed {card.name} ({reason}) on "
                                       f"{', '.join(s.node_id for s in fitting[0].shards)}",
@@ -207,8 +213,15 @@ class InstanceManager:
         await self._refresh()
 
     async def _replace(self, instance: Instance, why: str) -> None:
+        """Plan again on the nodes that remain: with the instance's own constraints if it still fits so, else
+        with none."""
+        candidates: list[Candidate] = []
         try:
-            candidates = await self.preview(instance.model)
+            if instance.strategy or instance.min_nodes:
+                candidates = await self.preview(instance.model, strategy=instance.strategy,
+                                                min_nodes=instance.min_nodes)
+            if not any(c.fits for c in candidates):
+                candidates = await self.preview(instance.model)
         except Exception as exc:  # the model vanished from the catalog, no backend, ...
             candidates, why = [], f"{why}; cannot plan: {exc}"
         fitting = [c for c in candidates if c.fits]

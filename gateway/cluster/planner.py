@@ -68,18 +68,29 @@ class BackendOffer(msgspec.Struct, frozen=True, kw_only=True):
         backend: The backend's name, copied into each candidate.
         strategies: Any of "single", "pipeline", "tensor", "hybrid" (hybrid is not planned yet).
         overhead_bytes: Runtime memory per shard beyond weights and KV cache (buffers, the process itself).
+        overhead_per_token: More runtime memory per shard for each token of context (compute buffers).
+        head_overhead_bytes: More runtime memory on the head shard (stage 0, tensor rank 0) only.
+        tied_output_copy: Split over several stages, the last stage holds its own copy of a tied embedding as
+            the output layer (llama.cpp does); otherwise the tied embedding is held once, by stage 0.
         required_runtime: When set, only nodes whose ``Node.runtimes`` has this key are eligible.
     """
 
     backend: str
     strategies: frozenset[str]
     overhead_bytes: int = 64 * MiB
+    overhead_per_token: int = 0
+    head_overhead_bytes: int = 0
+    tied_output_copy: bool = False
     required_runtime: str | None = None
+
+    def overhead(self, context: int, head: bool = False) -> int:
+        """Runtime memory of one shard for ``context`` tokens (the head's when ``head``)."""
+        return self.overhead_bytes + self.overhead_per_token * context + (self.head_overhead_bytes if head else 0)
 
 
 def plan(spec: ModelSpec, topology: Topology, backends: Sequence[BackendOffer], *, context: int | None = None,
-         nodes: Sequence[NodeId] | None = None, rank: Rank | None = None,
-         max_nodes: int | None = None) -> list[Candidate]:
+         nodes: Sequence[NodeId] | None = None, rank: Rank | None = None, max_nodes: int | None = None,
+         min_nodes: int | None = None, strategy: str | None = None) -> list[Candidate]:
     """Every placement considered for ``spec`` on ``topology``: fitting ones best first, then rejected ones.
 
     Args:
@@ -90,6 +101,8 @@ def plan(spec: ModelSpec, topology: Topology, backends: Sequence[BackendOffer], 
         nodes: Only place on these node ids (ids not in the topology are ignored).
         rank: Orders the fitting candidates, best first; ``default_rank`` when None.
         max_nodes: Use at most this many nodes per candidate.
+        min_nodes: Use at least this many nodes per candidate (split a model that would fit on one).
+        strategy: Only this strategy ("single", "pipeline", "tensor").
 
     Returns:
         Fitting candidates in ``rank`` order, then rejected ones (``fits=False``, ``reason`` in words) in the
@@ -106,7 +119,9 @@ def plan(spec: ModelSpec, topology: Topology, backends: Sequence[BackendOffer], 
             eligible = [n for n in topology.nodes
                         if (allowed is None or n.id in allowed) and (runtime is None or runtime in n.runtimes)]
             views[runtime] = _View(eligible, links)
-        for candidate in _Planner(spec, offer, ctx, views[runtime]).candidates(max_nodes):
+        if strategy is not None:
+            offer = msgspec.structs.replace(offer, strategies=offer.strategies & {strategy})
+        for candidate in _Planner(spec, offer, ctx, views[runtime]).candidates(max_nodes, min_nodes or 1):
             considered.setdefault(candidate.id, candidate)
     fitting = [c for c in considered.values() if c.fits]
     rejected = [c for c in considered.values() if not c.fits]
@@ -157,7 +172,7 @@ class _Planner:
     def __init__(self, spec: ModelSpec, offer: BackendOffer, context: int, view: _View) -> None:
         self.spec, self.offer, self.ctx, self.view = spec, offer, context, view
 
-    def candidates(self, max_nodes: int | None) -> Iterator[Candidate]:
+    def candidates(self, max_nodes: int | None, min_nodes: int = 1) -> Iterator[Candidate]:
         offered = [s for s in _STRATEGIES if s in self.offer.strategies]
         if not offered:
             return
@@ -165,13 +180,13 @@ class _Planner:
             yield self._finish(offered[0], (), 0.0, 0.0, [self._nobody()])
             return
         limit = len(self.view.order) if max_nodes is None else min(max_nodes, len(self.view.order))
-        if "single" in offered and limit >= 1:
+        if "single" in offered and limit >= 1 and min_nodes <= 1:
             yield from self._singles()
         if "pipeline" in offered:
-            yield from self._grow(min(limit, self.spec.n_layers), self._next_stage, self.pipeline)
+            yield from self._grow(min(limit, self.spec.n_layers), self._next_stage, self.pipeline, least=min_nodes)
         if "tensor" in offered:
             largest = math.gcd(self.spec.n_heads, self.spec.n_kv_heads)  # the most ranks the heads allow
-            yield from self._grow(min(limit, largest), self._next_rank, self.tensor, tensor=True)
+            yield from self._grow(min(limit, largest), self._next_rank, self.tensor, tensor=True, least=min_nodes)
 
     def _nobody(self) -> str:
         runtime = self.offer.required_runtime
@@ -180,7 +195,7 @@ class _Planner:
     # ------------------------------------------------------------------------------------------ node choice
 
     def _singles(self) -> Iterator[Candidate]:
-        need = self.spec.weight_bytes + self.spec.kv_bytes(self.ctx) + self.offer.overhead_bytes
+        need = self.spec.weight_bytes + self.spec.kv_bytes(self.ctx) + self.offer.overhead(self.ctx, head=True)
         fit = sorted((n for n in self.view.order if n.memory_available >= need), key=lambda n: (-n.flops, n.id))
         for node in fit[:ALTERNATIVES] or self.view.order[:1]:
             yield self.pipeline([node], "single")
@@ -189,17 +204,18 @@ class _Planner:
         """The smallest k >= 2 whose k roomiest nodes could hold the model at all; ``limit`` when none can."""
         total = self.spec.weight_bytes + self.spec.kv_bytes(self.ctx)
         for k in range(2, limit + 1):
-            if self.view.roomiest[k - 1] >= total + k * self.offer.overhead_bytes:
+            overheads = k * self.offer.overhead(self.ctx) + self.offer.head_overhead_bytes
+            if self.view.roomiest[k - 1] >= total + overheads:
                 return k
         return limit
 
     def _grow(self, limit: int, next_node: _Next, build: Callable[[list[Node]], Candidate], *,
-              tensor: bool = False) -> Iterator[Candidate]:
+              tensor: bool = False, least: int = 1) -> Iterator[Candidate]:
         """From each seed, add nodes one at a time; emit a candidate per size from the smallest plausible one
         until one fits or a link is missing or too slow (every larger group from this seed would share it)."""
-        if limit < 2:
+        if limit < max(2, least):
             return
-        start = self._smallest_size(limit)
+        start = max(self._smallest_size(limit), least)
         for seed in self.view.order[:ALTERNATIVES]:
             group, used, broken = [seed], {seed.id}, False
             rest = (n for n in self.view.order if n.id not in used)
@@ -247,12 +263,15 @@ class _Planner:
     def pipeline(self, chain: list[Node], strategy: Strategy = "pipeline") -> Candidate:
         """Layers over ``chain`` in order, balanced by compute within each node's memory; stage 0 holds the
         embedding, the last stage the untied output layer. Every stage gets at least one layer."""
-        spec, k, overhead = self.spec, len(chain), self.offer.overhead_bytes
-        fixed = [(spec.embedding_bytes if i == 0 else 0) + (spec.output_bytes if i == k - 1 else 0) for i in range(k)]
-        work = [(spec.embedding_bytes if i == 0 and spec.tied_output else 0)
-                + (spec.output_bytes if i == k - 1 else 0) for i in range(k)]
+        spec, k = self.spec, len(chain)
+        overheads = [self.offer.overhead(self.ctx, head=i == 0) for i in range(k)]
+        output_copy = spec.embedding_bytes if k > 1 and spec.tied_output and self.offer.tied_output_copy else 0
+        fixed = [(spec.embedding_bytes if i == 0 else 0) + (spec.output_bytes + output_copy if i == k - 1 else 0)
+                 for i in range(k)]
+        work = [(spec.embedding_bytes if i == 0 and spec.tied_output and not output_copy else 0)
+                + (spec.output_bytes + output_copy if i == k - 1 else 0) for i in range(k)]
         per_layer = max(1, spec.layer_bytes + spec.kv_bytes(self.ctx, 1))
-        caps = [(n.memory_available - overhead - f) // per_layer for n, f in zip(chain, fixed, strict=True)]
+        caps = [(n.memory_available - o - f) // per_layer for n, o, f in zip(chain, overheads, fixed, strict=True)]
         layers = [1] * k
         remaining = spec.n_layers - k
 
@@ -272,7 +291,7 @@ class _Planner:
         for i, node in enumerate(chain):
             shards.append(Shard(node_id=node.id, layer_start=first, layer_end=first + layers[i],
                                 holds_embedding=i == 0, weight_bytes=fixed[i] + layers[i] * spec.layer_bytes,
-                                kv_bytes=spec.kv_bytes(self.ctx, layers[i]), overhead_bytes=overhead))
+                                kv_bytes=spec.kv_bytes(self.ctx, layers[i]), overhead_bytes=overheads[i]))
             first += layers[i]
         compute = sum(_seconds(work[i] + layers[i] * spec.layer_bytes, node) for i, node in enumerate(chain))
         link_cost, missing = 0.0, []
@@ -311,7 +330,7 @@ class _Planner:
         weight, kv = -(-spec.weight_bytes // k), -(-spec.kv_bytes(self.ctx) // k)
         shards = tuple(Shard(node_id=n.id, layer_start=0, layer_end=spec.n_layers, tensor_rank=r, tensor_size=k,
                              holds_embedding=True, weight_bytes=weight, kv_bytes=kv,
-                             overhead_bytes=self.offer.overhead_bytes) for r, n in enumerate(ranks))
+                             overhead_bytes=self.offer.overhead(self.ctx, head=r == 0)) for r, n in enumerate(ranks))
         work = spec.weight_bytes - (0 if spec.tied_output else spec.embedding_bytes)
         compute = max(_seconds(work / k, n) for n in ranks)
         return self._finish("tensor", shards, compute, link_cost, problems)

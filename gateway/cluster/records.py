@@ -6,6 +6,7 @@ status each node's agent reports for its runner. The state is a tagged union of 
 
 ``epoch`` counts re-placements of one instance (0 when first placed): a runner reports the epoch it was
 started for, so a report from a superseded placement is recognisable. ``attempts`` counts re-placement tries.
+``strategy`` and ``min_nodes`` are the constraints it was created with, kept for re-placement.
 
 All frozen msgspec Structs, serializable as they are (``msgspec.json``). Imports only msgspec, the standard
 library and ``backends.placement``.
@@ -80,6 +81,8 @@ class Instance(msgspec.Struct, frozen=True):
     runners: dict[str, RunnerStatus] = msgspec.field(default_factory=dict)
     epoch: int = 0
     attempts: int = 0
+    strategy: str | None = None
+    min_nodes: int | None = None
 
 
 class StoreEvent(msgspec.Struct, frozen=True):

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
+from typing import Literal
 
 import msgspec
 from litestar import Request as HttpRequest
@@ -39,6 +40,8 @@ class CreateInstance(msgspec.Struct, frozen=True, kw_only=True):
     model: str
     candidate_id: str | None = None
     nodes: list[str] | None = None
+    strategy: Literal["single", "pipeline", "tensor"] | None = None
+    min_nodes: int | None = None
 
 
 def _instances(request: HttpRequest) -> InstanceManager:
@@ -59,14 +62,18 @@ async def cluster(request: HttpRequest) -> ClusterView:
 
 
 @get("/instances/previews", summary="Every placement candidate for a model, with memory per node, cost and error")
-async def previews(request: HttpRequest, model: str, nodes: str | None = None) -> Preview:
+async def previews(request: HttpRequest, model: str, nodes: str | None = None, strategy: str | None = None,
+                   min_nodes: int | None = None) -> Preview:
     card = request.app.state.plane.catalog.resolve(model)
-    return Preview(model=card.name, candidates=await _instances(request).preview(card.name, nodes=_nodes(nodes)))
+    candidates = await _instances(request).preview(card.name, nodes=_nodes(nodes), strategy=strategy,
+                                                   min_nodes=min_nodes)
+    return Preview(model=card.name, candidates=candidates)
 
 
 @post("/instances", summary="Create an instance from a preview or from constraints", status_code=201)
 async def create_instance(request: HttpRequest, data: CreateInstance) -> Instance:
-    return await _instances(request).create(data.model, candidate_id=data.candidate_id, nodes=data.nodes)
+    return await _instances(request).create(data.model, candidate_id=data.candidate_id, nodes=data.nodes,
+                                            strategy=data.strategy, min_nodes=data.min_nodes)
 
 
 @get("/instances", summary="All instances")

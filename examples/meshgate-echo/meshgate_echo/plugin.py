@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import AsyncIterator, Mapping
 
 from backends.base import Capabilities, InProcess, ModelCard, Peers
-from backends.placement import Candidate, ModelSpec, Shard
+from backends.placement import Candidate, ModelSpec, Shard, ShardCosts
 from plugins.hookspecs import hookimpl
 from protocols.model import Event, Finished, Request, TextDelta, Usage
 
@@ -40,6 +40,9 @@ class EchoBackend:
     def spec(self, card: ModelCard) -> ModelSpec:
         return ModelSpec(name=card.name, n_layers=1, hidden_size=8, n_heads=1, n_kv_heads=1, head_dim=8,
                          context_length=card.context_length, layer_bytes=1 << 20)
+
+    def costs(self, card: ModelCard) -> ShardCosts:
+        return ShardCosts()
 
     async def launch(self, card: ModelCard, placement: Candidate, shard: Shard, *, host: str,
                      peers: Peers) -> InProcess:

@@ -50,6 +50,7 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
         node_ttl: Seconds without a heartbeat after which a node leaves the topology.
         placement: ``auto`` places a model on its first request; ``never`` requires ``POST /instances``.
         node_memory: Bytes of memory this node offers for models (default: what the OS reports available).
+        node_flops: This node's compute speed for the planner (FLOP/s); measured at start when unset.
         link_probe_every: Seconds between an agent's link measurements (also re-measured when nodes change).
         llama_repack: Let llama.cpp repack CPU weights (faster on some CPUs; a split model then no longer gives
             exactly the tokens of a single process, so it is off by default).
@@ -75,6 +76,7 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     node_ttl: float = 3.0
     placement: str = "auto"
     node_memory: int | None = None
+    node_flops: float | None = None
     keepalive: float = 2.0
     llama_repack: bool = False
     link_probe_every: float = 30.0

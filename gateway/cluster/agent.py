@@ -38,7 +38,7 @@ class NodeAgent:
     def __init__(self, store: StateStore, backends: Sequence[Backend], resolve: Callable[[str], ModelCard], *,
                  choose: Callable[..., Backend | None], name: str | None = None, address: str = "127.0.0.1",
                  port: int = 0, heartbeat: float = 1.0, ttl: float = 3.0, probe_every: float = 30.0,
-                 probe_bytes: int = 4 << 20, memory: int | None = None) -> None:
+                 probe_bytes: int = 4 << 20, memory: int | None = None, flops: float | None = None) -> None:
         self.store = store
         self.backends = list(backends)
         self.resolve = resolve
@@ -56,7 +56,7 @@ class NodeAgent:
         self._starting: dict[str, asyncio.Task] = {}
         self._failed: set[tuple[str, int]] = set()
         self._tasks: list[asyncio.Task] = []
-        self._flops = measure_flops()
+        self._flops = flops if flops is not None else measure_flops()
         self._server: Any = None
         self._wake = asyncio.Event()
 
@@ -217,13 +217,21 @@ class NodeAgent:
                         started = time.perf_counter()
                         (await http.get(f"{node.agent_url}/ping")).raise_for_status()
                         rtts.append(time.perf_counter() - started)
-                    started = time.perf_counter()
-                    body = (await http.get(f"{node.agent_url}/blob", params={"bytes": self.probe_bytes})).content
-                    elapsed = max(time.perf_counter() - started - min(rtts), 1e-6)
+                    received, first_byte_at = 0, None
+                    async with http.stream("GET", f"{node.agent_url}/blob",
+                                           params={"bytes": self.probe_bytes}) as response:
+                        async for chunk in response.aiter_raw():
+                            if first_byte_at is None:
+                                first_byte_at = time.perf_counter()  # from the first byte: no latency in it
+                            else:
+                                received += len(chunk)
+                    elapsed = time.perf_counter() - (first_byte_at or time.perf_counter())
                 except httpx.HTTPError as exc:
                     log.info("cannot probe %s: %s", node.id, exc)
                     continue
-                link = Link(src=self.node_id, dst=node.id, latency=min(rtts) / 2, bandwidth=len(body) / elapsed,
+                if received == 0 or elapsed <= 0:
+                    continue  # one chunk: too small a sample to say anything about bandwidth
+                link = Link(src=self.node_id, dst=node.id, latency=min(rtts) / 2, bandwidth=received / elapsed,
                             measured_at=time.time())
                 await self.store.put_link(link)
                 links.append(link)

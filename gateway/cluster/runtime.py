@@ -62,7 +62,8 @@ async def control_plane(settings: Settings, plugins: pluggy.PluginManager, *, ga
                 plane.agent = NodeAgent(store, backends, catalog.resolve, choose=choose, name=settings.node_name,
                                         address=settings.cluster_address, port=settings.agent_port,
                                         heartbeat=settings.heartbeat, ttl=settings.node_ttl,
-                                        memory=settings.node_memory, probe_every=settings.link_probe_every)
+                                        memory=settings.node_memory, probe_every=settings.link_probe_every,
+                                        flops=settings.node_flops)
                 await plane.agent.start()
             if gateway:
                 def context(backend: Backend, card) -> int | None:

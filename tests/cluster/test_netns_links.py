@@ -6,7 +6,7 @@ both ends of one host's veth (the kernel here has no ``netem``) makes its links 
 agents measure far less bandwidth to it, and the 2 GiB ``scripted-big`` model (a two-node pipeline on 1.5 GiB
 nodes) is planned over the two fast hosts. Moving the shaping to another host moves the choice with it.
 
-The agents' compute estimate is pinned to one value (``FLOPS``): measured, it varies more between three agents
+The agents' compute estimate is pinned to one value (``FLOPS``, through ``MESHGATE_NODE_FLOPS``): measured, it varies more between three agents
 starting at once on two cores than the link cost does, and it orders the planner's pipeline growth, so it would
 decide the ranking instead of the links. Needs root, iproute2 (``ip``, ``tc``) and redis-server; skipped without.
 """
@@ -38,11 +38,8 @@ NODE_MEMORY = str(3 << 29)  # 1.5 GiB: scripted-big (2 GiB) needs two nodes
 # behind a probe's blob in the tbf queue add tens of ms more to the slow host's links.
 RATE = "8mbit"
 FLOPS = 1e11
-AGENT_ENV = {"MESHGATE_HEARTBEAT": "0.5", "MESHGATE_NODE_TTL": "5", "MESHGATE_LINK_PROBE_EVERY": "1"}
-# ``python -m gateway.cli`` with the compute estimate pinned (patched before the agent module imports it).
-AGENT_MAIN = ("import runpy, gateway.cluster.node as node; "
-              f"node.measure_flops = lambda seconds=0.05: {FLOPS!r}; "
-              "runpy.run_module('gateway.cli', run_name='__main__', alter_sys=True)")
+AGENT_ENV = {"MESHGATE_HEARTBEAT": "0.5", "MESHGATE_NODE_TTL": "5", "MESHGATE_LINK_PROBE_EVERY": "1",
+             "MESHGATE_NODE_FLOPS": repr(FLOPS)}
 
 
 def _missing() -> str | None:
@@ -162,7 +159,7 @@ class Hosts:
         log = open(self.log_dir / f"agent-{n}.log", "ab")
         with log:
             self.agents[n] = subprocess.Popen(
-                ["ip", "netns", "exec", self.ns[n], sys.executable, "-c", AGENT_MAIN, "node",
+                ["ip", "netns", "exec", self.ns[n], sys.executable, "-m", "gateway.cli", "node",
                  "--redis", self.redis_url, "--name", n, "--address", self.ip[n], "--memory", NODE_MEMORY,
                  "--n-ctx", "1024", "--data-dir", str(self.data_dir), "--log-level", "info",
                  "--plugin", "tests.scripted_plugin"],

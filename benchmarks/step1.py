@@ -42,7 +42,11 @@ class Direct:
     def __init__(self, path: str, threads: int) -> None:
         from llama_cpp import Llama
 
-        self.llm = Llama(model_path=path, n_ctx=2048, n_threads=threads, n_threads_batch=threads, verbose=False)
+        from backends.llama_cpp.rpc import weight_repacking
+
+        with weight_repacking(False):  # the setting meshgate's runners load with (MESHGATE_LLAMA_REPACK)
+            self.llm = Llama(model_path=path, n_ctx=2048, n_threads=threads, n_threads_batch=threads,
+                             verbose=False)
         self.prompt = self.llm.tokenize(PROMPT.encode(), add_bos=True)
 
     def decode_rate(self, tokens: int) -> float:

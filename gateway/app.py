@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import uuid
 from collections.abc import AsyncIterator
 
 import pluggy
@@ -17,13 +18,14 @@ from litestar.exceptions import HTTPException
 from litestar.openapi import OpenAPIConfig
 
 from gateway.cluster.runtime import control_plane
+from gateway.routes.common import error_response
 from gateway.routes import anthropic as anthropic_routes
 from gateway.routes import cluster as cluster_routes
 from gateway.routes import ollama as ollama_routes
 from gateway.routes import openai as openai_routes
 from plugins.settings import Settings
 from protocols import anthropic, ollama, openai
-from protocols.model import GatewayError, InvalidRequest, NotFound
+from protocols.model import GatewayError, InvalidRequest, NotFound, RequestTooLarge
 
 __all__ = ["create_app"]
 
@@ -33,8 +35,14 @@ log = logging.getLogger("meshgate")
 def _render_for_path(request: Request, exc: Exception) -> Response[bytes]:
     """Litestar's own errors (no route, bad method) in the envelope of the path's protocol."""
     if isinstance(exc, HTTPException):
-        err: GatewayError = NotFound(f"no such endpoint: {request.method} {request.url.path}") \
-            if exc.status_code in (404, 405) else InvalidRequest(str(exc.detail))
+        if exc.status_code in (404, 405):
+            err: GatewayError = NotFound(f"no such endpoint: {request.method} {request.url.path}")
+        elif exc.status_code == 413:
+            limit = request.app.state.settings.max_body_bytes
+            err = RequestTooLarge(f"the request body is larger than {limit:,} bytes; send less (or raise "
+                                  "MESHGATE_MAX_BODY_BYTES)")
+        else:
+            err = InvalidRequest(str(exc.detail))
     elif isinstance(exc, GatewayError):
         err = exc
     else:
@@ -45,7 +53,15 @@ def _render_for_path(request: Request, exc: Exception) -> Response[bytes]:
     status, body = codec.error_body(err)
     if isinstance(exc, HTTPException) and exc.status_code == 405:
         status = 405
-    return Response(body, status_code=status, media_type="application/json")
+    return error_response(err, status, body)
+
+
+async def _request_id(message: dict, scope: dict) -> None:
+    """Every response carries a request id, as ``x-request-id`` (OpenAI SDKs) and ``request-id`` (Anthropic)."""
+    if message["type"] == "http.response.start":
+        rid = f"req_{uuid.uuid4().hex[:24]}".encode()
+        message.setdefault("headers", [])
+        message["headers"] = [*message["headers"], (b"x-request-id", rid), (b"request-id", rid)]
 
 
 def create_app(settings: Settings, plugins: pluggy.PluginManager) -> Litestar:
@@ -67,6 +83,8 @@ def create_app(settings: Settings, plugins: pluggy.PluginManager) -> Litestar:
         lifespan=[lifespan],
         exception_handlers={Exception: _render_for_path},
         openapi_config=OpenAPIConfig(title="meshgate", version="0.1.0", path="/schema"),
+        request_max_body_size=settings.max_body_bytes,
+        before_send=[_request_id],
         debug=False,
     )
     app.state.settings = settings

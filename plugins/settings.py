@@ -54,6 +54,9 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
         link_probe_every: Seconds between an agent's link measurements (also re-measured when nodes change).
         llama_repack: Let llama.cpp repack CPU weights (faster on some CPUs; a split model then no longer gives
             exactly the tokens of a single process, so it is off by default).
+        rate_limit: Generation requests allowed per minute per API key (or per client address without keys);
+            0 means no limit. Counted in the state store, so gateway replicas share the budget.
+        max_body_bytes: Largest request body accepted (413 above it).
         keepalive: Seconds between keep-alives while a streaming request waits for its model to come up.
     """
 
@@ -78,6 +81,8 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     node_memory: int | None = None
     node_flops: float | None = None
     keepalive: float = 2.0
+    rate_limit: int = 0
+    max_body_bytes: int = 64 << 20
     llama_repack: bool = False
     link_probe_every: float = 30.0
 

@@ -23,6 +23,7 @@ Error tree (status on the class)::
     ├── NotFound (404)
     │   └── UnknownModel (404)
     ├── RequestTooLarge (413)
+    ├── Unprocessable (422)
     ├── RateLimited (429)
     ├── NoCapacity (503)          no placement fits / overloaded
     ├── BackendUnavailable (503)  runner down, crashed or unreachable
@@ -76,6 +77,7 @@ __all__ = [
     "ToolChoice",
     "ToolResultPart",
     "UnknownModel",
+    "Unprocessable",
     "UnsupportedFeature",
     "Usage",
     "collect",
@@ -306,6 +308,16 @@ class RequestTooLarge(GatewayError):
 
 class RateLimited(GatewayError):
     status = 429
+
+    def __init__(self, message: str, *, retry_after: float = 1.0) -> None:
+        super().__init__(message)
+        self.retry_after = retry_after
+
+
+class Unprocessable(GatewayError):
+    """Well-formed, but the content cannot be processed (e.g. a JSON schema the model cannot be held to)."""
+
+    status = 422
 
 
 class NoCapacity(GatewayError):

@@ -54,12 +54,15 @@ SCRIPTS: dict[str, list[Event]] = {
     "fail": [Usage(prompt_tokens=5), TextDelta(text="partial"),
              Failed(error=ErrorInfo(kind="BackendUnavailable", message="runner lost"))],
     "failfirst": [Failed(error=ErrorInfo(kind="NoCapacity", message="no node has room for this model"))],
+    "unprocessable": [Failed(error=ErrorInfo(kind="Unprocessable", message="this schema cannot be enforced"))],
 }
 
 
 class ScriptedRunner:
     async def generate(self, request: Request) -> AsyncIterator[Event]:
         last = request.messages[-1].text.strip() if request.messages else (request.raw_prompt or "")
+        if last == "crash":
+            raise RuntimeError("the scripted backend crashed")
         script = SCRIPTS.get(last)
         if script is None:
             words = last.split()

@@ -16,6 +16,7 @@ Redis keys, all under ``prefix`` (default ``meshgate:``)::
     events               stream  field e -> StoreEvent JSON, its id the stream id; XADD MAXLEN ~ 10000
     generation           int     bumped by every write that changes nodes, links or instances
     changes              pub/sub channel; messages "nodes" | "links" | "instances" (wake-ups only)
+    ratelimit:{key}:{n}  int     requests in fixed window n of a rate limit; expires after two windows
 
 Decisions:
     * State lives in keys, never in pub/sub: notifications only say "look again", so a lost message costs a
@@ -110,6 +111,8 @@ class StateStore(Protocol):
 
     async def generation(self) -> int:
         """A counter bumped by every change of nodes, links or instances."""
+    async def hit(self, key: str, window: float) -> int:
+        """Count one hit on ``key`` in the current fixed window of ``window`` seconds; the count so far."""
     def watch(self) -> AsyncIterator[str]:
         """Wake-ups: the kinds ("nodes", "links", "instances") that changed. Ends when the store closes."""
     async def close(self) -> None:
@@ -159,6 +162,7 @@ class MemoryStore:
         self._events: deque[tuple[tuple[int, int], bytes]] = deque(maxlen=MAX_EVENTS)
         self._last_id = (0, 0)
         self._generation = 0
+        self._hits: dict[str, dict[int, int]] = {}
         self._watchers = _Watchers()
 
     def _changed(self, *kinds: str) -> None:
@@ -244,6 +248,14 @@ class MemoryStore:
 
     async def generation(self) -> int:
         return self._generation
+
+    async def hit(self, key: str, window: float) -> int:
+        slot = int(time.time() // window)
+        counts = self._hits.setdefault(key, {})
+        for old in [k for k in counts if k != slot]:
+            del counts[old]
+        counts[slot] = counts.get(slot, 0) + 1
+        return counts[slot]
 
     def watch(self) -> AsyncIterator[str]:
         return self._watchers.stream(lambda: asyncio.sleep(0))
@@ -406,6 +418,13 @@ class RedisStore:
 
     async def generation(self) -> int:
         return int(await self._r.get(self._key("generation")) or 0)
+
+    async def hit(self, key: str, window: float) -> int:
+        slot = int(time.time() // window)
+        name = self._key("ratelimit", f"{key}:{slot}")
+        async with self._r.pipeline(transaction=True) as pipe:
+            count, _ = await pipe.incr(name).pexpire(name, int(window * 2000)).execute()
+        return int(count)
 
     def watch(self) -> AsyncIterator[str]:
         return self._watchers.stream(self._ready)

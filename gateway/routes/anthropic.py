@@ -6,7 +6,7 @@ from litestar import Request as HttpRequest
 from litestar import Response, Router, post
 
 from gateway.routes.common import (
-    check_auth,
+    admit,
     dispatcher_of,
     error_handler,
     json_response,
@@ -21,7 +21,7 @@ SSE = "text/event-stream"
 
 @post(["/v1/messages"], status_code=200)
 async def messages(request: HttpRequest) -> Response:
-    check_auth(request)
+    await admit(request)
     wire = decode_body(await request.body(), anthropic.MessagesRequest)
     internal = anthropic.messages_to_internal(wire)
     meta = new_meta(internal.model)

@@ -11,7 +11,7 @@ from litestar import Response
 from litestar.response import Stream
 
 from gateway.dispatch import Dispatcher
-from protocols.model import AuthenticationFailed, GatewayError, Meta, ModelInfo
+from protocols.model import AuthenticationFailed, GatewayError, Meta, ModelInfo, RateLimited
 
 JSON = "application/json"
 
@@ -41,6 +41,20 @@ def check_auth(request: HttpRequest) -> None:
         raise AuthenticationFailed("invalid or missing API key: pass it as 'Authorization: Bearer <key>'")
 
 
+async def admit(request: HttpRequest) -> None:
+    """Auth, then the rate limit (``rate_limit`` generation requests per minute per key or client address)."""
+    check_auth(request)
+    limit = request.app.state.settings.rate_limit
+    if not limit:
+        return
+    bearer = request.headers.get("authorization", "")
+    who = bearer[7:].strip() or request.headers.get("x-api-key") or (request.client.host if request.client else "-")
+    count = await request.app.state.plane.store.hit(f"requests:{who}", 60.0)
+    if count > limit:
+        raise RateLimited(f"rate limit reached: {limit} requests per minute; retry after the minute",
+                          retry_after=60 - time.time() % 60)
+
+
 def json_response(body: bytes, status: int = 200) -> Response[bytes]:
     return Response(body, status_code=status, media_type=JSON)
 
@@ -49,11 +63,18 @@ def stream_response(chunks: AsyncIterator[bytes], media_type: str) -> Stream:
     return Stream(chunks, status_code=200, media_type=media_type, headers={"cache-control": "no-cache", "x-accel-buffering": "no"})
 
 
+def error_response(exc: Exception, status: int, body: bytes) -> Response[bytes]:
+    """An error body with the headers SDKs read (``retry-after`` for 429; OAI-61, ANT-48)."""
+    retry_after = getattr(exc, "retry_after", None)
+    headers = {"retry-after": str(max(1, round(retry_after)))} if retry_after else None
+    return Response(body, status_code=status, media_type=JSON, headers=headers)
+
+
 def error_handler(render: Callable[[GatewayError], tuple[int, bytes]]):
     """A Litestar exception handler that renders ``GatewayError`` in one protocol's envelope."""
 
     def handle(_: HttpRequest, exc: Exception) -> Response[bytes]:
         status, body = render(exc)  # type: ignore[arg-type]
-        return json_response(body, status)
+        return error_response(exc, status, body)
 
     return handle

@@ -6,7 +6,7 @@ from litestar import Request as HttpRequest
 from litestar import Response, Router, get, head, post
 
 from gateway.routes.common import (
-    check_auth,
+    admit,
     dispatcher_of,
     error_handler,
     json_response,
@@ -43,14 +43,14 @@ def tags(request: HttpRequest) -> Response[bytes]:
 
 @post("/api/chat", status_code=200)
 async def chat(request: HttpRequest) -> Response:
-    check_auth(request)
+    await admit(request)
     wire = decode_body(await request.body(), ollama.ChatRequest)
     return await _run(request, wire, ollama.chat_to_internal(wire), chat=True)
 
 
 @post("/api/generate", status_code=200)
 async def generate(request: HttpRequest) -> Response:
-    check_auth(request)
+    await admit(request)
     wire = decode_body(await request.body(), ollama.GenerateRequest)
     return await _run(request, wire, ollama.generate_to_internal(wire), chat=False)
 

@@ -12,8 +12,10 @@ from litestar import Request as HttpRequest
 from litestar import Response, Router, get, post
 
 from gateway.routes.common import (
+    admit,
     check_auth,
     dispatcher_of,
+    error_response,
     error_handler,
     json_response,
     model_infos,
@@ -32,12 +34,12 @@ def _is_anthropic(request: HttpRequest) -> bool:
 
 def render_error(request: HttpRequest, exc: Exception) -> Response[bytes]:
     status, body = (anthropic if _is_anthropic(request) else openai).error_body(exc)  # type: ignore[arg-type]
-    return json_response(body, status)
+    return error_response(exc, status, body)
 
 
 @post(["/v1/chat/completions", "/chat/completions"], status_code=200)
 async def chat_completions(request: HttpRequest) -> Response:
-    check_auth(request)
+    await admit(request)
     wire = decode_body(await request.body(), openai.ChatRequest)
     internal = openai.chat_to_internal(wire)
     meta = new_meta(internal.model)
@@ -49,7 +51,7 @@ async def chat_completions(request: HttpRequest) -> Response:
 
 @post(["/v1/completions"], status_code=200)
 async def completions(request: HttpRequest) -> Response:
-    check_auth(request)
+    await admit(request)
     wire = decode_body(await request.body(), openai.CompletionRequest)
     internal = openai.completion_to_internal(wire)
     meta = new_meta(internal.model)

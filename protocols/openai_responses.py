@@ -1,0 +1,460 @@
+"""The OpenAI Responses API (``POST /v1/responses``): text in, text out, streamed and not (OAI-6, OAI-65, OAI-66).
+
+Pure translation between the Responses API's JSON and ``protocols.model``: ``ResponsesRequest`` and
+``responses_to_internal`` going in; ``encode_response`` (a whole Response object) and ``encode_response_stream``
+(SSE frames) going out. Errors before the stream starts use the chat API's envelope (``protocols.openai.error_body``,
+applied by the route), which is the same for both APIs.
+
+Imports only ``protocols.model``, msgspec, the standard library and ``sse_starlette.event.ServerSentEvent``.
+Must not import the other protocol modules (it is listed in the independence contract). No I/O.
+
+Decisions worth knowing:
+
+- Served: ``input`` as a string or a list of message items (role ``user``, ``system``, ``developer`` or
+  ``assistant``; content a string or ``input_text``/``output_text``/``refusal`` parts), ``instructions`` (a system
+  message first), ``max_output_tokens``, ``temperature``, ``top_p``, ``text.format`` (``json_object`` and
+  ``json_schema``), ``reasoning.effort`` (``"none"`` turns reasoning off, any other value on) and the chat API's
+  ``extra_body`` keys ``top_k``, ``min_p``, ``repeat_penalty``.
+- Refused with a 400 (``UnsupportedFeature``) because meshgate keeps no response state and runs no tools here:
+  ``previous_response_id``, ``conversation``, ``prompt``, ``background: true``, non-empty ``tools``, input items
+  other than messages (``function_call``, ``function_call_output``, ``item_reference``, ...), and content parts
+  other than text (``input_image``, ``input_file``, ``input_audio``).
+- Accepted and ignored: ``store`` (nothing is stored, whatever it says), ``metadata``, ``user``, ``include``,
+  ``truncation``, ``service_tier``, ``tool_choice``, ``parallel_tool_calls``, ``stream_options``, and
+  ``reasoning`` items in ``input`` (earlier reasoning is not replayed, as chat templates also drop it).
+- The Response echoes none of the request's settings: it carries the fields the SDK's ``Response`` type requires
+  (``parallel_tool_calls``, ``tool_choice``, ``tools``, ...) with neutral values, plus status, output and usage.
+- ``output`` is one ``message`` item, preceded by a ``reasoning`` item when the model reasoned. Finish reason
+  ``length`` (or ``content_filter``) gives status ``incomplete`` with ``incomplete_details.reason``
+  ``max_output_tokens`` (or ``content_filter``); the stream then ends in ``response.incomplete``.
+- A failure after the stream started ends it with ``response.failed`` (its ``response.error`` holds the message;
+  open items are listed with status ``incomplete``). No separate ``error`` event is sent: openai-python 1.x wraps
+  events whose name does not start with ``response.`` into ``{"data", "event"}`` and cannot type them.
+- Item ids are ``msg_<id>_<output index>`` and ``rs_<id>_<output index>``; the response id is ``resp_<id>``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterable, AsyncIterator
+from typing import Annotated, Any, Literal, TypeAlias
+
+import msgspec
+from msgspec import UNSET, UnsetType
+from sse_starlette.event import ServerSentEvent
+
+from protocols.model import (
+    BackendProtocolError,
+    Event,
+    Failed,
+    Finished,
+    GatewayError,
+    InvalidRequest,
+    KeepAlive,
+    Message,
+    Meta,
+    RateLimited,
+    ReasoningDelta,
+    Request,
+    Response,
+    ResponseFormat,
+    Sampling,
+    TextDelta,
+    TextPart,
+    UnsupportedFeature,
+    Usage,
+    error_from_info,
+)
+
+__all__ = ["ResponsesRequest", "encode_response", "encode_response_stream", "responses_to_internal"]
+
+Temperature = Annotated[float, msgspec.Meta(ge=0, le=2)]
+Probability = Annotated[float, msgspec.Meta(ge=0, le=1)]
+TokenLimit = Annotated[int, msgspec.Meta(ge=1)]
+
+
+class _Wire(msgspec.Struct, kw_only=True):
+    """Base of the request Structs: keyword-only, unknown fields ignored."""
+
+
+# ---------------------------------------------------------------------------------------------------- requests
+
+
+class ContentPart(_Wire):
+    """One input content part. Kept loose (``type`` is any string) so unsupported kinds are refused by name."""
+
+    type: str
+    text: str | None = None
+    refusal: str | None = None
+
+
+class InputItem(_Wire):
+    """One ``input`` item. A message may omit ``type`` (``EasyInputMessageParam``); other kinds are refused."""
+
+    type: str = "message"
+    role: Literal["user", "system", "developer", "assistant"] | None = None
+    content: str | list[ContentPart] | None = None
+
+
+class TextFormat(_Wire, tag_field="type", tag="text"):
+    pass
+
+
+class JSONObjectFormat(_Wire, tag_field="type", tag="json_object"):
+    pass
+
+
+class JSONSchemaFormat(_Wire, tag_field="type", tag="json_schema"):
+    """Flat, unlike the chat API's ``response_format``: ``name`` and ``schema`` sit beside ``type``."""
+
+    name: str | None = None
+    schema: dict[str, Any] | None = None
+    description: str | None = None
+    strict: bool | None = None
+
+
+class TextConfig(_Wire):
+    format: TextFormat | JSONObjectFormat | JSONSchemaFormat | None = None
+    verbosity: str | None = None
+
+
+class ReasoningConfig(_Wire):
+    effort: str | None = None
+    summary: str | None = None
+
+
+class ResponsesRequest(_Wire):
+    """The body of ``POST /v1/responses`` (the SDK's ``response_create_params``), the fields acted on."""
+
+    model: str
+    input: str | list[InputItem] | None = None
+    background: bool | None = None
+    conversation: str | dict[str, Any] | None = None
+    instructions: str | None = None
+    max_output_tokens: TokenLimit | None = None
+    previous_response_id: str | None = None
+    prompt: dict[str, Any] | None = None
+    reasoning: ReasoningConfig | None = None
+    stream: bool | None = None
+    temperature: Temperature | None | UnsetType = UNSET
+    text: TextConfig | None = None
+    tools: list[dict[str, Any]] | None = None
+    top_p: Probability | None | UnsetType = UNSET
+    # extra_body keys, as on the chat API (OAI-26)
+    top_k: int | None | UnsetType = UNSET
+    min_p: float | None | UnsetType = UNSET
+    repeat_penalty: float | None | UnsetType = UNSET
+
+
+def responses_to_internal(wire: ResponsesRequest) -> Request:
+    """Translate a Responses API body into a ``Request``.
+
+    Raises:
+        InvalidRequest: no ``input``, an empty input list, or a message item without a role.
+        UnsupportedFeature: stored-state features (``previous_response_id``, ``conversation``, ``prompt``,
+            ``background``), ``tools``, non-message input items and non-text content parts.
+    """
+    _refuse_state(wire)
+    if wire.tools:
+        message = "tools are not supported on /v1/responses yet; use /v1/chat/completions for tool calling"
+        raise UnsupportedFeature(message, param="tools")
+    messages: list[Message] = []
+    if wire.instructions:
+        messages.append(Message(role="system", parts=(TextPart(text=wire.instructions),)))
+    messages.extend(_input(wire.input))
+    effort = wire.reasoning.effort if wire.reasoning else None
+    return Request(
+        model=wire.model,
+        messages=tuple(messages),
+        response_format=_response_format(wire.text.format if wire.text else None),
+        sampling=Sampling(
+            temperature=wire.temperature,
+            top_p=wire.top_p,
+            top_k=wire.top_k,
+            min_p=wire.min_p,
+            repeat_penalty=wire.repeat_penalty,
+        ),
+        max_tokens=wire.max_output_tokens,
+        stream=bool(wire.stream),
+        reasoning=UNSET if effort is None else effort != "none",
+    )
+
+
+def _refuse_state(wire: ResponsesRequest) -> None:
+    """Features that need responses stored on the server, which meshgate does not keep."""
+    if wire.previous_response_id:
+        message = "previous_response_id is not supported: responses are not stored; send the conversation as input"
+        raise UnsupportedFeature(message, param="previous_response_id")
+    if wire.conversation:
+        message = "conversation is not supported: conversations are not stored; send the conversation as input"
+        raise UnsupportedFeature(message, param="conversation")
+    if wire.prompt:
+        raise UnsupportedFeature("prompt templates are not supported; send input instead", param="prompt")
+    if wire.background:
+        raise UnsupportedFeature("background responses are not supported; omit background", param="background")
+
+
+def _input(wire: str | list[InputItem] | None) -> list[Message]:
+    if wire is None:
+        raise InvalidRequest("input is required: a string or a list of message items", param="input")
+    if isinstance(wire, str):
+        return [Message(role="user", parts=(TextPart(text=wire),))]
+    if not wire:
+        raise InvalidRequest("input must contain at least one item", param="input")
+    messages = []
+    for i, item in enumerate(wire):
+        if item.type == "reasoning":
+            continue
+        if item.type != "message":
+            message = f"input items of type '{item.type}' are not supported; send message items"
+            raise UnsupportedFeature(message, param=f"input[{i}].type")
+        if item.role is None:
+            raise InvalidRequest("a message item needs a role", param=f"input[{i}].role")
+        role = "system" if item.role == "developer" else item.role
+        messages.append(Message(role=role, parts=_parts(item.content, f"input[{i}].content")))
+    return messages
+
+
+def _parts(content: str | list[ContentPart] | None, at: str) -> tuple[TextPart, ...]:
+    if content is None:
+        return ()
+    if isinstance(content, str):
+        return (TextPart(text=content),)
+    parts = []
+    for j, part in enumerate(content):
+        if part.type in ("input_text", "output_text") and part.text is not None:
+            parts.append(TextPart(text=part.text))
+        elif part.type == "refusal" and part.refusal is not None:
+            parts.append(TextPart(text=part.refusal))
+        elif part.type in ("input_text", "output_text", "refusal"):
+            field = "refusal" if part.type == "refusal" else "text"
+            raise InvalidRequest(f"a {part.type} part needs '{field}'", param=f"{at}[{j}].{field}")
+        else:
+            message = f"content parts of type '{part.type}' are not supported on /v1/responses; send input_text"
+            raise UnsupportedFeature(message, param=f"{at}[{j}].type")
+    return tuple(parts)
+
+
+def _response_format(fmt: TextFormat | JSONObjectFormat | JSONSchemaFormat | None) -> ResponseFormat:
+    match fmt:
+        case JSONObjectFormat():
+            return ResponseFormat(kind="json_object")
+        case JSONSchemaFormat(name=name, schema=schema):
+            return ResponseFormat(kind="json_schema", schema=schema, name=name)
+    return ResponseFormat()
+
+
+# ---------------------------------------------------------------------------------------------------- responses
+
+Status: TypeAlias = Literal["in_progress", "completed", "incomplete", "failed"]
+
+_INCOMPLETE = {"length": "max_output_tokens", "content_filter": "content_filter"}
+
+
+class _Item:
+    """One output item (a ``message`` or a ``reasoning`` item) with its single text part, as it grows."""
+
+    def __init__(self, kind: Literal["message", "reasoning"], index: int, meta: Meta) -> None:
+        self.kind = kind
+        self.index = index
+        self.id = f"{'msg' if kind == 'message' else 'rs'}_{meta.id}_{index}"
+        self.texts: list[str] = []
+        self.status: Status = "in_progress"
+
+    @property
+    def text(self) -> str:
+        return "".join(self.texts)
+
+    def part(self, text: str) -> dict[str, Any]:
+        if self.kind == "message":
+            return {"type": "output_text", "text": text, "annotations": []}
+        return {"type": "reasoning_text", "text": text}
+
+    def body(self, *, with_content: bool = True) -> dict[str, Any]:
+        content = [self.part(self.text)] if with_content else []
+        if self.kind == "message":
+            return {"id": self.id, "type": "message", "status": self.status, "role": "assistant", "content": content}
+        return {"id": self.id, "type": "reasoning", "status": self.status, "summary": [], "content": content}
+
+
+def _usage(usage: Usage) -> dict[str, Any]:
+    """OAI-65: ``input_tokens``, ``output_tokens``, ``total_tokens`` and their details objects."""
+    return {
+        "input_tokens": usage.prompt_tokens,
+        "input_tokens_details": {"cached_tokens": usage.cached_tokens, "cache_write_tokens": 0},
+        "output_tokens": usage.completion_tokens,
+        "output_tokens_details": {"reasoning_tokens": 0},
+        "total_tokens": usage.prompt_tokens + usage.completion_tokens,
+    }
+
+
+def _response(
+    meta: Meta,
+    status: Status,
+    output: list[dict[str, Any]],
+    *,
+    usage: Usage | None = None,
+    incomplete: str | None = None,
+    error: dict[str, str] | None = None,
+) -> dict[str, Any]:
+    """A Response object (OAI-65) with every field the SDK's ``Response`` type requires."""
+    return {
+        "id": f"resp_{meta.id}",
+        "object": "response",
+        "created_at": int(meta.created),
+        "status": status,
+        "error": error,
+        "incomplete_details": {"reason": incomplete} if incomplete else None,
+        "model": meta.model,
+        "output": output,
+        "parallel_tool_calls": True,
+        "tool_choice": "auto",
+        "tools": [],
+        "usage": _usage(usage) if usage is not None else None,
+    }
+
+
+def _finish_status(finish: Finished) -> tuple[Status, str | None]:
+    """``completed``, or ``incomplete`` with its ``incomplete_details.reason``."""
+    reason = _INCOMPLETE.get(finish.reason)
+    return ("incomplete", reason) if reason else ("completed", None)
+
+
+def encode_response(response: Response, meta: Meta) -> bytes:
+    """A whole Response object: a reasoning item if any, then one message item (OAI-65)."""
+    status, incomplete = _finish_status(response.finish)
+    items = []
+    if response.reasoning:
+        reasoning = _Item("reasoning", 0, meta)
+        reasoning.texts.append(response.reasoning)
+        reasoning.status = "completed"
+        items.append(reasoning)
+    message = _Item("message", len(items), meta)
+    message.texts.append(response.text)
+    message.status = status
+    items.append(message)
+    output = [item.body() for item in items]
+    return msgspec.json.encode(_response(meta, status, output, usage=response.usage, incomplete=incomplete))
+
+
+# ---------------------------------------------------------------------------------------------------- streams
+
+_KEEPALIVE = ServerSentEvent(comment="keep-alive").encode()
+_DELTA = {"message": "response.output_text.delta", "reasoning": "response.reasoning_text.delta"}
+_DONE = {"message": "response.output_text.done", "reasoning": "response.reasoning_text.done"}
+
+
+def _error(err: GatewayError) -> dict[str, str]:
+    """``response.error``: ``code`` must be one of the SDK's ``ResponseError`` literals."""
+    if isinstance(err, RateLimited):
+        code = "rate_limit_exceeded"
+    elif isinstance(err, InvalidRequest):
+        code = "invalid_prompt"
+    else:
+        code = "server_error"
+    return {"code": code, "message": err.message}
+
+
+class _Frames:
+    """Encoder state for one stream: the sequence number and the output items opened so far."""
+
+    def __init__(self, meta: Meta) -> None:
+        self.meta = meta
+        self.sequence = 0
+        self.items: list[_Item] = []
+        self.open: _Item | None = None
+        self.usage: Usage | None = None
+
+    def frame(self, kind: str, **fields: Any) -> bytes:
+        """One SSE frame: ``event: <type>`` and the same ``type`` plus ``sequence_number`` in the JSON (OAI-66)."""
+        payload = {"type": kind, "sequence_number": self.sequence, **fields}
+        self.sequence += 1
+        return ServerSentEvent(data=msgspec.json.encode(payload).decode(), event=kind).encode()
+
+    def lifecycle(self, kind: str, status: Status, **extra: Any) -> bytes:
+        output = [item.body() for item in self.items]
+        return self.frame(kind, response=_response(self.meta, status, output, usage=self.usage, **extra))
+
+    def delta(self, kind: Literal["message", "reasoning"], text: str) -> list[bytes]:
+        frames = []
+        if self.open is None or self.open.kind != kind:
+            frames += self.close("completed")
+            frames += self.start(kind)
+        item = self.items[-1]
+        item.texts.append(text)
+        extra = {"logprobs": []} if kind == "message" else {}
+        frames.append(self.frame(_DELTA[kind], item_id=item.id, output_index=item.index, content_index=0,
+                                 delta=text, **extra))
+        return frames
+
+    def start(self, kind: Literal["message", "reasoning"]) -> list[bytes]:
+        item = self.open = _Item(kind, len(self.items), self.meta)
+        self.items.append(item)
+        return [
+            self.frame("response.output_item.added", output_index=item.index, item=item.body(with_content=False)),
+            self.frame("response.content_part.added", item_id=item.id, output_index=item.index, content_index=0,
+                       part=item.part("")),
+        ]
+
+    def close(self, status: Status) -> list[bytes]:
+        item, self.open = self.open, None
+        if item is None:
+            return []
+        item.status = status
+        at = {"item_id": item.id, "output_index": item.index, "content_index": 0}
+        extra = {"logprobs": []} if item.kind == "message" else {}
+        return [
+            self.frame(_DONE[item.kind], **at, text=item.text, **extra),
+            self.frame("response.content_part.done", **at, part=item.part(item.text)),
+            self.frame("response.output_item.done", output_index=item.index, item=item.body()),
+        ]
+
+    def finish(self, finish: Finished) -> list[bytes]:
+        status, incomplete = _finish_status(finish)
+        frames = []
+        if self.open is None or self.open.kind != "message":
+            frames += self.close("completed")
+            frames += self.start("message")
+        frames += self.close(status)
+        kind = "response.completed" if status == "completed" else "response.incomplete"
+        return [*frames, self.lifecycle(kind, status, incomplete=incomplete)]
+
+    def fail(self, err: GatewayError) -> bytes:
+        if self.open is not None:
+            self.open.status = "incomplete"
+        return self.lifecycle("response.failed", "failed", error=_error(err))
+
+
+async def encode_response_stream(events: AsyncIterable[Event], meta: Meta) -> AsyncIterator[bytes]:
+    """SSE frames of Responses API events (OAI-66), starting at once with ``response.created``.
+
+    Order: ``response.created``, ``response.in_progress``, then per output item ``output_item.added``,
+    ``content_part.added``, text deltas, text done, ``content_part.done``, ``output_item.done``; last
+    ``response.completed``, ``response.incomplete`` (length) or ``response.failed``. No ``[DONE]``.
+
+    Args:
+        events: the backend's event stream; it ends in one ``Finished`` or ``Failed``.
+        meta: id, model and timestamp of the response.
+    """
+    frames = _Frames(meta)
+    yield frames.lifecycle("response.created", "in_progress")
+    yield frames.lifecycle("response.in_progress", "in_progress")
+    async for event in events:
+        match event:
+            case TextDelta(text=text) if text:
+                for frame in frames.delta("message", text):
+                    yield frame
+            case ReasoningDelta(text=text) if text:
+                for frame in frames.delta("reasoning", text):
+                    yield frame
+            case Usage():
+                frames.usage = event
+            case KeepAlive():
+                yield _KEEPALIVE
+            case Finished():
+                for frame in frames.finish(event):
+                    yield frame
+                return
+            case Failed(error=info):
+                yield frames.fail(error_from_info(info))
+                return
+    yield frames.fail(BackendProtocolError("the backend's stream ended without finishing"))

@@ -34,6 +34,9 @@ BIG = ModelCard(name="scripted-big:latest", path="", format="scripted", family="
                 size=2 << 30, digest="1" * 64, created=1_700_000_000.0, context_length=1024)
 """A 2 GiB model (16 x 128 MiB layers) that may be split into a pipeline: for placement tests."""
 
+SLASHED = msgspec.structs.replace(CARD, name="acme/scripted:v1")
+"""A model id with ``/`` and ``:`` (OAI-8: SDKs send it raw or percent-encoded)."""
+
 HUGE = msgspec.structs.replace(BIG, name="scripted-huge:latest", size=64 << 30)
 """A 64 GiB model that fits on no test node."""
 
@@ -107,7 +110,7 @@ class ScriptedSource:
     name = "scripted"
 
     def models(self) -> Sequence[ModelCard]:
-        return [CARD, BIG, HUGE]
+        return [CARD, BIG, HUGE, SLASHED]
 
 
 @hookimpl

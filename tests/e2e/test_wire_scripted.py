@@ -194,3 +194,19 @@ def test_unknown_route_gets_the_path_protocols_error(scripted_server):
     assert r.status_code == 404 and isinstance(r.json()["error"], str)
     r = httpx.get(f"{scripted_server.url}/v1/nothing")
     assert r.status_code == 404 and r.json()["error"]["type"] == "not_found_error"
+
+
+def test_oai_8_model_ids_with_slash_and_colon(scripted_server):
+    client = openai.OpenAI(base_url=f"{scripted_server.url}/v1", api_key="x", max_retries=0)
+    assert client.models.retrieve("acme/scripted:v1").id == "acme/scripted:v1"  # the 3.x SDK sends %2F
+    raw = httpx.get(f"{scripted_server.url}/v1/models/acme/scripted:v1").json()
+    assert raw == {"id": "acme/scripted:v1", "object": "model", "created": 1700000000, "owned_by": "meshgate"}
+    assert client.chat.completions.create(model="acme/scripted:v1", messages=[
+        {"role": "user", "content": "hello"}]).choices[0].message.content == "Hello, world"
+
+
+def test_oai_7_paths_without_the_v1_prefix(scripted_server):
+    client = openai.OpenAI(base_url=scripted_server.url, api_key="x", max_retries=0)
+    assert client.chat.completions.create(model="scripted", messages=[
+        {"role": "user", "content": "hello"}]).choices[0].message.content == "Hello, world"
+    assert "scripted" in [m.id for m in client.models.list()]

@@ -1,0 +1,42 @@
+"""Virtual environments with older official SDKs, so tests can drive them against a real server.
+
+``sdk_python("openai==1.97.1")`` returns the interpreter of ``.cache/venvs/openai-1.97.1`` (created with pip the
+first time, then reused); the probe scripts next to this file run under it and print JSON.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import venv
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent.parent
+
+
+def sdk_python(requirement: str) -> Path:
+    target = ROOT / ".cache" / "venvs" / requirement.replace("==", "-")
+    python = target / "bin" / "python"
+    marker = target / ".installed"
+    if not marker.exists():
+        venv.create(target, with_pip=True, clear=True)
+        subprocess.run([str(python), "-m", "pip", "install", "--quiet", "--disable-pip-version-check",
+                        requirement], check=True, timeout=600)
+        marker.write_text(requirement)
+    return python
+
+
+def run_probe(requirement: str, script: str, *args: str) -> dict:
+    """Run ``tests/compat/<script>`` under the SDK's interpreter; its stdout is one JSON object."""
+    import json
+
+    python = sdk_python(requirement)
+    done = subprocess.run([str(python), str(Path(__file__).parent / script), *args], capture_output=True,
+                          text=True, timeout=300)
+    if done.returncode != 0:
+        raise AssertionError(f"{script} failed under {requirement}:\n{done.stderr}")
+    return json.loads(done.stdout)
+
+
+if __name__ == "__main__":
+    print(sdk_python(sys.argv[1]))

@@ -55,11 +55,16 @@ def test_client_disconnect_cancels_generation(server):
         lines = r.iter_lines()
         for _ in range(6):
             next(lines)
-    time.sleep(1.0)  # the runner notices the disconnect at its next token
-    before = cpu_seconds(pid)
-    time.sleep(1.5)
-    burned = cpu_seconds(pid) - before
-    assert burned < 0.3, f"runner kept generating after the client left ({burned:.2f} CPU s in 1.5 s)"
+    # The runner notices at its next token; on a loaded machine the hops take a while, so poll (bounded): a
+    # generation that was not cancelled keeps both cores busy for the ~30 s its 1,500 tokens take.
+    deadline, burned = time.monotonic() + 10, []
+    while time.monotonic() < deadline:
+        before = cpu_seconds(pid)
+        time.sleep(0.5)
+        burned.append(cpu_seconds(pid) - before)
+        if burned[-1] < 0.1:
+            break
+    assert burned[-1] < 0.1, f"runner kept generating after the client left (CPU s per 0.5 s: {burned})"
     ok = httpx.post(f"{server.url}/api/generate", timeout=60,
                     json={"model": MODEL, "prompt": "Hi", "stream": False, "options": {"num_predict": 2}})
     assert ok.status_code == 200 and ok.json()["eval_count"] == 2

@@ -362,7 +362,7 @@ class _Frames:
         self.sequence = 0
         self.items: list[_Item] = []
         self.open: _Item | None = None
-        self.usage: Usage | None = None
+        self.usage = Usage()
 
     def frame(self, kind: str, **fields: Any) -> bytes:
         """One SSE frame: ``event: <type>`` and the same ``type`` plus ``sequence_number`` in the JSON (OAI-66)."""
@@ -371,8 +371,10 @@ class _Frames:
         return ServerSentEvent(data=msgspec.json.encode(payload).decode(), event=kind).encode()
 
     def lifecycle(self, kind: str, status: Status, **extra: Any) -> bytes:
+        """A frame carrying the whole Response; usage only once it is final (not ``in_progress``)."""
         output = [item.body() for item in self.items]
-        return self.frame(kind, response=_response(self.meta, status, output, usage=self.usage, **extra))
+        usage = None if status == "in_progress" else self.usage
+        return self.frame(kind, response=_response(self.meta, status, output, usage=usage, **extra))
 
     def delta(self, kind: Literal["message", "reasoning"], text: str) -> list[bytes]:
         frames = []

@@ -22,7 +22,7 @@ from gateway.routes.common import (
     new_meta,
     stream_response,
 )
-from protocols import anthropic, openai
+from protocols import anthropic, openai, openai_responses
 from protocols.model import GatewayError, UnknownModel, collect, decode_body
 
 SSE = "text/event-stream"
@@ -62,6 +62,18 @@ async def completions(request: HttpRequest) -> Response:
     return json_response(openai.encode_completion_response(await collect(events), meta))
 
 
+@post(["/v1/responses", "/responses"], status_code=200)
+async def responses(request: HttpRequest) -> Response:
+    check_auth(request)
+    wire = decode_body(await request.body(), openai_responses.ResponsesRequest)
+    internal = openai_responses.responses_to_internal(wire)
+    meta = new_meta(internal.model)
+    events = await dispatcher_of(request).open_stream(internal)
+    if internal.stream:
+        return stream_response(openai_responses.encode_response_stream(events, meta), SSE)
+    return json_response(openai_responses.encode_response(await collect(events), meta))
+
+
 @get(["/v1/models", "/models"], sync_to_thread=False)
 def list_models(request: HttpRequest) -> Response[bytes]:
     check_auth(request)
@@ -82,7 +94,7 @@ def get_model(request: HttpRequest, model_id: str) -> Response[bytes]:
 
 router = Router(
     path="/",
-    route_handlers=[chat_completions, completions, list_models, get_model],
+    route_handlers=[chat_completions, completions, responses, list_models, get_model],
     exception_handlers={GatewayError: render_error},
     tags=["openai"],
 )

@@ -2,7 +2,8 @@
 
 A ``ModelSource`` lists ``ModelCard``s; a ``Backend`` says which cards it can serve, how they may be placed,
 launches shards on a node (``Launched``, held by the node agent) and gives the gateway a ``Runner`` client that
-turns a ``Request`` into an event stream ending in exactly one ``Finished`` or ``Failed``. Runtimes live in their
+turns a ``Request`` into an event stream ending in exactly one ``Finished`` or ``Failed`` (and, where
+``Capabilities.embeddings``, an ``EmbedRequest`` into ``Embeddings``). Runtimes live in their
 own processes, never in the gateway.
 
 Imports ``protocols.model`` and ``backends.placement``; must not import the gateway, plugins or a web framework.
@@ -16,9 +17,10 @@ from typing import Protocol, runtime_checkable
 import msgspec
 
 from backends.placement import Candidate, ModelSpec, Shard, ShardCosts, Strategy
-from protocols.model import Event, ImagePart, Request, UnsupportedFeature
+from protocols.model import EmbedRequest, Embeddings, Event, ImagePart, Request, UnsupportedFeature
 
-__all__ = ["Backend", "Capabilities", "InProcess", "Launched", "ModelCard", "ModelSource", "Peers", "Runner", "check_capabilities"]
+__all__ = ["Backend", "Capabilities", "InProcess", "Launched", "ModelCard", "ModelSource", "Peers", "Runner",
+           "check_capabilities", "check_embeddings"]
 
 
 class ModelCard(msgspec.Struct, frozen=True, kw_only=True):
@@ -41,13 +43,17 @@ class ModelCard(msgspec.Struct, frozen=True, kw_only=True):
 
 
 class Capabilities(msgspec.Struct, frozen=True, kw_only=True):
-    """What a backend can do for a model; the gateway checks requests against it before calling."""
+    """What a backend can do for a model; the gateway checks requests against it before calling.
+
+    ``embeddings``: ``Runner.embed`` works (the gateway refuses embedding requests for the model otherwise).
+    """
 
     tools: bool = False
     vision: bool = False
     json_schema: bool = False
     reasoning: bool = False
     raw_prompt: bool = True
+    embeddings: bool = False
 
 
 def check_capabilities(request: Request, caps: Capabilities, model: str) -> None:
@@ -62,6 +68,12 @@ def check_capabilities(request: Request, caps: Capabilities, model: str) -> None
         raise UnsupportedFeature(f"model '{model}' does not support raw prompts", param="prompt")
 
 
+def check_embeddings(caps: Capabilities, model: str) -> None:
+    """Raise ``UnsupportedFeature`` unless ``caps`` says the model computes embeddings."""
+    if not caps.embeddings:
+        raise UnsupportedFeature(f"model '{model}' does not support embeddings", param="model")
+
+
 Peers = Callable[[], Awaitable[Mapping[str, str]]]
 """Waits for the other shards of a placement and returns their URLs by node id."""
 
@@ -74,6 +86,14 @@ class Runner(Protocol):
         """Stream events for ``request``; ends in exactly one ``Finished`` or ``Failed``; never raises.
 
         Closing the iterator early cancels the generation on the runner.
+        """
+        ...
+
+    async def embed(self, request: EmbedRequest) -> Embeddings:
+        """One unit vector per input of ``request``; raises ``GatewayError`` on failure.
+
+        A backend without embeddings (``Capabilities.embeddings`` false) raises ``UnsupportedFeature``; the
+        gateway checks the capability first, so that is only reached by a direct call.
         """
         ...
 

@@ -4,7 +4,8 @@ The first event is awaited before anything is sent to the client, so a failure t
 unsupported feature, nothing fits) is a real HTTP error status; a failure after that travels in the stream as
 ``Failed``. A model with no instance is placed automatically (``InstanceManager.acquire``); a streaming client
 gets keep-alives while it comes up, a non-streaming one waits. A runner that cannot be reached at the start of a
-request fails its instance (so it is re-placed) and the request is retried once on the new one.
+request fails its instance (so it is re-placed) and the request is retried once on the new one. ``embed`` is a
+plain call that follows the same path (place, wait, connect, retry once if unreachable) and raises its error.
 """
 
 from __future__ import annotations
@@ -14,11 +15,13 @@ import contextlib
 import logging
 from collections.abc import AsyncIterator, Sequence
 
-from backends.base import Backend, ModelCard, ModelSource, check_capabilities
+from backends.base import Backend, ModelCard, ModelSource, check_capabilities, check_embeddings
 from gateway.cluster.instances import InstanceManager
 from gateway.cluster.records import Instance, Ready
 from protocols.model import (
     BackendUnavailable,
+    EmbedRequest,
+    Embeddings,
     Event,
     Failed,
     GatewayError,
@@ -135,6 +138,34 @@ class Dispatcher:
                 return await self._start(replacement, card, backend, request, retry=False)
             raise error
         return _chain(first, events)
+
+    async def embed(self, request: EmbedRequest) -> Embeddings:
+        """``request``'s vectors, placing the model and waiting for it if needed; raise its ``GatewayError``.
+
+        No inputs only loads the model (Ollama's empty ``input``) and returns no vectors.
+        """
+        card = self.resolve(request.model)
+        backend = self.backend_for(card)
+        check_embeddings(backend.capabilities(card), card.name)
+        instance = await self.instances.acquire(card)
+        return await self._embed(instance, card, backend, request)
+
+    async def _embed(self, instance: Instance, card: ModelCard, backend: Backend, request: EmbedRequest,
+                     retry: bool = True) -> Embeddings:
+        if not isinstance(instance.state, Ready):
+            instance = await self.instances.wait_ready(instance.id)
+        if not request.inputs:
+            return Embeddings()
+        urls = {node: status.url for node, status in instance.runners.items() if status.url}
+        try:
+            return await backend.connect(card, instance.placement, urls).embed(request)
+        except BackendUnavailable as error:
+            if not retry:
+                raise
+            log.warning("instance %s unreachable (%s); re-placing", instance.id, error.message)
+            await self.instances.report_unreachable(instance, error.message)
+            replacement = await self.instances.acquire(card)
+            return await self._embed(replacement, card, backend, request, retry=False)
 
     async def _after_ready(self, instance: Instance, card: ModelCard, backend: Backend,
                            request: Request) -> AsyncIterator[Event]:

@@ -13,6 +13,7 @@ Shape:
 - The event stream: an async iterator of ``Event`` that ends in exactly one ``Finished`` or ``Failed``.
   ``Usage`` snapshots are cumulative (the last one wins). ``KeepAlive`` carries no content.
 - ``collect(events)`` folds a stream into a ``Response``; non-streaming endpoints use it, never a second path.
+- Embeddings are request/response, not a stream: ``EmbedRequest`` in, ``Embeddings`` (unit vectors) out.
 
 Error tree (status on the class)::
 
@@ -45,6 +46,8 @@ __all__ = [
     "BackendProtocolError",
     "BackendTimeout",
     "BackendUnavailable",
+    "EmbedRequest",
+    "Embeddings",
     "ErrorInfo",
     "Event",
     "Failed",
@@ -70,12 +73,14 @@ __all__ = [
     "Sampling",
     "TextDelta",
     "TextPart",
+    "TokenLogprob",
     "Tool",
     "ToolCall",
     "ToolCallDelta",
     "ToolCallPart",
     "ToolChoice",
     "ToolResultPart",
+    "TopLogprob",
     "UnknownModel",
     "Unprocessable",
     "UnsupportedFeature",
@@ -189,7 +194,8 @@ class Request(_Frozen):
 
     ``raw_prompt`` is set for plain completions (no chat template); ``messages`` is then empty.
     ``max_tokens`` ``None`` means no limit beyond the context. ``prefill`` asks the backend to continue the
-    last assistant message instead of opening a new turn.
+    last assistant message instead of opening a new turn. ``logprobs`` asks for each output token's log
+    probability on the ``TextDelta`` that carries it, with the ``top_logprobs`` most likely alternatives.
     """
 
     model: str
@@ -205,13 +211,61 @@ class Request(_Frozen):
     prefill: bool = False
     reasoning: bool | UnsetType = UNSET
     num_ctx: int | UnsetType = UNSET
+    logprobs: bool = False
+    top_logprobs: int = 0
+
+
+class EmbedRequest(_Frozen):
+    """Embed each input: a text, or token ids the client already tokenized (used as given, no BOS added).
+
+    ``dimensions`` ``None`` means the model's full size; a smaller value keeps the first ``dimensions``
+    components and renormalizes, a larger one is ``InvalidRequest``. ``truncate`` cuts an input longer than the
+    context to fit; without it such an input is ``InvalidRequest``.
+    """
+
+    model: str
+    inputs: tuple[str | tuple[int, ...], ...] = ()
+    dimensions: int | None = None
+    truncate: bool = True
+
+
+class Embeddings(_Frozen):
+    """One unit-length (L2-normalized) vector per input, in input order, with float32 precision.
+
+    ``prompt_tokens`` counts the tokens embedded (after truncation); ``load_ns`` is time spent loading for
+    this request (the model or its embedding context), else 0.
+    """
+
+    vectors: tuple[tuple[float, ...], ...] = ()
+    prompt_tokens: int = 0
+    load_ns: int = 0
 
 
 # ---------------------------------------------------------------------------------------------------- events
 
 
+class TopLogprob(_Frozen):
+    """One candidate token at an output position: its text, natural-log probability and UTF-8 bytes."""
+
+    token: str
+    logprob: float
+    bytes: tuple[int, ...] = ()
+
+
+class TokenLogprob(_Frozen):
+    """The log probability of one output token, with the ``top`` most likely tokens at its position."""
+
+    token: str
+    logprob: float
+    bytes: tuple[int, ...] = ()
+    top: tuple[TopLogprob, ...] = ()
+
+
 class TextDelta(_Frozen, tag="text"):
+    """Output text. ``logprobs`` (only when asked for) covers the tokens whose text starts in this delta."""
+
     text: str
+    logprobs: tuple[TokenLogprob, ...] | None = None
 
 
 class ReasoningDelta(_Frozen, tag="reasoning"):
@@ -249,10 +303,11 @@ class Finished(_Frozen, tag="finished"):
 
 
 class ErrorInfo(_Frozen):
-    """A serializable error: ``kind`` is a ``GatewayError`` subclass name."""
+    """A serializable error: ``kind`` is a ``GatewayError`` subclass name; ``param`` the field it is about."""
 
     kind: str
     message: str
+    param: str | None = None
 
 
 class Failed(_Frozen, tag="failed"):
@@ -277,7 +332,7 @@ class GatewayError(Exception):
         self.param = param
 
     def info(self) -> ErrorInfo:
-        return ErrorInfo(kind=type(self).__name__, message=self.message)
+        return ErrorInfo(kind=type(self).__name__, message=self.message, param=self.param)
 
 
 class InvalidRequest(GatewayError):
@@ -309,8 +364,8 @@ class RequestTooLarge(GatewayError):
 class RateLimited(GatewayError):
     status = 429
 
-    def __init__(self, message: str, *, retry_after: float = 1.0) -> None:
-        super().__init__(message)
+    def __init__(self, message: str, *, param: str | None = None, retry_after: float = 1.0) -> None:
+        super().__init__(message, param=param)
         self.retry_after = retry_after
 
 
@@ -350,6 +405,7 @@ def error_from_info(info: ErrorInfo) -> GatewayError:
         err: GatewayError = NotFound(info.message, param="model")
     else:
         err = cls(info.message)
+        err.param = info.param
     return err
 
 
@@ -416,7 +472,7 @@ class ToolCall(_Frozen):
 
 
 class Response(_Frozen):
-    """A whole answer: the collected event stream."""
+    """A whole answer: the collected event stream. ``logprobs`` is ``None`` when the backend sent none."""
 
     text: str = ""
     reasoning: str = ""
@@ -424,6 +480,7 @@ class Response(_Frozen):
     tool_calls: tuple[ToolCall, ...] = ()
     usage: Usage = Usage()
     finish: Finished = Finished()
+    logprobs: tuple[TokenLogprob, ...] | None = None
 
 
 async def collect(events: AsyncIterable[Event]) -> Response:
@@ -433,11 +490,15 @@ async def collect(events: AsyncIterable[Event]) -> Response:
     metadata: dict[str, str] | None = None
     calls: dict[int, list[str]] = {}
     heads: dict[int, tuple[str, str]] = {}
+    logprobs: list[TokenLogprob] | None = None
     usage = Usage()
     async for event in events:
         match event:
-            case TextDelta(text=t):
+            case TextDelta(text=t, logprobs=lp):
                 text.append(t)
+                if lp is not None:
+                    logprobs = logprobs or []
+                    logprobs.extend(lp)
             case ReasoningDelta(text=t, provider_metadata=m):
                 reasoning.append(t)
                 metadata = m or metadata
@@ -458,6 +519,7 @@ async def collect(events: AsyncIterable[Event]) -> Response:
                     tool_calls=tool_calls,
                     usage=usage,
                     finish=event,
+                    logprobs=None if logprobs is None else tuple(logprobs),
                 )
             case Failed(error=info):
                 raise error_from_info(info)

@@ -13,7 +13,10 @@ Decisions worth knowing:
   a tool result; an assistant ``function_call`` gets the id ``call_<message index>`` so the two pair up.
 - Reasoning goes out as the non-standard ``reasoning_content`` field (llama.cpp's spelling) on the message
   and on deltas, and is read back from ``reasoning_content`` or ``reasoning`` on assistant messages.
-- Accepted and ignored: ``logprobs``, ``top_logprobs``, ``logit_bias``, ``user``, ``metadata``,
+- ``logprobs``/``top_logprobs`` (chat) travel on ``TextDelta.logprobs`` and go out as ``choices[].logprobs``
+  ``{"content": [...], "refusal": null}`` (OAI-36), on each chunk when streaming; ``null`` when the backend sent
+  none. ``top_logprobs`` without ``logprobs: true`` is a 400 (OAI-23).
+- Accepted and ignored: ``logit_bias``, ``user``, ``metadata``, the legacy completions ``logprobs``,
   image ``detail``, ``json_schema.strict`` and ``tools[].function.strict``. Refused with a 400: ``n`` other
   than 1, audio and file parts, and (legacy completions) ``echo``, ``suffix``, ``best_of`` other than 1,
   token-id prompts and several prompts.
@@ -60,6 +63,7 @@ from protocols.model import (
     Sampling,
     TextDelta,
     TextPart,
+    TokenLogprob,
     Tool,
     ToolCallDelta,
     ToolCallPart,
@@ -284,13 +288,15 @@ def chat_to_internal(wire: ChatRequest) -> Request:
     """Translate a chat completions body into a ``Request``.
 
     Raises:
-        InvalidRequest: no messages, ``n`` other than 1, a bad image URL, or a ``tool_choice`` that names
-            no offered tool.
+        InvalidRequest: no messages, ``n`` other than 1, a bad image URL, a ``tool_choice`` that names
+            no offered tool, or ``top_logprobs`` without ``logprobs: true``.
         UnsupportedFeature: audio or file content parts.
     """
     if not wire.messages:
         raise InvalidRequest("messages must contain at least one message", param="messages")
     _only_one(wire.n, "n")
+    if wire.top_logprobs and not wire.logprobs:
+        raise InvalidRequest("top_logprobs requires logprobs to be true", param="top_logprobs")
     tools = tuple(_tool(t.function) for t in wire.tools or ())
     return Request(
         model=wire.model,
@@ -303,6 +309,8 @@ def chat_to_internal(wire: ChatRequest) -> Request:
         max_tokens=wire.max_completion_tokens if wire.max_completion_tokens is not None else wire.max_tokens,
         stream=bool(wire.stream),
         reasoning=UNSET if wire.reasoning_effort is None else wire.reasoning_effort != "none",
+        logprobs=bool(wire.logprobs),
+        top_logprobs=(wire.top_logprobs or 0) if wire.logprobs else 0,
     )
 
 
@@ -506,6 +514,19 @@ def _usage(usage: Usage) -> dict[str, Any]:
     return body
 
 
+def _logprob_entry(entry: TokenLogprob) -> dict[str, Any]:
+    """OAI-36: ``{token, logprob, bytes, top_logprobs: [{token, logprob, bytes}]}``."""
+    top = [{"token": t.token, "logprob": t.logprob, "bytes": list(t.bytes)} for t in entry.top]
+    return {"token": entry.token, "logprob": entry.logprob, "bytes": list(entry.bytes), "top_logprobs": top}
+
+
+def _logprobs(logprobs: Sequence[TokenLogprob] | None) -> dict[str, Any] | None:
+    """A choice's ``logprobs``: ``null`` when the backend sent none, as when none were asked for (OAI-31, OAI-36)."""
+    if logprobs is None:
+        return None
+    return {"content": [_logprob_entry(e) for e in logprobs], "refusal": None}
+
+
 def encode_chat_response(response: Response, meta: Meta) -> bytes:
     """A whole ``chat.completion`` object (OAI-31..OAI-35)."""
     message: dict[str, Any] = {"role": "assistant", "content": response.text or (None if response.tool_calls else "")}
@@ -519,7 +540,7 @@ def encode_chat_response(response: Response, meta: Meta) -> bytes:
     choice = {
         "index": 0,
         "message": message,
-        "logprobs": None,
+        "logprobs": _logprobs(response.logprobs),
         "finish_reason": _finish_reason(response.finish, bool(response.tool_calls)),
     }
     return msgspec.json.encode(
@@ -574,11 +595,12 @@ class _ChatChunks:
         self.role_sent = False
         self.tool_indexes: set[int] = set()
 
-    def delta(self, delta: dict[str, Any], finish_reason: str | None = None) -> bytes:
+    def delta(self, delta: dict[str, Any], finish_reason: str | None = None,
+              logprobs: Sequence[TokenLogprob] | None = None) -> bytes:
         if not self.role_sent:
             delta = {"role": "assistant", **delta}
             self.role_sent = True
-        choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+        choice = {"index": 0, "delta": delta, "logprobs": _logprobs(logprobs), "finish_reason": finish_reason}
         return _frame({**self.head, "choices": [choice]})
 
     def tool_call(self, event: ToolCallDelta) -> bytes:
@@ -611,8 +633,8 @@ async def encode_chat_stream(
     usage = Usage()
     async for event in events:
         match event:
-            case TextDelta(text=text) if text:
-                yield chunks.delta({"content": text})
+            case TextDelta(text=text, logprobs=logprobs) if text or logprobs:
+                yield chunks.delta({"content": text}, logprobs=logprobs)
             case ReasoningDelta(text=text) if text:
                 yield chunks.delta({"reasoning_content": text})
             case ToolCallDelta():

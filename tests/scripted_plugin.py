@@ -1,12 +1,16 @@
 """A scripted backend for exact wire-format tests, registered as a plugin (``--plugin tests.scripted_plugin``).
 
 Model ``scripted`` plays back a script chosen by the last user message's text (``SCRIPTS``); anything else is
-echoed back word by word. It never ships as a default: only tests load it.
+echoed back word by word. Its embeddings are ``scripted_vector`` of each input (4 dimensions, unit length,
+float32 values; ``prompt_tokens`` counts words, or token ids). It never ships as a default: only tests load it.
 """
 
 from __future__ import annotations
 
 import asyncio
+import hashlib
+import math
+import struct
 
 import msgspec
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
@@ -15,8 +19,11 @@ from backends.base import Backend, Capabilities, InProcess, ModelCard, ModelSour
 from backends.placement import Candidate, ModelSpec, Shard, ShardCosts
 from plugins.hookspecs import hookimpl
 from protocols.model import (
+    EmbedRequest,
+    Embeddings,
     ErrorInfo,
     Event,
+    InvalidRequest,
     Failed,
     Finished,
     KeepAlive,
@@ -76,6 +83,25 @@ class ScriptedRunner:
             yield event
 
 
+    async def embed(self, request: EmbedRequest) -> Embeddings:
+        if request.dimensions is not None and not 0 < request.dimensions <= EMBED_SIZE:
+            raise InvalidRequest(f"dimensions must be between 1 and {EMBED_SIZE}", param="dimensions")
+        vectors = tuple(scripted_vector(item, request.dimensions) for item in request.inputs)
+        tokens = sum(len(item.split()) if isinstance(item, str) else len(item) for item in request.inputs)
+        return Embeddings(vectors=vectors, prompt_tokens=tokens)
+
+
+EMBED_SIZE = 4
+
+
+def scripted_vector(item: str | tuple[int, ...], dimensions: int | None = None) -> tuple[float, ...]:
+    """A deterministic unit vector for ``item`` (from its SHA-256), cut to ``dimensions``, in float32 values."""
+    digest = hashlib.sha256(item.encode() if isinstance(item, str) else bytes(str(item), "ascii")).digest()
+    raw = [b - 127.5 for b in digest[: dimensions or EMBED_SIZE]]
+    norm = math.sqrt(sum(x * x for x in raw))
+    return struct.unpack(f"<{len(raw)}f", struct.pack(f"<{len(raw)}f", *(x / norm for x in raw)))
+
+
 class ScriptedBackend:
     name = "scripted"
 
@@ -83,7 +109,7 @@ class ScriptedBackend:
         return card.format == "scripted"
 
     def capabilities(self, card: ModelCard) -> Capabilities:
-        return Capabilities(tools=True, vision=True, json_schema=True, reasoning=True)
+        return Capabilities(tools=True, vision=True, json_schema=True, reasoning=True, embeddings=True)
 
     def strategies(self, card: ModelCard) -> frozenset[str]:
         return frozenset({"single", "pipeline"} if card.size > 1 << 30 else {"single"})

@@ -74,5 +74,7 @@ def test_pip_installed_example_plugin_is_found_and_serves(echo_site, data_dir):
         short = client.chat.completions.create(model="echo:latest", max_tokens=2,
                                                messages=[{"role": "user", "content": "one two three"}])
         assert (short.choices[0].message.content, short.choices[0].finish_reason) == ("one two", "length")
+        with pytest.raises(openai.BadRequestError, match="does not support embeddings"):  # no embeddings capability
+            client.embeddings.create(model="echo", input="one two three")
     finally:
         server.stop()

@@ -19,7 +19,7 @@ from backends.llama_cpp.gguf import read_metadata, tensor_sizes
 from backends.placement import Candidate, ModelSpec, Shard, ShardCosts, Strategy
 from backends.runner.client import RunnerClient
 from backends.runner.process import RunnerProcess
-from protocols.model import Event, Request
+from protocols.model import EmbedRequest, Embeddings, Event, Request
 
 __all__ = ["LaunchedRunner", "LlamaCppBackend", "LlamaCppRunner", "spec_from_gguf"]
 
@@ -33,6 +33,9 @@ class LlamaCppRunner:
     async def generate(self, request: Request) -> AsyncIterator[Event]:
         async for event in self.client.generate(request):
             yield event
+
+    async def embed(self, request: EmbedRequest) -> Embeddings:
+        return await self.client.embed(request)
 
 
 class LaunchedRunner:
@@ -81,7 +84,7 @@ class LlamaCppBackend:
         return card.format == "gguf"
 
     def capabilities(self, card: ModelCard) -> Capabilities:
-        return Capabilities(tools=False, vision=False, json_schema=True, raw_prompt=True)
+        return Capabilities(tools=True, vision=False, json_schema=True, raw_prompt=True, embeddings=True)
 
     def strategies(self, card: ModelCard) -> frozenset[Strategy]:
         return frozenset({"single", "pipeline"})

@@ -2,7 +2,10 @@
 
 Owns the token loop instead of llama-cpp-python's completion API so that it can stop between any two tokens
 (cancellation), report which stop sequence matched, and time prompt and decode separately. llama-cpp-python's
-exceptions are mapped here, once.
+exceptions are mapped here, once. Tool calls (``tools.CallGate``, grammar-forced for ``required`` or a named
+tool), grammars checked against each sampled token as llama.cpp's server does (``constrained.py``) and per-token
+logprobs (``logprobs.py``, kept with their text past the stop matcher) are woven into the loop; see those modules
+for the decisions.
 
 Runs only in the runner process; imports protocols and llama_cpp, never the gateway.
 """
@@ -19,15 +22,21 @@ from typing import Any
 
 from protocols.model import (
     UNSET,
+    EmbedRequest,
+    Embeddings,
     Event,
     Finished,
     InvalidRequest,
     Request,
     RequestTooLarge,
-    TextDelta,
+    Unprocessable,
     Usage,
 )
+from backends.llama_cpp.constrained import constrained_tokens
+from backends.llama_cpp.embed import Embedder
+from backends.llama_cpp.logprobs import LogprobAligner, token_logprob
 from backends.llama_cpp.prompt import render_prompt
+from backends.llama_cpp.tools import CallGate, call_mode, call_schema
 
 __all__ = ["LlamaEngine", "StopMatcher"]
 
@@ -98,9 +107,19 @@ class LlamaEngine:
         self.family = meta.get("general.architecture", "")
         self.chat_template = meta.get("tokenizer.chat_template")
         self._first_request = True
+        self._embedder: Embedder | None = None
 
     def health(self) -> dict[str, Any]:
         return {"status": "ok", "model": self.path, "n_ctx": self.llm.n_ctx(), "family": self.family}
+
+    def embed(self, request: EmbedRequest, cancel: threading.Event) -> Embeddings:
+        """Mean-pooled unit vectors from a second, embedding-mode context made on the first call (``embed.py``)."""
+        load_ns = 0
+        if self._embedder is None:
+            self._embedder = Embedder(self.llm)
+            load_ns = self._embedder.load_ns
+        result = self._embedder.embed(request, cancel)
+        return Embeddings(vectors=result.vectors, prompt_tokens=result.prompt_tokens, load_ns=load_ns)
 
     def _is_eog(self, token: int) -> bool:
         return bool(self._llama_cpp.llama_vocab_is_eog(self.llm._model.vocab, token))
@@ -130,18 +149,15 @@ class LlamaEngine:
         yield Usage(prompt_tokens=len(tokens), load_ns=load_ns)
 
         stopper = StopMatcher(request.stop)
+        gate = CallGate(request)
+        aligner = LogprobAligner() if request.logprobs else None
         decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
         started = time.perf_counter_ns()
         first_token_at = started
         count = 0
         finish = Finished(reason="length")
         try:
-            for token in self.llm.generate(
-                tokens, temp=_value(s, "temperature"), top_p=_value(s, "top_p"), top_k=_value(s, "top_k"),
-                min_p=_value(s, "min_p"), repeat_penalty=_value(s, "repeat_penalty"),
-                presence_penalty=_value(s, "presence_penalty"), frequency_penalty=_value(s, "frequency_penalty"),
-                grammar=grammar,
-            ):
+            for token in self._tokens(tokens, request, grammar):
                 if count == 0:
                     first_token_at = time.perf_counter_ns()
                 if cancel.is_set():
@@ -150,32 +166,58 @@ class LlamaEngine:
                     finish = Finished(reason="stop")
                     break
                 count += 1
-                text, matched = stopper.feed(decoder.decode(self.llm.detokenize([token])))
-                if text:
-                    yield TextDelta(text=text)
+                piece = self.llm.detokenize([token])
+                decoded = decoder.decode(piece)
+                if aligner is not None:
+                    aligner.add(decoded, token_logprob(self.llm, token, piece, request.top_logprobs))
+                text, matched = stopper.feed(decoded)
+                yield from gate.feed(text, aligner.take(text) if aligner is not None else ())
                 if matched is not None:
                     finish = Finished(reason="stop_sequence", stop_sequence=matched)
+                    break
+                if gate.done:
+                    finish = Finished(reason="stop")
                     break
                 if count >= limit:
                     break
         except ValueError as exc:
             raise InvalidRequest(str(exc)) from exc
         rest = stopper.flush() + decoder.decode(b"", final=True) if finish.reason != "stop_sequence" else ""
-        if rest:
-            yield TextDelta(text=rest)
+        last = aligner.rest() if aligner is not None and finish.reason != "stop_sequence" else ()
+        yield from gate.feed(rest, last)
+        held, finish = gate.close(finish)
+        yield from held
         ended = time.perf_counter_ns()
         yield Usage(prompt_tokens=len(tokens), completion_tokens=count, load_ns=load_ns,
                     prompt_ns=first_token_at - started, eval_ns=ended - first_token_at)
         yield finish
 
+    def _tokens(self, tokens: list[int], request: Request, grammar: Any) -> Iterator[int]:
+        """The sampled tokens; a grammar is checked against each pick as llama.cpp's server does it."""
+        s = request.sampling
+        chain = {"temp": _value(s, "temperature"), "top_p": _value(s, "top_p"), "top_k": _value(s, "top_k"),
+                 "min_p": _value(s, "min_p"), "repeat_penalty": _value(s, "repeat_penalty"),
+                 "presence_penalty": _value(s, "presence_penalty"),
+                 "frequency_penalty": _value(s, "frequency_penalty")}
+        if grammar is None:
+            return self.llm.generate(tokens, **chain)
+        return constrained_tokens(self.llm, tokens, grammar, **chain)
+
     def _grammar(self, request: Request) -> Any:
+        """A forced tool call's schema, else the response format's; ``None`` for free text."""
         fmt = request.response_format
-        if fmt.kind == "text":
+        forced = call_mode(request) == "forced"
+        if fmt.kind == "text" and not forced:
             return None
         from llama_cpp.llama_grammar import JSON_GBNF, LlamaGrammar
 
-        if fmt.kind == "json_schema" and fmt.schema:
+        if forced or (fmt.kind == "json_schema" and fmt.schema):
             import json
 
-            return LlamaGrammar.from_json_schema(json.dumps(fmt.schema), verbose=False)
+            schema = call_schema(request) if forced else fmt.schema
+            try:
+                return LlamaGrammar.from_json_schema(json.dumps(schema), verbose=False)
+            except Exception as exc:  # the converter asserts on schema features it lacks
+                what = "the tools' parameter schemas" if forced else "the response format's JSON schema"
+                raise Unprocessable(f"{what} cannot be turned into a grammar: {exc!r}") from exc
         return LlamaGrammar.from_string(JSON_GBNF, verbose=False)

@@ -4,13 +4,18 @@ Gemma has no system role, so system text is prepended to the first user turn (ll
 ``chat_format="gemma"`` drops it silently). Other families use the GGUF's own chat template through
 llama-cpp-python's Jinja2 formatter. Tool results are rendered as user-side text for families without a tool
 role.
+
+Tools (``tools.tools_block``) are described in system text after the client's own system prompts. Earlier tool
+calls render in the assistant turn as the same ``{"name": ..., "arguments": {...}}`` JSON the model is asked to
+answer with, and tool results as ``Result of <tool>: <text>`` in the next user turn (the tool's name is looked up
+from the call a result answers when the result itself carries only the call id).
 """
 
 from __future__ import annotations
 
-import json
 from collections.abc import Sequence
 
+from backends.llama_cpp.tools import render_call, tools_block
 from protocols.model import (
     Message,
     ReasoningPart,
@@ -23,32 +28,34 @@ from protocols.model import (
 __all__ = ["flatten", "render_gemma", "render_prompt"]
 
 
-def _part_text(part: object) -> str:
+def _part_text(part: object, call_names: dict[str, str]) -> str:
     match part:
         case TextPart(text=text):
             return text
         case ToolCallPart(name=name, arguments=args):
-            return json.dumps({"name": name, "arguments": json.loads(args or "{}")})
-        case ToolResultPart(name=name, content=content):
+            return render_call(name, args)
+        case ToolResultPart(call_id=call_id, name=name, content=content):
             body = "".join(p.text for p in content if isinstance(p, TextPart))
-            return f"Result of {name or 'the tool'}: {body}"
+            return f"Result of {name or call_names.get(call_id or '') or 'the tool'}: {body}"
         case ReasoningPart():
             return ""  # earlier reasoning is not fed back
     return ""
 
 
-def flatten(messages: Sequence[Message]) -> list[tuple[str, str]]:
-    """Messages as (role, text) turns with system text folded into the first user turn.
+def flatten(messages: Sequence[Message], tools: str = "") -> list[tuple[str, str]]:
+    """Messages as (role, text) turns with system text (then ``tools``, a tools block) folded into the first
+    user turn.
 
     Tool results become user turns; consecutive turns of one role are joined.
     """
-    system = "\n\n".join(m.text for m in messages if m.role == "system")
+    system = "\n\n".join([*(m.text for m in messages if m.role == "system"), *([tools] if tools else [])])
+    call_names = {p.id: p.name for m in messages for p in m.parts if isinstance(p, ToolCallPart)}
     turns: list[tuple[str, str]] = []
     for message in messages:
         if message.role == "system":
             continue
         role = "assistant" if message.role == "assistant" else "user"
-        text = "\n".join(t for p in message.parts if (t := _part_text(p)))
+        text = "\n".join(t for p in message.parts if (t := _part_text(p, call_names)))
         if turns and turns[-1][0] == role:
             turns[-1] = (role, f"{turns[-1][1]}\n\n{text}")
         else:
@@ -64,7 +71,7 @@ def flatten(messages: Sequence[Message]) -> list[tuple[str, str]]:
 def render_gemma(request: Request) -> str:
     """Gemma's turn format; the BOS token is added by the tokenizer, not here."""
     out = []
-    turns = flatten(request.messages)
+    turns = flatten(request.messages, tools_block(request))
     for i, (role, text) in enumerate(turns):
         speaker = "model" if role == "assistant" else "user"
         last_prefill = request.prefill and i == len(turns) - 1 and role == "assistant"
@@ -85,5 +92,5 @@ def render_prompt(request: Request, family: str, chat_template: str | None, bos:
     from llama_cpp.llama_chat_format import Jinja2ChatFormatter
 
     formatter = Jinja2ChatFormatter(template=chat_template, bos_token=bos, eos_token=eos)
-    messages = [{"role": role, "content": text} for role, text in flatten(request.messages)]
+    messages = [{"role": role, "content": text} for role, text in flatten(request.messages, tools_block(request))]
     return formatter(messages=messages).prompt

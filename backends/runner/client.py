@@ -3,6 +3,8 @@
 Transport failures are mapped here, once, into ``Failed`` events (never raised): a refused connection or a
 runner that dies mid-stream is ``BackendUnavailable``, a stalled one ``BackendTimeout``, garbage
 ``BackendProtocolError``. Closing the iterator closes the HTTP response, which cancels the generation.
+``embed`` is a plain request: the same failures are raised, and a runner's ``{"error": ErrorInfo}`` answer is
+raised as the ``GatewayError`` it names.
 
 Imports protocols only.
 """
@@ -19,16 +21,30 @@ from protocols.model import (
     BackendProtocolError,
     BackendTimeout,
     BackendUnavailable,
+    EmbedRequest,
+    Embeddings,
+    ErrorInfo,
     Event,
     Failed,
     GatewayError,
     Request,
+    error_from_info,
 )
 
 __all__ = ["RunnerClient"]
 
 _event_decoder = msgspec.json.Decoder(Event)
+_embeddings_decoder = msgspec.json.Decoder(Embeddings)
 _encoder = msgspec.json.Encoder()
+
+
+class _ErrorBody(msgspec.Struct):
+    """A runner's error answer: ``{"error": ErrorInfo}``."""
+
+    error: ErrorInfo
+
+
+_error_decoder = msgspec.json.Decoder(_ErrorBody)
 
 
 class RunnerClient:
@@ -71,6 +87,27 @@ class RunnerClient:
             yield _failed(BackendProtocolError(f"the model runner sent an invalid event: {exc}"))
             return
         yield _failed(BackendUnavailable("the model runner closed the stream before finishing"))
+
+    async def embed(self, request: EmbedRequest) -> Embeddings:
+        """``request``'s vectors; raises ``GatewayError`` (the runner's own, or a transport failure mapped)."""
+        try:
+            response = await self.http.post(f"{self.base_url}/embed", content=_encoder.encode(request),
+                                             headers={"content-type": "application/json"}, timeout=self.timeout)
+        except httpx.TimeoutException as exc:
+            raise BackendTimeout(f"the model runner did not answer in time ({type(exc).__name__})") from exc
+        except (httpx.ConnectError, httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError) as exc:
+            raise BackendUnavailable(f"lost the connection to the model runner: {exc or type(exc).__name__}") from exc
+        if response.status_code != 200:
+            try:
+                info = _error_decoder.decode(response.content).error
+            except msgspec.DecodeError:
+                body = response.text[:200]
+                raise BackendProtocolError(f"runner answered {response.status_code}: {body}") from None
+            raise error_from_info(info)
+        try:
+            return _embeddings_decoder.decode(response.content)
+        except msgspec.DecodeError as exc:
+            raise BackendProtocolError(f"the model runner sent invalid embeddings: {exc}") from exc
 
 
 def _failed(err: GatewayError) -> Failed:

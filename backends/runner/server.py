@@ -3,6 +3,10 @@
 The engine is synchronous (llama.cpp and MLX generate on a thread); one generation runs at a time and a client
 that disconnects sets the engine's cancel flag, so the runtime stops at its next token.
 
+``POST /embed`` takes an ``EmbedRequest`` and answers ``Embeddings`` (200), or ``{"error": ErrorInfo}`` with the
+error's status; it runs on a thread under the same one-at-a-time lock, and a client that disconnects (or times
+out) sets its cancel flag too. An engine without ``embed`` answers ``UnsupportedFeature``.
+
 Imports protocols only; no web framework (a raw ASGI app keeps the runner light).
 """
 
@@ -22,19 +26,23 @@ import msgspec
 from protocols.model import (
     TERMINAL,
     BackendProtocolError,
+    EmbedRequest,
+    Embeddings,
     Event,
     Failed,
     GatewayError,
     InvalidRequest,
     Request,
+    UnsupportedFeature,
 )
 
-__all__ = ["Engine", "RunnerApp", "serve"]
+__all__ = ["EmbeddingEngine", "Engine", "RunnerApp", "serve"]
 
 READY_LINE = "MESHGATE_RUNNER_READY"
 FAILED_LINE = "MESHGATE_RUNNER_FAILED"
 _encoder = msgspec.json.Encoder()
 _request_decoder = msgspec.json.Decoder(Request)
+_embed_decoder = msgspec.json.Decoder(EmbedRequest)
 
 
 class Engine(Protocol):
@@ -46,6 +54,17 @@ class Engine(Protocol):
 
     def health(self) -> dict[str, Any]:
         """Facts about the loaded model for ``GET /health``."""
+        ...
+
+
+class EmbeddingEngine(Engine, Protocol):
+    """An engine that also embeds (optional: ``RunnerApp`` checks for ``embed``)."""
+
+    def embed(self, request: EmbedRequest, cancel: threading.Event) -> Embeddings:
+        """One unit vector per input; may raise ``GatewayError``; may stop early (raising) once ``cancel`` is set.
+
+        Runs on a thread, never beside ``generate``.
+        """
         ...
 
 
@@ -66,6 +85,8 @@ class RunnerApp:
             await _respond(send, 200, _encoder.encode({**self.engine.health(), **self.stats}))
         elif path == "/generate" and method == "POST":
             await self._generate(receive, send)
+        elif path == "/embed" and method == "POST":
+            await self._embed(receive, send)
         else:
             await _respond(send, 404, b'{"error":"not found"}')
 
@@ -96,6 +117,42 @@ class RunnerApp:
         finally:
             cancel.set()
             watcher.cancel()
+
+    async def _embed(self, receive: Callable[..., Any], send: Callable[..., Any]) -> None:
+        body = await _read_body(receive)
+        try:
+            try:
+                request = _embed_decoder.decode(body)
+            except msgspec.MsgspecError as exc:
+                raise InvalidRequest(f"bad embed request: {exc}") from exc
+            embed = getattr(self.engine, "embed", None)
+            if embed is None:
+                raise UnsupportedFeature("this runner's engine does not compute embeddings")
+            cancel = threading.Event()
+            watcher = asyncio.ensure_future(_wait_disconnect(receive, cancel))
+            try:
+                async with self._busy:
+                    result = await asyncio.to_thread(_call_engine, embed, request, cancel)
+            finally:
+                cancel.set()
+                watcher.cancel()
+        except GatewayError as exc:
+            await _respond(send, exc.status, _encoder.encode({"error": exc.info()}))
+            return
+        await _respond(send, 200, _encoder.encode(result))
+
+
+def _call_engine(embed: Callable[[EmbedRequest, threading.Event], Embeddings], request: EmbedRequest,
+                 cancel: threading.Event) -> Embeddings:
+    """Run ``embed``, mapping the runtime's own exceptions as ``_run_in_thread`` does."""
+    try:
+        return embed(request, cancel)
+    except GatewayError:
+        raise
+    except ValueError as exc:
+        raise InvalidRequest(str(exc)) from exc
+    except Exception as exc:  # the runtime's own failure: report it, keep the runner serving
+        raise GatewayError(repr(exc)) from exc
 
 
 async def _run_in_thread(engine: Engine, request: Request, cancel: threading.Event):

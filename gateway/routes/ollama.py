@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 from litestar import Request as HttpRequest
 from litestar import Response, Router, get, head, post
 
@@ -14,7 +16,7 @@ from gateway.routes.common import (
     new_meta,
     stream_response,
 )
-from protocols import ollama
+from protocols import ollama, ollama_embeddings
 from protocols.model import GatewayError, collect, decode_body
 
 NDJSON = "application/x-ndjson"
@@ -55,6 +57,23 @@ async def generate(request: HttpRequest) -> Response:
     return await _run(request, wire, ollama.generate_to_internal(wire), chat=False)
 
 
+@post("/api/embed", status_code=200)
+async def embed(request: HttpRequest) -> Response:
+    await admit(request)
+    started = time.perf_counter_ns()
+    wire = decode_body(await request.body(), ollama_embeddings.EmbedBody)
+    result = await dispatcher_of(request).embed(ollama_embeddings.embed_to_internal(wire))
+    return json_response(ollama_embeddings.encode_embed(result, wire.model, time.perf_counter_ns() - started))
+
+
+@post("/api/embeddings", status_code=200)
+async def embeddings(request: HttpRequest) -> Response:
+    await admit(request)
+    wire = decode_body(await request.body(), ollama_embeddings.EmbeddingsBody)
+    result = await dispatcher_of(request).embed(ollama_embeddings.embeddings_to_internal(wire))
+    return json_response(ollama_embeddings.encode_embeddings(result))
+
+
 async def _run(request: HttpRequest, wire, internal, *, chat: bool) -> Response:
     dispatcher = dispatcher_of(request)
     meta = new_meta(internal.model)
@@ -72,7 +91,7 @@ async def _run(request: HttpRequest, wire, internal, *, chat: bool) -> Response:
 
 router = Router(
     path="/",
-    route_handlers=[root, root_head, version, tags, chat, generate],
+    route_handlers=[root, root_head, version, tags, chat, generate, embed, embeddings],
     exception_handlers={GatewayError: error_handler(ollama.error_body)},
     tags=["ollama"],
 )

@@ -22,7 +22,7 @@ from gateway.routes.common import (
     new_meta,
     stream_response,
 )
-from protocols import anthropic, openai, openai_responses
+from protocols import anthropic, openai, openai_embeddings, openai_responses
 from protocols.model import GatewayError, UnknownModel, collect, decode_body
 
 SSE = "text/event-stream"
@@ -74,6 +74,14 @@ async def responses(request: HttpRequest) -> Response:
     return json_response(openai_responses.encode_response(await collect(events), meta))
 
 
+@post(["/v1/embeddings", "/embeddings"], status_code=200)
+async def embeddings(request: HttpRequest) -> Response:
+    await admit(request)
+    wire = decode_body(await request.body(), openai_embeddings.EmbeddingRequest)
+    result = await dispatcher_of(request).embed(openai_embeddings.embeddings_to_internal(wire))
+    return json_response(openai_embeddings.encode_embeddings(result, wire.model, wire.encoding_format))
+
+
 @get(["/v1/models", "/models"], sync_to_thread=False)
 def list_models(request: HttpRequest) -> Response[bytes]:
     check_auth(request)
@@ -94,7 +102,7 @@ def get_model(request: HttpRequest, model_id: str) -> Response[bytes]:
 
 router = Router(
     path="/",
-    route_handlers=[chat_completions, completions, responses, list_models, get_model],
+    route_handlers=[chat_completions, completions, responses, embeddings, list_models, get_model],
     exception_handlers={GatewayError: render_error},
     tags=["openai"],
 )

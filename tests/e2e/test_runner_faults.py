@@ -136,3 +136,13 @@ def test_no_runner_outlives_its_gateway(data_dir):
         time.sleep(0.1)
     alive = os.path.exists(f"/proc/{pid}") and Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
     assert not alive, "runner survived its gateway"
+
+
+def test_embedding_after_the_runner_died_is_served_by_a_new_one(server):
+    """A runner found unreachable when an embedding starts is re-placed and the request retried (OAI-5)."""
+    pid = warm(server)
+    os.kill(pid, signal.SIGKILL)
+    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="x", max_retries=0, timeout=120)
+    reply = client.embeddings.create(model=MODEL, input="a cat")
+    assert len(reply.data[0].embedding) == 640
+    assert runner_pid(server) != pid

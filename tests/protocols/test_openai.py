@@ -46,15 +46,18 @@ from protocols.model import (
     Sampling,
     TextDelta,
     TextPart,
+    TokenLogprob,
     Tool,
     ToolCall,
     ToolCallDelta,
     ToolCallPart,
     ToolChoice,
     ToolResultPart,
+    TopLogprob,
     UnknownModel,
     UnsupportedFeature,
     Usage,
+    collect,
     decode_body,
 )
 
@@ -845,3 +848,83 @@ def test_oai_62_stream_error_frame():
         b'data: {"error":{"message":"slow down","type":"rate_limit_error",'
         b'"param":null,"code":"rate_limit_exceeded"}}\r\n\r\n'
     )
+
+
+# ---------------------------------------------------------------------------------------------------- logprobs
+
+
+def _lp(token: str, logprob: float, *top: tuple[str, float]) -> TokenLogprob:
+    return TokenLogprob(token=token, logprob=logprob, bytes=tuple(token.encode()),
+                        top=tuple(TopLogprob(token=t, logprob=p, bytes=tuple(t.encode())) for t, p in top))
+
+
+def test_oai_23_logprobs_and_top_logprobs_reach_the_request():
+    request = internal(logprobs=True, top_logprobs=3)
+    assert (request.logprobs, request.top_logprobs) == (True, 3)
+    assert (internal().logprobs, internal().top_logprobs) == (False, 0)
+    assert (internal(logprobs=True).logprobs, internal(logprobs=True).top_logprobs) == (True, 0)
+
+
+@pytest.mark.parametrize("body", [{"top_logprobs": 2}, {"logprobs": False, "top_logprobs": 2}])
+def test_oai_23_top_logprobs_requires_logprobs(body):
+    with pytest.raises(InvalidRequest) as exc:
+        internal(**body)
+    assert exc.value.param == "top_logprobs"
+
+
+def test_oai_36_logprobs_content_entries_in_the_chat_completion():
+    entries = (_lp("Hel", -0.25, ("Hel", -0.25), ("Hi", -1.5)), _lp("lo", -0.0, ("lo", -0.0), ("p", -7.0)))
+    response = Response(text="Hello", logprobs=entries, usage=Usage(prompt_tokens=3, completion_tokens=2))
+    body = json.loads(oai.encode_chat_response(response, META))
+    assert body["choices"][0]["logprobs"] == {
+        "content": [
+            {"token": "Hel", "logprob": -0.25, "bytes": [72, 101, 108],
+             "top_logprobs": [{"token": "Hel", "logprob": -0.25, "bytes": [72, 101, 108]},
+                              {"token": "Hi", "logprob": -1.5, "bytes": [72, 105]}]},
+            {"token": "lo", "logprob": -0.0, "bytes": [108, 111],
+             "top_logprobs": [{"token": "lo", "logprob": -0.0, "bytes": [108, 111]},
+                              {"token": "p", "logprob": -7.0, "bytes": [112]}]},
+        ],
+        "refusal": None,
+    }  # fmt: skip
+    logprobs = ChatCompletion.model_validate(body).choices[0].logprobs
+    assert [c.token for c in logprobs.content] == ["Hel", "lo"]
+    assert [t.token for t in logprobs.content[0].top_logprobs] == ["Hel", "Hi"]
+
+
+def test_oai_36_logprobs_null_unless_the_backend_sent_them():
+    assert json.loads(oai.encode_chat_response(Response(text="x"), META))["choices"][0]["logprobs"] is None
+    empty = json.loads(oai.encode_chat_response(Response(text="", logprobs=()), META))
+    assert empty["choices"][0]["logprobs"] == {"content": [], "refusal": None}
+
+
+async def test_oai_36_collect_joins_the_logprobs_of_every_text_delta():
+    events = [TextDelta(text="Hel", logprobs=(_lp("Hel", -0.25),)), TextDelta(text="lo", logprobs=(_lp("lo", -1.0),)),
+              TextDelta(text="", logprobs=()), Finished()]
+    response = await collect(feed(events))
+    assert response.text == "Hello"
+    assert [e.token for e in response.logprobs] == ["Hel", "lo"]
+    assert (await collect(feed([TextDelta(text="x"), Finished()]))).logprobs is None
+
+
+async def test_oai_36_stream_chunks_carry_their_own_logprobs():
+    events = [TextDelta(text="Hel", logprobs=(_lp("Hel", -0.25, ("Hel", -0.25)),)),
+              TextDelta(text="lo", logprobs=(_lp("lo", -1.0, ("lo", -1.0)),)),
+              TextDelta(text="", logprobs=(_lp("", -2.0, ("", -2.0)),)),  # a token with no text of its own yet
+              TextDelta(text="", logprobs=()),
+              Finished()]
+    raw = await chat_stream(events)
+    choices = [p["choices"][0] for p in payloads(raw)[:-1]]
+    assert [c["delta"].get("content") for c in choices] == ["Hel", "lo", "", None]
+    assert [[e["token"] for e in c["logprobs"]["content"]] if c["logprobs"] else None for c in choices] == [
+        ["Hel"], ["lo"], [""], None]
+    assert choices[0]["logprobs"]["content"][0]["top_logprobs"] == [{"token": "Hel", "logprob": -0.25,
+                                                                     "bytes": [72, 101, 108]}]
+    final = accumulate(sdk_stream(raw))
+    assert final.choices[0].message.content == "Hello"
+    assert [c.token for c in final.choices[0].logprobs.content] == ["Hel", "lo", ""]
+
+
+async def test_oai_36_no_logprobs_on_chunks_unless_sent():
+    raw = await chat_stream([TextDelta(text="Hi"), Finished()])
+    assert all(p["choices"][0]["logprobs"] is None for p in payloads(raw)[:-1])

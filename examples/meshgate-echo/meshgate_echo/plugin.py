@@ -7,7 +7,7 @@ from collections.abc import AsyncIterator, Mapping
 from backends.base import Capabilities, InProcess, ModelCard, Peers
 from backends.placement import Candidate, ModelSpec, Shard, ShardCosts
 from plugins.hookspecs import hookimpl
-from protocols.model import Event, Finished, Request, TextDelta, Usage
+from protocols.model import EmbedRequest, Embeddings, Event, Finished, Request, TextDelta, Usage, UnsupportedFeature
 
 CARD = ModelCard(name="echo:latest", path="", format="echo", family="echo", parameter_size="0", size=0,
                  context_length=4096, source="meshgate-echo")
@@ -23,6 +23,9 @@ class EchoRunner:
             yield TextDelta(text=word if i == 0 else " " + word)
         yield Usage(prompt_tokens=len(words), completion_tokens=limit)
         yield Finished(reason="length" if limit < len(words) else "stop")
+
+    async def embed(self, request: EmbedRequest) -> Embeddings:
+        raise UnsupportedFeature("the echo backend does not compute embeddings")
 
 
 class EchoBackend:

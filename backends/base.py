@@ -89,6 +89,13 @@ class Runner(Protocol):
         """
         ...
 
+    async def count_tokens(self, request: Request) -> int:
+        """Tokens of ``request``'s prompt as the model reads it (template, system text, tools).
+
+        A backend that cannot count raises ``UnsupportedFeature``.
+        """
+        ...
+
     async def embed(self, request: EmbedRequest) -> Embeddings:
         """One unit vector per input of ``request``; raises ``GatewayError`` on failure.
 

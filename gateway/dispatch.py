@@ -13,9 +13,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from typing import TypeVar
 
-from backends.base import Backend, ModelCard, ModelSource, check_capabilities, check_embeddings
+from backends.base import Backend, ModelCard, ModelSource, Runner, check_capabilities, check_embeddings
 from gateway.cluster.instances import InstanceManager
 from gateway.cluster.records import Instance, Ready
 from protocols.model import (
@@ -35,6 +36,7 @@ from protocols.model import (
 __all__ = ["Dispatcher", "normalize_model_name"]
 
 log = logging.getLogger("meshgate.dispatch")
+T = TypeVar("T")
 
 
 def normalize_model_name(name: str) -> str:
@@ -150,22 +152,37 @@ class Dispatcher:
         instance = await self.instances.acquire(card)
         return await self._embed(instance, card, backend, request)
 
-    async def _embed(self, instance: Instance, card: ModelCard, backend: Backend, request: EmbedRequest,
-                     retry: bool = True) -> Embeddings:
+    async def count_tokens(self, request: Request) -> int:
+        """Tokens of ``request``'s prompt as the model reads it (Anthropic's count_tokens)."""
+        card = self.resolve(request.model)
+        backend = self.backend_for(card)
+        instance = await self.instances.acquire(card)
+        return await self._on_ready(instance, card, backend, lambda runner: runner.count_tokens(request))
+
+    async def _embed(self, instance: Instance, card: ModelCard, backend: Backend,
+                     request: EmbedRequest) -> Embeddings:
+        if not request.inputs:
+            if not isinstance(instance.state, Ready):
+                await self.instances.wait_ready(instance.id)
+            return Embeddings()
+        return await self._on_ready(instance, card, backend, lambda runner: runner.embed(request))
+
+    async def _on_ready(self, instance: Instance, card: ModelCard, backend: Backend,
+                        call: Callable[[Runner], Awaitable[T]], retry: bool = True) -> T:
+        """``call`` on the instance's runner once it is ready; an unreachable runner fails the instance (so it is
+        re-placed) and the call is tried once more on the replacement."""
         if not isinstance(instance.state, Ready):
             instance = await self.instances.wait_ready(instance.id)
-        if not request.inputs:
-            return Embeddings()
         urls = {node: status.url for node, status in instance.runners.items() if status.url}
         try:
-            return await backend.connect(card, instance.placement, urls).embed(request)
+            return await call(backend.connect(card, instance.placement, urls))
         except BackendUnavailable as error:
             if not retry:
                 raise
             log.warning("instance %s unreachable (%s); re-placing", instance.id, error.message)
             await self.instances.report_unreachable(instance, error.message)
             replacement = await self.instances.acquire(card)
-            return await self._embed(replacement, card, backend, request, retry=False)
+            return await self._on_ready(replacement, card, backend, call, retry=False)
 
     async def _after_ready(self, instance: Instance, card: ModelCard, backend: Backend,
                            request: Request) -> AsyncIterator[Event]:

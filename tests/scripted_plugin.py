@@ -83,6 +83,10 @@ class ScriptedRunner:
             yield event
 
 
+    async def count_tokens(self, request: Request) -> int:
+        text = " ".join([m.text for m in request.messages] + [t.name for t in request.tools])
+        return len(text.split())
+
     async def embed(self, request: EmbedRequest) -> Embeddings:
         if request.dimensions is not None and not 0 < request.dimensions <= EMBED_SIZE:
             raise InvalidRequest(f"dimensions must be between 1 and {EMBED_SIZE}", param="dimensions")

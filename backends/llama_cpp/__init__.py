@@ -37,6 +37,9 @@ class LlamaCppRunner:
     async def embed(self, request: EmbedRequest) -> Embeddings:
         return await self.client.embed(request)
 
+    async def count_tokens(self, request: Request) -> int:
+        return await self.client.count_tokens(request)
+
 
 class LaunchedRunner:
     """A process an agent started for one shard: a head runner (``http://``) or an RPC worker (``rpc://``)."""

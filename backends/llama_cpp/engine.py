@@ -20,6 +20,8 @@ import time
 from collections.abc import Iterator, Sequence
 from typing import Any
 
+import msgspec
+
 from protocols.model import (
     UNSET,
     EmbedRequest,
@@ -47,6 +49,12 @@ _DEFAULTS = {"temperature": 0.8, "top_p": 0.95, "top_k": 40, "min_p": 0.05, "rep
 def _value(sampling: Any, name: str) -> Any:
     value = getattr(sampling, name)
     return _DEFAULTS[name] if value is UNSET or value is None else value
+
+
+class Count(msgspec.Struct):
+    """The ``/tokenize`` answer."""
+
+    count: int
 
 
 class StopMatcher:
@@ -123,6 +131,10 @@ class LlamaEngine:
 
     def _is_eog(self, token: int) -> bool:
         return bool(self._llama_cpp.llama_vocab_is_eog(self.llm._model.vocab, token))
+
+    def count_tokens(self, request: Request, cancel: threading.Event) -> Count:
+        """The runner's ``/tokenize``: the prompt's length in tokens."""
+        return Count(count=len(self.tokenize(request)))
 
     def tokenize(self, request: Request) -> list[int]:
         bos = self.llm._model.token_get_text(self.llm.token_bos())

@@ -90,8 +90,15 @@ class RunnerClient:
 
     async def embed(self, request: EmbedRequest) -> Embeddings:
         """``request``'s vectors; raises ``GatewayError`` (the runner's own, or a transport failure mapped)."""
+        return await self._unary("/embed", request, _embeddings_decoder, "embeddings")
+
+    async def count_tokens(self, request: Request) -> int:
+        """The tokens of ``request``'s prompt as the model reads it; raises ``GatewayError``."""
+        return (await self._unary("/tokenize", request, _count_decoder, "token count")).count
+
+    async def _unary(self, path: str, request: object, decoder: msgspec.json.Decoder, what: str):
         try:
-            response = await self.http.post(f"{self.base_url}/embed", content=_encoder.encode(request),
+            response = await self.http.post(f"{self.base_url}{path}", content=_encoder.encode(request),
                                              headers={"content-type": "application/json"}, timeout=self.timeout)
         except httpx.TimeoutException as exc:
             raise BackendTimeout(f"the model runner did not answer in time ({type(exc).__name__})") from exc
@@ -105,9 +112,16 @@ class RunnerClient:
                 raise BackendProtocolError(f"runner answered {response.status_code}: {body}") from None
             raise error_from_info(info)
         try:
-            return _embeddings_decoder.decode(response.content)
+            return decoder.decode(response.content)
         except msgspec.DecodeError as exc:
-            raise BackendProtocolError(f"the model runner sent invalid embeddings: {exc}") from exc
+            raise BackendProtocolError(f"the model runner sent an invalid {what}: {exc}") from exc
+
+
+class _Count(msgspec.Struct):
+    count: int
+
+
+_count_decoder = msgspec.json.Decoder(_Count)
 
 
 def _failed(err: GatewayError) -> Failed:

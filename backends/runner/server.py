@@ -5,7 +5,9 @@ that disconnects sets the engine's cancel flag, so the runtime stops at its next
 
 ``POST /embed`` takes an ``EmbedRequest`` and answers ``Embeddings`` (200), or ``{"error": ErrorInfo}`` with the
 error's status; it runs on a thread under the same one-at-a-time lock, and a client that disconnects (or times
-out) sets its cancel flag too. An engine without ``embed`` answers ``UnsupportedFeature``.
+out) sets its cancel flag too. ``POST /tokenize`` takes a ``Request`` and answers ``{"count": n}``: the prompt's
+tokens as the model reads it (chat template, system text, tools). An engine without ``embed`` or
+``count_tokens`` answers ``UnsupportedFeature``.
 
 Imports protocols only; no web framework (a raw ASGI app keeps the runner light).
 """
@@ -86,7 +88,9 @@ class RunnerApp:
         elif path == "/generate" and method == "POST":
             await self._generate(receive, send)
         elif path == "/embed" and method == "POST":
-            await self._embed(receive, send)
+            await self._unary(receive, send, _embed_decoder, "embed", "compute embeddings")
+        elif path == "/tokenize" and method == "POST":
+            await self._unary(receive, send, _request_decoder, "count_tokens", "count tokens")
         else:
             await _respond(send, 404, b'{"error":"not found"}')
 
@@ -118,21 +122,24 @@ class RunnerApp:
             cancel.set()
             watcher.cancel()
 
-    async def _embed(self, receive: Callable[..., Any], send: Callable[..., Any]) -> None:
+    async def _unary(self, receive: Callable[..., Any], send: Callable[..., Any], decoder: msgspec.json.Decoder,
+                     method: str, what: str) -> None:
+        """One request in, one JSON answer out, run by ``engine.<method>(request, cancel)`` on a thread under
+        the runner's one-job lock; errors as ``{"error": ErrorInfo}`` with their status."""
         body = await _read_body(receive)
         try:
             try:
-                request = _embed_decoder.decode(body)
+                request = decoder.decode(body)
             except msgspec.MsgspecError as exc:
-                raise InvalidRequest(f"bad embed request: {exc}") from exc
-            embed = getattr(self.engine, "embed", None)
-            if embed is None:
-                raise UnsupportedFeature("this runner's engine does not compute embeddings")
+                raise InvalidRequest(f"bad {method} request: {exc}") from exc
+            call = getattr(self.engine, method, None)
+            if call is None:
+                raise UnsupportedFeature(f"this runner's engine does not {what}")
             cancel = threading.Event()
             watcher = asyncio.ensure_future(_wait_disconnect(receive, cancel))
             try:
                 async with self._busy:
-                    result = await asyncio.to_thread(_call_engine, embed, request, cancel)
+                    result = await asyncio.to_thread(_call_engine, call, request, cancel)
             finally:
                 cancel.set()
                 watcher.cancel()
@@ -142,11 +149,10 @@ class RunnerApp:
         await _respond(send, 200, _encoder.encode(result))
 
 
-def _call_engine(embed: Callable[[EmbedRequest, threading.Event], Embeddings], request: EmbedRequest,
-                 cancel: threading.Event) -> Embeddings:
-    """Run ``embed``, mapping the runtime's own exceptions as ``_run_in_thread`` does."""
+def _call_engine(call: Callable[[Any, threading.Event], Any], request: Any, cancel: threading.Event) -> Any:
+    """Run an engine call, mapping the runtime's own exceptions as ``_run_in_thread`` does."""
     try:
-        return embed(request, cancel)
+        return call(request, cancel)
     except GatewayError:
         raise
     except ValueError as exc:

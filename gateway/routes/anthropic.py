@@ -31,9 +31,18 @@ async def messages(request: HttpRequest) -> Response:
     return json_response(anthropic.encode_message_response(await collect(events), meta))
 
 
+@post(["/v1/messages/count_tokens"], status_code=200)
+async def count_tokens(request: HttpRequest) -> Response:
+    """ANT-3/50/51: system, tools and messages counted with the model's own tokenizer and chat template."""
+    await admit(request)
+    wire = decode_body(await request.body(), anthropic.CountTokensRequest)
+    count = await dispatcher_of(request).count_tokens(anthropic.count_tokens_to_internal(wire))
+    return json_response(anthropic.encode_count_tokens(count))
+
+
 router = Router(
     path="/",
-    route_handlers=[messages],
+    route_handlers=[messages, count_tokens],
     exception_handlers={GatewayError: error_handler(anthropic.error_body)},
     tags=["anthropic"],
 )

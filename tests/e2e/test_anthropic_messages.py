@@ -99,3 +99,21 @@ def test_ant_6_both_auth_headers_when_keys_are_configured(data_dir):
         assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
     finally:
         s.stop()
+
+
+def test_ant_3_50_51_count_tokens_with_the_models_tokenizer(real_server):
+    client = anthropic.Anthropic(base_url=real_server.url, api_key="x", max_retries=0)
+    plain = client.messages.count_tokens(model=MODEL, messages=[{"role": "user", "content": "Hello there"}])
+    with_system = client.messages.count_tokens(model=MODEL, system="You are a pirate. Answer like one.",
+                                               messages=[{"role": "user", "content": "Hello there"}])
+    with_tools = client.messages.count_tokens(model=MODEL, messages=[{"role": "user", "content": "Hello there"}],
+                                              tools=TOOLS[-1:])
+    assert 5 < plain.input_tokens < with_system.input_tokens and plain.input_tokens < with_tools.input_tokens
+    created = client.messages.create(model=MODEL, max_tokens=1, messages=[{"role": "user", "content": "Hello there"}])
+    assert created.usage.input_tokens == plain.input_tokens, "counted exactly as generation reads the prompt"
+    r = httpx.post(f"{real_server.url}/v1/messages/count_tokens?beta=true", json={
+        "model": MODEL, "messages": [{"role": "user", "content": "Hello there"}]},
+        headers={"anthropic-beta": "token-counting-2024-11-01"})
+    assert r.json() == {"input_tokens": plain.input_tokens}
+    with pytest.raises(anthropic.NotFoundError):
+        client.messages.count_tokens(model="nope", messages=[{"role": "user", "content": "x"}])

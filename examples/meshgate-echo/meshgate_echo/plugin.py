@@ -24,6 +24,9 @@ class EchoRunner:
         yield Usage(prompt_tokens=len(words), completion_tokens=limit)
         yield Finished(reason="length" if limit < len(words) else "stop")
 
+    async def count_tokens(self, request: Request) -> int:
+        return sum(len(m.text.split()) for m in request.messages)
+
     async def embed(self, request: EmbedRequest) -> Embeddings:
         raise UnsupportedFeature("the echo backend does not compute embeddings")
 

@@ -548,6 +548,7 @@ _ERROR_TYPES = {
     403: (403, "permission_error"),
     404: (404, "not_found_error"),
     413: (413, "request_too_large"),
+    422: (422, "invalid_request_error"),
     429: (429, "rate_limit_error"),
     503: (529, "overloaded_error"),
     504: (504, "timeout_error"),

@@ -1,4 +1,5 @@
-"""The built-in llama.cpp plugin: the llama.cpp backend and the packaged and configured GGUF sources.
+"""The built-in llama.cpp plugin: the llama.cpp backend and the packaged and configured GGUF sources, and
+the registry of user models (Ollama ``/api/copy``, ``/api/create``; ``/api/delete`` hides the others).
 
 Published as the ``llama_cpp`` entry point in meshgate's own ``pyproject.toml``.
 """
@@ -12,6 +13,7 @@ import httpx
 
 from backends.base import Backend, ModelSource
 from backends.llama_cpp import LlamaCppBackend
+from backends.llama_cpp.registry import HidingSource, ModelRegistry, RegistrySource
 from backends.llama_cpp.sources import GGUFPathSource, PackagedGGUFSource
 from plugins.hookspecs import hookimpl
 from plugins.settings import Settings
@@ -26,7 +28,9 @@ def meshgate_register_backends(register: Callable[[Backend], None], settings: Se
 
 @hookimpl
 def meshgate_register_model_sources(register: Callable[[ModelSource], None], settings: Settings) -> None:
-    register(PackagedGGUFSource(settings.models_dir))
+    registry = ModelRegistry(Path(settings.data_dir) / "registry.json")  # user models (Ollama copy/create/delete)
+    register(RegistrySource(registry))
+    register(HidingSource(PackagedGGUFSource(settings.models_dir), registry))
     if settings.models:
-        register(GGUFPathSource(settings.model_paths(), Path(settings.data_dir)))
+        register(HidingSource(GGUFPathSource(settings.model_paths(), Path(settings.data_dir)), registry))
 

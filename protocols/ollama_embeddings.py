@@ -15,7 +15,8 @@ Decisions worth knowing, following the Ollama server:
 - ``truncate`` defaults to true: an input longer than the context is cut to fit; with ``false`` it is a 400.
 - ``dimensions`` of 0 or less means the full size. Ollama ignores a value above the model's size; here it is
   a 400, as on the OpenAI endpoint (one rule for the backend to apply).
-- ``options`` and ``keep_alive`` are accepted and ignored (the context size is fixed by the placement).
+- ``options`` are accepted and ignored (the context size is fixed by the placement); ``keep_alive`` is applied
+  by the gateway after the call (``protocols.ollama_models.parse_keep_alive``).
 - The legacy endpoint embeds ``prompt`` (an empty one only loads the model and answers ``{"embedding": []}``).
   Ollama's legacy vectors are not normalized; these are unit vectors, so only their length differs.
 - ``total_duration`` is the gateway's wall time for the request; ``load_duration`` is what the backend spent

@@ -149,6 +149,16 @@ class InstanceManager:
                                       instance_id=instance_id)
         self._view.pop(instance_id, None)
 
+    async def set_expiry(self, model: str, expires_at: float | None) -> None:
+        """Set when ``model``'s ready instances are unloaded (``None``: never; Ollama's ``keep_alive``)."""
+        await self._refresh()
+        for instance in self.cached(model):
+            if isinstance(instance.state, Ready) and instance.expires_at != expires_at:
+                current = await self.store.get_instance(instance.id)
+                if current is not None:
+                    await self.store.put_instance(msgspec.structs.replace(current, expires_at=expires_at))
+        await self._refresh(force=True)
+
     # ------------------------------------------------------------------------------------------- hot path
 
     def cached(self, model: str) -> list[Instance]:
@@ -194,10 +204,18 @@ class InstanceManager:
     # ------------------------------------------------------------------------------------------- reconcile
 
     async def reconcile(self) -> None:
-        """One pass: promote ready instances, fail those that lost a node or a runner, re-place failed ones."""
+        """One pass: promote ready instances, fail those that lost a node or a runner, re-place failed ones,
+        delete ready ones whose ``expires_at`` has passed."""
         node_ids = {n.id for n in await self.store.nodes()}
+        now = time.time()
         for instance in list(self._view.values()):
             state = instance.state
+            if isinstance(state, Ready) and instance.expires_at is not None and instance.expires_at <= now:
+                if await self.store.delete_instance(instance.id):
+                    await self.store.append_event("instance.expired", f"{instance.model} expired (keep_alive)",
+                                                  instance_id=instance.id)
+                self._view.pop(instance.id, None)
+                continue
             if isinstance(state, Starting | Ready):
                 problem = _problem(instance, node_ids)
                 if problem:

@@ -6,7 +6,8 @@ status each node's agent reports for its runner. The state is a tagged union of 
 
 ``epoch`` counts re-placements of one instance (0 when first placed): a runner reports the epoch it was
 started for, so a report from a superseded placement is recognisable. ``attempts`` counts re-placement tries.
-``strategy`` and ``min_nodes`` are the constraints it was created with, kept for re-placement.
+``strategy`` and ``min_nodes`` are the constraints it was created with, kept for re-placement. ``expires_at``
+(Unix seconds) is when a ready instance is unloaded (Ollama's ``keep_alive``); ``None``, the default, never.
 
 All frozen msgspec Structs, serializable as they are (``msgspec.json``). Imports only msgspec, the standard
 library and ``backends.placement``.
@@ -83,6 +84,7 @@ class Instance(msgspec.Struct, frozen=True):
     attempts: int = 0
     strategy: str | None = None
     min_nodes: int | None = None
+    expires_at: float | None = None
 
 
 class StoreEvent(msgspec.Struct, frozen=True):

@@ -1,8 +1,15 @@
-"""Ollama API handlers (``/api/*`` and ``/``): NDJSON streams, ``{"error": ...}`` errors."""
+"""Ollama API handlers (``/api/*`` and ``/``): NDJSON streams, ``{"error": ...}`` errors.
+
+Model management (show, ps, copy, delete, create, pull, push) lives in ``gateway.routes.ollama_models`` and is
+registered on this router; ``keep_alive`` is applied through ``gateway.model_admin``.
+"""
 
 from __future__ import annotations
 
+import logging
 import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import aclosing
 
 from litestar import Request as HttpRequest
 from litestar import Response, Router, get, head, post
@@ -16,10 +23,13 @@ from gateway.routes.common import (
     new_meta,
     stream_response,
 )
-from protocols import ollama, ollama_embeddings
+from gateway import model_admin
+from gateway.routes.ollama_models import ROUTES as MODEL_ROUTES
+from protocols import ollama, ollama_embeddings, ollama_models
 from protocols.model import GatewayError, collect, decode_body
 
 NDJSON = "application/x-ndjson"
+log = logging.getLogger("meshgate.ollama")
 VERSION = "0.13.0"  # the Ollama API version we follow; clients gate features on it
 
 
@@ -62,7 +72,9 @@ async def embed(request: HttpRequest) -> Response:
     await admit(request)
     started = time.perf_counter_ns()
     wire = decode_body(await request.body(), ollama_embeddings.EmbedBody)
+    keep_alive = ollama_models.parse_keep_alive(wire.keep_alive)
     result = await dispatcher_of(request).embed(ollama_embeddings.embed_to_internal(wire))
+    await model_admin.apply_keep_alive(dispatcher_of(request), wire.model, keep_alive)
     return json_response(ollama_embeddings.encode_embed(result, wire.model, time.perf_counter_ns() - started))
 
 
@@ -70,28 +82,51 @@ async def embed(request: HttpRequest) -> Response:
 async def embeddings(request: HttpRequest) -> Response:
     await admit(request)
     wire = decode_body(await request.body(), ollama_embeddings.EmbeddingsBody)
+    keep_alive = ollama_models.parse_keep_alive(wire.keep_alive)
     result = await dispatcher_of(request).embed(ollama_embeddings.embeddings_to_internal(wire))
+    await model_admin.apply_keep_alive(dispatcher_of(request), wire.model, keep_alive)
     return json_response(ollama_embeddings.encode_embeddings(result))
 
 
 async def _run(request: HttpRequest, wire, internal, *, chat: bool) -> Response:
+    """Generate (or load/unload, OLL-17), then apply ``keep_alive`` (OLL-15) once the reply is complete."""
     dispatcher = dispatcher_of(request)
     meta = new_meta(internal.model)
+    keep_alive = ollama_models.parse_keep_alive(wire.keep_alive)
+
+    async def after() -> None:
+        await model_admin.apply_keep_alive(dispatcher, internal.model, keep_alive)
+
     if ollama.is_load_request(wire):
         unload = ollama.is_unload_request(wire)
         await (dispatcher.unload(internal.model) if unload else dispatcher.load(internal.model))
+        if not unload:
+            await after()
         return json_response(ollama.encode_load_response(internal.model, meta, unloaded=unload, chat=chat))
     events = await dispatcher.open_stream(internal)
     if internal.stream:
         encode = ollama.encode_chat_stream if chat else ollama.encode_generate_stream
-        return stream_response(encode(events, meta), NDJSON)
+        return stream_response(_then(encode(events, meta), after), NDJSON)
     encode_one = ollama.encode_chat_response if chat else ollama.encode_generate_response
-    return json_response(encode_one(await collect(events), meta))
+    body = encode_one(await collect(events), meta)
+    await after()
+    return json_response(body)
+
+
+async def _then(lines: AsyncIterator[bytes], after: Callable[[], Awaitable[None]]) -> AsyncIterator[bytes]:
+    """``lines``, then ``after()`` when they all went out (not when the client left early)."""
+    async with aclosing(lines):
+        async for line in lines:
+            yield line
+    try:
+        await after()
+    except GatewayError as exc:  # the model went away meanwhile: nothing to keep alive
+        log.warning("keep_alive not applied: %s", exc.message)
 
 
 router = Router(
     path="/",
-    route_handlers=[root, root_head, version, tags, chat, generate, embed, embeddings],
+    route_handlers=[root, root_head, version, tags, chat, generate, embed, embeddings, *MODEL_ROUTES],
     exception_handlers={GatewayError: error_handler(ollama.error_body)},
     tags=["ollama"],
 )

@@ -96,3 +96,17 @@ async def test_a_failing_runner_is_retried_a_bounded_number_of_times(manager):
             await manager.reconcile()
     final = await manager.store.get_instance(instance.id)
     assert isinstance(final.state, Failed) and final.attempts == MAX_ATTEMPTS
+
+
+async def test_oll_15_a_ready_instance_past_its_expiry_is_deleted(manager):
+    instance = await manager.create("scripted", nodes=["fast"])
+    await manager.store.update_runner(instance.id, RunnerStatus(node_id=NodeId("fast"), state="ready", url="x"))
+    await manager._refresh(force=True)
+    await manager.reconcile()
+    await manager.set_expiry("scripted", time.time() + 3600)
+    await manager.reconcile()
+    assert (await manager.store.get_instance(instance.id)).expires_at is not None  # not yet
+    await manager.set_expiry("scripted", time.time() - 1)
+    await manager.reconcile()
+    assert await manager.store.get_instance(instance.id) is None and manager.cached("scripted") == []
+    assert [e.kind for e in await manager.store.events()][-1] == "instance.expired"

@@ -1,0 +1,226 @@
+"""Model management behind Ollama's ``/api/show``, ``/api/ps``, ``/api/copy``, ``/api/delete``, ``/api/create``,
+``/api/pull`` and ``keep_alive``: the facts (cards, GGUF headers, instances, the user-model registry) gathered
+for the pure codecs in ``protocols.ollama_models``.
+
+Decisions (PROTOCOLS.md OLL-15, OLL-41..47):
+
+- **Models stay loaded.** Without ``keep_alive`` an instance never expires (Ollama unloads after 5 minutes;
+  meshgate keeps models placed until told otherwise, since placing can span nodes). ``keep_alive`` given on a
+  request sets the expiry of the model's ready instances when the request ends: ``0`` unloads them, a negative
+  value clears the expiry, a positive one sets it that far ahead; a request without ``keep_alive`` puts an
+  instance that had an expiry back to "never" (the default, as each Ollama request resets the timer to its own
+  value). A client that disconnects mid-stream leaves the expiry as it was.
+- **The registry** (``backends.llama_cpp.registry``, ``<data_dir>/registry.json``) holds copies and created
+  models: names for GGUF files with a stored system prompt, template and parameters, which ``/api/show``
+  reports (generation does not apply them yet). Deleting a copy or a created model removes its entry (the GGUF
+  stays); deleting a model another source lists (the packaged ``gemma3:270m``) hides it until it is pulled,
+  copied or created again. Names get ``:latest`` when they have no tag (OLL-47).
+- **No hub.** ``/api/pull`` succeeds, with progress objects, for models meshgate already has (including a hidden
+  packaged model, which it shows again); any other name fails like Ollama's missing manifest. ``/api/push``
+  answers 501.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import os
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+from backends.base import ModelCard
+from backends.llama_cpp.gguf import read_metadata
+from backends.llama_cpp.registry import ModelRegistry, UserModel, sha256_file
+from gateway.cluster.records import Ready
+from gateway.dispatch import Dispatcher, normalize_model_name
+from protocols import ollama_models
+from protocols.model import InvalidRequest, ModelInfo, NotFound, UnknownModel, UnsupportedFeature
+
+__all__ = ["apply_keep_alive", "copy", "create", "delete", "ps", "pull", "registry_of", "show"]
+
+# The Gemma turn format backends.llama_cpp.prompt renders, written as the Go template Ollama shows for gemma3.
+GEMMA_TEMPLATE = (
+    "{{- range $i, $_ := .Messages }}\n"
+    "{{- $last := eq (len (slice $.Messages $i)) 1 }}\n"
+    "{{- if or (eq .Role \"user\") (eq .Role \"system\") }}<start_of_turn>user\n"
+    "{{ .Content }}<end_of_turn>\n"
+    "{{ if $last }}<start_of_turn>model\n{{ end }}\n"
+    "{{- else if eq .Role \"assistant\" }}<start_of_turn>model\n"
+    "{{ .Content }}{{ if not $last }}<end_of_turn>\n{{ end }}\n"
+    "{{- end }}\n"
+    "{{- end }}"
+)
+_ARRAY_KEYS = ("tokenizer.ggml.tokens", "tokenizer.ggml.scores", "tokenizer.ggml.token_type", "tokenizer.ggml.merges")
+
+
+def registry_of(data_dir: str) -> ModelRegistry:
+    return ModelRegistry(Path(data_dir) / "registry.json")
+
+
+def info_of(card: ModelCard, context_length: int = 0) -> ModelInfo:
+    return ModelInfo(name=card.name, created=card.created, size=card.size, digest=card.digest, format=card.format,
+                     family=card.family, parameter_size=card.parameter_size, quantization=card.quantization,
+                     context_length=context_length or card.context_length)
+
+
+def effective_context(dispatcher: Dispatcher, card: ModelCard) -> int:
+    """The context a runner gets for ``card`` (the backend's ``context``, else the model's own)."""
+    try:
+        backend = dispatcher.backend_for(card)
+    except Exception:
+        return card.context_length
+    context = getattr(backend, "context", None)
+    return (context(card) if context else 0) or card.context_length
+
+
+def _model_info(card: ModelCard, context: int) -> dict[str, Any]:
+    """``model_info`` from the GGUF header: arrays (token tables) as null, the context as the effective one."""
+    meta = read_metadata(card.path)
+    arch = str(meta.get("general.architecture", card.family))
+    info: dict[str, Any] = {k: (None if k in _ARRAY_KEYS else v) for k, v in meta.items()}
+    if context:
+        info[f"{arch}.context_length"] = context
+    return info
+
+
+def _capabilities(dispatcher: Dispatcher, card: ModelCard) -> list[str]:
+    caps = dispatcher.backend_for(card).capabilities(card)
+    flags = [("completion", True), ("tools", caps.tools), ("vision", caps.vision),
+             ("embedding", caps.embeddings), ("thinking", caps.reasoning)]
+    return [name for name, present in flags if present]
+
+
+async def show(dispatcher: Dispatcher, registry: ModelRegistry, name: str) -> bytes:
+    """``/api/show`` for ``name``; ``UnknownModel`` if there is none."""
+    card = dispatcher.resolve(name)
+    context = effective_context(dispatcher, card)
+    model_info = await asyncio.to_thread(_model_info, card, context)
+    user = registry.get(card.name)
+    template = user.template if user and user.template else GEMMA_TEMPLATE if card.family.startswith("gemma") else ""
+    license = str(model_info.get("general.license") or "")
+    return ollama_models.encode_show(
+        info_of(card, context), path=card.path, model_info=model_info, capabilities=_capabilities(dispatcher, card),
+        template=template, system=user.system if user else "", parameters=user.parameters if user else {},
+        license=license)
+
+
+async def ps(dispatcher: Dispatcher, instances: list) -> bytes:
+    """``/api/ps``: the ready instances, with their model's details and expiry."""
+    loaded: list[tuple[ModelInfo, float | None]] = []
+    for instance in instances:
+        if not isinstance(instance.state, Ready):
+            continue
+        try:
+            card = dispatcher.resolve(instance.model)
+        except UnknownModel:
+            loaded.append((ModelInfo(name=instance.model, context_length=instance.placement.context or 0),
+                           instance.expires_at))
+            continue
+        context = instance.placement.context or effective_context(dispatcher, card)
+        loaded.append((info_of(card, context), instance.expires_at))
+    return ollama_models.encode_ps(loaded)
+
+
+async def apply_keep_alive(dispatcher: Dispatcher, model: str, keep_alive: float | None) -> None:
+    """Apply a request's parsed ``keep_alive`` to ``model``'s ready instances once the request is done."""
+    card = dispatcher.resolve(model)
+    if keep_alive == 0:
+        await dispatcher.unload(card.name)
+        return
+    if keep_alive is None or math.isinf(keep_alive):
+        if any(i.expires_at is not None for i in dispatcher.instances.cached(card.name)):
+            await dispatcher.instances.set_expiry(card.name, None)
+        return
+    await dispatcher.instances.set_expiry(card.name, time.time() + keep_alive)
+
+
+async def _refresh(dispatcher: Dispatcher) -> None:
+    await asyncio.to_thread(dispatcher.catalog.refresh)
+
+
+def _derived(card: ModelCard, parent: UserModel | None, **overrides: Any) -> UserModel:
+    """A registry entry for ``card``'s file, inheriting a parent entry's stored fields unless overridden."""
+    fields = {"system": parent.system if parent else "", "template": parent.template if parent else "",
+              "parameters": dict(parent.parameters) if parent else {}}
+    fields.update({k: v for k, v in overrides.items() if v is not None})
+    return UserModel(path=card.path, digest=card.digest, created=time.time(), parent=card.name, **fields)
+
+
+async def copy(dispatcher: Dispatcher, registry: ModelRegistry, source: str, destination: str) -> None:
+    """``/api/copy``: ``destination`` names ``source``'s file (and stored fields); ``UnknownModel`` if none."""
+    card = dispatcher.resolve(source)
+    if not destination:
+        raise InvalidRequest("destination is required", param="destination")
+    registry.put(normalize_model_name(destination), _derived(card, registry.get(card.name)))
+    await _refresh(dispatcher)
+
+
+async def delete(dispatcher: Dispatcher, registry: ModelRegistry, name: str) -> None:
+    """``/api/delete``: unload, then remove a user model or hide another source's; ``UnknownModel`` if none."""
+    card = dispatcher.resolve(name)
+    await dispatcher.unload(card.name)
+    if not registry.remove(card.name):
+        registry.hide(card.name)
+    await _refresh(dispatcher)
+
+
+async def create(dispatcher: Dispatcher, registry: ModelRegistry,
+                 wire: ollama_models.CreateRequest) -> AsyncIterator[bytes]:
+    """``/api/create`` from a GGUF path or a model name; validates and registers before the first status line,
+    so errors are real statuses."""
+    name = normalize_model_name(wire.target)
+    for field in ("files", "adapters", "quantize", "messages"):
+        if getattr(wire, field):
+            raise UnsupportedFeature(f"create with '{field}' is not supported; use 'from' with a GGUF path or "
+                                     "a model name", param=field)
+    if not wire.from_:
+        raise InvalidRequest("neither 'from' nor 'files' was specified", param="from")
+    overrides = {"system": wire.system, "template": wire.template, "parameters": wire.parameters}
+    lines = [ollama_models.progress_line("parsing modelfile")]
+    if os.path.isfile(wire.from_):
+        path = os.path.abspath(wire.from_)
+        try:
+            await asyncio.to_thread(read_metadata, path)
+        except (OSError, ValueError) as exc:
+            raise InvalidRequest(f"'from' is not a GGUF file: {exc}", param="from") from exc
+        digest = await asyncio.to_thread(sha256_file, path)
+        entry = _derived(ModelCard(name="", path=path, digest=digest), None, **overrides)
+    elif os.sep in wire.from_ or wire.from_.endswith(".gguf"):
+        raise InvalidRequest(f"'from' names no file: {wire.from_}", param="from")
+    else:
+        card = dispatcher.resolve(wire.from_)
+        entry = _derived(card, registry.get(card.name), **overrides)
+    lines.append(ollama_models.progress_line(f"using existing layer sha256:{entry.digest}"))
+    registry.put(name, entry)
+    await _refresh(dispatcher)
+    lines += [ollama_models.progress_line("writing manifest"), ollama_models.progress_line("success")]
+    return _lines(lines)
+
+
+async def pull(dispatcher: Dispatcher, registry: ModelRegistry, name: str) -> AsyncIterator[bytes]:
+    """``/api/pull`` for a model meshgate has (shown again if hidden); ``NotFound`` otherwise (no hub)."""
+    if name in registry.hidden() or normalize_model_name(name) in registry.hidden():
+        registry.unhide(name)
+        registry.unhide(normalize_model_name(name))
+        await _refresh(dispatcher)
+    try:
+        card = dispatcher.resolve(name)
+    except UnknownModel:
+        raise NotFound("pull model manifest: file does not exist", param="model") from None
+    digest = f"sha256:{card.digest}"
+    return _lines([
+        ollama_models.progress_line("pulling manifest"),
+        ollama_models.progress_line(f"pulling {card.digest[:12]}", digest=digest, total=card.size, completed=0),
+        ollama_models.progress_line(f"pulling {card.digest[:12]}", digest=digest, total=card.size,
+                                    completed=card.size),
+        ollama_models.progress_line("verifying sha256 digest"),
+        ollama_models.progress_line("writing manifest"),
+        ollama_models.progress_line("success"),
+    ])
+
+
+async def _lines(lines: list[bytes]) -> AsyncIterator[bytes]:
+    for line in lines:
+        yield line

@@ -1,0 +1,223 @@
+"""The Ollama model-management wire protocol (``/api/show``, ``/api/ps``, ``/api/copy``, ``/api/delete``,
+``/api/create``, ``/api/pull``, ``/api/push``) and ``keep_alive`` durations: pure codecs.
+
+Imports only ``protocols.model``, ``msgspec`` and the standard library; no I/O. The gateway gathers the facts
+(cards, GGUF metadata, instances, the registry of user models) and these functions only shape them.
+
+- ``keep_alive`` (OLL-15) is seconds (a number) or a Go duration (``"5m"``, ``"1h30m"``, ``"0"``, ``"-1s"``);
+  a bare number in a string is read as seconds too. ``parse_keep_alive`` returns ``None`` when none was given,
+  ``0.0`` for "unload after the request", ``math.inf`` for any negative value ("keep forever").
+- ``/api/ps`` reports an instance without expiry as expiring in the year 2318, as Ollama does for "forever".
+- Progress streams (OLL-45) are NDJSON ``{status, digest?, total?, completed?}`` objects ending in
+  ``{"status":"success"}``; without streaming only the last object is sent.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Iterable, Mapping, Sequence
+from datetime import UTC, datetime
+from typing import Any
+
+import msgspec
+
+from protocols.model import InvalidRequest, ModelInfo
+
+__all__ = [
+    "CopyRequest", "CreateRequest", "DeleteRequest", "PullRequest", "ShowRequest", "encode_ps", "encode_show",
+    "error_line", "format_parameters", "parse_keep_alive", "progress_line",
+]
+
+FOREVER = datetime(2318, 1, 1, tzinfo=UTC).timestamp()  # what /api/ps says for "never expires"
+
+
+class ShowRequest(msgspec.Struct, kw_only=True):
+    """``POST /api/show`` (OLL-42); older clients send ``name``."""
+
+    model: str | None = None
+    name: str | None = None
+    verbose: bool = False
+
+    @property
+    def target(self) -> str:
+        return _required(self.model or self.name, "model")
+
+
+class CopyRequest(msgspec.Struct, kw_only=True):
+    """``POST /api/copy`` (OLL-46)."""
+
+    source: str
+    destination: str
+
+
+class DeleteRequest(msgspec.Struct, kw_only=True):
+    """``DELETE /api/delete`` (OLL-46); older clients send ``name``."""
+
+    model: str | None = None
+    name: str | None = None
+
+    @property
+    def target(self) -> str:
+        return _required(self.model or self.name, "model")
+
+
+class CreateRequest(msgspec.Struct, kw_only=True, rename={"from_": "from"}):
+    """``POST /api/create`` (OLL-45): ``from`` a GGUF path or a model name, plus what to store with it."""
+
+    model: str | None = None
+    name: str | None = None
+    from_: str | None = None
+    files: dict[str, str] | None = None
+    adapters: dict[str, str] | None = None
+    template: str | None = None
+    system: str | None = None
+    parameters: dict[str, Any] | None = None
+    quantize: str | None = None
+    license: str | list[str] | None = None
+    messages: list[dict[str, Any]] | None = None
+    stream: bool | None = None
+
+    @property
+    def target(self) -> str:
+        return _required(self.model or self.name, "model")
+
+
+class PullRequest(msgspec.Struct, kw_only=True):
+    """``POST /api/pull`` and ``POST /api/push`` (OLL-45)."""
+
+    model: str | None = None
+    name: str | None = None
+    insecure: bool = False
+    stream: bool | None = None
+
+    @property
+    def target(self) -> str:
+        return _required(self.model or self.name, "model")
+
+
+def _required(value: str | None, param: str) -> str:
+    if not value:
+        raise InvalidRequest(f"{param} is required", param=param)
+    return value
+
+
+# ---------------------------------------------------------------------------------------------------- keep_alive
+
+_UNITS = {"ns": 1e-9, "us": 1e-6, "µs": 1e-6, "μs": 1e-6, "ms": 1e-3, "s": 1.0, "m": 60.0, "h": 3600.0}
+_DURATION = re.compile(r"([0-9]*\.?[0-9]+)(ns|us|µs|μs|ms|s|m|h)")
+
+
+def parse_keep_alive(value: float | str | None) -> float | None:
+    """Seconds to keep a model loaded after a request: ``None`` (not given), ``0.0`` (unload), ``math.inf``
+    (forever, any negative value), else the positive duration.
+
+    Raises:
+        InvalidRequest: a string that is neither a Go duration nor a number.
+    """
+    if value is None:
+        return None
+    if isinstance(value, str):
+        text = value.strip()
+        sign = -1.0 if text.startswith("-") else 1.0
+        body = text.lstrip("+-")
+        try:
+            seconds = float(body)
+        except ValueError:
+            if not body or _DURATION.sub("", body):
+                raise InvalidRequest(f'keep_alive must be seconds or a duration like "5m" or "1h"; got {value!r}',
+                                     param="keep_alive") from None
+            seconds = sum(float(n) * _UNITS[unit] for n, unit in _DURATION.findall(body))
+        seconds *= sign
+    else:
+        seconds = float(value)
+    if seconds < 0:
+        return math.inf
+    return seconds
+
+
+# ---------------------------------------------------------------------------------------------------- show, ps
+
+
+def _rfc3339(timestamp: float) -> str:
+    return datetime.fromtimestamp(timestamp, UTC).isoformat(timespec="microseconds")
+
+
+def _details(info: ModelInfo) -> dict[str, Any]:
+    return {"parent_model": "", "format": info.format, "family": info.family,
+            "families": [info.family] if info.family else [], "parameter_size": info.parameter_size,
+            "quantization_level": info.quantization}
+
+
+def format_parameters(parameters: Mapping[str, Any]) -> str:
+    """Ollama's one-string ``parameters``: a ``name value`` line per value (lists give a line per item)."""
+    lines = []
+    for name, value in parameters.items():
+        for item in value if isinstance(value, list) else [value]:
+            rendered = msgspec.json.encode(item).decode() if isinstance(item, str) else str(item).lower() \
+                if isinstance(item, bool) else str(item)
+            lines.append(f"{name:<30} {rendered}")
+    return "\n".join(lines)
+
+
+def _modelfile(info: ModelInfo, path: str, template: str, system: str, parameters: Mapping[str, Any]) -> str:
+    lines = ['# Modelfile generated by "ollama show"', "# To build a new Modelfile based on this, replace FROM with:",
+             f"# FROM {info.name}", "", f"FROM {path}"]
+    if template:
+        lines.append(f'TEMPLATE """{template}"""')
+    if system:
+        lines.append(f'SYSTEM """{system}"""')
+    for name, value in parameters.items():
+        for item in value if isinstance(value, list) else [value]:
+            lines.append(f"PARAMETER {name} {msgspec.json.encode(item).decode() if isinstance(item, str) else item}")
+    return "\n".join(lines) + "\n"
+
+
+def encode_show(info: ModelInfo, *, path: str, model_info: Mapping[str, Any], capabilities: Sequence[str],
+                template: str = "", system: str = "", parameters: Mapping[str, Any] | None = None,
+                license: str = "") -> bytes:
+    """``POST /api/show`` (OLL-42). ``model_info`` is always present (ollama-python requires the key)."""
+    parameters = parameters or {}
+    body: dict[str, Any] = {
+        "modelfile": _modelfile(info, path, template, system, parameters),
+        "parameters": format_parameters(parameters),
+        "template": template,
+    }
+    if system:
+        body["system"] = system
+    if license:
+        body["license"] = license
+    body.update({"details": _details(info), "model_info": dict(model_info), "capabilities": list(capabilities),
+                 "modified_at": _rfc3339(info.created)})
+    return msgspec.json.encode(body)
+
+
+def encode_ps(loaded: Iterable[tuple[ModelInfo, float | None]]) -> bytes:
+    """``GET /api/ps`` (OLL-41): each loaded model with its expiry (``None``: never, shown as 2318)."""
+    return msgspec.json.encode({"models": [
+        {"name": info.name, "model": info.name, "size": info.size, "digest": info.digest, "details": _details(info),
+         "expires_at": _rfc3339(FOREVER if expires is None or math.isinf(expires) else expires),
+         "size_vram": 0, "context_length": info.context_length}
+        for info, expires in loaded
+    ]})
+
+
+# ---------------------------------------------------------------------------------------------------- progress
+
+
+def progress_line(status: str, *, digest: str | None = None, total: int | None = None,
+                  completed: int | None = None) -> bytes:
+    """One NDJSON progress object (OLL-45); absent fields are left out."""
+    obj: dict[str, Any] = {"status": status}
+    if digest is not None:
+        obj["digest"] = digest
+    if total is not None:
+        obj["total"] = total
+    if completed is not None:
+        obj["completed"] = completed
+    return msgspec.json.encode(obj) + b"\n"
+
+
+def error_line(message: str) -> bytes:
+    """Ollama's error body, ``{"error": "<message>"}`` (OLL-34)."""
+    return msgspec.json.encode({"error": message})

@@ -118,7 +118,8 @@ class Dispatcher:
         card = self.resolve(request.model)
         backend = self.backend_for(card)
         check_capabilities(request, backend.capabilities(card), card.name)
-        instance = await self.instances.acquire(card)
+        context = request.num_ctx if isinstance(request.num_ctx, int) else None
+        instance = await self.instances.acquire(card, context=context)
         if not isinstance(instance.state, Ready) and request.stream:
             return self._after_ready(instance, card, backend, request)
         return await self._start(instance, card, backend, request)

@@ -105,21 +105,24 @@ class InstanceManager:
                                       tied_output_copy=costs.tied_output_copy, required_runtime=None))]
 
     async def preview(self, model: str, *, nodes: Sequence[str] | None = None, strategy: str | None = None,
-                      min_nodes: int | None = None) -> list[Candidate]:
-        """Every candidate placement for ``model``, fitting ones first, best first."""
+                      min_nodes: int | None = None, context: int | None = None) -> list[Candidate]:
+        """Every candidate placement for ``model``, fitting ones first, best first (``context``: tokens of KV
+        cache to hold; the backend's default for the model when None)."""
         card = self.resolve(model)
         offers = self._offers(card)
         backend = offers[0][0]
-        context = self.context(backend, card) if self.context else None
+        if context is None and self.context:
+            context = self.context(backend, card)
         return plan(backend.spec(card), await self.topology(), [o for _, o in offers], context=context,
                     nodes=nodes, rank=self.rank, strategy=strategy, min_nodes=min_nodes)
 
     async def create(self, model: str, *, candidate_id: str | None = None, nodes: Sequence[str] | None = None,
-                     strategy: str | None = None, min_nodes: int | None = None,
+                     strategy: str | None = None, min_nodes: int | None = None, context: int | None = None,
                      reason: str = "requested") -> Instance:
         """Place ``model`` (a previewed candidate by id, or the best under the constraints); store the instance."""
         card = self.resolve(model)
-        candidates = await self.preview(card.name, nodes=nodes, strategy=strategy, min_nodes=min_nodes)
+        candidates = await self.preview(card.name, nodes=nodes, strategy=strategy, min_nodes=min_nodes,
+                                        context=context)
         fitting = [c for c in candidates if c.fits]
         if candidate_id is not None:
             fitting = [c for c in candidates if c.id == candidate_id]
@@ -164,20 +167,33 @@ class InstanceManager:
     def cached(self, model: str) -> list[Instance]:
         return [i for i in self._view.values() if i.model == model]
 
-    async def acquire(self, card: ModelCard) -> Instance:
-        """A ready instance of ``card`` if one exists; else one that is starting (placing it if allowed)."""
-        found = _usable(self.cached(card.name))
+    async def acquire(self, card: ModelCard, *, context: int | None = None) -> Instance:
+        """A ready instance of ``card`` if one exists; else one that is starting (placing it if allowed).
+
+        With ``context`` (Ollama's ``num_ctx``), only an instance holding that many tokens will do: others of
+        the model are replaced by one that does, as Ollama reloads a model for a new context size.
+        """
+        if context is not None and card.context_length:
+            context = min(context, card.context_length)
+
+        def matching() -> list[Instance]:
+            return [i for i in self.cached(card.name) if context is None or i.placement.context == context]
+
+        found = _usable(matching())
         if found is not None:
             return found
         async with self._create_lock:
             await self._refresh()
-            found = _usable(self.cached(card.name))
+            found = _usable(matching())
             if found is not None:
                 return found
             if not self.auto_place:
                 raise NoCapacity(f"model '{card.name}' has no instance and automatic placement is off; "
                                  f"create one with POST /instances")
-            return await self.create(card.name, reason="automatic: first request")
+            for other in self.cached(card.name):  # a different context size: reload, as Ollama does
+                await self.delete(other.id)
+            why = "automatic: first request" if context is None else f"automatic: a request for {context} tokens"
+            return await self.create(card.name, context=context, reason=why)
 
     async def wait_ready(self, instance_id: str, timeout: float = 300.0) -> Instance:
         """Wait until the instance is ready; raise if it fails (and is not re-placed) or times out."""

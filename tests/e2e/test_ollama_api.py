@@ -225,3 +225,14 @@ def test_oll_46_deleting_the_packaged_model_hides_it_until_pulled(client):
         client.show(MODEL)
     assert client.pull(MODEL).status == "success"
     assert MODEL in [m.model for m in client.list().models]
+
+
+def test_oll_14_num_ctx_sizes_the_context(client):
+    client.generate(MODEL, prompt="Hello", options={**SHORT, "num_ctx": 1024})
+    assert _ps(client)[MODEL].context_length == 1024
+    assert client.show(MODEL).modelinfo["gemma3.context_length"] in (1024, 2048)
+    client.generate(MODEL, prompt="Hello", options={**SHORT, "num_ctx": 3072})
+    assert _ps(client)[MODEL].context_length == 3072
+    assert [m.model for m in client.ps().models].count(MODEL) == 1, "reloaded, not duplicated"
+    client.generate(MODEL, prompt="Hello", options=SHORT)  # no num_ctx: the loaded instance serves
+    assert _ps(client)[MODEL].context_length == 3072

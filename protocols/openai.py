@@ -1,4 +1,5 @@
-"""The OpenAI wire protocol: chat completions, legacy completions, model listings and errors.
+"""The OpenAI wire protocol: chat completions, model listings and errors (legacy completions, embeddings and the
+Responses API live in sibling modules that share these wire types).
 
 Pure translation between OpenAI's JSON and ``protocols.model``: request Structs and ``*_to_internal`` going
 in; ``encode_*`` functions that turn a ``Response`` or an event stream into response bytes going out. The
@@ -16,11 +17,8 @@ Decisions worth knowing:
 - ``logprobs``/``top_logprobs`` (chat) travel on ``TextDelta.logprobs`` and go out as ``choices[].logprobs``
   ``{"content": [...], "refusal": null}`` (OAI-36), on each chunk when streaming; ``null`` when the backend sent
   none. ``top_logprobs`` without ``logprobs: true`` is a 400 (OAI-23).
-- Accepted and ignored: ``logit_bias``, ``user``, ``metadata``, the legacy completions ``logprobs``,
-  image ``detail``, ``json_schema.strict`` and ``tools[].function.strict``. Refused with a 400: ``n`` other
-  than 1, audio and file parts, and (legacy completions) ``echo``, ``suffix``, ``best_of`` other than 1,
-  token-id prompts and several prompts.
-- Legacy completions have no 16-token default here: an absent ``max_tokens`` means no limit.
+- Accepted and ignored: ``logit_bias``, ``user``, ``metadata``, image ``detail``, ``json_schema.strict`` and
+  ``tools[].function.strict``. Refused with a 400: ``n`` other than 1, audio and file parts.
 - Documented ranges (temperature 0..2, top_p 0..1, penalties -2..2, top_logprobs 0..20, token limits >= 1)
   are msgspec constraints, so the decoder's error names the field.
 - A stream that ends without ``Finished`` or ``Failed`` is rendered as a ``BackendProtocolError`` frame.
@@ -33,11 +31,14 @@ import base64
 import binascii
 import re
 from collections.abc import AsyncIterable, AsyncIterator, Sequence
-from typing import Annotated, Any, Literal, TypeAlias
+from typing import TYPE_CHECKING, Annotated, Any, Literal, TypeAlias
 
 import msgspec
 from msgspec import UNSET, UnsetType
 from sse_starlette.event import ServerSentEvent
+
+if TYPE_CHECKING:
+    from protocols.openai_completions import CompletionRequest
 
 from protocols.model import (
     AuthenticationFailed,
@@ -254,33 +255,6 @@ class ChatRequest(_Wire):
     repeat_penalty: float | None | UnsetType = UNSET
 
 
-class CompletionRequest(_Wire):
-    """The body of the legacy ``POST /v1/completions`` (OAI-27)."""
-
-    model: str
-    prompt: str | list[str | int | list[int]] | None
-    best_of: int | None = None
-    echo: bool | None = None
-    frequency_penalty: Penalty | None | UnsetType = UNSET
-    logit_bias: dict[str, int] | None = None
-    logprobs: int | None = None
-    max_tokens: TokenLimit | None = None
-    n: int | None = None
-    presence_penalty: Penalty | None | UnsetType = UNSET
-    seed: int | None | UnsetType = UNSET
-    stop: str | list[str] | None = None
-    stream: bool | None = None
-    stream_options: StreamOptions | None = None
-    suffix: str | None = None
-    temperature: Temperature | None | UnsetType = UNSET
-    top_p: Probability | None | UnsetType = UNSET
-    user: str | None = None
-    # extra_body keys (OAI-26)
-    top_k: int | None | UnsetType = UNSET
-    min_p: float | None | UnsetType = UNSET
-    repeat_penalty: float | None | UnsetType = UNSET
-
-
 # ---------------------------------------------------------------------------------------------------- to internal
 
 
@@ -311,36 +285,6 @@ def chat_to_internal(wire: ChatRequest) -> Request:
         reasoning=UNSET if wire.reasoning_effort is None else wire.reasoning_effort != "none",
         logprobs=bool(wire.logprobs),
         top_logprobs=(wire.top_logprobs or 0) if wire.logprobs else 0,
-    )
-
-
-def completion_to_internal(wire: CompletionRequest) -> Request:
-    """Translate a legacy completions body into a ``Request`` with ``raw_prompt`` set.
-
-    Raises:
-        InvalidRequest: a prompt that is not one string, or ``n``/``best_of`` other than 1.
-        UnsupportedFeature: token-id prompts, ``echo`` or ``suffix``.
-    """
-    _only_one(wire.n, "n")
-    _only_one(wire.best_of, "best_of")
-    if wire.echo:
-        raise UnsupportedFeature("echo is not supported; omit it or set it to false", param="echo")
-    if wire.suffix:
-        raise UnsupportedFeature("suffix is not supported; omit it", param="suffix")
-    prompt = wire.prompt
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
-        prompt = prompt[0]
-    if isinstance(prompt, list) and any(not isinstance(p, str) for p in prompt):
-        raise UnsupportedFeature("token-id prompts are not supported; send the prompt as a string", param="prompt")
-    if not isinstance(prompt, str):
-        raise InvalidRequest("prompt must be one string; several prompts per request are not served", param="prompt")
-    return Request(
-        model=wire.model,
-        raw_prompt=prompt,
-        sampling=_sampling(wire),
-        stop=_stop(wire.stop),
-        max_tokens=wire.max_tokens,
-        stream=bool(wire.stream),
     )
 
 
@@ -499,10 +443,6 @@ def _finish_reason(finish: Finished, has_tool_calls: bool) -> str:
     return _FINISH[finish.reason]
 
 
-def _completion_finish_reason(finish: Finished) -> str:
-    return finish.reason if finish.reason in ("length", "content_filter") else "stop"
-
-
 def _usage(usage: Usage) -> dict[str, Any]:
     body: dict[str, Any] = {
         "prompt_tokens": usage.prompt_tokens,
@@ -547,22 +487,6 @@ def encode_chat_response(response: Response, meta: Meta) -> bytes:
         {
             "id": f"chatcmpl-{meta.id}",
             "object": "chat.completion",
-            "created": int(meta.created),
-            "model": meta.model,
-            "choices": [choice],
-            "usage": _usage(response.usage),
-        }
-    )
-
-
-def encode_completion_response(response: Response, meta: Meta) -> bytes:
-    """A whole legacy ``text_completion`` object (OAI-38)."""
-    finish_reason = _completion_finish_reason(response.finish)
-    choice = {"index": 0, "text": response.text, "logprobs": None, "finish_reason": finish_reason}
-    return msgspec.json.encode(
-        {
-            "id": f"cmpl-{meta.id}",
-            "object": "text_completion",
             "created": int(meta.created),
             "model": meta.model,
             "choices": [choice],
@@ -649,45 +573,6 @@ async def encode_chat_stream(
                 yield chunks.delta({}, _finish_reason(event, bool(chunks.tool_indexes)))
                 if include_usage:
                     yield chunks.usage(usage)
-                yield _DONE
-                return
-            case Failed(error=info):
-                yield stream_error_frame(error_from_info(info))
-                yield _DONE
-                return
-    yield stream_error_frame(BackendProtocolError("the backend's stream ended without finishing"))
-    yield _DONE
-
-
-async def encode_completion_stream(
-    events: AsyncIterable[Event], meta: Meta, *, include_usage: bool
-) -> AsyncIterator[bytes]:
-    """SSE frames of legacy ``text_completion`` chunks, ending in ``data: [DONE]`` (OAI-56).
-
-    Args:
-        events: the backend's event stream; only text, usage and the terminal event matter here.
-        meta: id, model and timestamp shared by every chunk.
-        include_usage: send one ``choices: []`` chunk with usage after the finish chunk.
-    """
-    head = {"id": f"cmpl-{meta.id}", "object": "text_completion", "created": int(meta.created), "model": meta.model}
-
-    def chunk(text: str, finish_reason: str | None = None) -> bytes:
-        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
-        return _frame({**head, "choices": [choice]})
-
-    usage = Usage()
-    async for event in events:
-        match event:
-            case TextDelta(text=text) if text:
-                yield chunk(text)
-            case Usage():
-                usage = event
-            case KeepAlive():
-                yield _KEEPALIVE
-            case Finished():
-                yield chunk("", _completion_finish_reason(event))
-                if include_usage:
-                    yield _frame({**head, "choices": [], "usage": _usage(usage)})
                 yield _DONE
                 return
             case Failed(error=info):

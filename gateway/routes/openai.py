@@ -22,7 +22,7 @@ from gateway.routes.common import (
     new_meta,
     stream_response,
 )
-from protocols import anthropic, openai, openai_embeddings, openai_responses
+from protocols import anthropic, openai, openai_completions, openai_embeddings, openai_responses
 from protocols.model import GatewayError, UnknownModel, collect, decode_body
 
 SSE = "text/event-stream"
@@ -52,14 +52,14 @@ async def chat_completions(request: HttpRequest) -> Response:
 @post(["/v1/completions"], status_code=200)
 async def completions(request: HttpRequest) -> Response:
     await admit(request)
-    wire = decode_body(await request.body(), openai.CompletionRequest)
-    internal = openai.completion_to_internal(wire)
+    wire = decode_body(await request.body(), openai_completions.CompletionRequest)
+    internal = openai_completions.completion_to_internal(wire)
     meta = new_meta(internal.model)
     events = await dispatcher_of(request).open_stream(internal)
     if internal.stream:
         return stream_response(
-            openai.encode_completion_stream(events, meta, include_usage=openai.wants_usage(wire)), SSE)
-    return json_response(openai.encode_completion_response(await collect(events), meta))
+            openai_completions.encode_completion_stream(events, meta, include_usage=openai.wants_usage(wire)), SSE)
+    return json_response(openai_completions.encode_completion_response(await collect(events), meta))
 
 
 @post(["/v1/responses", "/responses"], status_code=200)

@@ -20,6 +20,7 @@ from openai.types import Completion, Model
 from openai.types.chat import ChatCompletion, ChatCompletionChunk
 
 from protocols import openai as oai
+from protocols import openai_completions as oac
 from protocols.model import (
     UNSET,
     AuthenticationFailed,
@@ -97,7 +98,7 @@ def internal(**body: Any):
 
 def completion(**body: Any):
     body.setdefault("model", "gpt-3.5-turbo-instruct")
-    return oai.completion_to_internal(decode_body(msgspec.json.encode(body), oai.CompletionRequest))
+    return oac.completion_to_internal(decode_body(msgspec.json.encode(body), oac.CompletionRequest))
 
 
 async def feed(events: Iterable[Event]) -> AsyncIterator[Event]:
@@ -490,7 +491,7 @@ def test_oai_27_completion_requests_we_do_not_serve(body, error, param):
 
 def test_oai_27_completion_prompt_is_required():
     with pytest.raises(InvalidRequest) as exc:
-        decode_body(b'{"model": "m"}', oai.CompletionRequest)
+        decode_body(b'{"model": "m"}', oac.CompletionRequest)
     assert exc.value.param == "prompt"
 
 
@@ -590,7 +591,7 @@ def test_oai_34_finish_reason_mapping(finish, tool_calls, expected):
 def test_oai_38_legacy_completion_shape(reason, expected):
     usage = Usage(prompt_tokens=5, completion_tokens=7)
     response = Response(text="This is a test.", usage=usage, finish=Finished(reason=reason))
-    body = json.loads(oai.encode_completion_response(response, META))
+    body = json.loads(oac.encode_completion_response(response, META))
     assert body == {
         "id": "cmpl-abc123",
         "object": "text_completion",
@@ -784,7 +785,7 @@ async def test_oai_56_legacy_completion_stream():
         Usage(prompt_tokens=5, completion_tokens=7),
         Finished(reason="length"),
     ]
-    frames = [f async for f in oai.encode_completion_stream(feed(events), META, include_usage=True)]
+    frames = [f async for f in oac.encode_completion_stream(feed(events), META, include_usage=True)]
     assert frames[1] == b": keep-alive\r\n\r\n"
     parsed = payloads(b"".join(frames))
     assert [p["choices"] for p in parsed[:-1]] == [
@@ -802,7 +803,7 @@ async def test_oai_56_legacy_completion_stream():
 
 async def test_oai_62_legacy_completion_stream_error_frame():
     events = feed([Failed(error=BackendTimeout("too slow").info())])
-    frames = [f async for f in oai.encode_completion_stream(events, META, include_usage=False)]
+    frames = [f async for f in oac.encode_completion_stream(events, META, include_usage=False)]
     assert payloads(b"".join(frames)) == [
         {"error": {"message": "too slow", "type": "api_error", "param": None, "code": "backend_timeout"}},
         "[DONE]",

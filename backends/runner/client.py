@@ -70,13 +70,16 @@ class RunnerClient:
                     body = (await response.aread()).decode(errors="replace")
                     yield _failed(BackendProtocolError(f"runner answered {response.status_code}: {body[:200]}"))
                     return
-                async for line in response.aiter_lines():
-                    if not line:
-                        continue
-                    event = _event_decoder.decode(line)
-                    yield event
-                    if isinstance(event, TERMINAL):
-                        return
+                pending = b""
+                async for chunk in response.aiter_raw():  # NDJSON split by hand: no text decoding per token
+                    *lines, pending = (pending + chunk).split(b"\n")
+                    for line in lines:
+                        if not line:
+                            continue
+                        event = _event_decoder.decode(line)
+                        yield event
+                        if isinstance(event, TERMINAL):
+                            return
         except httpx.TimeoutException as exc:
             yield _failed(BackendTimeout(f"the model runner did not answer in time ({type(exc).__name__})"))
             return

@@ -26,7 +26,7 @@ from gateway.routes.common import (
 from gateway import model_admin
 from gateway.routes.ollama_models import ROUTES as MODEL_ROUTES
 from protocols import ollama, ollama_embeddings, ollama_models
-from protocols.model import GatewayError, collect, decode_body
+from protocols.model import GatewayError, Request, collect, decode_body
 
 NDJSON = "application/x-ndjson"
 log = logging.getLogger("meshgate.ollama")
@@ -88,7 +88,8 @@ async def embeddings(request: HttpRequest) -> Response:
     return json_response(ollama_embeddings.encode_embeddings(result))
 
 
-async def _run(request: HttpRequest, wire, internal, *, chat: bool) -> Response:
+async def _run(request: HttpRequest, wire: ollama.ChatRequest | ollama.GenerateRequest, internal: Request, *,
+               chat: bool) -> Response:
     """Generate (or load/unload, OLL-17), then apply ``keep_alive`` (OLL-15) once the reply is complete."""
     dispatcher = dispatcher_of(request)
     meta = new_meta(internal.model)

@@ -38,9 +38,10 @@ from backends.llama_cpp.constrained import constrained_tokens
 from backends.llama_cpp.embed import Embedder
 from backends.llama_cpp.logprobs import LogprobAligner, token_logprob
 from backends.llama_cpp.prompt import render_prompt
+from backends.runner.stops import StopMatcher
 from backends.llama_cpp.tools import CallGate, call_mode, call_schema
 
-__all__ = ["LlamaEngine", "StopMatcher"]
+__all__ = ["LlamaEngine", "StopMatcher"]  # StopMatcher re-exported from backends.runner.stops
 
 _DEFAULTS = {"temperature": 0.8, "top_p": 0.95, "top_k": 40, "min_p": 0.05, "repeat_penalty": 1.0,
              "presence_penalty": 0.0, "frequency_penalty": 0.0}
@@ -55,34 +56,6 @@ class Count(msgspec.Struct):
     """The ``/tokenize`` answer."""
 
     count: int
-
-
-class StopMatcher:
-    """Holds back text that might be the start of a stop sequence; reports the sequence that matched."""
-
-    def __init__(self, stops: tuple[str, ...]) -> None:
-        self.stops = tuple(s for s in stops if s)
-        self.pending = ""
-
-    def feed(self, text: str) -> tuple[str, str | None]:
-        """Add ``text``; return (text safe to emit, matched stop sequence or None)."""
-        self.pending += text
-        if not self.stops:
-            out, self.pending = self.pending, ""
-            return out, None
-        hits = [(self.pending.find(s), s) for s in self.stops if s in self.pending]
-        if hits:
-            at, stop = min(hits)
-            out, self.pending = self.pending[:at], ""
-            return out, stop
-        keep = max((k for s in self.stops for k in range(1, len(s)) if self.pending.endswith(s[:k])), default=0)
-        cut = len(self.pending) - keep
-        out, self.pending = self.pending[:cut], self.pending[cut:]
-        return out, None
-
-    def flush(self) -> str:
-        out, self.pending = self.pending, ""
-        return out
 
 
 class LlamaEngine:

@@ -1,4 +1,5 @@
-"""Virtual environments with older official SDKs, so tests can drive them against a real server.
+"""Virtual environments beside the main one: older official SDKs (so tests can drive them against a real server)
+and runtimes kept out of the main install (MLX).
 
 ``sdk_python("openai==1.97.1")`` returns the interpreter of ``.cache/venvs/openai-1.97.1`` (created with pip the
 first time, then reused); the probe scripts next to this file run under it and print JSON.
@@ -15,14 +16,20 @@ ROOT = Path(__file__).resolve().parent.parent.parent
 
 
 def sdk_python(requirement: str) -> Path:
-    target = ROOT / ".cache" / "venvs" / requirement.replace("==", "-")
+    return venv_python(requirement.replace("==", "-"), requirement)
+
+
+def venv_python(name: str, *requirements: str) -> Path:
+    """The interpreter of ``.cache/venvs/<name>`` with ``requirements`` installed (made once, then reused)."""
+    target = ROOT / ".cache" / "venvs" / name
     python = target / "bin" / "python"
     marker = target / ".installed"
-    if not marker.exists():
+    wanted = "\n".join(requirements)
+    if not marker.exists() or marker.read_text() != wanted:
         venv.create(target, with_pip=True, clear=True)
         subprocess.run([str(python), "-m", "pip", "install", "--quiet", "--disable-pip-version-check",
-                        requirement], check=True, timeout=600)
-        marker.write_text(requirement)
+                        *requirements], check=True, timeout=900)
+        marker.write_text(wanted)
     return python
 
 

@@ -5,6 +5,7 @@
     meshgate models                                        what this machine can serve
     meshgate ps [--url U]                                  instances of a running gateway
     meshgate place MODEL [--preview] [--nodes a,b] [--url U]
+    meshgate convert MODEL [--dtype D] [--name NAME] [--out DIR]   a GGUF as a Hugging Face checkpoint (MLX, vLLM)
 """
 
 from __future__ import annotations
@@ -75,6 +76,41 @@ def _models(settings: Settings, args: argparse.Namespace) -> int:
     pm.hook.meshgate_register_model_sources(register=sources.append, settings=settings)
     for card in Catalog(sources).refresh():
         print(f"{card.name:30} {card.family:10} {card.parameter_size:8} {card.quantization:8} {card.path}")
+    return 0
+
+
+def _convert(settings: Settings, args: argparse.Namespace) -> int:
+    import time
+    from pathlib import Path
+
+    from backends.llama_cpp.convert import convert, default_name
+    from gateway.dispatch import Catalog
+    from protocols.model import UnknownModel
+
+    if args.data_dir:
+        settings = settings.replace(data_dir=args.data_dir)
+    if args.model_name.endswith(".gguf") and os.path.isfile(args.model_name):
+        path, model = args.model_name, Path(args.model_name).stem
+    else:
+        sources: list = []
+        build_plugin_manager(settings).hook.meshgate_register_model_sources(register=sources.append, settings=settings)
+        catalog = Catalog(sources)
+        catalog.refresh()
+        try:
+            card = catalog.resolve(args.model_name)
+        except UnknownModel:
+            print(f"unknown model {args.model_name!r} (not in `meshgate models`, not a .gguf file)", file=sys.stderr)
+            return 1
+        if card.format != "gguf":
+            print(f"{card.name} is {card.format}, not a GGUF", file=sys.stderr)
+            return 1
+        path, model = card.path, card.name
+    name = args.name or default_name(model, args.dtype)
+    out = Path(args.out) if args.out else settings.models_dir / "hf" / name.replace(":", "-")
+    started = time.monotonic()
+    convert(path, out, dtype=args.dtype, name=name)
+    print(f"{out}\n{name}")
+    print(f"converted {path} in {time.monotonic() - started:.1f}s", file=sys.stderr)
     return 0
 
 
@@ -158,9 +194,15 @@ def main(argv: list[str] | None = None) -> int:
             p.add_argument("model_name", metavar="MODEL")
             p.add_argument("--preview", action="store_true", help="list candidates instead of creating")
             p.add_argument("--nodes", help="comma-separated node names to place on")
+    p = sub.add_parser("convert", help="write a GGUF model as a Hugging Face checkpoint (for MLX and vLLM)")
+    p.add_argument("model_name", metavar="MODEL", help="a model name from `meshgate models`, or a .gguf path")
+    p.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], default="bfloat16")
+    p.add_argument("--name", help="the name to list it under (default MODEL-bf16, -f16 or -f32)")
+    p.add_argument("--out", help="the directory to write (default DATA_DIR/models/hf/NAME)")
+    p.add_argument("--data-dir", help="where models and state live (default $XDG_DATA_HOME/meshgate)")
     args = parser.parse_args(argv)
     settings = _settings(args) if args.command in ("serve", "node", "models") else Settings.from_env(os.environ)
-    commands = {"serve": _serve, "node": _node, "models": _models, "ps": _ps, "place": _place}
+    commands = {"serve": _serve, "node": _node, "models": _models, "ps": _ps, "place": _place, "convert": _convert}
     return commands[args.command](settings, args)
 
 

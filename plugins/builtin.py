@@ -1,4 +1,5 @@
-"""The built-in llama.cpp plugin: the llama.cpp backend and the packaged and configured GGUF sources, and
+"""The built-in llama.cpp plugin: the llama.cpp backend, the packaged and configured GGUF sources, the Hugging Face
+checkpoints (``meshgate convert`` output and configured checkpoint directories), and
 the registry of user models (Ollama ``/api/copy``, ``/api/create``; ``/api/delete`` hides the others).
 
 Published as the ``llama_cpp`` entry point in meshgate's own ``pyproject.toml``.
@@ -12,6 +13,7 @@ from pathlib import Path
 import httpx
 
 from backends.base import Backend, ModelSource
+from backends.checkpoints import CheckpointSource
 from backends.llama_cpp import LlamaCppBackend
 from backends.llama_cpp.registry import HidingSource, ModelRegistry, RegistrySource
 from backends.llama_cpp.sources import GGUFPathSource, PackagedGGUFSource
@@ -33,4 +35,5 @@ def meshgate_register_model_sources(register: Callable[[ModelSource], None], set
     register(HidingSource(PackagedGGUFSource(settings.models_dir), registry))
     if settings.models:
         register(HidingSource(GGUFPathSource(settings.model_paths(), Path(settings.data_dir)), registry))
+    register(HidingSource(CheckpointSource(settings.models_dir / "hf", settings.model_paths()), registry))
 

@@ -41,6 +41,7 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
         n_ctx: Context length for llama.cpp runners (capped by the model's own).
         threads: Threads per runner; all cores when unset.
         runner_python: Interpreter for runner processes (a runtime's own virtual environment).
+        mlx_python: Interpreter with ``mlx`` and ``mlx-lm`` for MLX ranks (default: this one, if it has them).
         log_level: uvicorn/logging level.
         redis: Redis URL for cluster state; without it state is in memory and the gateway embeds a local agent.
         node_name: This node's name (agents); the host name by default.
@@ -84,6 +85,7 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     rate_limit: int = 0
     max_body_bytes: int = 64 << 20
     llama_repack: bool = False
+    mlx_python: str | None = None
     link_probe_every: float = 30.0
 
     @classmethod

@@ -87,6 +87,27 @@ def packaged_gguf(data_dir: Path) -> Path:
 
 
 @pytest.fixture(scope="session")
+def converted_gemma(packaged_gguf: Path) -> Path:
+    """The packaged GGUF as a bfloat16 Hugging Face checkpoint (``meshgate convert``'s output) for MLX and vLLM.
+
+    Written once under ``<data_dir>/converted`` (outside ``models/hf``, so the shared gateways do not list it) and
+    reused while its ``meshgate.json`` names the same GGUF and converter version.
+    """
+    import json
+
+    from backends.checkpoints import is_checkpoint
+    from backends.llama_cpp.convert import CONVERTER_VERSION, convert
+
+    target = packaged_gguf.parent.parent / "converted" / "gemma3-270m-bf16"
+    marker = target / "meshgate.json"
+    if is_checkpoint(target) and marker.is_file():
+        meta = json.loads(marker.read_text())
+        if meta.get("source") == str(packaged_gguf.resolve()) and meta.get("converter") == CONVERTER_VERSION:
+            return target
+    return convert(packaged_gguf, target, dtype="bfloat16", name="gemma3:270m-bf16")
+
+
+@pytest.fixture(scope="session")
 def real_server(data_dir: Path) -> Iterator[Server]:
     """A gateway with the built-in plugins and the real Gemma 3 270M model."""
     server = Server(data_dir, "--n-ctx", "2048")

@@ -73,7 +73,7 @@ class GGUFPathSource:
 
     def models(self) -> Sequence[ModelCard]:
         return [card_from_gguf(name, path, digest=self.digests.get(path), source=self.name)
-                for name, path in self.entries]
+                for name, path in self.entries if not os.path.isdir(path)]  # directories: CheckpointSource
 
 
 class _DigestCache:

@@ -1,3 +1,177 @@
-"""MLX (mlx-lm) in runner processes, tensor-sharded over MLX's ring backend. Groundwork for step 7: the engine,
-the runner, the rank launcher and the lockstep protocol between ranks; the gateway-side backend, agent launch
-and pipeline sharding are not written yet. Imports protocols and backends.runner; mlx only in the runner."""
+"""MLX through mlx-lm: Hugging Face checkpoints served by rank processes joined over MLX's ring backend.
+
+``MlxBackend.launch`` (in a node agent) starts one rank per shard of a placement (``python -m
+backends.mlx.runner`` with a python that has mlx): rank 0, the head, is the first pipeline stage or tensor rank 0
+and speaks the internal streaming protocol; the others follow its generation loop. Ranks are in placement order
+(layer range, then tensor rank); followers start first and wait to be joined (``rendezvous``), the head's agent
+builds the ring's hostfile from their addresses on the cluster interface. ``MlxBackend.connect`` (in the
+gateway) gives a runner client for the head. mlx itself is only ever imported in the rank processes.
+
+Imports protocols, backends.base/placement/runner and ``backends.checkpoints``; never the gateway.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import sys
+import tempfile
+from collections.abc import AsyncIterator, Mapping, Sequence
+from pathlib import Path
+
+import httpx
+
+from backends.base import Capabilities, ModelCard, Peers
+from backends.mlx import rendezvous
+from backends.placement import Candidate, ModelSpec, Shard, ShardCosts, Strategy
+from backends.runner.client import RunnerClient
+from backends.runner.process import RunnerProcess
+from protocols.model import EmbedRequest, Embeddings, Event, Request, UnsupportedFeature
+
+__all__ = ["LaunchedRank", "MlxBackend", "MlxRunner", "rank_order"]
+
+MiB = 1 << 20
+_PACKAGES = ("backends", "protocols")  # what a rank imports of meshgate
+
+
+def rank_order(placement: Candidate) -> list[Shard]:
+    """The shards of ``placement`` in rank order: rank 0 (the head) holds layer 0 and tensor rank 0."""
+    return sorted(placement.shards, key=lambda s: (s.layer_start, s.tensor_rank))
+
+
+class MlxRunner:
+    """The gateway's client for an MLX head rank."""
+
+    def __init__(self, client: RunnerClient) -> None:
+        self.client = client
+
+    def generate(self, request: Request) -> AsyncIterator[Event]:
+        return self.client.generate(request)
+
+    async def count_tokens(self, request: Request) -> int:
+        return await self.client.count_tokens(request)
+
+    async def embed(self, request: EmbedRequest) -> Embeddings:
+        raise UnsupportedFeature("the MLX backend does not compute embeddings", param="model")
+
+
+class LaunchedRank:
+    """One rank process an agent started: the head (serving) or a follower (its join endpoint, then nothing)."""
+
+    def __init__(self, process: RunnerProcess, host: str, *, grace: float, hostfile: str | None = None) -> None:
+        self.process = process
+        self.pid: int | None = process.pid
+        self.url: str | None = f"http://{f'[{host}]' if ':' in host else host}:{process.port}"
+        self.grace = grace
+        self.hostfile = hostfile
+
+    @property
+    def alive(self) -> bool:
+        return self.process.alive
+
+    async def stop(self) -> None:
+        await self.process.stop(self.grace)
+        if self.hostfile and os.path.exists(self.hostfile):
+            os.unlink(self.hostfile)
+
+
+class MlxBackend:
+    """Serves Hugging Face checkpoints (``format="safetensors"``) with mlx-lm, whole or sharded over ranks.
+
+    ``python`` is an interpreter with ``mlx`` and ``mlx-lm`` (and msgspec, uvicorn); meshgate's own ``backends``
+    and ``protocols`` packages reach it through ``PYTHONPATH``. Pipeline ranks load only their layer range;
+    tensor ranks split every layer. Free text only: no tools, structured output or embeddings.
+    """
+
+    name = "mlx"
+
+    def __init__(self, http: httpx.AsyncClient, *, python: str | None = None, n_ctx: int = 4096,
+                 runtime_dir: str | None = None, ready_timeout: float = 300.0) -> None:
+        self.http = http
+        self.python = python or sys.executable
+        self.n_ctx = n_ctx
+        self.runtime_dir = Path(runtime_dir or tempfile.gettempdir()) / "mlx"
+        self.ready_timeout = ready_timeout
+
+    def supports(self, card: ModelCard) -> bool:
+        return card.format == "safetensors"
+
+    def capabilities(self, card: ModelCard) -> Capabilities:
+        return Capabilities(tools=False, vision=False, json_schema=False, raw_prompt=True, embeddings=False)
+
+    def strategies(self, card: ModelCard) -> frozenset[Strategy]:
+        return frozenset({"single", "pipeline", "tensor"})
+
+    def costs(self, card: ModelCard) -> ShardCosts:
+        # Measured with mlx 0.32.4 on CPU: a rank process (python, mlx, mlx-lm, the tokenizer) is ~190 MiB
+        # resident before weights, the head's HTTP server ~25 MiB more; compute buffers grow ~16 KiB per
+        # context token on Gemma 3 270M.
+        return ShardCosts(base_bytes=190 * MiB, head_bytes=25 * MiB, per_token_bytes=16 << 10)
+
+    def spec(self, card: ModelCard) -> ModelSpec:
+        from backends.checkpoints import spec_from_checkpoint
+
+        return spec_from_checkpoint(card.name, card.path)
+
+    def context(self, card: ModelCard) -> int:
+        return min(self.n_ctx, card.context_length or self.n_ctx)
+
+    async def launch(self, card: ModelCard, placement: Candidate, shard: Shard, *, host: str,
+                     peers: Peers) -> LaunchedRank:
+        order = rank_order(placement)
+        rank, ranks = order.index(shard), len(order)
+        mode = "single" if ranks == 1 else "tensor" if placement.strategy == "tensor" else "pipeline"
+        argv = [self.python, "-m", "backends.mlx.runner", "--model", card.path, "--host", host,
+                "--n-ctx", str(placement.context or self.context(card)), "--sharding", mode, "--rank", str(rank),
+                "--ranks", str(ranks), "--ready-timeout", str(self.ready_timeout)]
+        if mode == "pipeline":
+            argv += ["--layers", f"{shard.layer_start}:{shard.layer_end}"]
+        env = self._env()
+        if rank > 0:  # a follower: up as soon as its join endpoint listens
+            process = await RunnerProcess.start(argv, name=f"{card.name} rank {rank}", env=env, ready_timeout=60)
+            return LaunchedRank(process, host, grace=15.0)
+        hostfile = None
+        if ranks > 1:
+            urls = await peers()
+            hostfile = await self._ring(host, [urls[s.node_id] for s in order[1:]])
+            env |= {"MLX_HOSTFILE": hostfile, "MLX_RANK": "0"}
+        try:
+            process = await RunnerProcess.start(argv, name=card.name, env=env, ready_timeout=self.ready_timeout + 15)
+        except BaseException:
+            if hostfile:
+                os.unlink(hostfile)
+            raise
+        return LaunchedRank(process, host, grace=10.0, hostfile=hostfile)
+
+    def connect(self, card: ModelCard, placement: Candidate, urls: Mapping[str, str]) -> MlxRunner:
+        return MlxRunner(RunnerClient(urls[rank_order(placement)[0].node_id], self.http))
+
+    async def _ring(self, host: str, followers: Sequence[str]) -> str:
+        """Learn the followers' ring addresses, write the hostfile (head first), join them; its path."""
+        rings = await rendezvous.gather(self.http, followers)
+        while (own := rendezvous.ring_address(host, rendezvous.free_port(host))) in rings:
+            pass
+        hosts = [[own], *([r] for r in rings)]
+        self.runtime_dir.mkdir(parents=True, exist_ok=True)
+        fd, path = tempfile.mkstemp(prefix="ring-", suffix=".json", dir=self.runtime_dir)
+        with os.fdopen(fd, "w") as f:
+            json.dump(hosts, f)
+        await rendezvous.join(self.http, followers, hosts)
+        return path
+
+    def _env(self) -> dict[str, str]:
+        """Our packages on the path (the rank's python may be another venv: only links to ``backends`` and
+        ``protocols``, never the directory they are installed in), no hub, MLX's JIT cache kept."""
+        tmp, code = self.runtime_dir / "tmp", self.runtime_dir / "code"
+        tmp.mkdir(parents=True, exist_ok=True)
+        code.mkdir(exist_ok=True)
+        root = Path(__file__).resolve().parents[2]
+        for name in _PACKAGES:
+            link = code / name
+            if not link.is_symlink() or link.resolve() != root / name:
+                link.unlink(missing_ok=True)
+                with contextlib.suppress(FileExistsError):  # another agent on this machine made it just now
+                    link.symlink_to(root / name, target_is_directory=True)
+        path = os.pathsep.join(p for p in (str(code), os.environ.get("PYTHONPATH", "")) if p)
+        return {"PYTHONPATH": path, "HF_HUB_OFFLINE": "1", "TMPDIR": str(tmp)}

@@ -3,7 +3,9 @@
 Owns the token loop instead of ``mlx_lm.stream_generate`` so that it can stop between any two tokens
 (cancellation, stop strings) and so that, over several ranks, every rank feeds the model the same token: rank 0
 (the head, which serves HTTP) samples and broadcasts each token; followers (``follow``) run the same forward
-passes on their shard. ``lockstep.py`` holds the wire between ranks (sums of small int32 arrays).
+passes on their shard. ``lockstep.py`` holds the wire between ranks (sums of small int32 arrays);
+``sharding.py`` splits the model, by tensor (every layer over all ranks) or by pipeline (each rank its own range
+of layers; only the head computes logits, followers pass hidden states on).
 
 Greedy when temperature is 0; otherwise mlx-lm's sampler with the request's seed. Free text only for now: tools,
 response formats and logprobs answer ``UnsupportedFeature``.
@@ -56,24 +58,54 @@ class Count(msgspec.Struct):
 class MlxEngine:
     """One mlx-lm model, whole or sharded over a distributed group, generating for one request at a time."""
 
-    def __init__(self, path: str, *, group: Any = None, mode: str = "tensor", n_ctx: int = 4096) -> None:
-        """Load ``path``; with a ``group`` of more than one rank, shard it (``mode``: ``tensor``)."""
+    def __init__(self, path: str, *, group: Any = None, mode: str = "single",
+                 layers: tuple[int, int] | None = None, n_ctx: int = 4096) -> None:
+        """Load ``path``; over a ``group`` of more than one rank, shard it by ``mode`` (``tensor`` or
+        ``pipeline``; ``single`` runs the whole model on this rank alone, as does any mode without a group).
+
+        ``layers``: this rank's ``[start, end)`` layer range in pipeline mode (the placement's; rank 0 starts at
+        0, the ranges tile the model in rank order); ``None`` splits evenly.
+        """
         import mlx.core as mx
-        from mlx_lm.utils import load, sharded_load
 
         self._mx = mx
         started = time.perf_counter_ns()
-        if group is not None and group.size() > 1:
-            if mode != "tensor":
-                raise ValueError(f"unknown sharding mode {mode!r}")
-            self.model, self.tokenizer = sharded_load(path, tensor_group=group)
-        else:
-            group = None
-            self.model, self.tokenizer = load(path)
+        if group is None or group.size() < 2 or mode == "single":
+            group, mode = None, "single"
+        if mode not in ("single", "tensor", "pipeline"):
+            raise ValueError(f"unknown sharding mode {mode!r}")
+        self.model, self.tokenizer, self.layers = self._load(path, group, mode, layers)
         self.load_ns = time.perf_counter_ns() - started
         self.lockstep = Lockstep(group)
-        self.path, self.mode, self.n_ctx = path, mode if group is not None else "single", n_ctx
+        self.path, self.mode, self.n_ctx = path, mode, n_ctx
         self._first_request = True
+
+    def _load(self, path: str, group: Any, mode: str, layers: tuple[int, int] | None) -> tuple[Any, Any, Any]:
+        """The model (lazily read, sharded, then only this rank's weights evaluated), its tokenizer and this
+        rank's layer range (``None`` unless pipelined)."""
+        mx = self._mx
+        from mlx.utils import tree_flatten
+        from mlx_lm.models.cache import make_prompt_cache
+        from mlx_lm.utils import load_model, load_tokenizer
+
+        from backends.mlx import sharding
+
+        model, config = load_model(Path(path), lazy=True)
+        tokenizer = load_tokenizer(Path(path), eos_token_ids=config.get("eos_token_id"))
+        self._forward, self._make_cache = model, lambda: make_prompt_cache(model)
+        if mode == "tensor":
+            sharding.shard_tensor(model, group)
+        elif mode == "pipeline":
+            n_layers = len(model.layers)
+            layers = layers or sharding.even_split(n_layers, group.size(), group.rank())
+            stage = sharding.shard_pipeline(model, group, *layers)
+            self._forward, self._make_cache = stage, stage.make_cache
+        for _, weight in tree_flatten(model.parameters()):  # one at a time: a tensor shard reads its whole
+            mx.eval(weight)  # source tensor first, and the peak stays at one source tensor over the shard
+        self.weight_bytes = sharding.parameter_bytes(model)
+        if group is not None:  # every rank loaded before any serves (a slow peer would time out a transfer)
+            mx.eval(mx.distributed.all_sum(mx.array(1.0), group=group, stream=mx.cpu))
+        return model, tokenizer, tuple(layers) if mode == "pipeline" and layers else None
 
     @property
     def rank(self) -> int:
@@ -81,7 +113,8 @@ class MlxEngine:
 
     def health(self) -> dict[str, Any]:
         return {"status": "ok", "model": self.path, "n_ctx": self.n_ctx, "family": self.model.model_type,
-                "ranks": self.lockstep.size, "sharding": self.mode}
+                "ranks": self.lockstep.size, "sharding": self.mode,
+                "layers": list(self.layers) if self.layers else None}
 
     def count_tokens(self, request: Request, cancel: threading.Event) -> Count:
         return Count(count=len(self.tokenize(request)))
@@ -185,19 +218,20 @@ class MlxEngine:
         return make_sampler(temp=temp, top_p=float(_value(s, "top_p")), min_p=float(_value(s, "min_p")),
                             top_k=int(_value(s, "top_k")))
 
-    def _steps(self, tokens: list[int], sampler: Any) -> Iterator[int]:
+    def _steps(self, tokens: list[int], sampler: Any) -> Iterator[int | None]:
         """Prefill ``tokens``, then yield one token per forward pass; the caller's ``self._feed`` (a follower's
-        copy of the head's pick), when set, replaces the local pick as the next input."""
+        copy of the head's pick), when set, replaces the local pick as the next input. A pipeline follower
+        computes no logits and yields ``None`` (its stage has already passed its hidden state on)."""
         mx = self._mx
-        from mlx_lm.models.cache import make_prompt_cache
-
-        cache = make_prompt_cache(self.model)
+        cache = self._make_cache()
         inputs = mx.array(tokens)[None]
         while True:
-            logits = self.model(inputs, cache=cache)[:, -1, :]
-            token = sampler(logits)
-            mx.eval(token)
+            logits = self._forward(inputs, cache=cache)
+            pick = None
+            if logits is not None:
+                token = sampler(logits[:, -1, :])
+                mx.eval(token)
+                pick = int(token.item())
             self._feed = None
-            pick = int(token.item())
             yield pick
             inputs = mx.array([[self._feed if self._feed is not None else pick]])

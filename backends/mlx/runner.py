@@ -1,42 +1,168 @@
-"""The MLX runner process: ``python -m backends.mlx.runner --model DIR`` (run with the MLX venv's python).
+"""The MLX runner process: ``python -m backends.mlx.runner --model DIR ...`` (run with a python that has mlx).
 
-One process: loads the model and serves it over the internal streaming protocol (``backends.runner.server``).
-Distributed (``MLX_RANK`` and ``MLX_HOSTFILE`` set, as ``backends.mlx.launch`` does): every rank joins the ring
-group and loads its shard; rank 0 serves HTTP, the others follow it (``MlxEngine.follow``) until it shuts down.
+One rank of an instance:
+
+- alone (``--ranks 1``): load the whole model and serve it over the internal streaming protocol;
+- the head (``--rank 0`` of N, ``MLX_HOSTFILE`` set by the backend): join the ring, load its shard, serve; when
+  the server stops (SIGTERM), tell the followers to shut down and meet them at a barrier, then exit;
+- a follower (``--rank r`` > 0): serve ``/ring`` and ``/join`` (``backends.mlx.rendezvous``) until the head's
+  agent sends the hostfile, then join the ring, load its shard and follow the head's generation loop until the
+  head shuts it down. SIGTERM does not cut a follower off mid-transfer: it waits for the head's shutdown (its
+  supervisor kills it after a grace period if that never comes).
+
+Every wait before serving is bounded (``--ready-timeout``; the ring's ``init`` otherwise waits forever for a
+missing peer). A head that loses a rank mid-generation reports the failure on that stream and exits: its ring
+is gone, so its agent reports the instance failed and the gateway places it again.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
+import signal
 import sys
+import tempfile
+import threading
+from collections.abc import Iterator
+from typing import Any
 
-from backends.mlx.engine import MlxEngine
-from backends.runner.server import FAILED_LINE, serve
+from backends.mlx.rendezvous import serve_join
+from backends.runner.server import FAILED_LINE, READY_LINE, serve
+from protocols.model import BackendUnavailable, Event, Request
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="meshgate-mlx-runner")
-    parser.add_argument("--model", required=True, help="directory of an mlx-lm model")
+    parser.add_argument("--model", required=True, help="directory of an mlx-lm (Hugging Face) checkpoint")
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=0)
     parser.add_argument("--n-ctx", type=int, default=4096)
-    parser.add_argument("--sharding", default="tensor", choices=["tensor"])
+    parser.add_argument("--sharding", default="single", choices=["single", "tensor", "pipeline"])
+    parser.add_argument("--layers", default=None, help="this rank's layer range START:END (pipeline)")
+    parser.add_argument("--rank", type=int, default=0)
+    parser.add_argument("--ranks", type=int, default=1)
+    parser.add_argument("--ready-timeout", type=float, default=300.0)
     args = parser.parse_args(argv)
-    group = None
+    launched = os.environ.get("MLX_HOSTFILE")  # started by a ring launcher (backends.mlx.launch): no join
+    if launched:
+        with open(launched) as f:
+            args.ranks, args.rank = len(json.load(f)), int(os.environ.get("MLX_RANK", "0"))
+    threading.Thread(target=_exit_when_parent_goes, name="parent-watch", daemon=True).start()
+    # join + init + load, bounded: a watchdog thread says why; SIGALRM (default action: terminate) is the hard
+    # stop should the ring's init hold the interpreter so that the thread cannot run
+    watchdog = threading.Timer(args.ready_timeout, _timed_out)
+    watchdog.daemon = True
+    watchdog.start()
+    signal.alarm(int(args.ready_timeout) + 10)
     try:
-        if os.environ.get("MLX_HOSTFILE"):
-            import mlx.core as mx
-
-            group = mx.distributed.init(strict=True, backend="ring")
-        engine = MlxEngine(args.model, group=group, mode=args.sharding, n_ctx=args.n_ctx)
+        if args.ranks > 1 and args.rank > 0 and not launched:
+            _join(args)
+        engine = _load(args, own_hostfile=args.rank > 0 and not launched)
     except Exception as exc:  # tell the supervisor why, then exit: nothing is served
         print(f"{FAILED_LINE} {exc}", flush=True)
-        sys.exit(1)
+        _leave(1)
+    watchdog.cancel()
+    signal.alarm(0)
+    if engine.lockstep.size == 1:
+        serve(engine, args.host, args.port, watch_parent=False)
+        _leave(0)
     if engine.rank != 0:
-        engine.follow()
-        return
-    serve(engine, args.host, args.port)
+        signal.signal(signal.SIGTERM, lambda *_: None)  # leave through the head's shutdown barrier only
+        try:
+            engine.follow()
+        except RuntimeError as exc:  # the head went away without a shutdown: nothing left to follow
+            print(f"meshgate-mlx-runner rank {engine.rank}: {exc}", file=sys.stderr, flush=True)
+            _leave(1)
+        _leave(0)
+    # uvicorn turns SIGTERM into a graceful stop, then raises it again once it has stopped; this handler takes
+    # that second one, so the ring's shutdown below still runs
+    signal.signal(signal.SIGTERM, lambda *_: None)
+    serve(_Head(engine), args.host, args.port, watch_parent=False)
+    try:
+        engine.shutdown()  # followers leave their loop; every rank meets at a barrier before exiting
+    except RuntimeError as exc:
+        print(f"meshgate-mlx-runner: shutdown: {exc}", file=sys.stderr, flush=True)
+        _leave(1)
+    _leave(0)
+
+
+def _leave(code: int) -> None:
+    """Exit now: the parent-watch thread blocks in a stdin read that interpreter shutdown would trip over."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+class _Head:
+    """The head's engine as the server sees it: a ring error ends the stream as ``BackendUnavailable`` and the
+    process (the ring is gone: this instance cannot generate again)."""
+
+    def __init__(self, engine: Any) -> None:
+        self.engine = engine
+        self.count_tokens = engine.count_tokens
+
+    def health(self) -> dict[str, Any]:
+        return self.engine.health()
+
+    def generate(self, request: Request, cancel: threading.Event) -> Iterator[Event]:
+        try:
+            yield from self.engine.generate(request, cancel)
+        except RuntimeError as exc:
+            if "[ring]" not in str(exc):
+                raise
+            _exit_soon()
+            raise BackendUnavailable(f"a rank of this MLX instance was lost ({exc}); it is being placed again") \
+                from exc
+
+
+def _join(args: argparse.Namespace) -> None:
+    """A follower: wait for the hostfile, then point the ring backend at it."""
+    def ready(port: int) -> None:
+        print(f"{READY_LINE} port={port}", flush=True)
+
+    joined = serve_join(args.host, args.rank, args.ready_timeout, ready)
+    fd, path = tempfile.mkstemp(prefix="mlx-ring-", suffix=".json")
+    with os.fdopen(fd, "w") as f:
+        json.dump(joined.hosts, f)
+    os.environ["MLX_HOSTFILE"], os.environ["MLX_RANK"] = path, str(joined.rank)
+
+
+def _load(args: argparse.Namespace, *, own_hostfile: bool):
+    from backends.mlx.engine import MlxEngine
+
+    group = None
+    if args.ranks > 1:
+        import mlx.core as mx
+
+        group = mx.distributed.init(strict=True, backend="ring")
+        if own_hostfile:
+            os.unlink(os.environ["MLX_HOSTFILE"])  # the one _join wrote; a launcher's belongs to the launcher
+        if group.size() != args.ranks or group.rank() != args.rank:
+            raise RuntimeError(f"joined as rank {group.rank()} of {group.size()}, expected {args.rank} of "
+                               f"{args.ranks}")
+    layers = tuple(int(x) for x in args.layers.split(":")) if args.layers else None
+    return MlxEngine(args.model, group=group, mode=args.sharding, layers=layers, n_ctx=args.n_ctx)
+
+
+def _timed_out() -> None:
+    print(f"{FAILED_LINE} not ready within the ready timeout (a rank of the ring never came)", flush=True)
+    os._exit(1)
+
+
+def _exit_soon() -> None:
+    """The ring lost a rank: this instance cannot generate again. Let the failed stream flush, then go."""
+    threading.Timer(0.5, os._exit, (3,)).start()
+
+
+def _exit_when_parent_goes() -> None:
+    """Our supervisor holds stdin open; EOF means it is gone, so no rank outlives its agent."""
+    try:
+        while sys.stdin.buffer.read(1024):
+            pass
+    except Exception:
+        pass
+    os._exit(0)
 
 
 if __name__ == "__main__":

@@ -108,15 +108,17 @@ class RunnerApp:
         try:
             async with self._busy:
                 self.stats["active"] += 1
+                ended = False
                 try:
                     async for event in _run_in_thread(self.engine, request, cancel):
                         if cancel.is_set():
                             break
                         await send({"type": "http.response.body", "body": _encoder.encode(event) + b"\n",
                                     "more_body": True})
+                        ended = isinstance(event, TERMINAL)
                 finally:
                     self.stats["active"] -= 1
-                    self.stats["cancelled" if cancel.is_set() else "finished"] += 1
+                    self.stats["finished" if ended else "cancelled"] += 1
             await send({"type": "http.response.body", "body": b"", "more_body": False})
         finally:
             cancel.set()
@@ -236,15 +238,18 @@ def _exit_when_parent_goes() -> None:
     os._exit(0)
 
 
-def serve(engine: Engine, host: str = "127.0.0.1", port: int = 0) -> None:
-    """Serve ``engine`` on ``host:port`` (0 picks a free port) and print the ready line with the real port."""
+def serve(engine: Engine, host: str = "127.0.0.1", port: int = 0, *, watch_parent: bool = True) -> None:
+    """Serve ``engine`` on ``host:port`` (0 picks a free port) and print the ready line with the real port.
+
+    ``watch_parent``: exit when stdin closes (the runner's own ``main`` may watch it already)."""
     import uvicorn
 
     sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind((host, port))
     sock.listen(64)
-    threading.Thread(target=_exit_when_parent_goes, name="parent-watch", daemon=True).start()
+    if watch_parent:
+        threading.Thread(target=_exit_when_parent_goes, name="parent-watch", daemon=True).start()
     print(f"{READY_LINE} port={sock.getsockname()[1]}", flush=True)
     config = uvicorn.Config(RunnerApp(engine), log_level="warning", access_log=False, lifespan="on")
     uvicorn.Server(config).run(sockets=[sock])

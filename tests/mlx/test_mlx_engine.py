@@ -41,58 +41,104 @@ def _mlx(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
     return done
 
 
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    path = tmp_path_factory.mktemp("tiny-mlx") / "model"
-    _mlx(str(HERE / "tiny_model.py"), str(path))
-    return path
+FAMILIES = ("llama", "gemma3")
 
 
 @pytest.fixture(scope="module")
-def one_rank(tiny: Path) -> dict:
-    return json.loads(_mlx(str(HERE / "rank_check.py"), str(tiny)).stdout.splitlines()[-1])
+def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """The tiny model of each family, by family."""
+    root = tmp_path_factory.mktemp("tiny-mlx")
+    for family in FAMILIES:
+        _mlx(str(HERE / "tiny_model.py"), str(root / family), family)
+    return {family: root / family for family in FAMILIES}
 
 
-def test_tiny_model_builds_byte_identical(tiny: Path, tmp_path: Path) -> None:
-    again = tmp_path / "again"
-    _mlx(str(HERE / "tiny_model.py"), str(again))
-    names = sorted(p.name for p in tiny.iterdir())
-    assert "model.safetensors.index.json" in names and "tokenizer.json" in names
-    assert all((tiny / n).read_bytes() == (again / n).read_bytes() for n in names)
+@pytest.fixture(scope="module")
+def tiny(models: dict[str, Path]) -> Path:
+    return models["llama"]
 
 
-def test_engine_matches_mlx_lm_generate(tiny: Path, one_rank: dict) -> None:
-    script = ("import sys, json; from mlx_lm import load; from mlx_lm.generate import stream_generate\n"
-              "m, t = load(sys.argv[1])\n"
-              "out = []\n"
-              "for p in json.loads(sys.argv[2]):\n"
-              "    ids = t.apply_chat_template([{'role': 'user', 'content': p}], add_generation_prompt=True)\n"
-              "    out.append([r.token for r in stream_generate(m, t, ids, max_tokens=32)])\n"
-              "print(json.dumps(out))")
-    prompts = [r["prompt"] for r in one_rank["results"]]
-    reference = json.loads(_mlx("-c", script, str(tiny), json.dumps(prompts)).stdout.splitlines()[-1])
-    for ours, theirs in zip(one_rank["results"], reference):
-        eos = 1  # mlx-lm yields the end token; the engine stops before it
-        assert ours["tokens"] == [t for t in theirs if t != eos][:len(ours["tokens"])]
-        assert len(ours["tokens"]) == 32 or ours["finish"] == "stop"
-
-
-def test_two_rank_tensor_sharding_is_token_identical(tiny: Path, one_rank: dict) -> None:
+def _checks(runs: list[dict], n: int) -> list[dict]:
+    """Run ``rank_check.py`` over ``runs`` on ``n`` ranks (one launch for all); each rank's report, rank order."""
     from backends.mlx.launch import launch
 
-    ranks = launch(2, [str(mlx_python()), str(HERE / "rank_check.py"), str(tiny)], env=ENV, cwd=ROOT,
+    started = time.monotonic()
+    ranks = launch(n, [str(mlx_python()), str(HERE / "rank_check.py"), json.dumps(runs)], env=ENV, cwd=ROOT,
                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
-        outs = [p.communicate(timeout=120) for p in ranks.procs]
+        outs = [p.communicate(timeout=240) for p in ranks.procs]
         codes = [p.returncode for p in ranks.procs]
     finally:
         ranks.close()
-    assert codes == [0, 0], [err[-1500:] for _, err in outs]
-    two = json.loads(outs[0][0].splitlines()[-1])
-    assert two["ranks"] == 2 and two["sharded"] == "AllToShardedLinear"
-    assert one_rank["sharded"] == "Linear"
-    assert [r["tokens"] for r in two["results"]] == [r["tokens"] for r in one_rank["results"]]
-    assert [r["text"] for r in two["results"]] == [r["text"] for r in one_rank["results"]]
+    assert codes == [0] * n, [err[-1500:] for _, err in outs]
+    print(f"{len(runs)} runs on {n} ranks: {time.monotonic() - started:.1f} s")
+    return [json.loads(out.splitlines()[-1]) for out, _ in outs]
+
+
+@pytest.fixture(scope="module")
+def one_rank(models: dict[str, Path]) -> dict[str, dict]:
+    """Each family's whole model in one process: the reference every sharding must reproduce."""
+    (report,) = _checks([{"model": str(models[f]), "mode": "single"} for f in FAMILIES], 1)
+    return dict(zip(FAMILIES, report["runs"]))
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_tiny_model_builds_byte_identical(models: dict[str, Path], tmp_path: Path, family: str) -> None:
+    tiny, again = models[family], tmp_path / "again"
+    _mlx(str(HERE / "tiny_model.py"), str(again), family)
+    names = sorted(p.name for p in tiny.iterdir())
+    assert "model.safetensors.index.json" in names and "tokenizer.json" in names
+    assert all((tiny / n).read_bytes() == (again / n).read_bytes() for n in names)
+    config = json.loads((tiny / "config.json").read_text())
+    if family == "gemma3":  # shaped like Gemma 3 270M where sharding cares; a window the prompts outgrow
+        assert (config["num_attention_heads"], config["num_key_value_heads"], config["sliding_window"]) == (4, 1, 8)
+        assert config["tie_word_embeddings"] and not any("lm_head" in n for n in json.loads(
+            (tiny / "model.safetensors.index.json").read_text())["weight_map"])
+
+
+def test_engine_matches_mlx_lm_generate(models: dict[str, Path], one_rank: dict[str, dict]) -> None:
+    script = ("import sys, json; from mlx_lm import load; from mlx_lm.generate import stream_generate\n"
+              "out = []\n"
+              "for path, prompts in json.loads(sys.argv[1]):\n"
+              "    m, t = load(path)\n"
+              "    for p in prompts:\n"
+              "        ids = t.apply_chat_template([{'role': 'user', 'content': p}], add_generation_prompt=True)\n"
+              "        out.append([r.token for r in stream_generate(m, t, ids, max_tokens=32)])\n"
+              "print(json.dumps(out))")
+    jobs = [[str(models[f]), [r["prompt"] for r in one_rank[f]["results"]]] for f in FAMILIES]
+    reference = json.loads(_mlx("-c", script, json.dumps(jobs)).stdout.splitlines()[-1])
+    ours = [r for f in FAMILIES for r in one_rank[f]["results"]]
+    assert len(ours) == len(reference) == 6
+    for mine, theirs in zip(ours, reference):
+        eos = 1  # mlx-lm yields the end token; the engine stops before it
+        assert mine["tokens"] == [t for t in theirs if t != eos][:len(mine["tokens"])]
+        assert len(mine["tokens"]) == 32 or mine["finish"] == "stop"
+
+
+def test_two_ranks_by_pipeline_and_tensor_match_one(models: dict[str, Path], one_rank: dict[str, dict]) -> None:
+    """Both families, one launch: even and uneven pipelines and tensor sharding generate what one process does
+    (the last prompt outgrows the gemma3 window); weights split; a placement whose ranges leave a gap fails."""
+    shapes = [("pipeline", None), ("pipeline", [[0, 1], [1, 4]]), ("tensor", None)]
+    runs = [{"model": str(models[f]), "mode": mode, "layers": layers} for f in FAMILIES for mode, layers in shapes]
+    runs.append({"model": str(models["gemma3"]), "mode": "pipeline", "layers": [[0, 2], [3, 4]], "expect_error": True})
+    head, follower = _checks(runs, 2)
+    assert head["rank"] == 0 and follower["rank"] == 1
+    for i, (family, (mode, layers)) in enumerate((f, s) for f in FAMILIES for s in shapes):
+        mine, theirs, single = head["runs"][i], follower["runs"][i], one_rank[family]
+        assert [r["tokens"] for r in mine["results"]] == [r["tokens"] for r in single["results"]], (family, mode)
+        assert [r["text"] for r in mine["results"]] == [r["text"] for r in single["results"]]
+        health = mine["health"]
+        assert (health["ranks"], health["sharding"]) == (2, mode)
+        assert health["layers"] == (layers[0] if layers else [0, 2] if mode == "pipeline" else None)
+        held = [mine["weight_bytes"], theirs["weight_bytes"]]
+        assert max(held) < single["weight_bytes"]
+        if mode == "pipeline":  # every weight on exactly one rank
+            assert sum(held) == single["weight_bytes"] and mine["sharded"] == theirs["sharded"] == "Linear"
+        else:
+            assert mine["sharded"] == theirs["sharded"] == "AllToShardedLinear"
+    assert single["sharded"] == "Linear"
+    errors = [head["runs"][-1]["error"], follower["runs"][-1]["error"]]
+    assert errors[0] == errors[1] and "do not tile 4 layers" in errors[0]
 
 
 def _ready_port(proc: subprocess.Popen, deadline: float) -> int:
@@ -119,12 +165,13 @@ def _generate(port: int, text: str) -> list[dict]:
 def test_runner_streams_the_same_events_on_one_and_two_ranks(tiny: Path, one_rank: dict, n: int) -> None:
     from backends.mlx.launch import launch
 
-    argv = [str(mlx_python()), "-m", "backends.mlx.runner", "--model", str(tiny)]
+    argv = [str(mlx_python()), "-m", "backends.mlx.runner", "--model", str(tiny), "--sharding", "tensor"]
     ranks = launch(n, argv, env=ENV, cwd=ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                    stderr=subprocess.DEVNULL, text=True)
     try:
         port = _ready_port(ranks.procs[0], time.monotonic() + 90)
-        for expected in one_rank["results"][:2]:
+        assert httpx.get(f"http://127.0.0.1:{port}/health", timeout=30).json()["ranks"] == n
+        for expected in one_rank["llama"]["results"][:2]:
             events = _generate(port, expected["prompt"])
             kinds = [e["type"] for e in events]
             assert kinds[0] == "usage" and kinds[-2:] == ["usage", "finished"] and set(kinds[1:-2]) == {"text"}

@@ -1,0 +1,123 @@
+"""How the ranks of one MLX instance, started by different node agents, learn the ring's hostfile.
+
+The ring backend needs every rank's ``ip:port`` before any rank calls ``mx.distributed.init``, but each agent
+only knows its own node. So a follower (rank > 0) starts first and waits, unjoined, behind a tiny control
+endpoint on its node's cluster address:
+
+    follower: reserve a ring port, serve ``GET /ring`` -> ``{"ring": "ip:port"}`` and ``POST /join``
+              ``{"rank": r, "hosts": [[...], ...]}``; print the ready line with the control port; wait.
+    head:     ``await peers()`` (every follower reported ready), ``GET /ring`` from each, pick its own ring
+              port, write the hostfile in rank order, ``POST /join`` to each, then start rank 0 with it.
+
+After ``/join`` the follower closes its control endpoint and calls ``init`` with the hostfile it was sent. Every
+wait is bounded: a follower that is never joined exits after its timeout.
+
+``serve_join`` runs in the follower (standard library only); ``gather`` and ``join`` run in the head's agent.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import threading
+from collections.abc import Sequence
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+__all__ = ["Joined", "free_port", "gather", "join", "serve_join"]
+
+
+def free_port(host: str) -> int:
+    """A port free on ``host`` now (the ring binds it a moment later)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]
+
+
+def ring_address(host: str, port: int) -> str:
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+class Joined:
+    """What a follower was told: its rank and the ring's hosts, one list per rank."""
+
+    def __init__(self, rank: int, hosts: list[list[str]]) -> None:
+        self.rank, self.hosts = rank, hosts
+
+
+def serve_join(host: str, rank: int, timeout: float, ready: Any) -> Joined:
+    """Follower side: serve ``/ring`` and ``/join`` on ``host`` until joined (or ``TimeoutError``).
+
+    ``ready(port)`` is called once the control endpoint listens (the runner prints its ready line there).
+    """
+    ring = ring_address(host, free_port(host))
+    joined: list[Joined] = []
+    done = threading.Event()
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:  # noqa: N802 (http.server's naming)
+            if self.path == "/ring":
+                self._reply(200, {"ring": ring, "rank": rank})
+            elif self.path == "/health":
+                self._reply(200, {"status": "waiting", "rank": rank})
+            else:
+                self._reply(404, {"error": "not found"})
+
+        def do_POST(self) -> None:  # noqa: N802
+            if self.path != "/join":
+                self._reply(404, {"error": "not found"})
+                return
+            try:
+                body = json.loads(self.rfile.read(int(self.headers.get("content-length", 0))))
+                hosts = [[str(a) for a in entry] for entry in body["hosts"]]
+                if int(body["rank"]) != rank or hosts[rank] != [ring]:
+                    raise ValueError(f"this follower is rank {rank} at {ring}, not {body['rank']} at {hosts[rank]}")
+            except (ValueError, KeyError, IndexError, TypeError) as exc:
+                self._reply(400, {"error": str(exc)})
+                return
+            joined.append(Joined(rank, hosts))
+            self._reply(200, {"joined": True})
+            done.set()
+
+        def _reply(self, status: int, body: dict[str, Any]) -> None:
+            data = json.dumps(body).encode()
+            self.send_response(status)
+            self.send_header("content-type", "application/json")
+            self.send_header("content-length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def log_message(self, *args: Any) -> None:
+            pass
+
+    server_class = type("Server", (ThreadingHTTPServer,), {"address_family": socket.AF_INET6 if ":" in host
+                                                           else socket.AF_INET, "daemon_threads": True})
+    server = server_class((host, 0), Handler)
+    thread = threading.Thread(target=server.serve_forever, name="mlx-join", daemon=True)
+    thread.start()
+    try:
+        ready(server.server_address[1])
+        if not done.wait(timeout):
+            raise TimeoutError(f"rank {rank} was not joined into a ring within {timeout:.0f}s")
+        return joined[0]
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+async def gather(http: Any, urls: Sequence[str]) -> list[str]:
+    """Head side: each follower's ring address, in the order of ``urls`` (rank 1, 2, ...)."""
+    out = []
+    for url in urls:
+        reply = await http.get(f"{url}/ring", timeout=10.0)
+        reply.raise_for_status()
+        out.append(str(reply.json()["ring"]))
+    return out
+
+
+async def join(http: Any, urls: Sequence[str], hosts: list[list[str]]) -> None:
+    """Head side: send the hostfile to every follower (``urls[i]`` is rank ``i + 1``)."""
+    for rank, url in enumerate(urls, start=1):
+        reply = await http.post(f"{url}/join", json={"rank": rank, "hosts": hosts}, timeout=10.0)
+        reply.raise_for_status()

@@ -1,0 +1,40 @@
+"""The built-in MLX plugin: mlx-lm ranks over MLX's ring backend, for Hugging Face checkpoints.
+
+Registered only where an interpreter with mlx-lm is known: ``MESHGATE_MLX_PYTHON`` (a runtime venv), or this
+one when ``pip install "meshgate[mlx]"`` put mlx-lm beside meshgate. Published as the ``mlx`` entry point.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import httpx
+
+from backends.base import Backend
+from backends.mlx import MlxBackend
+from plugins.hookspecs import hookimpl
+from plugins.settings import Settings
+
+log = logging.getLogger("meshgate.plugins.mlx")
+
+
+def mlx_python(settings: Settings) -> str | None:
+    """The interpreter MLX ranks run with, or ``None`` when there is none."""
+    if settings.mlx_python:
+        return settings.mlx_python
+    return sys.executable if importlib.util.find_spec("mlx_lm") is not None else None
+
+
+@hookimpl
+def meshgate_register_backends(register: Callable[[Backend], None], settings: Settings,
+                               http: httpx.AsyncClient) -> None:
+    python = mlx_python(settings)
+    if python is None:
+        log.debug("no interpreter with mlx-lm (set MESHGATE_MLX_PYTHON): the MLX backend is off")
+        return
+    register(MlxBackend(http, python=python, n_ctx=settings.n_ctx,
+                        runtime_dir=str(Path(settings.data_dir) / "runtime")))

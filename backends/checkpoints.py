@@ -27,8 +27,8 @@ from typing import Any, BinaryIO
 from backends.base import ModelCard
 from backends.placement import ModelSpec
 
-__all__ = ["MESHGATE_FILE", "CheckpointSource", "SafetensorsWriter", "card_from_checkpoint", "is_checkpoint",
-           "read_safetensors_header", "spec_from_checkpoint"]
+__all__ = ["MESHGATE_FILE", "CheckpointSource", "SafetensorsWriter", "card_from_checkpoint", "checkpoint_itemsize",
+           "is_checkpoint", "read_safetensors_header", "spec_from_checkpoint"]
 
 MESHGATE_FILE = "meshgate.json"
 _ITEM_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1}
@@ -65,6 +65,14 @@ def _nbytes(info: dict[str, Any]) -> int:
 def _meta(path: Path) -> dict[str, Any]:
     file = path / MESHGATE_FILE
     return json.loads(file.read_text()) if file.is_file() else {}
+
+
+def checkpoint_itemsize(path: str | os.PathLike) -> int:
+    """Bytes per weight element of the checkpoint at ``path``, from its ``config.json`` dtype."""
+    config = json.loads((Path(path) / "config.json").read_text())
+    config = config.get("text_config", config)
+    dtype = str(config.get("torch_dtype") or config.get("dtype") or "bfloat16")
+    return {"float32": 4, "float64": 8}.get(dtype, 2)
 
 
 def spec_from_checkpoint(name: str, path: str | os.PathLike) -> ModelSpec:

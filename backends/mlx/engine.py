@@ -59,12 +59,14 @@ class MlxEngine:
     """One mlx-lm model, whole or sharded over a distributed group, generating for one request at a time."""
 
     def __init__(self, path: str, *, group: Any = None, mode: str = "single",
-                 layers: tuple[int, int] | None = None, n_ctx: int = 4096) -> None:
+                 layers: tuple[int, int] | None = None, n_ctx: int = 4096, dtype: str | None = None) -> None:
         """Load ``path``; over a ``group`` of more than one rank, shard it by ``mode`` (``tensor`` or
         ``pipeline``; ``single`` runs the whole model on this rank alone, as does any mode without a group).
 
         ``layers``: this rank's ``[start, end)`` layer range in pipeline mode (the placement's; rank 0 starts at
-        0, the ranges tile the model in rank order); ``None`` splits evenly.
+        0, the ranges tile the model in rank order); ``None`` splits evenly. ``dtype``: compute in this float
+        type (``float32`` on CPUs, which have no fast bfloat16: faster there, and tensor-parallel partial sums
+        then match one process exactly); ``None`` keeps the checkpoint's.
         """
         import mlx.core as mx
 
@@ -74,13 +76,14 @@ class MlxEngine:
             group, mode = None, "single"
         if mode not in ("single", "tensor", "pipeline"):
             raise ValueError(f"unknown sharding mode {mode!r}")
-        self.model, self.tokenizer, self.layers = self._load(path, group, mode, layers)
+        self.model, self.tokenizer, self.layers = self._load(path, group, mode, layers, dtype)
         self.load_ns = time.perf_counter_ns() - started
         self.lockstep = Lockstep(group)
         self.path, self.mode, self.n_ctx = path, mode, n_ctx
         self._first_request = True
 
-    def _load(self, path: str, group: Any, mode: str, layers: tuple[int, int] | None) -> tuple[Any, Any, Any]:
+    def _load(self, path: str, group: Any, mode: str, layers: tuple[int, int] | None,
+              dtype: str | None) -> tuple[Any, Any, Any]:
         """The model (lazily read, sharded, then only this rank's weights evaluated), its tokenizer and this
         rank's layer range (``None`` unless pipelined)."""
         mx = self._mx
@@ -93,6 +96,8 @@ class MlxEngine:
         model, config = load_model(Path(path), lazy=True)
         tokenizer = load_tokenizer(Path(path), eos_token_ids=config.get("eos_token_id"))
         self._forward, self._make_cache = model, lambda: make_prompt_cache(model)
+        if dtype is not None:  # still lazy: each weight is cast as it is read below; before sharding, which
+            model.set_dtype(getattr(mx, dtype))  # sizes what travels between stages by the weights' type
         if mode == "tensor":
             sharding.shard_tensor(model, group)
         elif mode == "pipeline":
@@ -121,7 +126,8 @@ class MlxEngine:
 
     def tokenize(self, request: Request) -> list[int]:
         if request.raw_prompt is not None:
-            return list(self.tokenizer.encode(request.raw_prompt, add_special_tokens=False))
+            return list(self.tokenizer.encode(request.raw_prompt))  # with BOS where the model wants one, as
+            # llama.cpp reads raw prompts
         messages = []
         for m in request.messages:
             if any(not isinstance(p, TextPart) for p in m.parts):

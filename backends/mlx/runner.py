@@ -43,6 +43,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--rank", type=int, default=0)
     parser.add_argument("--ranks", type=int, default=1)
     parser.add_argument("--ready-timeout", type=float, default=300.0)
+    parser.add_argument("--dtype", default=None, help="compute in this float type (float32 on CPUs)")
     args = parser.parse_args(argv)
     launched = os.environ.get("MLX_HOSTFILE")  # started by a ring launcher (backends.mlx.launch): no join
     if launched:
@@ -142,7 +143,7 @@ def _load(args: argparse.Namespace, *, own_hostfile: bool):
             raise RuntimeError(f"joined as rank {group.rank()} of {group.size()}, expected {args.rank} of "
                                f"{args.ranks}")
     layers = tuple(int(x) for x in args.layers.split(":")) if args.layers else None
-    return MlxEngine(args.model, group=group, mode=args.sharding, layers=layers, n_ctx=args.n_ctx)
+    return MlxEngine(args.model, group=group, mode=args.sharding, layers=layers, n_ctx=args.n_ctx, dtype=args.dtype)
 
 
 def _timed_out() -> None:

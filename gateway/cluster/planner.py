@@ -185,7 +185,7 @@ class _Planner:
         if "pipeline" in offered:
             yield from self._grow(min(limit, self.spec.n_layers), self._next_stage, self.pipeline, least=min_nodes)
         if "tensor" in offered:
-            largest = math.gcd(self.spec.n_heads, self.spec.n_kv_heads)  # the most ranks the heads allow
+            largest = max(k for k in range(1, self.spec.n_heads + 1) if self._divides(k))  # the heads' limit
             yield from self._grow(min(limit, largest), self._next_rank, self.tensor, tensor=True, least=min_nodes)
 
     def _nobody(self) -> str:
@@ -235,7 +235,10 @@ class _Planner:
                     break
 
     def _divides(self, k: int) -> bool:
-        return self.spec.n_heads % k == 0 and self.spec.n_kv_heads % k == 0
+        """Query heads split evenly over ``k`` ranks; KV heads split too, or (fewer KV heads than ranks, as in
+        grouped-query models like Gemma 3 270M with one) each replicated on the ranks whose queries read it."""
+        kv = self.spec.n_kv_heads
+        return self.spec.n_heads % k == 0 and (kv % k == 0 or k % kv == 0)
 
     def _next_stage(self, chain: list[Node], used: set[str], rest: Iterator[Node]) -> tuple[Node, bool] | None:
         """The tail's best unused linked neighbour, else (unlinked) the best unused node."""
@@ -310,8 +313,8 @@ class _Planner:
         ranks = sorted(group, key=_greedy)
         problems = []
         if not self._divides(k):
-            problems.append(f"tensor parallel over {k} nodes needs n_heads ({spec.n_heads}) and n_kv_heads "
-                            f"({spec.n_kv_heads}) divisible by {k}")
+            problems.append(f"tensor parallel over {k} nodes needs n_heads ({spec.n_heads}) divisible by {k} and "
+                            f"n_kv_heads ({spec.n_kv_heads}) divisible by {k} or dividing it")
         latency, bandwidth, missing, worst = 0.0, math.inf, [], ""
         for a, b in combinations(ranks, 2):
             link = self.view.link(a.id, b.id)
@@ -327,7 +330,8 @@ class _Planner:
                             f"{_ms(TENSOR_MAX_LATENCY)})")
         step = latency + spec.hidden_size * ACTIVATION_BYTES / k / bandwidth
         link_cost = 2 * spec.n_layers * 2 * (k - 1) * step
-        weight, kv = -(-spec.weight_bytes // k), -(-spec.kv_bytes(self.ctx) // k)
+        kv_heads = max(spec.n_kv_heads // k, 1)  # replicated when fewer than the ranks
+        weight, kv = -(-spec.weight_bytes // k), spec.kv_bytes(self.ctx) * kv_heads // max(spec.n_kv_heads, 1)
         shards = tuple(Shard(node_id=n.id, layer_start=0, layer_end=spec.n_layers, tensor_rank=r, tensor_size=k,
                              holds_embedding=True, weight_bytes=weight, kv_bytes=kv,
                              overhead_bytes=self.offer.overhead(self.ctx, head=r == 0)) for r, n in enumerate(ranks))

@@ -37,7 +37,8 @@ def wait_for(check: Callable[[], object], timeout: float = 60.0, what: str = "co
 class Agent:
     """A ``meshgate node`` process."""
 
-    def __init__(self, redis_url: str, name: str, data_dir: Path, log_dir: Path, n_ctx: int = 1024) -> None:
+    def __init__(self, redis_url: str, name: str, data_dir: Path, log_dir: Path, n_ctx: int = 1024,
+                 env: dict[str, str] | None = None) -> None:
         self.name = name
         self.log = log_dir / f"agent-{name}.log"
         with open(self.log, "wb") as log:
@@ -46,7 +47,7 @@ class Agent:
                  "--data-dir", str(data_dir), "--memory", NODE_MEMORY, "--n-ctx", str(n_ctx), "--log-level", "info",
                  "--plugin", "tests.scripted_plugin"],
                 stdout=log, stderr=subprocess.STDOUT, cwd=ROOT,
-                env={**os.environ, **FAST, "PYTHONPATH": str(ROOT)})
+                env={**os.environ, **FAST, "PYTHONPATH": str(ROOT), **(env or {})})
 
     def kill(self) -> None:
         if self.proc.poll() is None:

@@ -118,7 +118,16 @@ def test_tensor_parallel_needs_heads_divisible_by_ranks() -> None:
     top = topology(node("a", 6), node("b", 6), links=(link("a", "b"),))
     candidates = plan(spec, top, [offer(frozenset({"tensor"}))])
     assert candidates and not any(c.fits for c in candidates)
-    assert "n_heads (15) and n_kv_heads (3) divisible by 2" in (candidates[0].reason or "")
+    assert "n_heads (15) divisible by 2 and n_kv_heads (3) divisible by 2 or dividing it" in (candidates[0].reason
+                                                                                              or "")
+
+
+def test_tensor_parallel_replicates_kv_heads_fewer_than_the_ranks() -> None:
+    spec = msgspec.structs.replace(SPEC, n_heads=4, n_kv_heads=1)  # grouped-query, like Gemma 3 270M
+    top = topology(node("a", 6), node("b", 6), links=(link("a", "b"),))
+    best = next(c for c in plan(spec, top, [offer(frozenset({"tensor"}))], min_nodes=2) if c.fits)
+    assert [s.tensor_rank for s in best.shards] == [0, 1]
+    assert all(s.kv_bytes == spec.kv_bytes(4096) for s in best.shards)  # each rank keeps the whole KV head
 
 
 def test_kv_cache_for_a_long_context_makes_a_placement_not_fit() -> None:

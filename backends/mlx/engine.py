@@ -95,7 +95,7 @@ class MlxEngine:
 
         model, config = load_model(Path(path), lazy=True)
         tokenizer = load_tokenizer(Path(path), eos_token_ids=config.get("eos_token_id"))
-        self._forward, self._make_cache = model, lambda: make_prompt_cache(model)
+        self._forward, self._make_cache = sharding.last_logits(model), lambda: make_prompt_cache(model)
         if dtype is not None:  # still lazy: each weight is cast as it is read below; before sharding, which
             model.set_dtype(getattr(mx, dtype))  # sizes what travels between stages by the weights' type
         if mode == "tensor":

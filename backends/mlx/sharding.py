@@ -176,12 +176,31 @@ class Stage:
             if key not in masks:
                 masks[key] = create_attention_mask(h, c, window_size=window)
             h = self.decoder.layers[i](h, masks[key], c)
+        if rank == size - 1:
+            h = h[:, -1:, :]  # the head samples from the last position only: send just that back
         # send now: a lazy send left in the graph could be scheduled after the head's receive below
         mx.eval(mx.distributed.send(h, (rank + 1) % size, group=group))
         if rank != 0:
             return None
-        h = self.decoder.norm(mx.distributed.recv_like(h, size - 1, group=group))
+        h = self.decoder.norm(mx.distributed.recv((inputs.shape[0], 1, self.hidden), self.dtype, size - 1,
+                                                  group=group))
         return self.lm.lm_head(h) if "lm_head" in self.lm else self.decoder.embed_tokens.as_linear(h)
+
+
+def last_logits(model: nn.Module) -> Any:
+    """``model``'s forward pass with the output head applied to the last position only (a whole or tensor-sharded
+    model; what generation needs: with Gemma's 262k-entry head, logits for every prompt position made prefill
+    many times slower). Families we do not know keep their own full forward pass."""
+    try:
+        lm, decoder = _parts(model)
+    except ValueError:
+        return model
+
+    def forward(inputs: mx.array, cache: list[Any]) -> mx.array:
+        h = decoder(inputs, cache=cache)[:, -1:, :]
+        return lm.lm_head(h) if "lm_head" in lm else decoder.embed_tokens.as_linear(h)
+
+    return forward
 
 
 def shard_pipeline(model: nn.Module, group: Any, start: int, end: int) -> Stage:

@@ -1,0 +1,116 @@
+"""MLX on the real Gemma 3 270M: one process vs a 2-rank pipeline vs 2-rank tensor parallel, on loopback.
+
+    .venv/bin/python benchmarks/mlx.py [--tokens 64] [--runs 3] [--python PATH] [--model DIR]
+
+Launches ranks through ``MlxBackend.launch`` exactly as node agents do (followers first, the head joins them over
+the ring), then prints, per configuration, prompt and decode tokens/s (from the head's own timings, median of
+``--runs``), the ratio to one process, the resident memory of every rank after the runs, and checks that every
+configuration produced the same greedy text. ``--model`` defaults to the checkpoint the tests convert
+(``.cache/test-data/converted/gemma3-270m-bf16``; made with ``meshgate convert`` when missing); ``--python``
+to the MLX venv the tests make (``.cache/venvs/mlx``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import statistics
+import sys
+from pathlib import Path
+
+import httpx
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from backends.base import ModelCard  # noqa: E402
+from backends.mlx import MlxBackend  # noqa: E402
+from backends.placement import Candidate, NodeId, Shard  # noqa: E402
+from protocols.model import Request, Sampling, TextDelta, Usage  # noqa: E402
+
+PROMPT = ("The history of the printing press begins in the fifteenth century, when movable type changed how books "
+          "were made. ") * 6
+
+
+def rss_mib(pid: int) -> float:
+    status = Path(f"/proc/{pid}/status").read_text()
+    return int(next(line for line in status.splitlines() if line.startswith("VmRSS")).split()[1]) / 1024
+
+
+def placement(strategy: str, n_layers: int) -> Candidate:
+    a, b = NodeId("a"), NodeId("b")
+    half = n_layers // 2
+    shards = {"single": (Shard(node_id=a, layer_start=0, layer_end=n_layers),),
+              "pipeline": (Shard(node_id=a, layer_start=0, layer_end=half),
+                           Shard(node_id=b, layer_start=half, layer_end=n_layers)),
+              "tensor": (Shard(node_id=a, layer_start=0, layer_end=n_layers, tensor_rank=0, tensor_size=2),
+                         Shard(node_id=b, layer_start=0, layer_end=n_layers, tensor_rank=1, tensor_size=2))}[strategy]
+    return Candidate(id=strategy, model="gemma", backend="mlx", strategy=strategy,  # type: ignore[arg-type]
+                     context=1024, shards=shards, memory_per_node={})
+
+
+async def measure(backend: MlxBackend, card: ModelCard, strategy: str, tokens: int, runs: int) -> dict:
+    plan = placement(strategy, backend.spec(card).n_layers)
+    launched: dict[str, object] = {}
+    order = sorted(plan.shards, key=lambda s: (s.layer_start, s.tensor_rank))
+    for shard in reversed(order):  # followers first, as their agents would have them up
+        async def peers() -> dict[str, str]:
+            return {n: r.url for n, r in launched.items()}  # type: ignore[attr-defined]
+        launched[shard.node_id] = await backend.launch(card, plan, shard, host="127.0.0.1", peers=peers)
+    try:
+        runner = backend.connect(card, plan, {n: r.url for n, r in launched.items()})  # type: ignore[attr-defined]
+        prompt_rates, decode_rates, text = [], [], ""
+        for _ in range(runs + 1):  # the first run warms up (MLX compiles its kernels on first use)
+            request = Request(model="gemma", raw_prompt=PROMPT, max_tokens=tokens, sampling=Sampling(temperature=0.0))
+            events = [e async for e in runner.generate(request)]
+            usage = [e for e in events if isinstance(e, Usage)][-1]
+            prompt_rates.append(usage.prompt_tokens / (usage.prompt_ns / 1e9))
+            decode_rates.append(usage.completion_tokens / (usage.eval_ns / 1e9))
+            text = "".join(e.text for e in events if isinstance(e, TextDelta))
+        memory = {f"rank {order.index(next(s for s in order if s.node_id == n))}": rss_mib(r.pid)  # type: ignore[attr-defined]
+                  for n, r in launched.items()}
+        return {"prompt": statistics.median(prompt_rates[1:]), "decode": statistics.median(decode_rates[1:]),
+                "memory": dict(sorted(memory.items())), "text": text, "prompt_tokens": usage.prompt_tokens}
+    finally:
+        await asyncio.gather(*(r.stop() for r in launched.values()))  # type: ignore[attr-defined]
+
+
+def default_model() -> Path:
+    target = ROOT / ".cache" / "test-data" / "converted" / "gemma3-270m-bf16"
+    if not (target / "config.json").exists():
+        from backends.llama_cpp.convert import convert
+        from backends.llama_cpp.sources import PackagedGGUFSource
+
+        gguf = PackagedGGUFSource(ROOT / ".cache" / "test-data" / "models").models()[0].path
+        convert(gguf, target, dtype="bfloat16", name="gemma3:270m-bf16")
+    return target
+
+
+async def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--tokens", type=int, default=64)
+    parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--python", default=str(ROOT / ".cache" / "venvs" / "mlx" / "bin" / "python"))
+    parser.add_argument("--model", default=None)
+    args = parser.parse_args()
+    model = Path(args.model) if args.model else default_model()
+    card = ModelCard(name="gemma", path=str(model), format="safetensors")
+    results = {}
+    async with httpx.AsyncClient(timeout=600) as http:
+        backend = MlxBackend(http, python=args.python, runtime_dir=str(ROOT / ".cache" / "bench-mlx"))
+        for strategy in ("single", "pipeline", "tensor"):
+            results[strategy] = await measure(backend, card, strategy, args.tokens, args.runs)
+    base = results["single"]
+    print(f"MLX {model.name} (float32 compute on CPU), prompt {base['prompt_tokens']} tokens, decode {args.tokens} "
+          f"tokens, median of {args.runs} runs after a warm-up")
+    print(f"{'':10} {'prompt tok/s':>13} {'ratio':>6} {'decode tok/s':>13} {'ratio':>6}  resident memory per rank")
+    for strategy, r in results.items():
+        memory = ", ".join(f"{k} {v:.0f} MiB" for k, v in r["memory"].items())
+        print(f"{strategy:10} {r['prompt']:13.1f} {r['prompt'] / base['prompt']:6.2f} {r['decode']:13.2f} "
+              f"{r['decode'] / base['decode']:6.2f}  {memory}")
+    same = all(r["text"] == base["text"] for r in results.values())
+    print(f"same greedy text in every configuration: {same}")
+
+
+if __name__ == "__main__":
+    asyncio.run(main())

@@ -107,13 +107,15 @@ class ShardCosts(_Data):
     ``base_bytes`` is the process and fixed buffers of every shard; ``head_bytes`` what the head shard (the one
     that serves requests) costs on top; ``per_token_bytes`` grows the compute buffers with the context;
     ``tied_output_copy`` says a multi-stage split holds a second copy of a tied embedding as the output layer on
-    its last stage.
+    its last stage. ``vocab_parallel``: tensor ranks split the embedding and output layer (vLLM does); when
+    false each tensor rank holds them whole (MLX here).
     """
 
     base_bytes: int = 64 << 20
     head_bytes: int = 0
     per_token_bytes: int = 0
     tied_output_copy: bool = False
+    vocab_parallel: bool = True
 
 
 class Shard(_Data):

@@ -113,7 +113,7 @@ class MlxBackend:
         # Measured with mlx 0.32.4 on CPU: a rank process (python, mlx, mlx-lm, the tokenizer) is ~190 MiB
         # resident before weights, the head's HTTP server ~25 MiB more; compute buffers grow ~16 KiB per
         # context token on Gemma 3 270M.
-        return ShardCosts(base_bytes=190 * MiB, head_bytes=25 * MiB, per_token_bytes=16 << 10)
+        return ShardCosts(base_bytes=190 * MiB, head_bytes=25 * MiB, per_token_bytes=16 << 10, vocab_parallel=False)
 
     def spec(self, card: ModelCard) -> ModelSpec:
         spec = spec_from_checkpoint(card.name, card.path)
@@ -145,8 +145,10 @@ class MlxBackend:
         hostfile = None
         if ranks > 1:
             urls = await peers()
-            hostfile = await self._ring(host, [urls[s.node_id] for s in order[1:]])
+            followers = [urls[s.node_id] for s in order[1:]]
+            hostfile = await self._ring(host, followers)
             env |= {"MLX_HOSTFILE": hostfile, "MLX_RANK": "0"}
+            argv += ["--followers", ",".join(followers)]
         try:
             process = await RunnerProcess.start(argv, name=card.name, env=env, ready_timeout=self.ready_timeout + 15)
         except BaseException:

@@ -108,6 +108,7 @@ class MlxEngine:
         for _, weight in tree_flatten(model.parameters()):  # one at a time: a tensor shard reads its whole
             mx.eval(weight)  # source tensor first, and the peak stays at one source tensor over the shard
         self.weight_bytes = sharding.parameter_bytes(model)
+        mx.clear_cache()  # buffers freed while loading (the checkpoint's own dtype before a cast) go back now
         if group is not None:  # every rank loaded before any serves (a slow peer would time out a transfer)
             mx.eval(mx.distributed.all_sum(mx.array(1.0), group=group, stream=mx.cpu))
         return model, tokenizer, tuple(layers) if mode == "pipeline" and layers else None

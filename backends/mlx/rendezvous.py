@@ -9,8 +9,9 @@ endpoint on its node's cluster address:
     head:     ``await peers()`` (every follower reported ready), ``GET /ring`` from each, pick its own ring
               port, write the hostfile in rank order, ``POST /join`` to each, then start rank 0 with it.
 
-After ``/join`` the follower closes its control endpoint and calls ``init`` with the hostfile it was sent. Every
-wait is bounded: a follower that is never joined exits after its timeout.
+After ``/join`` the follower calls ``init`` with the hostfile it was sent and keeps its control endpoint open for
+the rest of its life: the head's ``watch`` connects to it every second, so a rank that dies is noticed even where
+the ring itself would wait on it forever. Every wait is bounded: a follower never joined exits after its timeout.
 
 ``serve_join`` runs in the follower (standard library only); ``gather`` and ``join`` run in the head's agent.
 """
@@ -20,11 +21,12 @@ from __future__ import annotations
 import json
 import socket
 import threading
+import time
 from collections.abc import Sequence
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
-__all__ = ["Joined", "free_port", "gather", "join", "serve_join"]
+__all__ = ["Joined", "free_port", "gather", "join", "serve_join", "watch"]
 
 
 def free_port(host: str) -> int:
@@ -47,7 +49,8 @@ class Joined:
 
 
 def serve_join(host: str, rank: int, timeout: float, ready: Any) -> Joined:
-    """Follower side: serve ``/ring`` and ``/join`` on ``host`` until joined (or ``TimeoutError``).
+    """Follower side: serve ``/ring`` and ``/join`` on ``host`` until joined (or ``TimeoutError``); the endpoint
+    stays up afterwards (a daemon thread) as this rank's liveness signal.
 
     ``ready(port)`` is called once the control endpoint listens (the runner prints its ready line there).
     """
@@ -96,14 +99,40 @@ def serve_join(host: str, rank: int, timeout: float, ready: Any) -> Joined:
     server = server_class((host, 0), Handler)
     thread = threading.Thread(target=server.serve_forever, name="mlx-join", daemon=True)
     thread.start()
-    try:
-        ready(server.server_address[1])
-        if not done.wait(timeout):
-            raise TimeoutError(f"rank {rank} was not joined into a ring within {timeout:.0f}s")
-        return joined[0]
-    finally:
+    ready(server.server_address[1])
+    if not done.wait(timeout):
         server.shutdown()
         server.server_close()
+        raise TimeoutError(f"rank {rank} was not joined into a ring within {timeout:.0f}s")
+    return joined[0]
+
+
+def watch(urls: Sequence[str], gone: Any, *, every: float = 1.0, patience: float = 30.0) -> threading.Thread:
+    """Head side: a daemon thread that connects to each follower's control endpoint every ``every`` seconds and
+    calls ``gone(url, why)`` once one refuses (its process is dead) or has not answered for ``patience`` seconds
+    (a lost machine). Plain TCP connects: the kernel accepts them while the process lives, even when its Python
+    threads are busy."""
+    def run() -> None:
+        silent: dict[str, float] = {}
+        while True:
+            for url in urls:
+                host, _, port = url.removeprefix("http://").rstrip("/").rpartition(":")
+                try:
+                    socket.create_connection((host.strip("[]"), int(port)), timeout=every).close()
+                    silent.pop(url, None)
+                except ConnectionRefusedError:
+                    gone(url, "its process is gone")
+                    return
+                except OSError:
+                    first = silent.setdefault(url, time.monotonic())
+                    if time.monotonic() - first > patience:
+                        gone(url, f"no answer for {patience:.0f}s")
+                        return
+            time.sleep(every)
+
+    thread = threading.Thread(target=run, name="mlx-ring-watch", daemon=True)
+    thread.start()
+    return thread
 
 
 async def gather(http: Any, urls: Sequence[str]) -> list[str]:

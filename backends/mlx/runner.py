@@ -27,7 +27,7 @@ import threading
 from collections.abc import Iterator
 from typing import Any
 
-from backends.mlx.rendezvous import serve_join
+from backends.mlx.rendezvous import serve_join, watch
 from backends.runner.server import FAILED_LINE, READY_LINE, serve
 from protocols.model import BackendUnavailable, Event, Request
 
@@ -44,6 +44,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--ranks", type=int, default=1)
     parser.add_argument("--ready-timeout", type=float, default=300.0)
     parser.add_argument("--dtype", default=None, help="compute in this float type (float32 on CPUs)")
+    parser.add_argument("--followers", default="", help="the head: followers' control URLs, comma-separated")
     args = parser.parse_args(argv)
     launched = os.environ.get("MLX_HOSTFILE")  # started by a ring launcher (backends.mlx.launch): no join
     if launched:
@@ -79,6 +80,8 @@ def main(argv: list[str] | None = None) -> None:
     # uvicorn turns SIGTERM into a graceful stop, then raises it again once it has stopped; this handler takes
     # that second one, so the ring's shutdown below still runs
     signal.signal(signal.SIGTERM, lambda *_: None)
+    if args.followers:
+        watch(args.followers.split(","), _follower_gone)
     serve(_Head(engine), args.host, args.port, watch_parent=False)
     try:
         engine.shutdown()  # followers leave their loop; every rank meets at a barrier before exiting
@@ -149,6 +152,14 @@ def _load(args: argparse.Namespace, *, own_hostfile: bool):
 def _timed_out() -> None:
     print(f"{FAILED_LINE} not ready within the ready timeout (a rank of the ring never came)", flush=True)
     os._exit(1)
+
+
+def _follower_gone(url: str, why: str) -> None:
+    """A follower died (or its machine went silent): the ring may wait on it forever, so end this rank now; the
+    stream in flight breaks, which the gateway reports as the backend being unavailable."""
+    print(f"meshgate-mlx-runner: the follower at {url} is lost ({why}); this instance cannot generate again",
+          file=sys.stderr, flush=True)
+    os._exit(3)
 
 
 def _exit_soon() -> None:

@@ -72,6 +72,7 @@ class BackendOffer(msgspec.Struct, frozen=True, kw_only=True):
         head_overhead_bytes: More runtime memory on the head shard (stage 0, tensor rank 0) only.
         tied_output_copy: Split over several stages, the last stage holds its own copy of a tied embedding as
             the output layer (llama.cpp does); otherwise the tied embedding is held once, by stage 0.
+        vocab_parallel: Tensor ranks split the embedding and output layer; otherwise each holds them whole.
         required_runtime: When set, only nodes whose ``Node.runtimes`` has this key are eligible.
     """
 
@@ -81,6 +82,7 @@ class BackendOffer(msgspec.Struct, frozen=True, kw_only=True):
     overhead_per_token: int = 0
     head_overhead_bytes: int = 0
     tied_output_copy: bool = False
+    vocab_parallel: bool = True
     required_runtime: str | None = None
 
     def overhead(self, context: int, head: bool = False) -> int:
@@ -308,7 +310,8 @@ class _Planner:
 
     def tensor(self, group: list[Node]) -> Candidate:
         """Every layer split across ``group`` (ranks in greedy order), each rank holding 1/k of all weights
-        (embedding and output vocab-parallel, so every rank has ``holds_embedding``) and 1/k of the KV heads."""
+        (embedding and output vocab-parallel, or whole on every rank where the backend does not split them, so
+        every rank has ``holds_embedding``) and 1/k of the KV heads (replicated when fewer)."""
         spec, k = self.spec, len(group)
         ranks = sorted(group, key=_greedy)
         problems = []
@@ -331,7 +334,9 @@ class _Planner:
         step = latency + spec.hidden_size * ACTIVATION_BYTES / k / bandwidth
         link_cost = 2 * spec.n_layers * 2 * (k - 1) * step
         kv_heads = max(spec.n_kv_heads // k, 1)  # replicated when fewer than the ranks
-        weight, kv = -(-spec.weight_bytes // k), spec.kv_bytes(self.ctx) * kv_heads // max(spec.n_kv_heads, 1)
+        whole = 0 if self.offer.vocab_parallel else spec.embedding_bytes + spec.output_bytes  # on every rank
+        weight = -(-(spec.weight_bytes - whole) // k) + whole
+        kv = spec.kv_bytes(self.ctx) * kv_heads // max(spec.n_kv_heads, 1)
         shards = tuple(Shard(node_id=n.id, layer_start=0, layer_end=spec.n_layers, tensor_rank=r, tensor_size=k,
                              holds_embedding=True, weight_bytes=weight, kv_bytes=kv,
                              overhead_bytes=self.offer.overhead(self.ctx, head=r == 0)) for r, n in enumerate(ranks))

@@ -29,6 +29,8 @@ from tests.cluster.redis_server import RedisServer
 from tests.cluster.test_cluster_e2e import FAST, Agent, instance, wait_for
 from tests.conftest import MODEL, ROOT, Server, free_port
 
+# nodes stay members through a load's CPU stall on two cores: only process deaths fail shards in this module
+STEADY = {**FAST, "MESHGATE_HEARTBEAT": "0.5", "MESHGATE_NODE_TTL": "15"}
 PROMPT = "The three primary colors are"
 TOKENS = 16
 N_CTX = 512
@@ -61,8 +63,8 @@ def single_process_text(gguf: Path) -> str:
 def split(tmp_path_factory, data_dir, packaged_gguf) -> Iterator[tuple[Server, dict, dict]]:
     logs = tmp_path_factory.mktemp("rpc-logs")
     with RedisServer(tmp_path_factory.mktemp("rpc-redis")) as redis:
-        agents = {name: Agent(redis.url, name, data_dir, logs, n_ctx=N_CTX) for name in ("a", "b")}
-        gateway = Server(data_dir, "--redis", redis.url, "--n-ctx", str(N_CTX), env=FAST)
+        agents = {name: Agent(redis.url, name, data_dir, logs, n_ctx=N_CTX, env=STEADY) for name in ("a", "b")}
+        gateway = Server(data_dir, "--redis", redis.url, "--n-ctx", str(N_CTX), env=STEADY)
         try:
             wait_for(lambda: len(httpx.get(f"{gateway.url}/cluster").json()["links"]) >= 2, 60, "two linked nodes")
             created = httpx.post(f"{gateway.url}/instances", json={

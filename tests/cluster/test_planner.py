@@ -130,6 +130,15 @@ def test_tensor_parallel_replicates_kv_heads_fewer_than_the_ranks() -> None:
     assert all(s.kv_bytes == spec.kv_bytes(4096) for s in best.shards)  # each rank keeps the whole KV head
 
 
+def test_tensor_ranks_hold_the_embedding_whole_where_the_backend_does_not_split_it() -> None:
+    top = topology(node("a", 8), node("b", 8), links=(link("a", "b"),))
+    split, whole = (next(c for c in plan(SPEC, top, [offer(frozenset({"tensor"}), vocab_parallel=v)], min_nodes=2)
+                         if c.fits) for v in (True, False))
+    layers = SPEC.n_layers * SPEC.layer_bytes
+    assert split.shards[0].weight_bytes == SPEC.weight_bytes // 2
+    assert whole.shards[0].weight_bytes == layers // 2 + SPEC.embedding_bytes
+
+
 def test_kv_cache_for_a_long_context_makes_a_placement_not_fit() -> None:
     top = topology(node("a", 10))
     assert plan(SPEC, top, [offer()], context=4096)[0].fits

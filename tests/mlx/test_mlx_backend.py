@@ -185,3 +185,16 @@ def test_a_follower_that_is_never_joined_gives_up(tiny_dir: Path, tmp_path: Path
 
     alive, waited = asyncio.run(run())
     assert not alive and waited < 10
+
+
+def test_an_idle_head_notices_a_dead_follower_and_exits(tiny_dir: Path, tmp_path: Path) -> None:
+    """The ring only notices a dead peer on its next transfer (or never, when it waits on it): the head watches
+    its followers' control endpoints and leaves at once, so its agent can report the instance for re-placing."""
+    async def body(backend, card, plan, launched) -> float:
+        os.kill(launched["b"].pid, signal.SIGKILL)
+        killed = time.monotonic()
+        while launched["a"].alive and time.monotonic() - killed < 15:
+            await asyncio.sleep(0.1)
+        return time.monotonic() - killed
+
+    assert asyncio.run(with_instance(tiny_dir, tmp_path, "pipeline", body)) < 5

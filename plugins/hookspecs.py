@@ -71,7 +71,8 @@ def meshgate_choose_backend(card: ModelCard, backends: Sequence[Backend]) -> Bac
     Stops at first non-None result.
 
     :param card: The model to serve.
-    :param backends: Every registered backend, in registration order (not only those that support ``card``).
+    :param backends: Every registered backend (not only those that support ``card``), in preference order:
+        those named in ``Settings.backend_preference`` first, the others in registration order.
     :return: The chosen backend, or ``None`` to leave the choice to other plugins (the built-in policy picks
         the first backend whose ``supports(card)`` is true).
 

@@ -10,7 +10,6 @@ import importlib.util
 import logging
 import sys
 from collections.abc import Callable
-from pathlib import Path
 
 import httpx
 
@@ -36,5 +35,4 @@ def meshgate_register_backends(register: Callable[[Backend], None], settings: Se
     if python is None:
         log.debug("no interpreter with mlx-lm (set MESHGATE_MLX_PYTHON): the MLX backend is off")
         return
-    register(MlxBackend(http, python=python, n_ctx=settings.n_ctx,
-                        runtime_dir=str(Path(settings.data_dir) / "runtime")))
+    register(MlxBackend(http, python=python, n_ctx=settings.n_ctx, runtime_dir=str(settings.run_dir)))

@@ -135,6 +135,7 @@ class NodeAgent:
             elif not launched.alive:
                 del self.launched[instance_id]
                 self._failed.add((instance_id, epoch))
+                await launched.stop()  # what the dead process left: children, runtime folders, shm segments
                 await self._report(instance, "failed", error="the runner process exited")
         for instance_id, instance in wanted.items():
             if instance_id in self.launched or instance_id in self._starting:

@@ -20,6 +20,7 @@ from gateway.cluster.instances import InstanceManager
 from gateway.cluster.planner import default_rank
 from gateway.cluster.store import MemoryStore, RedisStore, StateStore
 from gateway.dispatch import Catalog, Dispatcher
+from plugins.policy import by_preference
 from plugins.settings import Settings
 
 __all__ = ["ControlPlane", "control_plane", "make_store"]
@@ -52,6 +53,7 @@ async def control_plane(settings: Settings, plugins: pluggy.PluginManager, *, ga
         sources: list[ModelSource] = []
         plugins.hook.meshgate_register_backends(register=backends.append, settings=settings, http=http)
         plugins.hook.meshgate_register_model_sources(register=sources.append, settings=settings)
+        backends = by_preference(backends, settings.backend_preference)
         catalog = Catalog(sources)
         await asyncio.to_thread(catalog.refresh)
         store = make_store(settings)

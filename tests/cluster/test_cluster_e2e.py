@@ -38,13 +38,13 @@ class Agent:
     """A ``meshgate node`` process."""
 
     def __init__(self, redis_url: str, name: str, data_dir: Path, log_dir: Path, n_ctx: int = 1024,
-                 env: dict[str, str] | None = None) -> None:
+                 env: dict[str, str] | None = None, memory: str = NODE_MEMORY) -> None:
         self.name = name
         self.log = log_dir / f"agent-{name}.log"
         with open(self.log, "wb") as log:
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "gateway.cli", "node", "--redis", redis_url, "--name", name,
-                 "--data-dir", str(data_dir), "--memory", NODE_MEMORY, "--n-ctx", str(n_ctx), "--log-level", "info",
+                 "--data-dir", str(data_dir), "--memory", memory, "--n-ctx", str(n_ctx), "--log-level", "info",
                  "--plugin", "tests.scripted_plugin"],
                 stdout=log, stderr=subprocess.STDOUT, cwd=ROOT,
                 env={**os.environ, **FAST, "PYTHONPATH": str(ROOT), **(env or {})})

@@ -19,16 +19,23 @@ def sdk_python(requirement: str) -> Path:
     return venv_python(requirement.replace("==", "-"), requirement)
 
 
-def venv_python(name: str, *requirements: str) -> Path:
-    """The interpreter of ``.cache/venvs/<name>`` with ``requirements`` installed (made once, then reused)."""
+def venv_python(name: str, *requirements: str, uninstall: tuple[str, ...] = ()) -> Path:
+    """The interpreter of ``.cache/venvs/<name>`` with ``requirements`` installed (made once, then reused).
+
+    ``uninstall`` names packages removed after the install (vLLM drags in CUDA builds of torchvision and friends
+    that break ``import transformers`` on CPU).
+    """
     target = ROOT / ".cache" / "venvs" / name
     python = target / "bin" / "python"
     marker = target / ".installed"
-    wanted = "\n".join(requirements)
+    wanted = "\n".join([*requirements, *(f"-{package}" for package in uninstall)])
     if not marker.exists() or marker.read_text() != wanted:
         venv.create(target, with_pip=True, clear=True)
         subprocess.run([str(python), "-m", "pip", "install", "--quiet", "--disable-pip-version-check",
                         *requirements], check=True, timeout=900)
+        if uninstall:
+            subprocess.run([str(python), "-m", "pip", "uninstall", "--quiet", "--yes", *uninstall], check=True,
+                           timeout=300)
         marker.write_text(wanted)
     return python
 

@@ -18,13 +18,13 @@ the ring itself would wait on it forever. Every wait is bounded: a follower neve
 
 from __future__ import annotations
 
-import json
 import socket
 import threading
 import time
 from collections.abc import Sequence
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
+
+from backends.runner.control import JsonHandler, serve_control
 
 __all__ = ["Joined", "free_port", "gather", "join", "serve_join", "watch"]
 
@@ -58,47 +58,32 @@ def serve_join(host: str, rank: int, timeout: float, ready: Any) -> Joined:
     joined: list[Joined] = []
     done = threading.Event()
 
-    class Handler(BaseHTTPRequestHandler):
+    class Handler(JsonHandler):
         def do_GET(self) -> None:  # noqa: N802 (http.server's naming)
             if self.path == "/ring":
-                self._reply(200, {"ring": ring, "rank": rank})
+                self.reply(200, {"ring": ring, "rank": rank})
             elif self.path == "/health":
-                self._reply(200, {"status": "waiting", "rank": rank})
+                self.reply(200, {"status": "joined" if done.is_set() else "waiting", "rank": rank})
             else:
-                self._reply(404, {"error": "not found"})
+                self.reply(404, {"error": "not found"})
 
         def do_POST(self) -> None:  # noqa: N802
             if self.path != "/join":
-                self._reply(404, {"error": "not found"})
+                self.reply(404, {"error": "not found"})
                 return
             try:
-                body = json.loads(self.rfile.read(int(self.headers.get("content-length", 0))))
+                body = self.body()
                 hosts = [[str(a) for a in entry] for entry in body["hosts"]]
                 if int(body["rank"]) != rank or hosts[rank] != [ring]:
                     raise ValueError(f"this follower is rank {rank} at {ring}, not {body['rank']} at {hosts[rank]}")
             except (ValueError, KeyError, IndexError, TypeError) as exc:
-                self._reply(400, {"error": str(exc)})
+                self.reply(400, {"error": str(exc)})
                 return
             joined.append(Joined(rank, hosts))
-            self._reply(200, {"joined": True})
+            self.reply(200, {"joined": True})
             done.set()
 
-        def _reply(self, status: int, body: dict[str, Any]) -> None:
-            data = json.dumps(body).encode()
-            self.send_response(status)
-            self.send_header("content-type", "application/json")
-            self.send_header("content-length", str(len(data)))
-            self.end_headers()
-            self.wfile.write(data)
-
-        def log_message(self, *args: Any) -> None:
-            pass
-
-    server_class = type("Server", (ThreadingHTTPServer,), {"address_family": socket.AF_INET6 if ":" in host
-                                                           else socket.AF_INET, "daemon_threads": True})
-    server = server_class((host, 0), Handler)
-    thread = threading.Thread(target=server.serve_forever, name="mlx-join", daemon=True)
-    thread.start()
+    server = serve_control(host, 0, Handler, "mlx-join")
     ready(server.server_address[1])
     if not done.wait(timeout):
         server.shutdown()

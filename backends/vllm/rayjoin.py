@@ -16,18 +16,15 @@ from __future__ import annotations
 
 import argparse
 import ipaddress
-import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
 from collections.abc import Sequence
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
-from typing import Any
 
+from backends.runner.control import JsonHandler, serve_control
 from backends.vllm.raynode import RayPorts, head_argv, worker_argv
 
 
@@ -81,47 +78,33 @@ def serve(args: argparse.Namespace) -> int:
     """Serve ``/health`` and ``/join``; run the Ray node until it exits (its exit code is ours)."""
     node = _Node(args)
 
-    class Handler(BaseHTTPRequestHandler):
+    class Handler(JsonHandler):
         def do_GET(self) -> None:  # noqa: N802 (http.server's naming)
             if self.path == "/health":
-                self._reply(200, {"state": node.state, "gcs": node.gcs, "error": node.error})
+                self.reply(200, {"state": node.state, "gcs": node.gcs, "error": node.error})
             else:
-                self._reply(404, {"error": "not found"})
+                self.reply(404, {"error": "not found"})
 
         def do_POST(self) -> None:  # noqa: N802
             if self.path != "/join" or args.head:
-                self._reply(404, {"error": "not found"})
+                self.reply(404, {"error": "not found"})
                 return
             try:
-                head = str(json.loads(self.rfile.read(int(self.headers.get("content-length", 0))))["head"])
+                head = str(self.body()["head"])
                 host, _, port = head.rpartition(":")
                 ipaddress.ip_address(host.strip("[]"))
                 int(port)
             except (ValueError, KeyError, TypeError) as exc:
-                self._reply(400, {"error": f"not a head address: {exc}"})
+                self.reply(400, {"error": f"not a head address: {exc}"})
                 return
             with node.lock:
                 if node.child is None:
                     node.start(head)
-            self._reply(200, {"state": node.state})
-
-        def _reply(self, status: int, body: dict[str, Any]) -> None:
-            data = json.dumps(body).encode()
-            self.send_response(status)
-            self.send_header("content-type", "application/json")
-            self.send_header("content-length", str(len(data)))
-            self.end_headers()
-            self.wfile.write(data)
-
-        def log_message(self, *args: Any) -> None:
-            pass
+            self.reply(200, {"state": node.state})
 
     # stopped (or orphaned): take the Ray node's processes along, they share our process group
     signal.signal(signal.SIGTERM, lambda *_: os.killpg(0, signal.SIGKILL))
-    family = socket.AF_INET6 if ":" in args.host else socket.AF_INET
-    server = type("Server", (ThreadingHTTPServer,), {"address_family": family, "daemon_threads": True})(
-        (args.host, args.port), Handler)
-    threading.Thread(target=server.serve_forever, name="ray-node", daemon=True).start()
+    serve_control(args.host, args.port, Handler, "ray-node")
     if args.head:
         node.start(None)
     if not node.started.wait(args.join_timeout):

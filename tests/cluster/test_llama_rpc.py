@@ -25,6 +25,7 @@ from backends.base import ModelCard
 from backends.llama_cpp import LlamaCppBackend
 from backends.placement import Candidate, NodeId, Shard
 from protocols.model import BackendUnavailable
+from tests.cluster.faults import long_stream
 from tests.cluster.redis_server import RedisServer
 from tests.cluster.test_cluster_e2e import FAST, Agent, instance, wait_for
 from tests.conftest import MODEL, ROOT, Server, free_port
@@ -138,19 +139,7 @@ def test_worker_killed_mid_generation(split, protocol):
     worker_node = current["placement"]["shards"][-1]["node_id"]
     head_node = current["placement"]["shards"][0]["node_id"]
     worker_pid, head_pid = current["runners"][worker_node]["pid"], current["runners"][head_node]["pid"]
-    long = [{"role": "user", "content": "Count from one to five hundred."}]
-    if protocol == "openai":
-        stream = iter(openai.OpenAI(base_url=f"{gateway.url}/v1", api_key="x", max_retries=0)
-                      .chat.completions.create(model=MODEL, messages=long, max_tokens=400, stream=True))
-        error: type[Exception] = openai.APIError
-    elif protocol == "anthropic":
-        stream = iter(anthropic.Anthropic(base_url=gateway.url, api_key="x", max_retries=0)
-                      .messages.create(model=MODEL, messages=long, max_tokens=400, stream=True))
-        error = anthropic.APIStatusError
-    else:
-        stream = iter(ollama.Client(host=gateway.url).chat(model=MODEL, messages=long, stream=True,
-                                                            options={"num_predict": 400}))
-        error = ollama.ResponseError
+    stream, error = long_stream(gateway.url, MODEL, protocol)
     next(stream)
     os.kill(worker_pid, signal.SIGKILL)
     with pytest.raises(error):

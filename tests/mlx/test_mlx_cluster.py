@@ -20,6 +20,7 @@ import ollama
 import openai
 import pytest
 
+from tests.cluster.faults import long_stream
 from tests.cluster.redis_server import RedisServer
 from tests.cluster.test_cluster_e2e import FAST, Agent, instance, wait_for
 from tests.cluster.test_llama_rpc import alive
@@ -124,19 +125,7 @@ def test_a_rank_killed_mid_generation(cluster, protocol):
                        "ready before the kill")
     shards = sorted(current["placement"]["shards"], key=lambda s: s["layer_start"])
     head_pid, follower_pid = (current["runners"][s["node_id"]]["pid"] for s in shards)
-    long = [{"role": "user", "content": "Count from one to five hundred."}]
-    if protocol == "openai":
-        stream = iter(openai.OpenAI(base_url=f"{cluster.url}/v1", api_key="x", max_retries=0)
-                      .chat.completions.create(model=MODEL, messages=long, max_tokens=400, stream=True))
-        error: type[Exception] = openai.APIError
-    elif protocol == "anthropic":
-        stream = iter(anthropic.Anthropic(base_url=cluster.url, api_key="x", max_retries=0)
-                      .messages.create(model=MODEL, messages=long, max_tokens=400, stream=True))
-        error = anthropic.APIStatusError
-    else:
-        stream = iter(ollama.Client(host=cluster.url).chat(model=MODEL, messages=long, stream=True,
-                                                            options={"num_predict": 400}))
-        error = ollama.ResponseError
+    stream, error = long_stream(cluster.url, MODEL, protocol)
     next(stream)
     os.kill(follower_pid, signal.SIGKILL)
     with pytest.raises(error) as raised:

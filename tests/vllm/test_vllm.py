@@ -108,7 +108,7 @@ def runtime_dir() -> Iterator[Path]:
 def server(data_dir: Path, python: Path, checkpoints: Path, runtime_dir: Path, before) -> Iterator[Server]:
     env = {"MESHGATE_VLLM_PYTHON": str(python), "MESHGATE_VLLM_TENSOR_PARALLEL": "2", "MESHGATE_VLLM_EAGER": "1",
            "MESHGATE_RUNTIME_DIR": str(runtime_dir), "MESHGATE_MODELS": f"{MODEL}={checkpoints / MODEL}",
-           "MESHGATE_N_CTX": "512", "MESHGATE_MLX_PYTHON": "", "HF_HUB_OFFLINE": "1"}
+           "MESHGATE_N_CTX": "4096", "MESHGATE_MLX_PYTHON": "", "HF_HUB_OFFLINE": "1"}
     s = Server(data_dir, env=env)
     try:
         started = time.monotonic()
@@ -263,6 +263,9 @@ def _instance(server: Server) -> dict:
     return instance
 
 
+FAULT_TOKENS = 3500  # tokens: ~20-30 s of the tiny model on vLLM CPU, vs a few seconds to notice a dead worker
+
+
 def test_worker_killed_mid_generation_fails_every_protocol_and_leaves_nothing(server: Server,
                                                                               runtime_dir: Path) -> None:
     """SIGKILL one TP worker while three streams run: vLLM's engine dies and sends each stream an error frame; the
@@ -276,16 +279,19 @@ def test_worker_killed_mid_generation_fails_every_protocol_and_leaves_nothing(se
     workers = [p for p in before_pids if "Worker" in Path(f"/proc/{p}/comm").read_text()]
     assert len(workers) == 2, f"no TP workers among {[(p, _cmdline(p)) for p in before_pids]}"
     [old_folder] = list(runtime_dir.iterdir())
-    # "Ring ring ring" falls into a loop that does not reach an EOS within 480 tokens (a shorter answer could end
-    # with a legitimate "stop" before the kill lands); the kill comes after a few tokens of every stream anyway.
+    # "Ring ring ring" falls into a loop that does not reach an EOS (a shorter answer could end with a legitimate
+    # "stop" before the kill lands), and FAULT_TOKENS take far longer than vLLM needs to notice the dead worker
+    # (with 480, the tiny model sometimes finished first: "length" after the kill).
     messages = [{"role": "user", "content": "Ring ring ring"}]
     bodies = {
         "openai": (f"{server.url}/v1/chat/completions",
-                   {"model": MODEL, "stream": True, "messages": messages, "max_tokens": 480, "temperature": 0}),
+                   {"model": MODEL, "stream": True, "messages": messages, "max_tokens": FAULT_TOKENS,
+                    "temperature": 0}),
         "anthropic": (f"{server.url}/v1/messages",
-                      {"model": MODEL, "stream": True, "messages": messages, "max_tokens": 480, "temperature": 0}),
+                      {"model": MODEL, "stream": True, "messages": messages, "max_tokens": FAULT_TOKENS,
+                    "temperature": 0}),
         "ollama": (f"{server.url}/api/chat", {"model": MODEL, "messages": messages,
-                                              "options": {"num_predict": 480, "temperature": 0}}),
+                                              "options": {"num_predict": FAULT_TOKENS, "temperature": 0}}),
     }
     tokens: dict[str, list[int]] = {k: [0] for k in bodies}
     lines: dict[str, list] = {k: [] for k in bodies}
@@ -308,7 +314,7 @@ def test_worker_killed_mid_generation_fails_every_protocol_and_leaves_nothing(se
     assert "event: error" in text["anthropic"] and "message_stop" not in text["anthropic"], text["anthropic"][-400:]
     last = json.loads([x for x in lines["ollama"] if x.strip()][-1])
     assert "error" in last and not last.get("done"), lines["ollama"][-3:]
-    assert all(tokens[k][0] < 480 for k in tokens), (at_kill, {k: n[0] for k, n in tokens.items()})
+    assert all(tokens[k][0] < FAULT_TOKENS for k in tokens), (at_kill, {k: n[0] for k, n in tokens.items()})
     # vLLM's watchdog stops the API server; the agent stops what is left and reports the runner failed; the
     # instance manager re-places the instance: no process, folder or segment of the old one remains
     deadline = time.monotonic() + 120

@@ -18,7 +18,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "mlx"))
 import tiny_model  # noqa: E402  (tests/mlx/tiny_model.py)
 
 FAMILY = "vllm_llama"
-tiny_model.CONFIGS[FAMILY] = {**tiny_model.CONFIG, "head_dim": 32}
+# a long context, so a fault test can keep a generation running long after vLLM notices a dead worker
+tiny_model.CONFIGS[FAMILY] = {**tiny_model.CONFIG, "head_dim": 32, "max_position_embeddings": 4096}
 
 
 def build(path: str | Path) -> Path:

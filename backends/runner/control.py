@@ -1,0 +1,46 @@
+"""A tiny JSON control endpoint on the standard library, for processes that must answer before (or beside) their
+runtime: an MLX follower waiting to be joined into a ring, a Ray node keeper waiting for its head.
+
+``JsonHandler`` is a ``BaseHTTPRequestHandler`` with ``reply(status, body)`` and ``body()``, and no access log;
+``serve_control(host, port, handler)`` binds it (IPv4 or IPv6 by the address) and serves it on a daemon thread.
+
+Imports only the standard library.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+__all__ = ["JsonHandler", "serve_control"]
+
+
+class JsonHandler(BaseHTTPRequestHandler):
+    """Subclass with ``do_GET``/``do_POST``; answer with ``self.reply``."""
+
+    def body(self) -> Any:
+        """The request's JSON body (raises ``ValueError`` when it is not JSON)."""
+        return json.loads(self.rfile.read(int(self.headers.get("content-length", 0))) or b"null")
+
+    def reply(self, status: int, body: dict[str, Any]) -> None:
+        data = json.dumps(body).encode()
+        self.send_response(status)
+        self.send_header("content-type", "application/json")
+        self.send_header("content-length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def log_message(self, *args: Any) -> None:
+        pass
+
+
+def serve_control(host: str, port: int, handler: type[JsonHandler], name: str) -> ThreadingHTTPServer:
+    """Serve ``handler`` on ``host:port`` (0: a free port, see ``server_address``) on a daemon thread."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    server_class = type("ControlServer", (ThreadingHTTPServer,), {"address_family": family, "daemon_threads": True})
+    server = server_class((host, port), handler)
+    threading.Thread(target=server.serve_forever, name=name, daemon=True).start()
+    return server

@@ -13,7 +13,6 @@ Both sides of each comparison run on the same machine, one after the other, with
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import subprocess

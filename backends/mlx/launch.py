@@ -11,19 +11,14 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import tempfile
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-__all__ = ["Ranks", "free_port", "hostfile", "launch"]
+from backends.mlx.rendezvous import free_port
 
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as sock:
-        sock.bind((host, 0))
-        return sock.getsockname()[1]
+__all__ = ["Ranks", "hostfile", "launch"]
 
 
 def hostfile(hosts: Sequence[str], directory: str | None = None) -> str:

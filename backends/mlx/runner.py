@@ -28,7 +28,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from backends.mlx.rendezvous import serve_join, watch
-from backends.runner.server import FAILED_LINE, READY_LINE, serve
+from backends.runner.server import FAILED_LINE, READY_LINE, exit_when_parent_goes, serve
 from protocols.model import BackendUnavailable, Event, Request
 
 
@@ -50,7 +50,7 @@ def main(argv: list[str] | None = None) -> None:
     if launched:
         with open(launched) as f:
             args.ranks, args.rank = len(json.load(f)), int(os.environ.get("MLX_RANK", "0"))
-    threading.Thread(target=_exit_when_parent_goes, name="parent-watch", daemon=True).start()
+    threading.Thread(target=exit_when_parent_goes, name="parent-watch", daemon=True).start()
     # join + init + load, bounded: a watchdog thread says why; SIGALRM (default action: terminate) is the hard
     # stop should the ring's init hold the interpreter so that the thread cannot run
     watchdog = threading.Timer(args.ready_timeout, _timed_out)
@@ -165,16 +165,6 @@ def _follower_gone(url: str, why: str) -> None:
 def _exit_soon() -> None:
     """The ring lost a rank: this instance cannot generate again. Let the failed stream flush, then go."""
     threading.Timer(0.5, os._exit, (3,)).start()
-
-
-def _exit_when_parent_goes() -> None:
-    """Our supervisor holds stdin open; EOF means it is gone, so no rank outlives its agent."""
-    try:
-        while sys.stdin.buffer.read(1024):
-            pass
-    except Exception:
-        pass
-    os._exit(0)
 
 
 if __name__ == "__main__":

@@ -38,7 +38,7 @@ from protocols.model import (
     UnsupportedFeature,
 )
 
-__all__ = ["EmbeddingEngine", "Engine", "RunnerApp", "serve"]
+__all__ = ["EmbeddingEngine", "Engine", "RunnerApp", "exit_when_parent_goes", "serve"]
 
 READY_LINE = "MESHGATE_RUNNER_READY"
 FAILED_LINE = "MESHGATE_RUNNER_FAILED"
@@ -230,7 +230,7 @@ async def _lifespan(receive: Callable[..., Any], send: Callable[..., Any]) -> No
             return
 
 
-def _exit_when_parent_goes() -> None:
+def exit_when_parent_goes() -> None:
     """The gateway holds our stdin open; EOF means it is gone, so no runner outlives its gateway."""
     with contextlib.suppress(Exception):
         while sys.stdin.buffer.read(1024):
@@ -249,7 +249,7 @@ def serve(engine: Engine, host: str = "127.0.0.1", port: int = 0, *, watch_paren
     sock.bind((host, port))
     sock.listen(64)
     if watch_parent:
-        threading.Thread(target=_exit_when_parent_goes, name="parent-watch", daemon=True).start()
+        threading.Thread(target=exit_when_parent_goes, name="parent-watch", daemon=True).start()
     print(f"{READY_LINE} port={sock.getsockname()[1]}", flush=True)
     config = uvicorn.Config(RunnerApp(engine), log_level="warning", access_log=False, lifespan="on")
     uvicorn.Server(config).run(sockets=[sock])

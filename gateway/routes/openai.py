@@ -16,7 +16,6 @@ from gateway.routes.common import (
     check_auth,
     dispatcher_of,
     error_response,
-    error_handler,
     json_response,
     model_infos,
     new_meta,

@@ -3,7 +3,6 @@ gives each protocol's mid-stream error, the gateway keeps serving, and the next 
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import time

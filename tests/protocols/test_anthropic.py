@@ -41,12 +41,10 @@ from protocols.model import (
     BackendTimeout,
     BackendUnavailable,
     Event,
-    Failed,
     Finished,
     GatewayError,
     ImagePart,
     InvalidRequest,
-    KeepAlive,
     Message,
     Meta,
     ModelInfo,
@@ -70,7 +68,6 @@ from protocols.model import (
     UnknownModel,
     UnsupportedFeature,
     Usage,
-    collect,
     decode_body,
 )
 

@@ -2,81 +2,29 @@
 
 from __future__ import annotations
 
-import base64
-from collections.abc import AsyncIterator, Iterable
-from typing import Any
-
 import anthropic
-import httpx2  # the HTTP library anthropic 2.x builds its responses with
 import msgspec
 import pytest
-from anthropic._streaming import SSEDecoder
-from anthropic.lib.streaming import MessageStream
 from anthropic.types import Message as SdkMessage
-from anthropic.types import ModelInfo as SdkModelInfo
-from anthropic.types import RawMessageStreamEvent
-from pydantic import TypeAdapter
 
-from protocols.anthropic import (
-    CountTokensRequest,
-    MessagesRequest,
-    count_tokens_to_internal,
-    encode_count_tokens,
-    encode_message_response,
-    encode_message_stream,
-    encode_model,
-    encode_models,
-    error_body,
-    messages_to_internal,
-)
+from protocols.anthropic import encode_message_response
 from protocols.model import (
-    UNSET,
-    AuthenticationFailed,
-    BackendProtocolError,
     BackendTimeout,
-    BackendUnavailable,
-    Event,
     Failed,
     Finished,
-    GatewayError,
-    ImagePart,
-    InvalidRequest,
     KeepAlive,
-    Message,
-    Meta,
-    ModelInfo,
     NoCapacity,
-    NotFound,
-    RateLimited,
-    ReasoningDelta,
-    ReasoningPart,
-    RequestTooLarge,
-    Response,
-    ResponseFormat,
-    Sampling,
     TextDelta,
-    TextPart,
-    Tool,
-    ToolCall,
     ToolCallDelta,
-    ToolCallPart,
-    ToolChoice,
-    ToolResultPart,
-    UnknownModel,
-    UnsupportedFeature,
     Usage,
     collect,
-    decode_body,
 )
 from tests.protocols.test_anthropic import (  # noqa: E402 (shared fixtures)
     EVENT_ADAPTER,
     META,
     TOOL_STREAM,
-    WEATHER_TOOL,
     encode,
-    internal,
     parsed,
-    request,
     sdk_stream,
     stream_of,
     usage,

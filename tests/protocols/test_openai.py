@@ -8,16 +8,13 @@ from __future__ import annotations
 
 import base64
 import json
-from collections.abc import AsyncIterator, Iterable
 from typing import Any
 
 import msgspec
 import openai
 import pytest
-from openai._streaming import Stream
-from openai.lib.streaming.chat import ChatCompletionStreamState
 from openai.types import Completion, Model
-from openai.types.chat import ChatCompletion, ChatCompletionChunk
+from openai.types.chat import ChatCompletion
 
 from protocols import openai as oai
 from protocols import openai_completions as oac
@@ -25,21 +22,15 @@ from protocols.model import (
     UNSET,
     AuthenticationFailed,
     BackendTimeout,
-    BackendUnavailable,
-    Event,
-    Failed,
     Finished,
     GatewayError,
     ImagePart,
     InvalidRequest,
-    KeepAlive,
     Message,
-    Meta,
     ModelInfo,
     NoCapacity,
     NotFound,
     RateLimited,
-    ReasoningDelta,
     ReasoningPart,
     RequestTooLarge,
     Response,
@@ -50,7 +41,6 @@ from protocols.model import (
     TokenLogprob,
     Tool,
     ToolCall,
-    ToolCallDelta,
     ToolCallPart,
     ToolChoice,
     ToolResultPart,
@@ -62,27 +52,17 @@ from protocols.model import (
     decode_body,
 )
 
-try:  # openai 3.x talks through httpx2, 1.x through httpx
-    import httpx2 as httpx
-except ImportError:  # pragma: no cover
-    import httpx  # type: ignore[no-redef]
+from tests.protocols.openai_wire import (  # the SDK's HTTP library (httpx2 for openai 3.x) comes from there too
+    META,
+    WEATHER_TOOL,
+    accumulate,
+    chat_stream,
+    feed,
+    httpx,
+    payloads,
+    sdk_stream,
+)
 
-META = Meta(id="abc123", model="gemma-3-270m", created=1741569952.7)
-WEATHER_TOOL = {
-    "type": "function",
-    "function": {
-        "name": "get_current_weather",
-        "description": "Get the current weather in a given location",
-        "parameters": {
-            "type": "object",
-            "properties": {
-                "location": {"type": "string", "description": "The city and state, e.g. San Francisco, CA"},
-                "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]},
-            },
-            "required": ["location"],
-        },
-    },
-}
 PNG = b"\x89PNG\r\n\x1a\n"
 
 
@@ -99,42 +79,6 @@ def internal(**body: Any):
 def completion(**body: Any):
     body.setdefault("model", "gpt-3.5-turbo-instruct")
     return oac.completion_to_internal(decode_body(msgspec.json.encode(body), oac.CompletionRequest))
-
-
-async def feed(events: Iterable[Event]) -> AsyncIterator[Event]:
-    for event in events:
-        yield event
-
-
-async def chat_stream(events: Iterable[Event], include_usage: bool = False) -> bytes:
-    return b"".join([frame async for frame in oai.encode_chat_stream(feed(events), META, include_usage=include_usage)])
-
-
-def payloads(raw: bytes) -> list[Any]:
-    """The ``data:`` payloads of an SSE body, JSON-decoded except ``[DONE]``; fails on any ``event:`` line."""
-    out = []
-    for frame in raw.decode().split("\r\n\r\n")[:-1]:
-        for line in frame.split("\r\n"):
-            assert not line.startswith("event:"), line
-            if line.startswith("data: "):
-                data = line.removeprefix("data: ")
-                out.append(data if data == "[DONE]" else json.loads(data))
-    return out
-
-
-def sdk_stream(raw: bytes, cast_to: type = ChatCompletionChunk) -> list[Any]:
-    """Parse a body exactly as the openai SDK does (its own SSE decoder and ``Stream``)."""
-    client = openai.OpenAI(api_key="dummy", base_url="http://gateway.test/v1")
-    request = httpx.Request("POST", "http://gateway.test/v1/chat/completions")
-    response = httpx.Response(200, content=raw, request=request)
-    return list(Stream(cast_to=cast_to, response=response, client=client))
-
-
-def accumulate(chunks: list[ChatCompletionChunk]):
-    state = ChatCompletionStreamState(input_tools=[WEATHER_TOOL])
-    for chunk in chunks:
-        state.handle_chunk(chunk)
-    return state.get_final_completion()
 
 
 # ---------------------------------------------------------------------------------------------------- requests

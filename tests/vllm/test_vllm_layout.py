@@ -1,0 +1,89 @@
+"""The vLLM backend's pure parts, without vLLM: placement records as vLLM's sizes, Ray node ids that sort by
+stage, and the bind shim that keeps Ray's ports on the cluster address (compiled and preloaded for real)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from backends.placement import Candidate, NodeId, Shard
+from backends.runner import bindshim
+from backends.vllm.launch import layout, threads_bind
+from backends.vllm.raynode import stage, stage_env
+from tests.cluster.sockets import listening
+
+
+def placement(strategy: str, *shards: Shard) -> Candidate:
+    return Candidate(id="p", model="m", backend="vllm", strategy=strategy,  # type: ignore[arg-type]
+                     context=512, shards=shards, memory_per_node={})
+
+
+def shard(node: str, start: int, end: int, rank: int = 0, size: int = 1) -> Shard:
+    return Shard(node_id=NodeId(node), layer_start=start, layer_end=end, tensor_rank=rank, tensor_size=size)
+
+
+def test_one_node_runs_the_mp_executor_and_many_run_ray() -> None:
+    single = layout(placement("single", shard("a", 0, 18)), tensor_per_node=2)
+    assert (single.tensor, single.pipeline, single.ray, single.ranks) == (2, 1, False, {"a": 2})
+    local = layout(placement("pipeline", shard("a", 0, 7), shard("a", 7, 18)))
+    assert (local.pipeline, local.ray, local.layers) == (2, False, (7, 11))
+    spread = layout(placement("pipeline", shard("b", 9, 18), shard("a", 0, 9)), tensor_per_node=2)
+    assert (spread.tensor, spread.pipeline, spread.ray, spread.head) == (2, 2, True, "a")
+    assert spread.ranks == {"b": 2, "a": 2} and spread.layers == (9, 9)
+
+
+def test_ray_node_ids_sort_in_stage_order_whatever_the_node_names() -> None:
+    record = placement("pipeline", shard("zeta", 12, 18), shard("alpha", 6, 12), shard("mid", 0, 6))
+    assert [stage(record, NodeId(n)) for n in ("mid", "alpha", "zeta")] == [0, 1, 2]
+    ids = {n: stage_env(stage(record, NodeId(n)))["RAY_OVERRIDE_NODE_ID_FOR_TESTING"] for n in ("zeta", "alpha")}
+    assert all(len(i) == 56 and int(i, 16) >= 0 for i in ids.values())  # Ray's NodeID: 28 bytes in hex
+    assert sorted(ids, key=ids.get) == ["alpha", "zeta"]  # vLLM's order after the driver's node
+    assert stage_env(1) != stage_env(1)  # otherwise random: two placements never share an id
+
+
+def test_threads_bind_gives_each_worker_its_own_cpus() -> None:
+    assert threads_bind(2, [0, 1, 2, 3]) == "0,1|2,3"
+    assert threads_bind(3, [0, 1]) == "0|1|0"
+
+
+BIND_ANY = """
+import socket, sys, time
+family = socket.AF_INET6 if sys.argv[1] == "::" else socket.AF_INET
+s = socket.socket(family)
+s.bind((sys.argv[1], 0))
+s.listen()
+print(s.getsockname()[0], flush=True)
+time.sleep(30)
+"""
+
+
+@pytest.mark.parametrize("wildcard", ["0.0.0.0", "::"])
+def test_the_bind_shim_moves_a_wildcard_listener_to_the_cluster_address(tmp_path: Path, wildcard: str) -> None:
+    library = bindshim.build(tmp_path)
+    assert bindshim.build(tmp_path) == library  # built once per folder
+    env = bindshim.confine({"PATH": "/usr/bin:/bin"}, library, "127.0.0.2")
+    assert env["MESHGATE_BIND_HOST"] == "127.0.0.2" and env["LD_PRELOAD"] == str(library)
+    child = subprocess.Popen([sys.executable, "-c", BIND_ANY, wildcard], env=env, stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout is not None
+        bound = child.stdout.readline().strip()
+        assert bound in ("127.0.0.2", "::ffff:127.0.0.2"), bound
+        assert {address for address, _ in listening([child.pid])} == {"127.0.0.2"}
+    finally:
+        child.kill()
+        child.wait()
+
+
+def test_the_bind_shim_leaves_explicit_addresses_and_fails_closed(tmp_path: Path) -> None:
+    library = bindshim.build(tmp_path)
+    explicit = subprocess.run([sys.executable, "-c", BIND_ANY.replace("time.sleep(30)", ""), "127.0.0.1"],
+                              env=bindshim.confine({}, library, "127.0.0.2"), capture_output=True, text=True,
+                              timeout=30)
+    assert explicit.stdout.strip() == "127.0.0.1"
+    # an IPv6 cluster address cannot take an IPv4 wildcard bind: it fails rather than listen everywhere
+    refused = subprocess.run([sys.executable, "-c", BIND_ANY, "0.0.0.0"], env=bindshim.confine({}, library, "::1"),
+                             capture_output=True, text=True, timeout=30)
+    assert refused.returncode != 0 and "Cannot assign requested address" in refused.stderr

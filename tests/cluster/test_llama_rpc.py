@@ -26,8 +26,8 @@ from backends.llama_cpp import LlamaCppBackend
 from backends.placement import Candidate, NodeId, Shard
 from protocols.model import BackendUnavailable
 from tests.cluster.faults import long_stream
-from tests.cluster.redis_server import RedisServer
-from tests.cluster.test_cluster_e2e import FAST, Agent, instance, wait_for
+from tests.cluster.agents import linked_cluster
+from tests.cluster.test_cluster_e2e import FAST, instance, wait_for
 from tests.conftest import MODEL, ROOT, Server, free_port
 
 # nodes stay members through a load's CPU stall on two cores: only process deaths fail shards in this module
@@ -62,22 +62,14 @@ def single_process_text(gguf: Path) -> str:
 
 @pytest.fixture(scope="module")
 def split(tmp_path_factory, data_dir, packaged_gguf) -> Iterator[tuple[Server, dict, dict]]:
-    logs = tmp_path_factory.mktemp("rpc-logs")
-    with RedisServer(tmp_path_factory.mktemp("rpc-redis")) as redis:
-        agents = {name: Agent(redis.url, name, data_dir, logs, n_ctx=N_CTX, env=STEADY) for name in ("a", "b")}
-        gateway = Server(data_dir, "--redis", redis.url, "--n-ctx", str(N_CTX), env=STEADY)
-        try:
-            wait_for(lambda: len(httpx.get(f"{gateway.url}/cluster").json()["links"]) >= 2, 60, "two linked nodes")
-            created = httpx.post(f"{gateway.url}/instances", json={
-                "model": MODEL, "strategy": "pipeline", "min_nodes": 2}).json()
-            assert created["placement"]["strategy"] == "pipeline", created
-            ready = wait_for(lambda: (i := instance(gateway, created["id"]))["state"]["state"] == "ready" and i,
-                             120, "the split instance ready")
-            yield gateway, agents, ready
-        finally:
-            gateway.stop()
-            for agent in agents.values():
-                agent.stop()
+    with linked_cluster(tmp_path_factory, data_dir, "rpc", n_ctx=N_CTX, env=STEADY, nodes={"a": {}, "b": {}}) as (
+            gateway, agents):
+        created = httpx.post(f"{gateway.url}/instances", json={
+            "model": MODEL, "strategy": "pipeline", "min_nodes": 2}).json()
+        assert created["placement"]["strategy"] == "pipeline", created
+        ready = wait_for(lambda: (i := instance(gateway, created["id"]))["state"]["state"] == "ready" and i,
+                         120, "the split instance ready")
+        yield gateway, agents, ready
 
 
 def test_the_planner_splits_layers_with_the_head_first(split):

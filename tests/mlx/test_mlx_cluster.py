@@ -21,8 +21,8 @@ import openai
 import pytest
 
 from tests.cluster.faults import long_stream
-from tests.cluster.redis_server import RedisServer
-from tests.cluster.test_cluster_e2e import FAST, Agent, instance, wait_for
+from tests.cluster.agents import linked_cluster
+from tests.cluster.test_cluster_e2e import instance, wait_for
 from tests.cluster.test_llama_rpc import alive
 from tests.conftest import Server
 from tests.mlx.test_mlx_engine import mlx_python
@@ -35,21 +35,13 @@ N_CTX = 512
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory, data_dir, converted_gemma: Path) -> Iterator[Server]:
-    logs = tmp_path_factory.mktemp("mlx-logs")
     # a node's time-to-live well above a load's CPU stall on two cores: only process deaths should fail ranks here
     env = {"MESHGATE_MODELS": str(converted_gemma), "MESHGATE_MLX_PYTHON": str(mlx_python()),
            "MESHGATE_DISABLED_PLUGINS": "vllm", "MESHGATE_HEARTBEAT": "0.5", "MESHGATE_NODE_TTL": "15",
            "MESHGATE_LINK_PROBE_EVERY": "2"}
-    with RedisServer(tmp_path_factory.mktemp("mlx-redis")) as redis:
-        agents = [Agent(redis.url, name, data_dir, logs, n_ctx=N_CTX, env=env) for name in ("a", "b")]
-        gateway = Server(data_dir, "--redis", redis.url, "--n-ctx", str(N_CTX), env={**FAST, **env})
-        try:
-            wait_for(lambda: len(httpx.get(f"{gateway.url}/cluster").json()["links"]) >= 2, 60, "two linked nodes")
-            yield gateway
-        finally:
-            gateway.stop()
-            for agent in agents:
-                agent.stop()
+    with linked_cluster(tmp_path_factory, data_dir, "mlx", n_ctx=N_CTX, env=env, nodes={"a": {}, "b": {}}) as (
+            gateway, _):
+        yield gateway
 
 
 def place(gateway: Server, **body: object) -> dict:

@@ -264,59 +264,69 @@ def _instance(server: Server) -> dict:
 
 
 FAULT_TOKENS = 3500  # tokens: ~20-30 s of the tiny model on vLLM CPU, vs a few seconds to notice a dead worker
+FAULT_PROTOCOLS = ("openai", "anthropic", "ollama")
 
 
-def test_worker_killed_mid_generation_fails_every_protocol_and_leaves_nothing(server: Server,
-                                                                              runtime_dir: Path) -> None:
-    """SIGKILL one TP worker while three streams run: vLLM's engine dies and sends each stream an error frame; the
-    gateway renders it in each protocol's mid-stream error form. vLLM's watchdog then stops its API server, the
-    agent stops what is left (workers, folder, /dev/shm segments) and reports the runner failed, and the instance
-    manager re-places the instance (epoch 1, a new process group)."""
+def _fault_request(server: Server, protocol: str) -> tuple[str, dict]:
+    """A streamed chat of FAULT_TOKENS through ``protocol``'s endpoint. The tiny model never emits EOS
+    (tiny_model.NO_EOS), and FAULT_TOKENS take far longer than vLLM needs to notice a dead worker, so the stream
+    cannot end well once the kill lands."""
+    messages = [{"role": "user", "content": "Ring ring ring"}]
+    if protocol == "openai":
+        return f"{server.url}/v1/chat/completions", {"model": MODEL, "stream": True, "messages": messages,
+                                                     "max_tokens": FAULT_TOKENS, "temperature": 0}
+    if protocol == "anthropic":
+        return f"{server.url}/v1/messages", {"model": MODEL, "stream": True, "messages": messages,
+                                             "max_tokens": FAULT_TOKENS, "temperature": 0}
+    return f"{server.url}/api/chat", {"model": MODEL, "messages": messages,
+                                      "options": {"num_predict": FAULT_TOKENS, "temperature": 0}}
+
+
+def _assert_protocol_error(protocol: str, lines: list[str]) -> None:
+    """The stream ended with ``protocol``'s own mid-stream error, and not as a finished generation."""
+    text = "\n".join(lines)
+    if protocol == "openai":
+        assert '"error"' in text and text.rstrip().endswith("data: [DONE]"), text[-400:]
+        assert '"finish_reason":"' not in text.replace(" ", ""), text[-400:]
+    elif protocol == "anthropic":
+        assert "event: error" in text and "message_stop" not in text and "message_delta" not in text, text[-400:]
+    else:
+        last = json.loads([x for x in lines if x.strip()][-1])
+        assert "error" in last and not last.get("done"), lines[-3:]
+
+
+@pytest.mark.parametrize("protocol", FAULT_PROTOCOLS)
+def test_worker_killed_mid_generation_fails_the_stream_and_leaves_nothing(server: Server, runtime_dir: Path,
+                                                                          protocol: str) -> None:
+    """SIGKILL one TP worker (each rank in turn) while a stream runs: vLLM's engine dies and sends the stream an
+    error frame; the gateway renders it in the protocol's mid-stream error form. vLLM's watchdog then stops its
+    API server, the agent stops what is left (workers, folder, /dev/shm segments) and reports the runner failed,
+    and the instance manager re-places the instance (a new epoch, a new process group), which the next run uses.
+    One stream per kill: concurrent streams on two loaded cores can start tens of seconds apart, so one could
+    finish before the kill."""
     import threading
 
-    before = _instance(server)
+    before = _ready_instance(server)
     before_pids = _vllm_pids(server)
-    workers = [p for p in before_pids if "Worker" in Path(f"/proc/{p}/comm").read_text()]
+    workers = sorted(p for p in before_pids if "Worker" in Path(f"/proc/{p}/comm").read_text())
     assert len(workers) == 2, f"no TP workers among {[(p, _cmdline(p)) for p in before_pids]}"
     [old_folder] = list(runtime_dir.iterdir())
-    # the tiny model never emits EOS (tiny_model.NO_EOS), and FAULT_TOKENS take far longer than vLLM needs to notice
-    # the dead worker, so no stream can end well once the kill lands
-    messages = [{"role": "user", "content": "Ring ring ring"}]
-    bodies = {
-        "openai": (f"{server.url}/v1/chat/completions",
-                   {"model": MODEL, "stream": True, "messages": messages, "max_tokens": FAULT_TOKENS,
-                    "temperature": 0}),
-        "anthropic": (f"{server.url}/v1/messages",
-                      {"model": MODEL, "stream": True, "messages": messages, "max_tokens": FAULT_TOKENS,
-                    "temperature": 0}),
-        "ollama": (f"{server.url}/api/chat", {"model": MODEL, "messages": messages,
-                                              "options": {"num_predict": FAULT_TOKENS, "temperature": 0}}),
-    }
-    tokens: dict[str, list[int]] = {k: [0] for k in bodies}
-    lines: dict[str, list] = {k: [] for k in bodies}
-    threads = [threading.Thread(target=_stream_lines, args=(url, body, tokens[k], lines[k]), daemon=True)
-               for k, (url, body) in bodies.items()]
-    for t in threads:
-        t.start()
+    tokens: list[int] = [0]
+    lines: list[str] = []
+    reader = threading.Thread(target=_stream_lines, args=(*_fault_request(server, protocol), tokens, lines),
+                              daemon=True)
+    reader.start()
     deadline = time.monotonic() + 120
-    while time.monotonic() < deadline and not all(n[0] >= 2 for n in tokens.values()):
+    while time.monotonic() < deadline and tokens[0] < 2:
         time.sleep(0.01)
-    assert all(n[0] >= 2 for n in tokens.values()), lines
-    os.kill(workers[0], signal.SIGKILL)
-    killed = time.monotonic()
-    at_kill = {k: n[0] for k, n in tokens.items()}
-    for t in threads:
-        t.join(150)
-    assert not any(t.is_alive() for t in threads)
-    print(f"streams ended {time.monotonic() - killed:.1f}s after the kill; text lines at the kill {at_kill}, "
-          f"in all {({k: n[0] for k, n in tokens.items()})}")
-    text = {k: "\n".join(v) for k, v in lines.items()}
-    assert '"error"' in text["openai"] and text["openai"].rstrip().endswith("data: [DONE]"), text["openai"][-400:]
-    assert '"finish_reason":"stop"' not in text["openai"].replace(" ", ""), text["openai"][-400:]
-    assert "event: error" in text["anthropic"] and "message_stop" not in text["anthropic"], text["anthropic"][-400:]
-    last = json.loads([x for x in lines["ollama"] if x.strip()][-1])
-    assert "error" in last and not last.get("done"), lines["ollama"][-3:]
-    assert all(tokens[k][0] < FAULT_TOKENS for k in tokens), (at_kill, {k: n[0] for k, n in tokens.items()})
+    assert tokens[0] >= 2, lines
+    os.kill(workers[FAULT_PROTOCOLS.index(protocol) % 2], signal.SIGKILL)
+    killed, at_kill = time.monotonic(), tokens[0]
+    reader.join(150)
+    assert not reader.is_alive()
+    print(f"{protocol}: the stream ended {time.monotonic() - killed:.1f}s after the kill; text lines at the kill "
+          f"{at_kill}, in all {tokens[0]}")
+    _assert_protocol_error(protocol, lines)
     # vLLM's watchdog stops the API server; the agent stops what is left and reports the runner failed; the
     # instance manager re-places the instance: no process, folder or segment of the old one remains
     deadline = time.monotonic() + 120
@@ -332,3 +342,12 @@ def test_worker_killed_mid_generation_fails_every_protocol_and_leaves_nothing(se
     assert "instance.failed" in kinds and "instance.replaced" in kinds, kinds
     assert kinds.index("instance.failed") < kinds.index("instance.replaced")
     assert set(_vllm_pids(server)).isdisjoint(before_pids)  # the re-placed instance is a new process group
+
+
+def _ready_instance(server: Server, timeout: float = 400) -> dict:
+    """The tiny model's instance once ready (after a previous test's kill, its re-placement must start first)."""
+    deadline = time.monotonic() + timeout
+    while (found := _instance(server))["state"]["state"] != "ready":
+        assert found["state"]["state"] != "failed" and time.monotonic() < deadline, found
+        time.sleep(0.5)
+    return found

@@ -27,10 +27,10 @@ import httpx
 import openai
 import pytest
 
-from tests.cluster.redis_server import RedisServer
+from tests.cluster.agents import linked_cluster
 from tests.cluster.faults import long_stream
 from tests.cluster.sockets import listening, public
-from tests.cluster.test_cluster_e2e import FAST, Agent, instance, wait_for
+from tests.cluster.test_cluster_e2e import instance, wait_for
 from tests.conftest import Server
 from tests.vllm.test_vllm import HERE, _alive, _snapshot, vllm_python
 
@@ -56,24 +56,14 @@ def cluster(tmp_path_factory, data_dir, runtime_dir: Path) -> Iterator[Server]:
     checkpoints = tmp_path_factory.mktemp("ray-checkpoints")
     subprocess.run([str(python), str(HERE / "tiny_model.py"), str(checkpoints / MODEL)], check=True, timeout=120,
                    capture_output=True)
-    logs = tmp_path_factory.mktemp("ray-logs")
     env = {"MESHGATE_MODELS": f"{MODEL}={checkpoints / MODEL}", "MESHGATE_VLLM_PYTHON": str(python),
            "MESHGATE_VLLM_EAGER": "1", "MESHGATE_RUNTIME_DIR": str(runtime_dir), "MESHGATE_DISABLED_PLUGINS": "mlx",
            "MESHGATE_MLX_PYTHON": "", "HF_HUB_OFFLINE": "1", "MESHGATE_HEARTBEAT": "0.5", "MESHGATE_NODE_TTL": "15",
            "MESHGATE_LINK_PROBE_EVERY": "2"}
-    with RedisServer(tmp_path_factory.mktemp("ray-redis")) as redis:
-        agents = [Agent(redis.url, name, data_dir, logs, n_ctx=N_CTX, memory=str(8 << 30),
-                        env={**env, "MESHGATE_CLUSTER_ADDRESS": address}) for name, address in ADDRESSES.items()]
-        gateway = Server(data_dir, "--redis", redis.url, "--n-ctx", str(N_CTX), env={**FAST, **env})
-        try:
-            wait_for(lambda: len(httpx.get(f"{gateway.url}/cluster").json()["links"]) >= 2, 60, "two linked nodes")
-            yield gateway
-        finally:
-            gateway.stop()
-            for agent in agents:
-                agent.stop()
-            for agent in agents:
-                print(f"--- agent log tail\n{agent.log.read_text(errors='replace')[-3000:]}")
+    nodes = {name: {"MESHGATE_CLUSTER_ADDRESS": address} for name, address in ADDRESSES.items()}
+    with linked_cluster(tmp_path_factory, data_dir, "ray", n_ctx=N_CTX, env=env, nodes=nodes, memory=str(8 << 30),
+                        show_logs=True) as (gateway, _):
+        yield gateway
 
 
 def remove_all(gateway: Server, runtime_dir: Path) -> None:

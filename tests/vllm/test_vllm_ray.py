@@ -32,7 +32,7 @@ from tests.cluster.faults import long_stream
 from tests.cluster.sockets import listening, public
 from tests.cluster.test_cluster_e2e import instance, wait_for
 from tests.conftest import Server
-from tests.vllm.test_vllm import HERE, _alive, _snapshot, vllm_python
+from tests.vllm.test_vllm import HERE, _alive, _cmdline, _snapshot, vllm_python
 
 MODEL = "tiny-vllm"
 PROMPTS = ["Hello world", "Ranks talk over a ring"]
@@ -148,7 +148,11 @@ def test_pipeline_over_ray_across_two_agents_gives_the_single_node_text(cluster:
     assert len(actors(runtime_dir)) == 2, using(runtime_dir)
     other = ADDRESSES[next(n for n in ADDRESSES if n != head)]
     assert actors(runtime_dir, on=other), "no vLLM worker on the other node"
-    # and it is vLLM's stage 1 (Ray node ids sort by stage: raynode.stage_env)
+    # and it is vLLM's stage 1: Ray node ids sort by stage (raynode.stage_env), the head's first
+    raylets = {m.group(2): m.group(1) for line in using(runtime_dir) if "raylet" in line
+               for m in [re.search(r"--node_id=(\w+) --node_ip_address=([\d.]+)", _cmdline(int(line.split(":")[0])))]
+               if m}
+    assert raylets[ADDRESSES[head]].startswith("00000000") and raylets[other].startswith("00000001"), raylets
     log = next(runtime_dir.glob("vllm-*/server.log")).read_text(errors="replace")
     assert [int(pid) for pid in re.findall(r"Worker_PP1 pid=(\d+)", log)][:1] == actors(runtime_dir, on=other)
     assert texts(cluster) == pipeline["reference"]

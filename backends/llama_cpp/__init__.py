@@ -18,6 +18,7 @@ from backends.base import Capabilities, ModelCard, Peers
 from backends.llama_cpp.gguf import read_metadata, tensor_sizes
 from backends.placement import Candidate, ModelSpec, Shard, ShardCosts, Strategy
 from backends.runner.client import RunnerClient
+from backends.runner.net import url_host
 from backends.runner.process import RunnerProcess
 from protocols.model import EmbedRequest, Embeddings, Event, Request
 
@@ -46,7 +47,7 @@ class LaunchedRunner:
     def __init__(self, process: RunnerProcess, host: str, scheme: str = "http") -> None:
         self.process = process
         self.pid: int | None = process.pid
-        self.url: str | None = f"{scheme}://{_url_host(host)}:{process.port}"
+        self.url: str | None = f"{scheme}://{url_host(host)}:{process.port}"
 
     @property
     def alive(self) -> bool:
@@ -132,10 +133,6 @@ class LlamaCppBackend:
     def connect(self, card: ModelCard, placement: Candidate, urls: Mapping[str, str]) -> LlamaCppRunner:
         head = next(s.node_id for s in placement.shards if s.layer_start == 0)
         return LlamaCppRunner(RunnerClient(urls[head], self.http))
-
-
-def _url_host(host: str) -> str:
-    return f"[{host}]" if ":" in host else host
 
 
 def spec_from_gguf(name: str, path: str) -> ModelSpec:

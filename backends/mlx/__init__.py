@@ -28,6 +28,7 @@ from backends.checkpoints import checkpoint_itemsize, spec_from_checkpoint
 from backends.mlx import rendezvous
 from backends.placement import Candidate, ModelSpec, Shard, ShardCosts, Strategy
 from backends.runner.client import RunnerClient
+from backends.runner.net import free_port, host_port
 from backends.runner.process import RunnerProcess
 from protocols.model import EmbedRequest, Embeddings, Event, Request, UnsupportedFeature
 
@@ -67,7 +68,7 @@ class LaunchedRank:
     def __init__(self, process: RunnerProcess, host: str, *, grace: float, hostfile: str | None = None) -> None:
         self.process = process
         self.pid: int | None = process.pid
-        self.url: str | None = f"http://{f'[{host}]' if ':' in host else host}:{process.port}"
+        self.url: str | None = f"http://{host_port(host, process.port)}"
         self.grace = grace
         self.hostfile = hostfile
 
@@ -163,7 +164,7 @@ class MlxBackend:
     async def _ring(self, host: str, followers: Sequence[str]) -> str:
         """Learn the followers' ring addresses, write the hostfile (head first), join them; its path."""
         rings = await rendezvous.gather(self.http, followers)
-        while (own := rendezvous.ring_address(host, rendezvous.free_port(host))) in rings:
+        while (own := host_port(host, free_port(host))) in rings:
             pass
         hosts = [[own], *([r] for r in rings)]
         self.runtime_dir.mkdir(parents=True, exist_ok=True)

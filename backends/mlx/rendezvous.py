@@ -25,20 +25,9 @@ from collections.abc import Sequence
 from typing import Any
 
 from backends.runner.control import JsonHandler, serve_control
+from backends.runner.net import free_port, host_port
 
-__all__ = ["Joined", "free_port", "gather", "join", "serve_join", "watch"]
-
-
-def free_port(host: str) -> int:
-    """A port free on ``host`` now (the ring binds it a moment later)."""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    with socket.socket(family, socket.SOCK_STREAM) as sock:
-        sock.bind((host, 0))
-        return sock.getsockname()[1]
-
-
-def ring_address(host: str, port: int) -> str:
-    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+__all__ = ["Joined", "gather", "join", "serve_join", "watch"]
 
 
 class Joined:
@@ -54,7 +43,7 @@ def serve_join(host: str, rank: int, timeout: float, ready: Any) -> Joined:
 
     ``ready(port)`` is called once the control endpoint listens (the runner prints its ready line there).
     """
-    ring = ring_address(host, free_port(host))
+    ring = host_port(host, free_port(host))
     joined: list[Joined] = []
     done = threading.Event()
 

@@ -10,10 +10,11 @@ Imports only the standard library.
 from __future__ import annotations
 
 import json
-import socket
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
+
+from backends.runner.net import family
 
 __all__ = ["JsonHandler", "serve_control"]
 
@@ -39,8 +40,8 @@ class JsonHandler(BaseHTTPRequestHandler):
 
 def serve_control(host: str, port: int, handler: type[JsonHandler], name: str) -> ThreadingHTTPServer:
     """Serve ``handler`` on ``host:port`` (0: a free port, see ``server_address``) on a daemon thread."""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    server_class = type("ControlServer", (ThreadingHTTPServer,), {"address_family": family, "daemon_threads": True})
+    server_class = type("ControlServer", (ThreadingHTTPServer,), {"address_family": family(host),
+                                                                  "daemon_threads": True})
     server = server_class((host, port), handler)
     threading.Thread(target=server.serve_forever, name=name, daemon=True).start()
     return server

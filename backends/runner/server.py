@@ -25,6 +25,7 @@ from typing import Any, Protocol
 
 import msgspec
 
+from backends.runner.net import family
 from protocols.model import (
     TERMINAL,
     BackendProtocolError,
@@ -244,7 +245,7 @@ def serve(engine: Engine, host: str = "127.0.0.1", port: int = 0, *, watch_paren
     ``watch_parent``: exit when stdin closes (the runner's own ``main`` may watch it already)."""
     import uvicorn
 
-    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    sock = socket.socket(family(host), socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind((host, port))
     sock.listen(64)

@@ -33,12 +33,12 @@ from backends.base import Capabilities, ModelCard, Peers
 from backends.checkpoints import spec_from_checkpoint
 from backends.placement import Candidate, ModelSpec, Shard, ShardCosts, Strategy
 from backends.runner import bindshim
+from backends.runner.net import free_port, url_host
 from backends.vllm import raynode
 from backends.vllm.launch import (
     Layout,
     RuntimeFolder,
     VllmServer,
-    free_port,
     layout,
     server_argv,
     server_env,
@@ -116,7 +116,7 @@ class VllmBackend:
                            max_model_len=placement.context or self.context(card), dtype=self.dtype, eager=self.eager)
         env = server_env(folder, host_ip=host, kv_cache_gib=self.kv_cache_gib, workers=lay.ranks[lay.head],
                          layers=lay.layers)
-        url = f"http://{_url_host(host)}:{port}"
+        url = f"http://{url_host(host)}:{port}"
         (folder.path / "layout.json").write_text(json.dumps({"argv": argv, "env": env}))
         return await VllmServer.start(argv, env=env, folder=folder, url=url, ready_timeout=self.ready_timeout,
                                       name=card.name, health=f"{url}/health", http=self.http)
@@ -160,7 +160,7 @@ class VllmBackend:
                                                      workers=slots, layers=lay.layers), shim, host),
                        "PYTHONPATH": env["PYTHONPATH"], "MESHGATE_VLLM_RAY": "1", "RAY_ADDRESS": gcs,
                        "RAY_USAGE_STATS_ENABLED": "0"}
-            url = f"http://{_url_host(host)}:{port}"
+            url = f"http://{url_host(host)}:{port}"
             (api_folder.path / "layout.json").write_text(json.dumps({"argv": argv, "env": api_env}))
             api = await VllmServer.start(argv, env=api_env, folder=api_folder, url=url,
                                          ready_timeout=self.ready_timeout, name=card.name, health=f"{url}/health",
@@ -173,7 +173,3 @@ class VllmBackend:
     def connect(self, card: ModelCard, placement: Candidate, urls: Mapping[str, str]) -> VllmRunner:
         lay = layout(placement, tensor_per_node=self.tensor_per_node, pipeline_per_node=self.pipeline_per_node)
         return VllmRunner(urls[lay.head], card.name, self.http)
-
-
-def _url_host(host: str) -> str:
-    return f"[{host}]" if ":" in host else host

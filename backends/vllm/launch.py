@@ -22,7 +22,6 @@ import ctypes
 import os
 import shutil
 import signal
-import socket
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -33,7 +32,7 @@ import msgspec
 from backends.placement import Candidate, NodeId
 from protocols.model import BackendTimeout, BackendUnavailable
 
-__all__ = ["Layout", "RuntimeFolder", "VllmServer", "free_port", "layout", "server_argv", "server_env",
+__all__ = ["Layout", "RuntimeFolder", "VllmServer", "group_members", "layout", "server_argv", "server_env",
            "threads_bind"]
 
 SHM = Path("/dev/shm")
@@ -190,13 +189,6 @@ def _held_shm() -> set[str]:
     return held
 
 
-def free_port(host: str) -> int:
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    with socket.socket(family) as sock:
-        sock.bind((host, 0))
-        return sock.getsockname()[1]
-
-
 def _die_with_parent() -> None:
     """In the child before exec: SIGTERM when the agent that started us exits (Linux ``PR_SET_PDEATHSIG``)."""
     with contextlib.suppress(Exception):
@@ -275,17 +267,19 @@ class VllmServer:
 async def _kill_group(pgid: int, timeout: float = 10.0) -> None:
     """SIGKILL whatever is left in the process group (workers may outlive the API server) until none runs."""
     deadline = time.monotonic() + timeout
-    while _group_alive(pgid) and time.monotonic() < deadline:
+    while group_members(pgid) and time.monotonic() < deadline:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(pgid, signal.SIGKILL)
         await asyncio.sleep(0.1)
 
 
-def _group_alive(pgid: int) -> bool:
-    """Whether a process of group ``pgid`` still runs (zombies waiting to be reaped do not count)."""
+def group_members(pgid: int) -> dict[int, str]:
+    """The running processes of group ``pgid`` (zombies waiting to be reaped do not count): pid -> name."""
+    members = {}
     for stat in Path("/proc").glob("[0-9]*/stat"):
         with contextlib.suppress(OSError, IndexError, ValueError):
-            fields = stat.read_text().rsplit(")", 1)[1].split()
+            text = stat.read_text()
+            name, fields = text[text.find("(") + 1:text.rfind(")")], text[text.rfind(")") + 2:].split()
             if int(fields[2]) == pgid and fields[0] not in "ZX":
-                return True
-    return False
+                members[int(stat.parent.name)] = name
+    return members

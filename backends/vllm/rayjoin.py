@@ -9,7 +9,8 @@ registered with the head: the cluster has it). It exits with the node's exit cod
 whole process group, Ray's GCS, raylet and vLLM's worker actors with it; so does a vLLM worker actor of this node
 that exits (``_watch_workers``). See ``backends.vllm.raynode`` for the whole exchange.
 
-Runs under meshgate's interpreter; imports ``backends.vllm.raynode`` and the standard library.
+Runs under meshgate's interpreter; imports ``backends.runner``, ``backends.vllm.launch``, ``backends.vllm.raynode``
+and the standard library.
 """
 
 from __future__ import annotations
@@ -26,9 +27,11 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from backends.runner.control import JsonHandler, serve_control
+from backends.runner.net import host_port
+from backends.vllm.launch import group_members
 from backends.vllm.raynode import RayPorts, head_argv, worker_argv
 
-WORKER_COMM = b"ray::RayWorker"  # vLLM's worker actors' process name (RayWorkerProc; RayWorkerWrapper before)
+WORKER_COMM = "ray::RayWorker"  # vLLM's worker actors' process name (RayWorkerProc; RayWorkerWrapper before)
 WATCH_EVERY = 0.5
 
 
@@ -51,7 +54,7 @@ class _Node:
         temp = Path(a.temp_dir)
         if head is None:
             argv = head_argv(a.python, a.host, temp, a.slots, ports)
-            self.gcs = f"[{a.host}]:{ports.gcs}" if ":" in a.host else f"{a.host}:{ports.gcs}"
+            self.gcs = host_port(a.host, ports.gcs)
         else:
             argv = worker_argv(a.python, a.host, temp, a.slots, ports, head)
         self.child = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
@@ -88,18 +91,7 @@ class _Node:
 
 def _workers() -> set[int]:
     """Live vLLM worker actors in our process group (Ray's raylet, our child, starts them there)."""
-    group, found = os.getpgid(0), set()
-    for proc in Path("/proc").iterdir():
-        if not proc.name.isdigit():
-            continue
-        try:
-            stat = (proc / "stat").read_bytes()
-        except OSError:
-            continue
-        comm, fields = stat[stat.find(b"(") + 1:stat.rfind(b")")], stat[stat.rfind(b")") + 2:].split()
-        if comm.startswith(WORKER_COMM) and fields[0] not in (b"Z", b"X") and int(fields[2]) == group:
-            found.add(int(proc.name))
-    return found
+    return {pid for pid, name in group_members(os.getpgid(0)).items() if name.startswith(WORKER_COMM)}
 
 
 def _ray_env() -> dict[str, str]:

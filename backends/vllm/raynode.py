@@ -49,7 +49,8 @@ import httpx
 
 from backends.placement import Candidate, NodeId
 from backends.runner import bindshim
-from backends.vllm.launch import RuntimeFolder, VllmServer, free_port
+from backends.runner.net import family, free_port, url_host
+from backends.vllm.launch import RuntimeFolder, VllmServer
 
 __all__ = ["RayHead", "RayPorts", "head_argv", "join", "loopback", "node_env", "plugin_dir", "stage", "stage_env",
            "start_node", "wait_running", "worker_argv"]
@@ -81,19 +82,14 @@ class RayPorts:
 
 
 def _free(host: str, taken: set[int]) -> int:
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    while True:
-        with socket.socket(family) as sock:
-            sock.bind((host, 0))
-            port = sock.getsockname()[1]
-        if port not in taken:
-            taken.add(port)
-            return port
+    while (port := free_port(host)) in taken:
+        pass
+    taken.add(port)
+    return port
 
 
 def _free_range(host: str, size: int, taken: set[int]) -> int:
     """The first of ``size`` consecutive ports free on ``host`` (below the kernel's ephemeral range)."""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
     for _ in range(200):
         base = random.randrange(20000, 32000 - size)
         ports = range(base, base + size)
@@ -102,7 +98,7 @@ def _free_range(host: str, size: int, taken: set[int]) -> int:
         try:
             with contextlib.ExitStack() as stack:
                 for port in ports:
-                    stack.enter_context(socket.socket(family)).bind((host, port))
+                    stack.enter_context(socket.socket(family(host))).bind((host, port))
         except OSError:
             continue
         taken.update(ports)
@@ -179,7 +175,7 @@ async def start_node(folder: RuntimeFolder, *, host: str, python: str, slots: in
     """Start this node's keeper (``backends.vllm.rayjoin``) in its own process group; up once ``/health``
     answers (a follower then waits to be joined; a head is already starting its Ray node)."""
     port = free_port(host)
-    url = f"http://{f'[{host}]' if ':' in host else host}:{port}"
+    url = f"http://{url_host(host)}:{port}"
     argv = [sys.executable, "-m", "backends.vllm.rayjoin", "--host", host, "--port", str(port), "--python", python,
             "--temp-dir", str(folder.path / "ray"), "--slots", str(slots), "--join-timeout", str(timeout)]
     root = str(Path(__file__).resolve().parents[2])  # the keeper imports meshgate's ``backends``

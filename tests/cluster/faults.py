@@ -1,8 +1,10 @@
-"""A long streaming chat through one official SDK, for tests that kill a process mid-generation."""
+"""A long streaming chat through one official SDK, for tests that kill a process mid-generation, and whether a
+process still runs."""
 
 from __future__ import annotations
 
 from collections.abc import Iterator
+from pathlib import Path
 
 import anthropic
 import ollama
@@ -21,3 +23,11 @@ def long_stream(url: str, model: str, protocol: str, max_tokens: int = 400) -> t
             model=model, messages=LONG, max_tokens=max_tokens, stream=True)), anthropic.APIStatusError
     return iter(ollama.Client(host=url).chat(model=model, messages=LONG, stream=True,
                                              options={"num_predict": max_tokens})), ollama.ResponseError
+
+
+def alive(pid: int) -> bool:
+    """Whether ``pid`` still runs (a zombie waiting to be reaped does not)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] not in "ZX"
+    except OSError:
+        return False

@@ -25,7 +25,7 @@ from backends.base import ModelCard
 from backends.llama_cpp import LlamaCppBackend
 from backends.placement import Candidate, NodeId, Shard
 from protocols.model import BackendUnavailable
-from tests.cluster.faults import long_stream
+from tests.cluster.faults import alive, long_stream
 from tests.cluster.agents import linked_cluster
 from tests.cluster.test_cluster_e2e import FAST, instance, wait_for
 from tests.conftest import MODEL, ROOT, Server, free_port
@@ -40,13 +40,6 @@ N_CTX = 512
 def rss(pid: int) -> int:
     status = Path(f"/proc/{pid}/status").read_text()
     return int(next(line for line in status.splitlines() if line.startswith("VmRSS")).split()[1]) * 1024
-
-
-def alive(pid: int) -> bool:
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
 
 
 def single_process_text(gguf: Path) -> str:

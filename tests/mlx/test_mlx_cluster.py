@@ -20,10 +20,9 @@ import ollama
 import openai
 import pytest
 
-from tests.cluster.faults import long_stream
+from tests.cluster.faults import alive, long_stream
 from tests.cluster.agents import linked_cluster
 from tests.cluster.test_cluster_e2e import instance, wait_for
-from tests.cluster.test_llama_rpc import alive
 from tests.conftest import Server
 from tests.mlx.test_mlx_engine import mlx_python
 

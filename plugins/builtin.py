@@ -25,7 +25,8 @@ from plugins.settings import Settings
 def meshgate_register_backends(register: Callable[[Backend], None], settings: Settings,
                                http: httpx.AsyncClient) -> None:
     register(LlamaCppBackend(http, python=settings.runner_python, n_ctx=settings.n_ctx, threads=settings.threads,
-                             cache_dir=str(Path(settings.data_dir) / "rpc-cache"), repack=settings.llama_repack))
+                             cache_dir=str(Path(settings.data_dir) / "rpc-cache"), repack=settings.llama_repack,
+                             parallel=settings.parallel))
 
 
 @hookimpl

@@ -14,7 +14,7 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
 import msgspec
 
@@ -70,7 +70,12 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
         rate_limit: Generation requests allowed per minute per API key (or per client address without keys);
             0 means no limit. Counted in the state store, so gateway replicas share the budget.
         max_body_bytes: Largest request body accepted (413 above it).
-        keepalive: Seconds between keep-alives while a streaming request waits for its model to come up.
+        keepalive: Seconds between keep-alives while a streaming request waits for its model to come up (or for
+            its turn in the queue).
+        parallel: Sequences a runner generates at once (its batch), and so the most requests one gateway has in
+            flight on an instance.
+        max_queue: Requests of one gateway that may wait for an instance's runner; beyond it a request is refused
+            at once as overloaded (429/529/503 with ``retry-after``).
     """
 
     host: str = "127.0.0.1"
@@ -94,6 +99,8 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     node_memory: int | None = None
     node_flops: float | None = None
     keepalive: float = 2.0
+    parallel: Annotated[int, msgspec.Meta(ge=1)] = 4
+    max_queue: Annotated[int, msgspec.Meta(ge=0)] = 64
     rate_limit: int = 0
     max_body_bytes: int = 64 << 20
     llama_repack: bool = False

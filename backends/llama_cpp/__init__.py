@@ -74,7 +74,7 @@ class LlamaCppBackend:
 
     def __init__(self, http: httpx.AsyncClient, *, python: str | None = None, n_ctx: int = 4096,
                  threads: int | None = None, ready_timeout: float = 120.0, cache_dir: str | None = None,
-                 repack: bool = False) -> None:
+                 repack: bool = False, parallel: int = 4) -> None:
         self.http = http
         self.python = python or sys.executable
         self.n_ctx = n_ctx
@@ -82,6 +82,7 @@ class LlamaCppBackend:
         self.ready_timeout = ready_timeout
         self.cache_dir = cache_dir
         self.repack = repack
+        self.parallel = parallel
 
     def supports(self, card: ModelCard) -> bool:
         return card.format == "gguf"
@@ -98,7 +99,7 @@ class LlamaCppBackend:
         # per context token; a split holds a second copy of a tied embedding as the output layer on its last
         # worker, while the head keeps the input embedding (file-backed pages of the GGUF).
         return ShardCosts(base_bytes=55 * MiB, head_bytes=70 * MiB, per_token_bytes=23 << 10,
-                          tied_output_copy=True)
+                          tied_output_copy=True, sequences=self.parallel)
 
     def context(self, card: ModelCard) -> int:
         return min(self.n_ctx, card.context_length or self.n_ctx)
@@ -119,6 +120,7 @@ class LlamaCppBackend:
                 "--n-ctx", str(placement.context or self.context(card)), "--shards", json.dumps(shards)]
         argv += ["--threads", str(self.threads)] if self.threads else []
         argv += ["--repack"] if self.repack else []
+        argv += ["--parallel", str(self.parallel)]
         process = await RunnerProcess.start(argv, name=card.name, ready_timeout=self.ready_timeout,
                                             env={"GGML_NO_BACKTRACE": "1"})
         return LaunchedRunner(process, host)

@@ -63,7 +63,7 @@ class Embedder:
     ``chunk`` (tokens per decode) defaults to what ``LOGITS_BUDGET`` allows, between 16 and 512.
     """
 
-    def __init__(self, llm: Any, *, chunk: int | None = None) -> None:
+    def __init__(self, llm: Any, *, chunk: int | None = None, n_ctx: int | None = None) -> None:
         import llama_cpp
         from llama_cpp._internals import LlamaBatch, LlamaContext
 
@@ -72,7 +72,7 @@ class Embedder:
         self.llm = llm
         self.n_embd = llm.n_embd()
         self.n_vocab = llm.n_vocab()
-        self.n_ctx = llm.n_ctx()
+        self.n_ctx = n_ctx or llm.n_ctx()
         self.chunk = min(self.n_ctx, chunk or max(16, min(512, LOGITS_BUDGET // (4 * self.n_vocab))))
         params = llama_cpp.llama_context_default_params()
         params.n_ctx = self.n_ctx

@@ -1,11 +1,13 @@
 """The llama.cpp engine that runs inside the runner process: prompt, sampling, stop strings, events.
 
-Owns the token loop instead of llama-cpp-python's completion API so that it can stop between any two tokens
-(cancellation), report which stop sequence matched, and time prompt and decode separately. llama-cpp-python's
-exceptions are mapped here, once. Tool calls (``tools.CallGate``, grammar-forced for ``required`` or a named
-tool), grammars checked against each sampled token as llama.cpp's server does (``constrained.py``) and per-token
-logprobs (``logprobs.py``, kept with their text past the stop matcher) are woven into the loop; see those modules
-for the decisions.
+Requests run side by side: each ``generate`` call (one thread per request, from the runner server) renders and
+tokenizes its prompt, hands a ``batch.Job`` to the one ``Scheduler`` thread that decodes every running sequence
+in one batch per step, and turns the tokens that come back into events on its own thread: text, stop strings
+(``StopMatcher``), tool calls (``tools.CallGate``, grammar-forced for ``required`` or a named tool) and
+per-token logprobs (``logprobs.py``, kept with their text past the stop matcher). When the answer is complete
+(a stop string, a whole tool call) the job is told to stop and leaves its slot at the next step. Grammars are
+checked against each sampled token as llama.cpp's server does (``sampling.py``). llama-cpp-python's exceptions
+are mapped here, once.
 
 Runs only in the runner process; imports protocols and llama_cpp, never the gateway.
 """
@@ -13,7 +15,9 @@ Runs only in the runner process; imports protocols and llama_cpp, never the gate
 from __future__ import annotations
 
 import codecs
+import json
 import os
+import queue
 import random
 import threading
 import time
@@ -21,6 +25,7 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 
 import msgspec
+import numpy as np
 
 from protocols.model import (
     UNSET,
@@ -28,15 +33,17 @@ from protocols.model import (
     Embeddings,
     Event,
     Finished,
+    GatewayError,
     InvalidRequest,
     Request,
     RequestTooLarge,
     Unprocessable,
     Usage,
 )
-from backends.llama_cpp.constrained import constrained_tokens
+from backends.llama_cpp.batch import Job, Scheduler
 from backends.llama_cpp.embed import Embedder
 from backends.llama_cpp.logprobs import LogprobAligner, token_logprob
+from backends.llama_cpp.sampling import Sampler
 from backends.llama_cpp.prompt import render_prompt
 from backends.runner.stops import StopMatcher
 from backends.llama_cpp.tools import CallGate, call_mode, call_schema
@@ -58,14 +65,20 @@ class Count(msgspec.Struct):
     count: int
 
 
+PARALLEL = 4
+"""Sequences a runner decodes together unless told otherwise (``MESHGATE_PARALLEL``)."""
+
+
 class LlamaEngine:
-    """One GGUF loaded with llama-cpp-python, generating for one request at a time."""
+    """One GGUF loaded with llama-cpp-python, generating for up to ``parallel`` requests at once."""
 
     def __init__(self, path: str, *, n_ctx: int = 4096, n_threads: int | None = None,
-                 shards: Sequence[tuple[str | None, int, int]] = (), repack: bool = False) -> None:
+                 shards: Sequence[tuple[str | None, int, int]] = (), repack: bool = False,
+                 parallel: int = PARALLEL) -> None:
         """Load ``path``; with ``shards`` (``(endpoint or None for local, layer_start, layer_end)`` in pipeline
         order) the blocks are split over llama.cpp RPC workers. ``repack`` lets llama.cpp repack CPU weights
-        (faster on some CPUs, but different numerics from a split run)."""
+        (faster on some CPUs, but different numerics from a split run). Each of the ``parallel`` sequences holds
+        up to ``n_ctx`` tokens."""
         import llama_cpp
 
         from backends.llama_cpp.gguf import read_metadata
@@ -79,9 +92,16 @@ class LlamaEngine:
             meta = read_metadata(path)
             n_layers = int(meta.get(f"{meta.get('general.architecture', '')}.block_count", 0))
             split = split_kwargs(shards, n_layers, add_rpc_servers(remote))
+        threads = n_threads or os.cpu_count() or 1
         with weight_repacking(repack):
-            self.llm = llama_cpp.Llama(model_path=path, n_ctx=n_ctx, n_threads=n_threads or os.cpu_count(),
-                                       n_threads_batch=n_threads or os.cpu_count(), verbose=False, **split)
+            # The model, its tokenizer and metadata; its own context is a token one: the scheduler's decodes.
+            self.llm = llama_cpp.Llama(model_path=path, n_ctx=64, n_batch=64, n_threads=threads,
+                                       n_threads_batch=threads, verbose=False, **split)
+        self.n_ctx = n_ctx
+        self.parallel = max(1, parallel)
+        self.scheduler = Scheduler(self.llm._model.model, n_ctx=n_ctx, parallel=self.parallel, n_threads=threads,
+                                   is_eog=self._is_eog)
+        threading.Thread(target=self.scheduler.run, name="llama-scheduler", daemon=True).start()
         self.load_ns = time.perf_counter_ns() - started
         self.path = path
         meta = self.llm.metadata
@@ -89,17 +109,21 @@ class LlamaEngine:
         self.chat_template = meta.get("tokenizer.chat_template")
         self._first_request = True
         self._embedder: Embedder | None = None
+        self._embed_lock = threading.Lock()
 
     def health(self) -> dict[str, Any]:
-        return {"status": "ok", "model": self.path, "n_ctx": self.llm.n_ctx(), "family": self.family}
+        return {"status": "ok", "model": self.path, "n_ctx": self.n_ctx, "family": self.family,
+                **self.scheduler.stats()}
 
     def embed(self, request: EmbedRequest, cancel: threading.Event) -> Embeddings:
-        """Mean-pooled unit vectors from a second, embedding-mode context made on the first call (``embed.py``)."""
-        load_ns = 0
-        if self._embedder is None:
-            self._embedder = Embedder(self.llm)
-            load_ns = self._embedder.load_ns
-        result = self._embedder.embed(request, cancel)
+        """Mean-pooled unit vectors from a second, embedding-mode context made on the first call (``embed.py``);
+        one embedding request at a time, beside the generations."""
+        with self._embed_lock:
+            load_ns = 0
+            if self._embedder is None:
+                self._embedder = Embedder(self.llm, n_ctx=self.n_ctx)
+                load_ns = self._embedder.load_ns
+            result = self._embedder.embed(request, cancel)
         return Embeddings(vectors=result.vectors, prompt_tokens=result.prompt_tokens, load_ns=load_ns)
 
     def _is_eog(self, token: int) -> bool:
@@ -118,7 +142,7 @@ class LlamaEngine:
 
     def generate(self, request: Request, cancel: threading.Event) -> Iterator[Event]:
         tokens = self.tokenize(request)
-        n_ctx = self.llm.n_ctx()
+        n_ctx = self.n_ctx
         if len(tokens) >= n_ctx:
             raise RequestTooLarge(f"the prompt has {len(tokens)} tokens but the context holds {n_ctx}; "
                                   "shorten the conversation")
@@ -127,69 +151,87 @@ class LlamaEngine:
         if limit < 1:
             raise InvalidRequest("max_tokens must be at least 1", param="max_tokens")
         load_ns, self._first_request = (self.load_ns if self._first_request else 0), False
-        s = request.sampling
-        seed = s.seed if isinstance(s.seed, int) else random.randrange(2**31)
-        self.llm.set_seed(seed)
-        grammar = self._grammar(request)
+        job = Job(prompt=tokens, limit=limit, sampler=self._sampler(request), cancel=cancel)
+        if request.logprobs:
+            top_n, n_vocab = request.top_logprobs, self.llm.n_vocab()
+            job.logprob = lambda row, token, _n: token_logprob(
+                self.llm, np.ctypeslib.as_array(row, shape=(n_vocab,)), token, top_n)
         yield Usage(prompt_tokens=len(tokens), load_ns=load_ns)
+        started = time.perf_counter_ns()
+        self.scheduler.submit(job)
+        try:
+            yield from self._events(job, request, len(tokens), load_ns, started, cancel)
+        finally:
+            job.done.set()
 
+    def _events(self, job: Job, request: Request, n_prompt: int, load_ns: int, started: int,
+                cancel: threading.Event) -> Iterator[Event]:
+        """The job's tokens as events, on the request's thread."""
         stopper = StopMatcher(request.stop)
         gate = CallGate(request)
         aligner = LogprobAligner() if request.logprobs else None
         decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
-        started = time.perf_counter_ns()
-        first_token_at = started
-        count = 0
+        first_token_at = None
         finish = Finished(reason="length")
-        try:
-            for token in self._tokens(tokens, request, grammar):
-                if count == 0:
-                    first_token_at = time.perf_counter_ns()
+        count = 0
+        while True:
+            try:
+                item = job.out.get(timeout=0.1)
+            except queue.Empty:
                 if cancel.is_set():
                     return
-                if self._is_eog(token):
-                    finish = Finished(reason="stop")
-                    break
-                count += 1
-                piece = self.llm.detokenize([token])
-                decoded = decoder.decode(piece)
-                if aligner is not None:
-                    aligner.add(decoded, token_logprob(self.llm, token, piece, request.top_logprobs))
-                text, matched = stopper.feed(decoded)
-                yield from gate.feed(text, aligner.take(text) if aligner is not None else ())
-                if matched is not None:
-                    finish = Finished(reason="stop_sequence", stop_sequence=matched)
-                    break
-                if gate.done:
-                    finish = Finished(reason="stop")
-                    break
-                if count >= limit:
-                    break
-        except ValueError as exc:
-            raise InvalidRequest(str(exc)) from exc
+                continue
+            if item is None:
+                break
+            if first_token_at is None:
+                first_token_at = time.perf_counter_ns()
+            token, entry = item
+            count += 1
+            piece = self.llm.detokenize([token])
+            decoded = decoder.decode(piece)
+            if aligner is not None:
+                aligner.add(decoded, entry)
+            text, matched = stopper.feed(decoded)
+            yield from gate.feed(text, aligner.take(text) if aligner is not None else ())
+            if matched is not None:
+                finish = Finished(reason="stop_sequence", stop_sequence=matched)
+                break
+            if gate.done:
+                finish = Finished(reason="stop")
+                break
+        job.done.set()
+        if item is None:
+            if job.error:
+                raise GatewayError(job.end)
+            if job.end == "cancelled":
+                return
+            finish = Finished(reason="stop") if job.end == "stop" else finish
         rest = stopper.flush() + decoder.decode(b"", final=True) if finish.reason != "stop_sequence" else ""
         last = aligner.rest() if aligner is not None and finish.reason != "stop_sequence" else ()
         yield from gate.feed(rest, last)
         held, finish = gate.close(finish)
         yield from held
         ended = time.perf_counter_ns()
-        yield Usage(prompt_tokens=len(tokens), completion_tokens=count, load_ns=load_ns,
-                    prompt_ns=first_token_at - started, eval_ns=ended - first_token_at)
+        first = first_token_at or ended
+        yield Usage(prompt_tokens=n_prompt, completion_tokens=count, load_ns=load_ns,
+                    prompt_ns=first - started, eval_ns=ended - first)
         yield finish
 
-    def _tokens(self, tokens: list[int], request: Request, grammar: Any) -> Iterator[int]:
-        """The sampled tokens; a grammar is checked against each pick as llama.cpp's server does it."""
+    def _sampler(self, request: Request) -> Sampler:
         s = request.sampling
-        chain = {"temp": _value(s, "temperature"), "top_p": _value(s, "top_p"), "top_k": _value(s, "top_k"),
-                 "min_p": _value(s, "min_p"), "repeat_penalty": _value(s, "repeat_penalty"),
-                 "presence_penalty": _value(s, "presence_penalty"),
-                 "frequency_penalty": _value(s, "frequency_penalty")}
-        if grammar is None:
-            return self.llm.generate(tokens, **chain)
-        return constrained_tokens(self.llm, tokens, grammar, **chain)
+        seed = s.seed if isinstance(s.seed, int) else random.randrange(2**31)
+        try:
+            return Sampler(self.llm._model.vocab, self.llm.n_vocab(), temp=_value(s, "temperature"),
+                           top_k=_value(s, "top_k"), top_p=_value(s, "top_p"), min_p=_value(s, "min_p"),
+                           repeat_penalty=_value(s, "repeat_penalty"),
+                           presence_penalty=_value(s, "presence_penalty"),
+                           frequency_penalty=_value(s, "frequency_penalty"), seed=seed,
+                           grammar=self._grammar(request))
+        except ValueError as exc:
+            raise InvalidRequest(str(exc)) from exc
 
-    def _grammar(self, request: Request) -> Any:
-        """A forced tool call's schema, else the response format's; ``None`` for free text."""
+    def _grammar(self, request: Request) -> tuple[str, str] | None:
+        """A forced tool call's schema, else the response format's, as GBNF and its root; ``None`` for free text."""
         fmt = request.response_format
         forced = call_mode(request) == "forced"
         if fmt.kind == "text" and not forced:
@@ -197,12 +239,12 @@ class LlamaEngine:
         from llama_cpp.llama_grammar import JSON_GBNF, LlamaGrammar
 
         if forced or (fmt.kind == "json_schema" and fmt.schema):
-            import json
-
             schema = call_schema(request) if forced else fmt.schema
             try:
-                return LlamaGrammar.from_json_schema(json.dumps(schema), verbose=False)
+                grammar = LlamaGrammar.from_json_schema(json.dumps(schema), verbose=False)
             except Exception as exc:  # the converter asserts on schema features it lacks
                 what = "the tools' parameter schemas" if forced else "the response format's JSON schema"
                 raise Unprocessable(f"{what} cannot be turned into a grammar: {exc!r}") from exc
-        return LlamaGrammar.from_string(JSON_GBNF, verbose=False)
+        else:
+            grammar = LlamaGrammar.from_string(JSON_GBNF, verbose=False)
+        return grammar._grammar, grammar._root

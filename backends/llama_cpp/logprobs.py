@@ -1,8 +1,7 @@
 """Token log probabilities for the llama.cpp engine, and keeping them with the text they belong to.
 
-``token_logprob`` reads the logits llama.cpp holds for the position just sampled (``llama_get_logits_ith(ctx,
--1)``: the context keeps the last evaluated position's logits even without ``logits_all``, and
-llama-cpp-python's own ``Llama.scores`` stays empty then, so it is not used) and takes their log-softmax. These
+``token_logprob`` takes the logits of the batch row the token was sampled from (the scheduler reads them with
+``llama_get_logits_ith`` before the next decode replaces them) and takes their log-softmax. These
 are the model's own probabilities: before temperature, penalties, top-k/top-p and any grammar, as llama.cpp's
 server reports them by default.
 
@@ -26,15 +25,13 @@ from protocols.model import TokenLogprob, TopLogprob
 __all__ = ["LogprobAligner", "token_logprob"]
 
 
-def token_logprob(llm: Any, token: int, piece: bytes, top_n: int) -> TokenLogprob:
-    """The log probability of ``token`` (whose bytes are ``piece``) and the ``top_n`` most likely tokens.
+def token_logprob(llm: Any, logits: np.ndarray, token: int, top_n: int) -> TokenLogprob:
+    """The log probability of ``token`` under ``logits`` (the row it was sampled from) and the ``top_n`` most
+    likely tokens; ``llm`` (a ``llama_cpp.Llama``) gives the tokens' bytes.
 
-    Call it right after ``token`` was sampled, before the next evaluation replaces the logits.
+    Call it right after ``token`` was sampled, before the next decode replaces the logits.
     """
-    import llama_cpp
-
-    n_vocab = llm.n_vocab()
-    logits = np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(llm.ctx, -1), shape=(n_vocab,))
+    piece = llm.detokenize([token])
     peak = float(logits.max())
     norm = peak + float(np.log(np.exp(logits - peak, dtype=np.float64).sum()))
     top: tuple[TopLogprob, ...] = ()

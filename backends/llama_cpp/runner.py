@@ -10,7 +10,7 @@ import argparse
 import json
 import sys
 
-from backends.llama_cpp.engine import LlamaEngine
+from backends.llama_cpp.engine import PARALLEL, LlamaEngine
 from backends.runner.server import FAILED_LINE, serve
 
 
@@ -24,11 +24,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--shards", default="[]", help='JSON [[endpoint or null, layer_start, layer_end], ...]: '
                         "split the blocks over llama.cpp RPC workers (null: held by this process)")
     parser.add_argument("--repack", action="store_true", help="let llama.cpp repack CPU weights")
+    parser.add_argument("--parallel", type=int, default=PARALLEL,
+                        help="sequences decoded together (each holds up to --n-ctx tokens)")
     args = parser.parse_args(argv)
     try:
         shards = [(e, int(a), int(b)) for e, a, b in json.loads(args.shards)]
         engine = LlamaEngine(args.model, n_ctx=args.n_ctx, n_threads=args.threads, shards=shards,
-                             repack=args.repack)
+                             repack=args.repack, parallel=args.parallel)
     except Exception as exc:  # tell the supervisor why, then exit: nothing is served
         print(f"{FAILED_LINE} {exc}", flush=True)
         sys.exit(1)

@@ -1,13 +1,17 @@
 """Serve an ``Engine`` over the internal streaming protocol: a small ASGI app, run by uvicorn in the runner.
 
-The engine is synchronous (llama.cpp and MLX generate on a thread); one generation runs at a time and a client
-that disconnects sets the engine's cancel flag, so the runtime stops at its next token.
+The engine is synchronous (llama.cpp and MLX generate on a thread). An engine with ``parallel`` > 1 batches
+requests itself: up to ``parallel`` generations run at once, each ``generate`` on its own thread (more wait here,
+first come first served); other engines run one generation at a time. A client that disconnects sets the
+request's cancel flag, so the runtime stops at its next token. Events go out as NDJSON lines, as many in one
+chunk as the engine has ready, so a fast engine costs one write per batch of events, not one per token.
 
 ``POST /embed`` takes an ``EmbedRequest`` and answers ``Embeddings`` (200), or ``{"error": ErrorInfo}`` with the
-error's status; it runs on a thread under the same one-at-a-time lock, and a client that disconnects (or times
-out) sets its cancel flag too. ``POST /tokenize`` takes a ``Request`` and answers ``{"count": n}``: the prompt's
-tokens as the model reads it (chat template, system text, tools). An engine without ``embed`` or
-``count_tokens`` answers ``UnsupportedFeature``.
+error's status; a client that disconnects (or times out) sets its cancel flag too. ``POST /tokenize`` takes a
+``Request`` and answers ``{"count": n}``: the prompt's tokens as the model reads it (chat template, system text,
+tools). An engine without ``embed`` or ``count_tokens`` answers ``UnsupportedFeature``. For a batching engine
+these run beside the generations (the gateway counts a prompt before it queues it); for others, under the same
+one-job lock.
 
 Imports protocols only; no web framework (a raw ASGI app keeps the runner light).
 """
@@ -76,8 +80,10 @@ class RunnerApp:
 
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
-        self._busy = asyncio.Lock()
-        self.stats = {"active": 0, "finished": 0, "cancelled": 0}
+        self.parallel = max(1, int(getattr(engine, "parallel", 1) or 1))
+        self._busy = asyncio.Semaphore(self.parallel)
+        self._unary_busy = self._busy if self.parallel == 1 else contextlib.nullcontext()
+        self.stats = {"active": 0, "finished": 0, "cancelled": 0}  # requests, as the server sees them
 
     async def __call__(self, scope: dict[str, Any], receive: Callable[..., Any], send: Callable[..., Any]) -> None:
         if scope["type"] == "lifespan":
@@ -111,12 +117,12 @@ class RunnerApp:
                 self.stats["active"] += 1
                 ended = False
                 try:
-                    async for event in _run_in_thread(self.engine, request, cancel):
+                    async for events in _run_in_thread(self.engine, request, cancel):
                         if cancel.is_set():
                             break
-                        await send({"type": "http.response.body", "body": _encoder.encode(event) + b"\n",
-                                    "more_body": True})
-                        ended = isinstance(event, TERMINAL)
+                        body = b"".join([_encoder.encode(event) + b"\n" for event in events])
+                        await send({"type": "http.response.body", "body": body, "more_body": True})
+                        ended = isinstance(events[-1], TERMINAL)
                 finally:
                     self.stats["active"] -= 1
                     self.stats["finished" if ended else "cancelled"] += 1
@@ -141,7 +147,7 @@ class RunnerApp:
             cancel = threading.Event()
             watcher = asyncio.ensure_future(_wait_disconnect(receive, cancel))
             try:
-                async with self._busy:
+                async with self._unary_busy:
                     result = await asyncio.to_thread(_call_engine, call, request, cancel)
             finally:
                 cancel.set()
@@ -165,7 +171,8 @@ def _call_engine(call: Callable[[Any, threading.Event], Any], request: Any, canc
 
 
 async def _run_in_thread(engine: Engine, request: Request, cancel: threading.Event):
-    """Run the engine's generator on a thread, handing events over through a queue; always ends terminal."""
+    """Run the engine's generator on a thread, handing events over through a queue; yields lists of the events
+    ready at once, the last list ending terminal."""
     loop = asyncio.get_running_loop()
     queue: asyncio.Queue[Event | None] = asyncio.Queue()
 
@@ -191,8 +198,15 @@ async def _run_in_thread(engine: Engine, request: Request, cancel: threading.Eve
     thread = threading.Thread(target=produce, name="engine", daemon=True)
     thread.start()
     try:
-        while (event := await queue.get()) is not None:
-            yield event
+        while True:
+            ready = [await queue.get()]
+            while not queue.empty():
+                ready.append(queue.get_nowait())
+            if ready[-1] is None:
+                if len(ready) > 1:
+                    yield ready[:-1]
+                return
+            yield ready
     finally:
         cancel.set()
         await asyncio.to_thread(thread.join)

@@ -103,7 +103,8 @@ class InstanceManager:
                                       overhead_bytes=costs.base_bytes, overhead_per_token=costs.per_token_bytes,
                                       head_overhead_bytes=costs.head_bytes,
                                       tied_output_copy=costs.tied_output_copy,
-                                      vocab_parallel=costs.vocab_parallel, required_runtime=None))]
+                                      vocab_parallel=costs.vocab_parallel, kv_sequences=costs.sequences,
+                                      required_runtime=None))]
 
     async def preview(self, model: str, *, nodes: Sequence[str] | None = None, strategy: str | None = None,
                       min_nodes: int | None = None, context: int | None = None) -> list[Candidate]:

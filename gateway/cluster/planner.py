@@ -6,7 +6,8 @@ frozen ``Topology``. Imports only ``backends.placement``, the standard library a
 
 Estimates, per decoded token at batch size one (units: bytes, seconds, bytes/second):
 
-* Memory of a shard = its weights + KV cache for ``context`` tokens over its layers (``ModelSpec.kv_bytes``) +
+* Memory of a shard = its weights + KV cache for ``context`` tokens (times the sequences a runner batches,
+  ``kv_sequences``) over its layers (``ModelSpec.kv_bytes``) +
   the backend's runtime overhead. It fits when that is at most the node's ``memory_available``.
 * Compute: a shard's matmuls cost ``2 * PARAMS_PER_BYTE * bytes`` FLOPs (2 FLOPs per parameter; a ~4-bit
   quantized model has about 2 parameters per byte), taking that over ``Node.flops`` seconds. Agents report no
@@ -73,6 +74,7 @@ class BackendOffer(msgspec.Struct, frozen=True, kw_only=True):
         tied_output_copy: Split over several stages, the last stage holds its own copy of a tied embedding as
             the output layer (llama.cpp does); otherwise the tied embedding is held once, by stage 0.
         vocab_parallel: Tensor ranks split the embedding and output layer; otherwise each holds them whole.
+        kv_sequences: Sequences the runner batches, each with a KV cache of the whole context.
         required_runtime: When set, only nodes whose ``Node.runtimes`` has this key are eligible.
     """
 
@@ -83,6 +85,7 @@ class BackendOffer(msgspec.Struct, frozen=True, kw_only=True):
     head_overhead_bytes: int = 0
     tied_output_copy: bool = False
     vocab_parallel: bool = True
+    kv_sequences: int = 1
     required_runtime: str | None = None
 
     def overhead(self, context: int, head: bool = False) -> int:
@@ -173,6 +176,7 @@ class _Planner:
 
     def __init__(self, spec: ModelSpec, offer: BackendOffer, context: int, view: _View) -> None:
         self.spec, self.offer, self.ctx, self.view = spec, offer, context, view
+        self.kv_tokens = context * max(1, offer.kv_sequences)  # KV cells: the context for each batched sequence
 
     def candidates(self, max_nodes: int | None, min_nodes: int = 1) -> Iterator[Candidate]:
         offered = [s for s in _STRATEGIES if s in self.offer.strategies]
@@ -197,14 +201,14 @@ class _Planner:
     # ------------------------------------------------------------------------------------------ node choice
 
     def _singles(self) -> Iterator[Candidate]:
-        need = self.spec.weight_bytes + self.spec.kv_bytes(self.ctx) + self.offer.overhead(self.ctx, head=True)
+        need = self.spec.weight_bytes + self.spec.kv_bytes(self.kv_tokens) + self.offer.overhead(self.ctx, head=True)
         fit = sorted((n for n in self.view.order if n.memory_available >= need), key=lambda n: (-n.flops, n.id))
         for node in fit[:ALTERNATIVES] or self.view.order[:1]:
             yield self.pipeline([node], "single")
 
     def _smallest_size(self, limit: int) -> int:
         """The smallest k >= 2 whose k roomiest nodes could hold the model at all; ``limit`` when none can."""
-        total = self.spec.weight_bytes + self.spec.kv_bytes(self.ctx)
+        total = self.spec.weight_bytes + self.spec.kv_bytes(self.kv_tokens)
         for k in range(2, limit + 1):
             overheads = k * self.offer.overhead(self.ctx) + self.offer.head_overhead_bytes
             if self.view.roomiest[k - 1] >= total + overheads:
@@ -275,7 +279,7 @@ class _Planner:
                  for i in range(k)]
         work = [(spec.embedding_bytes if i == 0 and spec.tied_output and not output_copy else 0)
                 + (spec.output_bytes + output_copy if i == k - 1 else 0) for i in range(k)]
-        per_layer = max(1, spec.layer_bytes + spec.kv_bytes(self.ctx, 1))
+        per_layer = max(1, spec.layer_bytes + spec.kv_bytes(self.kv_tokens, 1))
         caps = [(n.memory_available - o - f) // per_layer for n, o, f in zip(chain, overheads, fixed, strict=True)]
         layers = [1] * k
         remaining = spec.n_layers - k
@@ -296,7 +300,7 @@ class _Planner:
         for i, node in enumerate(chain):
             shards.append(Shard(node_id=node.id, layer_start=first, layer_end=first + layers[i],
                                 holds_embedding=i == 0, weight_bytes=fixed[i] + layers[i] * spec.layer_bytes,
-                                kv_bytes=spec.kv_bytes(self.ctx, layers[i]), overhead_bytes=overheads[i]))
+                                kv_bytes=spec.kv_bytes(self.kv_tokens, layers[i]), overhead_bytes=overheads[i]))
             first += layers[i]
         compute = sum(_seconds(work[i] + layers[i] * spec.layer_bytes, node) for i, node in enumerate(chain))
         link_cost, missing = 0.0, []
@@ -336,7 +340,7 @@ class _Planner:
         kv_heads = max(spec.n_kv_heads // k, 1)  # replicated when fewer than the ranks
         whole = 0 if self.offer.vocab_parallel else spec.embedding_bytes + spec.output_bytes  # on every rank
         weight = -(-(spec.weight_bytes - whole) // k) + whole
-        kv = spec.kv_bytes(self.ctx) * kv_heads // max(spec.n_kv_heads, 1)
+        kv = spec.kv_bytes(self.kv_tokens) * kv_heads // max(spec.n_kv_heads, 1)
         shards = tuple(Shard(node_id=n.id, layer_start=0, layer_end=spec.n_layers, tensor_rank=r, tensor_size=k,
                              holds_embedding=True, weight_bytes=weight, kv_bytes=kv,
                              overhead_bytes=self.offer.overhead(self.ctx, head=r == 0)) for r, n in enumerate(ranks))
@@ -353,7 +357,7 @@ class _Planner:
             reason = (f"needs {_size(short.memory_bytes)} on node {short.node_id} "
                       f"({_size(self.view.nodes[short.node_id].memory_available)} available)")
             if short.kv_bytes:
-                reason += f", including {_size(short.kv_bytes)} of KV cache for {self.ctx:,} tokens"
+                reason += f", including {_size(short.kv_bytes)} of KV cache for {self.kv_tokens:,} tokens"
             problems = [*problems, reason]
         time = compute + link_cost
         content = msgspec.json.encode([self.spec.name, self.offer.backend, strategy, self.ctx, shards])

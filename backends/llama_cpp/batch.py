@@ -1,0 +1,282 @@
+"""Continuous batching on llama.cpp's low-level API: slots, one decode per step for every running sequence.
+
+One thread (``Scheduler.run``) owns a llama.cpp context with ``parallel`` sequences and calls ``llama_decode``
+on one ``llama_batch`` per step, the way llama.cpp's own server drives its slots:
+
+- A step is one decode of the last sampled token of every generating sequence (one token each, its logits
+  asked for), then one decode of the next chunk of the oldest prompt still being prefilled. A long prompt is
+  prefilled over several steps, so running streams keep decoding. Prompts are cut where ``Llama.eval`` cut
+  them before batching (every ``CHUNK`` tokens from the end of the cached prefix), and a prompt's chunk is
+  decoded on its own: llama.cpp's CPU kernels give a token slightly different numbers when the tokens beside
+  it in a ubatch differ (seen on Gemma 3 270M: up to 1.1 in a logit), which flips near-ties in greedy output.
+  Decode tokens batched together get exactly the numbers they get alone, in groups of up to ``DECODE_GROUP``,
+  so a request's greedy text does not depend on load, and alone it is what it was before batching.
+- A new job joins at the next step. It takes the free slot whose cached tokens share the longest prefix with
+  its prompt (chats and agents resend the same history), keeps that prefix in the KV cache and evaluates only
+  the rest; at least the last prompt token is evaluated again, for its logits. A prompt cut into other chunks
+  than before can get slightly different numbers, so a prefix of fewer than ``MIN_REUSE`` tokens (a chat
+  template's opening) is not reused: distinct short prompts always run from an empty sequence.
+- A finished or cancelled job leaves its slot at once; the slot keeps its tokens for the next job's prefix.
+- Every job samples with its own native chain (``sampling.Sampler``) from its own row of the batch's logits;
+  log probabilities are read from the same row before the next decode replaces them.
+
+Each sequence has its own KV stream of ``n_ctx`` cells (``kv_unified`` off: the cells of one sequence are
+laid out as a single-sequence context lays them out) with the full sliding window (``swa_full``, so a cached
+prefix can be cut back anywhere); every job is held to ``n_ctx`` tokens, so the cache never runs out.
+Tokens go to each job's queue as ``(token, logprob or None)``; ``None`` ends the job's tokens (its reason in
+``Job.end``). Text, stop strings and tool calls are the engine's, on the request's own thread.
+
+Runs only in the runner process; imports llama_cpp, numpy and ``sampling``.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from backends.llama_cpp.sampling import Sampler
+
+__all__ = ["Job", "Scheduler"]
+
+DECODE_GROUP = 7
+"""Sequences decoded in one call at most: with 8 or more tokens in a ubatch, llama.cpp's CPU matrix kernels
+take another path for some of them (seen on x86-64 with AVX2: 2 of 8 rows off by up to 0.87 in a logit), so
+more sequences are decoded in balanced groups of up to 7, each giving exactly the single-sequence numbers."""
+
+MIN_REUSE = 32
+"""Cached prefixes shorter than this are evaluated again: the few tokens saved are not worth a prompt whose
+numbers (and so its greedy text) depend on what the slot held before (see above)."""
+
+CHUNK = 512
+"""Prompt tokens per step (``Llama``'s ``n_batch``, which fed prompts before batching)."""
+
+
+@dataclass(eq=False)
+class Job:
+    """One generation: the prompt's tokens, a token budget, a sampler; tokens come out of ``out``."""
+
+    prompt: list[int]
+    limit: int
+    sampler: Sampler
+    cancel: threading.Event
+    logprob: Callable[[Any, int, int], Any] | None = None  # (logits pointer, token, n_vocab) -> entry
+    out: queue.SimpleQueue = field(default_factory=queue.SimpleQueue)
+    end: str = "length"  # "length", "stop" (end of generation), "cancelled" or an error message
+    error: bool = False
+    fed: int = 0  # prompt tokens in the slot's KV cache
+    cached: int = 0  # of those, taken from the slot's cache (prefix reuse)
+    count: int = 0  # tokens sampled
+    last: int = -1  # the sampled token not yet evaluated
+    admitted: int = 0  # order of admission: prompts are prefilled first come, first served
+    done: threading.Event = field(default_factory=threading.Event)  # the engine needs no more tokens
+
+    def gone(self) -> bool:
+        """The client went away or the engine has what it needs: the job leaves at the next step."""
+        return self.cancel.is_set() or self.done.is_set()
+
+
+@dataclass(eq=False)
+class _Slot:
+    seq: int
+    tokens: list[int] = field(default_factory=list)  # what the KV cache holds for this sequence, in order
+    job: Job | None = None
+
+
+class Scheduler:
+    """Runs jobs in ``parallel`` slots of one context; ``submit`` from any thread, ``run`` on its own."""
+
+    def __init__(self, model: Any, *, n_ctx: int, parallel: int, n_threads: int,
+                 is_eog: Callable[[int], bool]) -> None:
+        import llama_cpp as lib
+
+        self._lib = lib
+        self.n_ctx = n_ctx
+        self.parallel = parallel
+        self.n_batch = n_batch = CHUNK + parallel
+        self.is_eog = is_eog
+        params = lib.llama_context_default_params()
+        params.n_ctx = n_ctx * parallel
+        params.n_batch = params.n_ubatch = n_batch
+        params.n_seq_max = parallel
+        params.kv_unified = False
+        params.swa_full = True
+        params.n_threads = params.n_threads_batch = n_threads
+        params.flash_attn_type = lib.LLAMA_FLASH_ATTN_TYPE_DISABLED  # as ``Llama`` makes it: the same numerics
+        self.ctx = lib.llama_init_from_model(model, params)
+        if not self.ctx:
+            raise RuntimeError(f"llama.cpp could not make a context of {n_ctx} x {parallel} tokens")
+        self.memory = lib.llama_get_memory(self.ctx)
+        self.n_vocab = lib.llama_vocab_n_tokens(lib.llama_model_get_vocab(model))
+        self.batch = lib.llama_batch_init(n_batch, 0, 1)
+        self.slots = [_Slot(seq) for seq in range(parallel)]
+        self.waiting: deque[Job] = deque()
+        self.steps = 0  # decodes run; ``stats`` reports them with the widest batch seen
+        self.widest = 0
+        self._wake = threading.Condition()
+        self._closed = False
+        self._admitted = 0
+
+    def submit(self, job: Job) -> None:
+        with self._wake:
+            self.waiting.append(job)
+            self._wake.notify()
+
+    def stats(self) -> dict[str, int]:
+        active = sum(slot.job is not None for slot in self.slots)
+        return {"slots": self.parallel, "active_sequences": active, "waiting": len(self.waiting),
+                "steps": self.steps, "widest_batch": self.widest}
+
+    def close(self) -> None:
+        with self._wake:
+            self._closed = True
+            self._wake.notify()
+
+    def run(self) -> None:
+        """The decode loop; returns after ``close``."""
+        while True:
+            with self._wake:
+                while not self._closed and not self.waiting and not any(s.job for s in self.slots):
+                    self._wake.wait()
+                if self._closed:
+                    return
+                self._admit()
+            self._step()
+
+    def _admit(self) -> None:
+        """Move waiting jobs into free slots (called with the lock held)."""
+        for job in [job for job in self.waiting if job.gone()]:
+            self.waiting.remove(job)
+            self._end(job, "cancelled")
+        while self.waiting:
+            job = self.waiting[0]
+            free = [slot for slot in self.slots if slot.job is None]
+            if not free:
+                return
+            self.waiting.popleft()
+            slot = max(free, key=lambda s: _common(s.tokens, job.prompt))
+            keep = min(_common(slot.tokens, job.prompt), len(job.prompt) - 1)
+            if keep < MIN_REUSE or not self._lib.llama_memory_seq_rm(self.memory, slot.seq, keep, -1):
+                self._lib.llama_memory_seq_rm(self.memory, slot.seq, -1, -1)
+                keep = 0
+            del slot.tokens[keep:]
+            job.fed = job.cached = keep
+            self._admitted += 1
+            job.admitted = self._admitted
+            slot.job = job
+
+    def _step(self) -> None:
+        """One decode of every generating sequence, then one chunk of the oldest prompt still prefilling."""
+        generating = []
+        for slot in self.slots:
+            job = slot.job
+            if job is None:
+                continue
+            if job.gone():
+                self._release(slot, "cancelled")
+            elif job.fed == len(job.prompt):  # generating: feed the token sampled last
+                generating.append(slot)
+        groups = -(-len(generating) // DECODE_GROUP)
+        for g in range(groups):
+            group = generating[g::groups]
+            n = 0
+            for slot in group:
+                assert slot.job is not None
+                n = self._add(n, slot, slot.job.last, True)
+            if self._decode(n, group):
+                for row, slot in enumerate(group):
+                    self._sample(slot, row)
+        prompts = [slot for slot in self.slots if slot.job and slot.job.fed < len(slot.job.prompt)]
+        if not prompts:
+            return
+        slot = min(prompts, key=lambda slot: slot.job.admitted if slot.job else 0)
+        job = slot.job
+        assert job is not None
+        end = min(len(job.prompt), job.fed + CHUNK - (job.fed - job.cached) % CHUNK)
+        n = 0
+        for pos in range(job.fed, end):
+            n = self._add(n, slot, job.prompt[pos], pos == len(job.prompt) - 1)
+        job.fed = end
+        if self._decode(n, [slot]) and end == len(job.prompt):
+            self._sample(slot, n - 1)
+
+    def _decode(self, n: int, slots: list[_Slot]) -> bool:
+        """Evaluate the batch's first ``n`` tokens (of ``slots``); on failure every job fails and ``False`` is
+        returned."""
+        self.batch.n_tokens = n
+        code = self._lib.llama_decode(self.ctx, self.batch)
+        self.steps += 1
+        self.widest = max(self.widest, len(slots))
+        if code != 0:
+            self._fail_batch(code)
+            return False
+        return True
+
+    def _add(self, n: int, slot: _Slot, token: int, logits: bool) -> int:
+        batch = self.batch
+        batch.token[n] = token
+        batch.pos[n] = len(slot.tokens)
+        batch.n_seq_id[n] = 1
+        batch.seq_id[n][0] = slot.seq
+        batch.logits[n] = logits
+        slot.tokens.append(token)
+        return n + 1
+
+    def _sample(self, slot: _Slot, row: int) -> None:
+        job = slot.job
+        assert job is not None
+        if job.gone():
+            self._release(slot, "cancelled")
+            return
+        try:
+            token = job.sampler.sample(self.ctx, row)
+        except Exception as exc:  # a grammar that cannot continue, a sampler failure: this job only
+            self._release(slot, f"sampling failed: {exc}", error=True)
+            return
+        if self.is_eog(token):
+            self._release(slot, "stop")
+            return
+        entry = None
+        if job.logprob is not None:
+            entry = job.logprob(self._lib.llama_get_logits_ith(self.ctx, row), token, self.n_vocab)
+        job.count += 1
+        job.last = token
+        job.out.put((token, entry))
+        if job.count >= job.limit:
+            self._release(slot, "length")
+
+    def _release(self, slot: _Slot, end: str, *, error: bool = False) -> None:
+        job, slot.job = slot.job, None
+        if job is not None:
+            self._end(job, end, error=error)
+
+    def _end(self, job: Job, end: str, *, error: bool = False) -> None:
+        job.end, job.error = end, error
+        job.sampler.close()
+        job.out.put(None)
+
+    def _fail_batch(self, code: int) -> None:
+        """A decode failed: the state of its sequences is unknown, so they are emptied and their jobs fail."""
+        why = {1: "no room left in the KV cache", 2: "the decode was aborted"}.get(code, f"llama_decode error {code}")
+        for slot in self.slots:
+            if slot.job is not None:
+                self._lib.llama_memory_seq_rm(self.memory, slot.seq, -1, -1)
+                slot.tokens.clear()
+                self._release(slot, f"the model failed to evaluate the batch: {why}", error=True)
+
+    def free(self) -> None:
+        """Free the context (after ``run`` has returned)."""
+        self._lib.llama_batch_free(self.batch)
+        self._lib.llama_free(self.ctx)
+
+
+def _common(a: list[int], b: list[int]) -> int:
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
+

@@ -180,8 +180,8 @@ class Scheduler:
             elif job.fed == len(job.prompt):  # generating: feed the token sampled last
                 generating.append(slot)
         groups = -(-len(generating) // DECODE_GROUP)
-        for g in range(groups):
-            group = generating[g::groups]
+        for g in range(groups):  # balanced, each of consecutive sequence ids (llama.cpp splits a ubatch at gaps)
+            group = generating[len(generating) * g // groups : len(generating) * (g + 1) // groups]
             n = 0
             for slot in group:
                 assert slot.job is not None

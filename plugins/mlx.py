@@ -35,4 +35,5 @@ def meshgate_register_backends(register: Callable[[Backend], None], settings: Se
     if python is None:
         log.debug("no interpreter with mlx-lm (set MESHGATE_MLX_PYTHON): the MLX backend is off")
         return
-    register(MlxBackend(http, python=python, n_ctx=settings.n_ctx, runtime_dir=str(settings.run_dir)))
+    register(MlxBackend(http, python=python, n_ctx=settings.n_ctx, runtime_dir=str(settings.run_dir),
+                        parallel=settings.parallel))

@@ -19,6 +19,7 @@ import sys
 import tempfile
 from collections.abc import AsyncIterator, Mapping, Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import httpx
 import msgspec
@@ -27,10 +28,12 @@ from backends.base import Capabilities, ModelCard, Peers
 from backends.checkpoints import checkpoint_itemsize, spec_from_checkpoint
 from backends.mlx import rendezvous
 from backends.placement import Candidate, ModelSpec, Shard, ShardCosts, Strategy
-from backends.runner.client import RunnerClient
 from backends.runner.net import free_port, host_port
 from backends.runner.process import RunnerProcess
 from protocols.model import EmbedRequest, Embeddings, Event, Request, UnsupportedFeature
+
+if TYPE_CHECKING:  # the gateway's side only: rank processes import this package too, and their python need not
+    from backends.runner.client import RunnerClient  # have the client's HTTP parser (httptools)
 
 __all__ = ["LaunchedRank", "MlxBackend", "MlxRunner", "rank_order"]
 
@@ -87,14 +90,17 @@ class MlxBackend:
 
     ``python`` is an interpreter with ``mlx`` and ``mlx-lm`` (and msgspec, uvicorn); meshgate's own ``backends``
     and ``protocols`` packages reach it through ``PYTHONPATH``. Pipeline ranks load only their layer range;
-    tensor ranks split every layer. Free text only: no tools, structured output or embeddings.
+    tensor ranks split every layer. ``parallel``: requests an instance decodes together (its head's batch; the
+    runner's ``--parallel``). Free text only: no tools, structured output or embeddings.
     """
 
     name = "mlx"
 
     def __init__(self, http: httpx.AsyncClient, *, python: str | None = None, n_ctx: int = 4096,
-                 runtime_dir: str | None = None, ready_timeout: float = 300.0, dtype: str | None = _CPU_DTYPE) -> None:
+                 runtime_dir: str | None = None, ready_timeout: float = 300.0, dtype: str | None = _CPU_DTYPE,
+                 parallel: int = 4) -> None:
         self.http = http
+        self.parallel = parallel
         self.dtype = dtype
         self.python = python or sys.executable
         self.n_ctx = n_ctx
@@ -114,7 +120,8 @@ class MlxBackend:
         # Measured with mlx 0.32.4 on CPU: a rank process (python, mlx, mlx-lm, the tokenizer) is ~190 MiB
         # resident before weights, the head's HTTP server ~25 MiB more; compute buffers grow ~16 KiB per
         # context token on Gemma 3 270M.
-        return ShardCosts(base_bytes=190 * MiB, head_bytes=25 * MiB, per_token_bytes=16 << 10, vocab_parallel=False)
+        return ShardCosts(base_bytes=190 * MiB, head_bytes=25 * MiB, per_token_bytes=16 << 10, vocab_parallel=False,
+                          sequences=self.parallel)
 
     def spec(self, card: ModelCard) -> ModelSpec:
         spec = spec_from_checkpoint(card.name, card.path)
@@ -135,7 +142,7 @@ class MlxBackend:
         mode = "single" if ranks == 1 else "tensor" if placement.strategy == "tensor" else "pipeline"
         argv = [self.python, "-m", "backends.mlx.runner", "--model", card.path, "--host", host,
                 "--n-ctx", str(placement.context or self.context(card)), "--sharding", mode, "--rank", str(rank),
-                "--ranks", str(ranks), "--ready-timeout", str(self.ready_timeout)]
+                "--ranks", str(ranks), "--ready-timeout", str(self.ready_timeout), "--parallel", str(self.parallel)]
         if mode == "pipeline":
             argv += ["--layers", f"{shard.layer_start}:{shard.layer_end}"]
         argv += ["--dtype", self.dtype] if self.dtype else []
@@ -159,6 +166,8 @@ class MlxBackend:
         return LaunchedRank(process, host, grace=10.0, hostfile=hostfile)
 
     def connect(self, card: ModelCard, placement: Candidate, urls: Mapping[str, str]) -> MlxRunner:
+        from backends.runner.client import RunnerClient
+
         return MlxRunner(RunnerClient(urls[rank_order(placement)[0].node_id], self.http))
 
     async def _ring(self, host: str, followers: Sequence[str]) -> str:

@@ -1,13 +1,18 @@
 """The MLX engine that runs inside the runner process (and in every rank of a distributed runner).
 
 Owns the token loop instead of ``mlx_lm.stream_generate`` so that it can stop between any two tokens
-(cancellation, stop strings) and so that, over several ranks, every rank feeds the model the same token: rank 0
-(the head, which serves HTTP) samples and broadcasts each token; followers (``follow``) run the same forward
-passes on their shard. ``lockstep.py`` holds the wire between ranks (sums of small int32 arrays);
-``sharding.py`` splits the model, by tensor (every layer over all ranks) or by pipeline (each rank its own range
-of layers; only the head computes logits, followers pass hidden states on).
+(cancellation, stop strings), serve several requests at once and, over several ranks, feed every rank the same
+tokens. ``batch.py`` holds the loop: one scheduler thread owns the model and a batched KV cache, admits new
+requests between steps and advances every running one by a token per forward pass (``parallel`` at once; the
+runner's server then calls ``generate`` from one thread per request, each reading its own picks). Rank 0 (the
+head, which serves HTTP) schedules, samples and sends each batch operation to the followers (``follow``), which
+run the same forward passes on their shard, so batching works across the ring too. ``lockstep.py`` holds the
+wire between ranks (sums of small int32 arrays); ``sharding.py`` splits the model, by tensor (every layer over
+all ranks) or by pipeline (each rank its own range of layers; only the head computes logits, followers pass
+hidden states on).
 
-Greedy when temperature is 0; otherwise mlx-lm's sampler with the request's seed. Free text only for now: tools,
+Greedy when temperature is 0; otherwise mlx-lm's sampling filters and a random key of the request's own, seeded
+with its seed (the same draws alone or in a batch). Free text only for now: tools,
 response formats and logprobs answer ``UnsupportedFeature``.
 
 Runs only in the runner process; imports protocols and mlx/mlx_lm, never the gateway.
@@ -24,8 +29,9 @@ from typing import Any
 
 import msgspec
 
-from backends.runner.stops import StopMatcher
+from backends.mlx.batch import Batch, Sampler, Scheduler, Sequence
 from backends.mlx.lockstep import Lockstep
+from backends.runner.stops import StopMatcher
 from protocols.model import (
     UNSET,
     Event,
@@ -56,17 +62,20 @@ class Count(msgspec.Struct):
 
 
 class MlxEngine:
-    """One mlx-lm model, whole or sharded over a distributed group, generating for one request at a time."""
+    """One mlx-lm model, whole or sharded over a distributed group, generating for up to ``parallel`` requests
+    at once (``generate`` may be called from that many threads)."""
 
     def __init__(self, path: str, *, group: Any = None, mode: str = "single",
-                 layers: tuple[int, int] | None = None, n_ctx: int = 4096, dtype: str | None = None) -> None:
+                 layers: tuple[int, int] | None = None, n_ctx: int = 4096, dtype: str | None = None,
+                 parallel: int = 1) -> None:
         """Load ``path``; over a ``group`` of more than one rank, shard it by ``mode`` (``tensor`` or
         ``pipeline``; ``single`` runs the whole model on this rank alone, as does any mode without a group).
 
         ``layers``: this rank's ``[start, end)`` layer range in pipeline mode (the placement's; rank 0 starts at
         0, the ranges tile the model in rank order); ``None`` splits evenly. ``dtype``: compute in this float
         type (``float32`` on CPUs, which have no fast bfloat16: faster there, and tensor-parallel partial sums
-        then match one process exactly); ``None`` keeps the checkpoint's.
+        then match one process exactly); ``None`` keeps the checkpoint's. ``parallel``: the most requests
+        decoded together (the head's; followers run whatever batch the head sends).
         """
         import mlx.core as mx
 
@@ -80,6 +89,10 @@ class MlxEngine:
         self.load_ns = time.perf_counter_ns() - started
         self.lockstep = Lockstep(group)
         self.path, self.mode, self.n_ctx = path, mode, n_ctx
+        batch = Batch(self._forward, self._make_cache)
+        self.parallel = max(1, parallel) if batch.can_batch else 1  # a cache mlx-lm cannot merge: one at a time
+        self.scheduler = Scheduler(batch, self.lockstep, self.parallel)
+        self._tokenizing = threading.Lock()  # a fast tokenizer may refuse two calls at once ("Already borrowed")
         self._first_request = True
 
     def _load(self, path: str, group: Any, mode: str, layers: tuple[int, int] | None,
@@ -120,12 +133,16 @@ class MlxEngine:
     def health(self) -> dict[str, Any]:
         return {"status": "ok", "model": self.path, "n_ctx": self.n_ctx, "family": self.model.model_type,
                 "ranks": self.lockstep.size, "sharding": self.mode,
-                "layers": list(self.layers) if self.layers else None}
+                "layers": list(self.layers) if self.layers else None, "batch": self.scheduler.stats()}
 
     def count_tokens(self, request: Request, cancel: threading.Event) -> Count:
         return Count(count=len(self.tokenize(request)))
 
     def tokenize(self, request: Request) -> list[int]:
+        with self._tokenizing:
+            return self._tokenize(request)
+
+    def _tokenize(self, request: Request) -> list[int]:
         if request.raw_prompt is not None:
             return list(self.tokenizer.encode(request.raw_prompt))  # with BOS where the model wants one, as
             # llama.cpp reads raw prompts
@@ -140,7 +157,7 @@ class MlxEngine:
         return list(ids["input_ids"] if isinstance(ids, dict) else ids)
 
     def generate(self, request: Request, cancel: threading.Event) -> Iterator[Event]:
-        """The head's side (rank 0): every forward pass here is matched by one in ``follow`` on each follower."""
+        """The head's side (rank 0): the request joins the running batch; its picks come back one at a time."""
         if request.tools and request.tool_choice.mode != "none" or request.response_format.kind != "text":
             raise UnsupportedFeature("the MLX runner generates free text only (no tools, no response formats)")
         if request.logprobs:
@@ -161,24 +178,25 @@ class MlxEngine:
         temp = float(_value(s, "temperature"))
         yield Usage(prompt_tokens=len(tokens), load_ns=load_ns)
 
-        self.lockstep.start(tokens)
         stopper = StopMatcher(request.stop)
         detok = self.tokenizer.detokenizer
-        detok.reset()
         eos = set(self.tokenizer.eos_token_ids)
-        sampler = self._sampler(temp, s, seed)
+        sampler = None if temp <= 0 else Sampler(temp, float(_value(s, "top_p")), float(_value(s, "min_p")),
+                                                 int(_value(s, "top_k")), seed)
+        seq = Sequence(tokens, limit, eos, sampler, cancel)
         started = first_token_at = time.perf_counter_ns()
         count, finish = 0, Finished(reason="length")
-        self.last_tokens: list[int] = []  # the picks of the latest generation, for tests and debugging
+        picked: list[int] = []
+        self.scheduler.submit(seq)
         try:
-            for token in self._steps(tokens, sampler):
+            while (token := seq.next()) is not None:
                 if count == 0:
                     first_token_at = time.perf_counter_ns()
                 if cancel.is_set() or token in eos:
                     finish = Finished(reason="stop")
                     break
                 count += 1
-                self.last_tokens.append(token)
+                picked.append(token)
                 detok.add_token(token)
                 text, matched = stopper.feed(detok.last_segment)
                 if text:
@@ -188,9 +206,9 @@ class MlxEngine:
                     break
                 if count >= limit:
                     break
-                self.lockstep.step(token)  # followers feed the same token on
-        finally:  # every way out (end, stop, cancel, error, a closed generator) releases the followers
-            self.lockstep.stop()
+        finally:  # every way out (end, stop, cancel, error, a closed generator) frees the row at the next step
+            seq.close()
+            self.last_tokens = picked  # the picks of the latest generation to end, for tests and debugging
         if cancel.is_set():
             return
         if finish.reason != "stop_sequence":
@@ -204,41 +222,12 @@ class MlxEngine:
         yield finish
 
     def follow(self) -> None:
-        """A follower's life: run the head's generations in lockstep until the head says shut down."""
-        while (tokens := self.lockstep.wait_start()) is not None:
-            for _ in self._steps(tokens, lambda logits: self._mx.argmax(logits, axis=-1)):
-                if (nxt := self.lockstep.wait_step()) is None:
-                    break
-                self._feed = nxt
+        """A follower's life: run the head's batch operations in lockstep until the head says shut down."""
+        batch = Batch(self._forward, self._make_cache)
+        while (message := self.lockstep.receive())[0] != "shutdown":
+            batch.run(*message)
 
     def shutdown(self) -> None:
-        """Head only: tell followers to exit, then drain and barrier so no rank leaves a peer mid-transfer."""
-        self.lockstep.shutdown()
-
-    def _sampler(self, temp: float, s: Any, seed: int) -> Any:
-        mx = self._mx
-        if temp <= 0:
-            return lambda logits: mx.argmax(logits, axis=-1)
-        from mlx_lm.sample_utils import make_sampler
-
-        mx.random.seed(seed)
-        return make_sampler(temp=temp, top_p=float(_value(s, "top_p")), min_p=float(_value(s, "min_p")),
-                            top_k=int(_value(s, "top_k")))
-
-    def _steps(self, tokens: list[int], sampler: Any) -> Iterator[int | None]:
-        """Prefill ``tokens``, then yield one token per forward pass; the caller's ``self._feed`` (a follower's
-        copy of the head's pick), when set, replaces the local pick as the next input. A pipeline follower
-        computes no logits and yields ``None`` (its stage has already passed its hidden state on)."""
-        mx = self._mx
-        cache = self._make_cache()
-        inputs = mx.array(tokens)[None]
-        while True:
-            logits = self._forward(inputs, cache=cache)
-            pick = None
-            if logits is not None:
-                token = sampler(logits[:, -1, :])
-                mx.eval(token)
-                pick = int(token.item())
-            self._feed = None
-            yield pick
-            inputs = mx.array([[self._feed if self._feed is not None else pick]])
+        """Head only: stop the scheduler, tell followers to exit, then drain and barrier so no rank leaves a peer
+        mid-transfer."""
+        self.scheduler.close()

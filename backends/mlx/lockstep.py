@@ -1,13 +1,17 @@
 """The head-to-follower wire of a distributed MLX runner: small int32 all-sums over the ring group.
 
-Rank 0 (the head) serves HTTP and decides; followers contribute zeros and read the head's values. Every call on
-the head is matched by exactly one call on each follower, in this order per generation::
+Rank 0 (the head) serves HTTP and decides; followers contribute zeros and read the head's values. The head's
+scheduler sends each operation on the shared batch (``backends.mlx.batch.Batch``) before running it; every
+follower receives it with ``receive`` and runs the same operation on its shard::
 
-    head: start(tokens)  step(t1) ... step(tn)  stop()         ...  shutdown()
-    each: wait_start()   wait_step() ...        wait_step()->None   wait_start()->None, then barrier
+    head:     admit(tokens)  step(picks)  keep(rows)  step(picks) ...   shutdown()
+    follower: receive()      receive()    receive()   receive()   ...   receive() -> ("shutdown", []), barrier
 
-between which both sides run the same forward passes (tensor-parallel layers hold their own collectives). With
-no group (one process) every call is a no-op. A peer that never answers blocks forever: the launcher bounds runs.
+between which both sides run the same forward passes (tensor-parallel layers hold their own collectives;
+pipeline stages pass hidden states). A message is one all-sum of ``[op, n, v0 .. v7]``, the values inline when
+there are at most eight (a decode step of up to eight rows), else followed by one all-sum of all ``n`` values (a
+prompt). With no group (one process) every call is a no-op. A peer that never answers blocks forever: the
+launcher bounds runs, and the head watches its followers.
 """
 
 from __future__ import annotations
@@ -16,7 +20,8 @@ from typing import Any
 
 __all__ = ["Lockstep"]
 
-_START, _SHUTDOWN = 1, 2
+_OPS = ("admit", "keep", "step", "shutdown")
+_INLINE = 8
 
 
 class Lockstep:
@@ -36,37 +41,28 @@ class Lockstep:
         return out.tolist()
 
     # the head's side
-    def start(self, tokens: list[int]) -> None:
-        if self.group is not None:
-            self._sum([_START, len(tokens)])
-            self._sum(tokens)
-
-    def step(self, token: int) -> None:
-        if self.group is not None:
-            self._sum([1, token])
-
-    def stop(self) -> None:
-        if self.group is not None:
-            self._sum([0, 0])
+    def send(self, op: str, values: list[int]) -> None:
+        """Tell the followers to run ``op`` (``admit``, ``keep``, ``step``) with ``values``."""
+        if self.group is None:
+            return
+        inline = values if len(values) <= _INLINE else []
+        self._sum([_OPS.index(op), len(values), *inline, *[0] * (_INLINE - len(inline))])
+        if not inline and values:
+            self._sum(values)
 
     def shutdown(self) -> None:
         if self.group is not None:
-            self._sum([_SHUTDOWN, 0])
+            self.send("shutdown", [])
             self.barrier()
 
     # a follower's side
-    def wait_start(self) -> list[int] | None:
-        """The next prompt, or ``None`` (after the closing barrier) when the head shuts down."""
-        command, length = self._sum([0, 0])
-        if command == _SHUTDOWN:
+    def receive(self) -> tuple[str, list[int]]:
+        """The head's next operation and its values; after ``("shutdown", [])`` the closing barrier is done."""
+        op, n, *inline = self._sum([0] * (2 + _INLINE))
+        if _OPS[op] == "shutdown":
             self.barrier()
-            return None
-        return self._sum([0] * length)
-
-    def wait_step(self) -> int | None:
-        """The head's next token, or ``None`` when this generation is over."""
-        more, token = self._sum([0, 0])
-        return token if more else None
+            return "shutdown", []
+        return _OPS[op], inline[:n] if n <= _INLINE else self._sum([0] * n)
 
     def barrier(self) -> None:
         """Drain local work, then one scalar all-sum: no rank exits while a peer still has a transfer pending."""

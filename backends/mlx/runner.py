@@ -2,11 +2,13 @@
 
 One rank of an instance:
 
-- alone (``--ranks 1``): load the whole model and serve it over the internal streaming protocol;
-- the head (``--rank 0`` of N, ``MLX_HOSTFILE`` set by the backend): join the ring, load its shard, serve; when
-  the server stops (SIGTERM), tell the followers to shut down and meet them at a barrier, then exit;
+- alone (``--ranks 1``): load the whole model and serve it over the internal streaming protocol, decoding up to
+  ``--parallel`` requests together (``MESHGATE_PARALLEL``, default 4);
+- the head (``--rank 0`` of N, ``MLX_HOSTFILE`` set by the backend): join the ring, load its shard, serve (batched
+  as alone: the followers run every batch operation the head sends); when the server stops (SIGTERM), tell the
+  followers to shut down and meet them at a barrier, then exit;
 - a follower (``--rank r`` > 0): serve ``/ring`` and ``/join`` (``backends.mlx.rendezvous``) until the head's
-  agent sends the hostfile, then join the ring, load its shard and follow the head's generation loop until the
+  agent sends the hostfile, then join the ring, load its shard and follow the head's batch operations until the
   head shuts it down. SIGTERM does not cut a follower off mid-transfer: it waits for the head's shutdown (its
   supervisor kills it after a grace period if that never comes).
 
@@ -45,6 +47,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--ready-timeout", type=float, default=300.0)
     parser.add_argument("--dtype", default=None, help="compute in this float type (float32 on CPUs)")
     parser.add_argument("--followers", default="", help="the head: followers' control URLs, comma-separated")
+    parser.add_argument("--parallel", type=int, default=int(os.environ.get("MESHGATE_PARALLEL") or 4),
+                        help="requests decoded together (default: MESHGATE_PARALLEL, else 4)")
     args = parser.parse_args(argv)
     launched = os.environ.get("MLX_HOSTFILE")  # started by a ring launcher (backends.mlx.launch): no join
     if launched:
@@ -105,6 +109,7 @@ class _Head:
     def __init__(self, engine: Any) -> None:
         self.engine = engine
         self.count_tokens = engine.count_tokens
+        self.parallel = engine.parallel
 
     def health(self) -> dict[str, Any]:
         return self.engine.health()
@@ -146,7 +151,8 @@ def _load(args: argparse.Namespace, *, own_hostfile: bool):
             raise RuntimeError(f"joined as rank {group.rank()} of {group.size()}, expected {args.rank} of "
                                f"{args.ranks}")
     layers = tuple(int(x) for x in args.layers.split(":")) if args.layers else None
-    return MlxEngine(args.model, group=group, mode=args.sharding, layers=layers, n_ctx=args.n_ctx, dtype=args.dtype)
+    return MlxEngine(args.model, group=group, mode=args.sharding, layers=layers, n_ctx=args.n_ctx, dtype=args.dtype,
+                     parallel=args.parallel)
 
 
 def _timed_out() -> None:

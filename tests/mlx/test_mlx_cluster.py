@@ -2,9 +2,10 @@
 
 Redis, two ``meshgate node`` agents (``a``, ``b``) on loopback and a gateway, every rank a process of the MLX
 venv's python. One rank first (the single-process reference), then a 2-rank pipeline and 2-rank tensor
-placement: greedy text through the three official SDKs must equal the single run. Then faults: a follower rank
-SIGKILLed mid-stream ends each protocol's stream with its error, the instance's ranks all stop and it is placed
-again.
+placement: greedy text through the three official SDKs must equal the single run, and so must the text of
+requests sent all at once (the head decodes them in one batch, on one rank and across the ring). Then faults: a
+follower rank SIGKILLed mid-stream ends each protocol's stream with its error, the instance's ranks all stop and
+it is placed again.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from __future__ import annotations
 import os
 import signal
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import anthropic
@@ -81,12 +83,28 @@ def texts(gateway: Server) -> dict[str, list[str]]:
     return out
 
 
+def together(gateway: Server, ready: dict) -> tuple[list[str], int]:
+    """Every prompt twice, all four requests at once through the OpenAI API; their texts and the widest batch
+    the instance's head has decoded."""
+    oai = openai.OpenAI(base_url=f"{gateway.url}/v1", api_key="x", max_retries=0)
+
+    def one(prompt: str) -> str:
+        return oai.completions.create(model=MODEL, prompt=prompt, max_tokens=TOKENS, temperature=0).choices[0].text
+
+    with ThreadPoolExecutor(2 * len(PROMPTS)) as pool:
+        found = list(pool.map(one, PROMPTS * 2))
+    head = min(ready["placement"]["shards"], key=lambda s: (s["layer_start"], s["tensor_rank"]))["node_id"]
+    return found, httpx.get(f"{ready['runners'][head]['url']}/health").json()["batch"]["widest"]
+
+
 @pytest.fixture(scope="module")
 def reference(cluster: Server) -> dict[str, list[str]]:
     ready = place(cluster, nodes=["a"])
     assert ready["placement"]["strategy"] == "single" and ready["placement"]["backend"] == "mlx"
     found = texts(cluster)
     assert all(found["openai"]) and found["openai"] == found["openai-stream"] == found["ollama"]
+    batched, widest = together(cluster, ready)
+    assert batched == found["openai"] * 2 and widest >= 2
     return found
 
 
@@ -105,6 +123,8 @@ def test_two_ranks_give_the_single_rank_text_through_all_protocols(cluster, refe
     health = httpx.get(f"{ready['runners'][head]['url']}/health").json()
     assert health["ranks"] == 2 and health["sharding"] == strategy
     assert texts(cluster) == reference
+    batched, widest = together(cluster, ready)
+    assert batched == reference["openai"] * 2 and widest >= 2
 
 
 @pytest.mark.parametrize("protocol", ["openai", "anthropic", "ollama"])

@@ -58,13 +58,13 @@ def tiny(models: dict[str, Path]) -> Path:
     return models["llama"]
 
 
-def _checks(runs: list[dict], n: int) -> list[dict]:
+def _checks(runs: list[dict], n: int, max_tokens: int = 32) -> list[dict]:
     """Run ``rank_check.py`` over ``runs`` on ``n`` ranks (one launch for all); each rank's report, rank order."""
     from backends.mlx.launch import launch
 
     started = time.monotonic()
-    ranks = launch(n, [str(mlx_python()), str(HERE / "rank_check.py"), json.dumps(runs)], env=ENV, cwd=ROOT,
-                   stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    argv = [str(mlx_python()), str(HERE / "rank_check.py"), json.dumps(runs), str(max_tokens)]
+    ranks = launch(n, argv, env=ENV, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         outs = [p.communicate(timeout=240) for p in ranks.procs]
         codes = [p.returncode for p in ranks.procs]
@@ -115,6 +115,27 @@ def test_engine_matches_mlx_lm_generate(models: dict[str, Path], one_rank: dict[
         assert len(mine["tokens"]) == 32 or mine["finish"] == "stop"
 
 
+def _same_together(run: dict, alone: list[dict]) -> None:
+    """The prompts generated together (each joining a running batch) give each prompt's one-at-a-time text."""
+    assert [(r["text"], r["finish"], r["completion_tokens"]) for r in run["together"]] == [
+        (r["text"], r["finish"], len(r["tokens"])) for r in alone]
+    assert run["batch"]["widest"] == len(alone)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_prompts_decoded_together_give_the_one_at_a_time_text(one_rank: dict[str, dict], family: str) -> None:
+    _same_together(one_rank[family], one_rank[family]["results"])
+
+
+def test_gemma_decoded_together_gives_the_one_at_a_time_text(converted_gemma: Path) -> None:
+    """The real Gemma 3 270M, computing in float32 as the runner does on CPUs: the prompts together (each joining
+    the running batch) give each prompt's one-at-a-time text."""
+    (report,) = _checks([{"model": str(converted_gemma), "mode": "single", "dtype": "float32"}], 1, max_tokens=16)
+    run = report["runs"][0]
+    assert all(r["text"] for r in run["results"])
+    _same_together(run, run["results"])
+
+
 def test_two_ranks_by_pipeline_and_tensor_match_one(models: dict[str, Path], one_rank: dict[str, dict]) -> None:
     """Both families, one launch: even and uneven pipelines and tensor sharding generate what one process does
     (the last prompt outgrows the gemma3 window); weights split; a placement whose ranges leave a gap fails."""
@@ -127,6 +148,7 @@ def test_two_ranks_by_pipeline_and_tensor_match_one(models: dict[str, Path], one
         mine, theirs, single = head["runs"][i], follower["runs"][i], one_rank[family]
         assert [r["tokens"] for r in mine["results"]] == [r["tokens"] for r in single["results"]], (family, mode)
         assert [r["text"] for r in mine["results"]] == [r["text"] for r in single["results"]]
+        _same_together(mine, single["results"])  # batched across the ring too
         health = mine["health"]
         assert (health["ranks"], health["sharding"]) == (2, mode)
         assert health["layers"] == (layers[0] if layers else [0, 2] if mode == "pipeline" else None)

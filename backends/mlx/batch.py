@@ -1,0 +1,315 @@
+"""Batched decoding for the MLX engine: one scheduler thread owns the model and a batched KV cache and advances
+every request in flight by one token per forward pass.
+
+``Batch`` is the model's side, identical on every rank: ``admit`` prefills a new prompt alone, on a fresh cache
+(exactly as a request alone is prefilled, so its first token is the one-at-a-time engine's), then adds that
+cache to the batch as its last row (a sequence alone keeps its plain cache and runs the one-at-a-time code; with
+two or more the caches are mlx-lm's ``BatchKVCache`` / ``BatchRotatingKVCache``, rows left-padded to the
+batch's length); ``step`` feeds one token per row through one forward pass; ``keep`` drops the other rows (a
+finished or cancelled sequence leaves before the next step).
+
+``Scheduler`` is the head's side: ``submit`` hands it a ``Sequence`` (a request's prompt, limit and sampler); its
+thread admits waiting sequences (up to ``parallel`` rows) between steps, samples each row (greedy rows by one
+argmax over the batch; a sampled row with its own seeded key, drawn as ``mx.random.seed(seed)`` then mlx-lm's
+sampler would draw, so a seed gives the same text under any load) and hands each pick to its sequence's queue,
+which the request's own ``generate`` thread reads. Over several ranks it sends every operation over the
+lockstep before running it; followers run ``Batch.run`` on what they receive.
+
+Why greedy text does not depend on load: alone, a sequence runs the plain cache (and a merged batch left with
+one row computes bit for bit what the plain cache does: checked on both test families and Gemma 3 270M); with
+several rows the masked padding and wider matmuls may sum
+in another order (logits moved by up to ~1.3e-5 on the tiny gemma3, not at all on the tiny llama or, for the
+prompts checked, on Gemma 3 270M), so a greedy pick can change only where two logits are that close: a near-tie.
+Over several ranks the head sends each operation before running it, so every rank holds the same batch; the
+tests check pipeline and tensor sharding batched against one process.
+
+Not done: a long prompt is prefilled in one piece, so running rows wait for it (chunking the prefill would
+change its float order, and so today's text); no prefix reuse between requests.
+
+Runs only in MLX processes; imports mlx and mlx_lm (lazily) and protocols, nothing else of ours.
+"""
+
+from __future__ import annotations
+
+import collections
+import queue
+import threading
+from collections.abc import Callable
+from typing import Any
+
+from protocols.model import BackendUnavailable
+
+__all__ = ["Batch", "Sampler", "Scheduler", "Sequence"]
+
+_POLL_S = 0.05  # how often a waiting ``generate`` looks at its cancel flag
+
+
+def _last(logits: Any) -> Any:
+    """Each row's logits at its last position, as a ``(rows, vocab)`` array."""
+    return logits[:, -1, :]
+
+
+class Batch:
+    """The KV cache of every running sequence and the forward passes over it (``forward(inputs, cache)``,
+    ``make_cache()`` per rank: a whole model, a tensor shard or a pipeline stage, whose followers get ``None``
+    back for logits).
+
+    One sequence alone keeps its plain cache, so it runs exactly the one-at-a-time code; the caches merge into
+    batch caches when a second joins. ``can_batch`` is false for a model whose cache mlx-lm cannot merge (then
+    the scheduler runs one sequence at a time).
+    """
+
+    def __init__(self, forward: Callable[..., Any], make_cache: Callable[[], list[Any]]) -> None:
+        self._forward, self._make_cache = forward, make_cache
+        self.cache: list[Any] | None = None
+        self.rows = 0
+        self.merged = False
+        self.can_batch = all(c is None or hasattr(type(c), "merge") for c in make_cache())
+
+    def run(self, op: str, values: list[int]) -> Any:
+        """A follower's way in: the operation the head sent."""
+        return getattr(self, op)(values)
+
+    def admit(self, tokens: list[int]) -> Any:
+        """Prefill ``tokens`` alone on a fresh cache, then add it as the batch's last row; its logits."""
+        import mlx.core as mx
+
+        cache = self._make_cache()
+        logits = self._eval(self._forward(mx.array(tokens)[None], cache=cache))
+        if self.cache is None:
+            self.cache, self.merged = cache, False
+        else:
+            if not self.merged:
+                self.cache, self.merged = self._merge(self.cache), True
+            for mine, new in zip(self.cache, self._merge(cache)):
+                if mine is not None:
+                    mine.extend(new)
+        self.rows += 1
+        return logits
+
+    @staticmethod
+    def _merge(cache: list[Any]) -> list[Any]:
+        """One sequence's plain cache as a batch cache of one row (mlx-lm's ``BatchKVCache`` and friends)."""
+        return [None if c is None else type(c).merge([c]) for c in cache]
+
+    def keep(self, rows: list[int]) -> None:
+        """Keep only ``rows`` (in this order), dropping the others' caches."""
+        if not rows:
+            self.cache, self.rows = None, 0
+        elif rows != list(range(self.rows)):
+            import mlx.core as mx
+
+            index = mx.array(rows)
+            for c in self.cache or ():
+                if c is not None:
+                    c.filter(index)
+            self.rows = len(rows)
+
+    def step(self, tokens: list[int]) -> Any:
+        """One forward pass feeding ``tokens[i]`` to row ``i``; the logits (``rows``, 1, vocab)."""
+        import mlx.core as mx
+
+        if len(tokens) != self.rows:
+            raise RuntimeError(f"a step of {len(tokens)} tokens for a batch of {self.rows} rows")
+        return self._eval(self._forward(mx.array(tokens)[:, None], cache=self.cache))
+
+    @staticmethod
+    def _eval(logits: Any) -> Any:
+        """Run the pass now (a tensor follower's collectives must match the head's); ``None`` passes through."""
+        if logits is not None:
+            import mlx.core as mx
+
+            logits = _last(logits)[:, None, :]
+            mx.eval(logits)
+        return logits
+
+
+class Sampler:
+    """Temperature sampling with top-p, min-p and top-k (mlx-lm's filters, in mlx-lm's order) from a key of
+    its own: the draws ``mx.random.seed(seed)`` and mlx-lm's ``make_sampler`` would make, whatever else runs."""
+
+    def __init__(self, temp: float, top_p: float, min_p: float, top_k: int, seed: int) -> None:
+        import mlx.core as mx
+
+        self.temp, self.top_p, self.min_p, self.top_k = temp, top_p, min_p, top_k
+        self.key = mx.random.key(seed)
+
+    def __call__(self, logits: Any) -> Any:
+        import mlx.core as mx
+        from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p
+
+        if 0 < self.top_p < 1:
+            logits = apply_top_p(logits, self.top_p)
+        if self.min_p != 0:
+            logits = apply_min_p(logits, self.min_p, 1)
+        if self.top_k > 0:
+            logits = apply_top_k(logits, self.top_k)
+        self.key, draw = mx.random.split(self.key)  # as mlx's global key sequence does per draw
+        return mx.random.categorical(logits * (1 / self.temp), key=draw)
+
+
+class Sequence:
+    """One request in the batch, shared by its ``generate`` thread (which reads picks) and the scheduler.
+
+    The scheduler stops feeding it after an end token or ``limit`` other tokens; the request's side may end
+    it sooner (``close``: a stop string, a closed stream) or cancel it (its ``cancel`` flag).
+    """
+
+    def __init__(self, tokens: list[int], limit: int, eos: set[int], sampler: Sampler | None,
+                 cancel: threading.Event) -> None:
+        self.tokens, self.limit, self.eos, self.sampler, self.cancel = tokens, limit, eos, sampler, cancel
+        self.picks: queue.SimpleQueue[int | BaseException] = queue.SimpleQueue()
+        self.last = -1  # the latest pick: the next step's input
+        self.count = 0
+        self.ended = self.closed = False
+
+    @property
+    def over(self) -> bool:
+        return self.ended or self.closed or self.cancel.is_set()
+
+    def deliver(self, pick: int) -> None:
+        self.last = pick
+        if pick in self.eos:
+            self.ended = True
+        else:
+            self.count += 1
+            self.ended = self.count >= self.limit
+        self.picks.put(pick)
+
+    def next(self) -> int | None:
+        """The next pick (waiting for it), or ``None`` once ``cancel`` is set; re-raises the scheduler's error."""
+        while True:
+            try:
+                item = self.picks.get(timeout=_POLL_S)
+            except queue.Empty:
+                if self.cancel.is_set():
+                    return None
+                continue
+            if isinstance(item, BaseException):
+                raise item
+            return item
+
+    def close(self) -> None:
+        self.closed = True
+
+
+class Scheduler:
+    """The head's batching loop over ``batch``, at most ``parallel`` rows, mirrored to followers by ``lockstep``.
+
+    ``steps`` counts decode passes, ``decoded`` the rows they advanced, ``widest`` the most rows in one pass.
+    """
+
+    def __init__(self, batch: Batch, lockstep: Any, parallel: int) -> None:
+        self.batch, self.lockstep, self.parallel = batch, lockstep, max(1, parallel)
+        self.steps = self.decoded = self.widest = 0
+        self._rows: list[Sequence] = []
+        self._waiting: collections.deque[Sequence] = collections.deque()
+        self._wake = threading.Condition()
+        self._thread: threading.Thread | None = None
+        self._closing = False
+        self._dead: BaseException | None = None
+
+    def stats(self) -> dict[str, int]:
+        return {"parallel": self.parallel, "running": len(self._rows), "waiting": len(self._waiting),
+                "steps": self.steps, "decoded": self.decoded, "widest": self.widest}
+
+    def submit(self, seq: Sequence) -> None:
+        with self._wake:
+            if self._dead is not None:
+                raise BackendUnavailable(f"this MLX runner cannot generate any more ({self._dead!r})")
+            if self._closing:
+                raise BackendUnavailable("this MLX runner is shutting down")
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="mlx-batch", daemon=True)
+                self._thread.start()
+            self._waiting.append(seq)
+            self._wake.notify()
+
+    def close(self) -> None:
+        """Stop the loop (the waiting and running sequences fail), then shut the followers down."""
+        with self._wake:
+            self._closing = True
+            self._wake.notify()
+            thread = self._thread
+        if thread is not None:
+            thread.join()
+        if self._dead is None:
+            self.lockstep.shutdown()
+
+    def _run(self) -> None:
+        while (new := self._take()) is not None:
+            current = None
+            try:
+                self._leave()
+                while new:
+                    current = new.pop(0)
+                    self._admit(current)
+                current = None
+                self._leave()  # a first pick may have ended its sequence already
+                if self._rows:
+                    self._step()
+            except Exception as exc:  # the running sequences fail with it
+                self._fail(exc, [*self._rows, *([current] if current and current not in self._rows else [])])
+                self._rows = []
+                with self._wake:
+                    self._waiting.extendleft(reversed(new))
+                    if self.lockstep.size > 1:  # followers stand at an unknown point: this ring is done
+                        self._dead = exc
+                        self._fail(exc, list(self._waiting))
+                        self._waiting.clear()
+                        return
+                self.batch.keep([])  # one process: start again with an empty batch
+
+    def _take(self) -> list[Sequence] | None:
+        """Wait for work; the sequences to admit now (``None``: closing)."""
+        with self._wake:
+            while not (self._waiting or self._rows or self._closing):
+                self._wake.wait()
+            if self._closing:
+                self._fail(BackendUnavailable("this MLX runner is shutting down"), [*self._rows, *self._waiting])
+                return None
+            new = []
+            while self._waiting and len(self._rows) + len(new) < self.parallel:
+                if not (seq := self._waiting.popleft()).over:
+                    new.append(seq)
+            return new
+
+    def _fail(self, exc: BaseException, seqs: list[Sequence]) -> None:
+        for seq in seqs:
+            seq.picks.put(exc)
+
+    def _leave(self) -> None:
+        keep = [i for i, seq in enumerate(self._rows) if not seq.over]
+        if len(keep) < len(self._rows):
+            self.lockstep.send("keep", keep)
+            self.batch.keep(keep)
+            self._rows = [self._rows[i] for i in keep]
+
+    def _admit(self, seq: Sequence) -> None:
+        self.lockstep.send("admit", seq.tokens)
+        logits = self.batch.admit(seq.tokens)
+        self._rows.append(seq)
+        seq.deliver(self._pick([seq], logits)[0])
+
+    def _step(self) -> None:
+        tokens = [seq.last for seq in self._rows]
+        self.lockstep.send("step", tokens)
+        logits = self.batch.step(tokens)
+        for seq, pick in zip(self._rows, self._pick(self._rows, logits)):
+            seq.deliver(pick)
+        self.steps += 1
+        self.decoded += len(tokens)
+        self.widest = max(self.widest, len(tokens))
+
+    @staticmethod
+    def _pick(rows: list[Sequence], logits: Any) -> list[int]:
+        import mlx.core as mx
+
+        last = _last(logits)
+        if all(seq.sampler is None for seq in rows):
+            picks = mx.argmax(last, axis=-1)
+        else:
+            picks = mx.concatenate([mx.argmax(last[i:i + 1], axis=-1) if seq.sampler is None
+                                    else seq.sampler(last[i:i + 1]) for i, seq in enumerate(rows)])
+        mx.eval(picks)
+        return picks.tolist()

@@ -1,16 +1,18 @@
 """Continuous batching on llama.cpp's low-level API: slots, one decode per step for every running sequence.
 
-One thread (``Scheduler.run``) owns a llama.cpp context with ``parallel`` sequences and calls ``llama_decode``
-on one ``llama_batch`` per step, the way llama.cpp's own server drives its slots:
+One thread (``Scheduler.run``) owns a llama.cpp context with ``parallel`` sequences and drives them in steps,
+the way llama.cpp's own server drives its slots:
 
 - A step is one decode of the last sampled token of every generating sequence (one token each, its logits
-  asked for), then one decode of the next chunk of the oldest prompt still being prefilled. A long prompt is
-  prefilled over several steps, so running streams keep decoding. Prompts are cut where ``Llama.eval`` cut
-  them before batching (every ``CHUNK`` tokens from the end of the cached prefix), and a prompt's chunk is
-  decoded on its own: llama.cpp's CPU kernels give a token slightly different numbers when the tokens beside
-  it in a ubatch differ (seen on Gemma 3 270M: up to 1.1 in a logit), which flips near-ties in greedy output.
-  Decode tokens batched together get exactly the numbers they get alone, in groups of up to ``DECODE_GROUP``,
-  so a request's greedy text does not depend on load, and alone it is what it was before batching.
+  asked for), then the next chunks of prompts still being prefilled, oldest first, up to ``CHUNK`` prompt
+  tokens a step. A long prompt is prefilled over several steps, so running streams keep decoding; a burst of
+  short prompts is prefilled in one step, so none waits behind the others' decodes.
+- Prompts are cut where ``Llama.eval`` cut them before batching (every ``CHUNK`` tokens from the end of the
+  cached prefix) and each chunk is decoded on its own: llama.cpp's CPU kernels give a token slightly
+  different numbers when the tokens beside it in a ubatch differ (seen on Gemma 3 270M: up to 1.1 in a
+  logit), which flips near-ties in greedy output. Decode tokens batched together get exactly the numbers
+  they get alone, in groups of up to ``DECODE_GROUP``, so a request's greedy text does not depend on load,
+  and alone it is what it was before batching.
 - A new job joins at the next step. It takes the free slot whose cached tokens share the longest prefix with
   its prompt (chats and agents resend the same history), keeps that prefix in the KV cache and evaluates only
   the rest; at least the last prompt token is evaluated again, for its logits. A prompt cut into other chunks
@@ -190,9 +192,14 @@ class Scheduler:
                 for row, slot in enumerate(group):
                     self._sample(slot, row)
         prompts = [slot for slot in self.slots if slot.job and slot.job.fed < len(slot.job.prompt)]
-        if not prompts:
-            return
-        slot = min(prompts, key=lambda slot: slot.job.admitted if slot.job else 0)
+        budget = CHUNK
+        for slot in sorted(prompts, key=lambda slot: slot.job.admitted if slot.job else 0):
+            if budget <= 0:
+                break
+            budget -= self._prefill(slot)
+
+    def _prefill(self, slot: _Slot) -> int:
+        """Decode the next chunk of ``slot``'s prompt on its own; sample after its last token. Returns its size."""
         job = slot.job
         assert job is not None
         end = min(len(job.prompt), job.fed + CHUNK - (job.fed - job.cached) % CHUNK)
@@ -202,6 +209,7 @@ class Scheduler:
         job.fed = end
         if self._decode(n, [slot]) and end == len(job.prompt):
             self._sample(slot, n - 1)
+        return n
 
     def _decode(self, n: int, slots: list[_Slot]) -> bool:
         """Evaluate the batch's first ``n`` tokens (of ``slots``); on failure every job fails and ``False`` is

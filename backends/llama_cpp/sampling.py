@@ -56,6 +56,10 @@ class Sampler:
             add(lib.llama_sampler_init_min_p(min_p, 1))
             add(lib.llama_sampler_init_temp(temp))
             add(lib.llama_sampler_init_dist(seed))
+        # Greedy with neutral penalties is the logits' first maximum, as the chain would pick it: numpy finds it
+        # in ~0.1 ms, where the chain first copies the whole vocabulary into a candidate array (~1 ms for 262k).
+        self.greedy = temp == 0 and grammar is None and repeat_penalty == 1.0 and not presence_penalty \
+            and not frequency_penalty
         self.grammar = None
         if grammar is not None:
             self.grammar = lib.llama_sampler_init_grammar(vocab, grammar[0].encode(), grammar[1].encode())
@@ -70,6 +74,8 @@ class Sampler:
     def sample(self, ctx: Any, index: int) -> int:
         """The next token from the logits of batch position ``index``; the chain (and grammar) accept it."""
         lib = self._lib
+        if self.greedy:
+            return int(np.ctypeslib.as_array(lib.llama_get_logits_ith(ctx, index), shape=(self.n_vocab,)).argmax())
         if self.grammar is None:
             return int(lib.llama_sampler_sample(self.chain, ctx, index))  # accepts the token itself
         logits = np.ctypeslib.as_array(lib.llama_get_logits_ith(ctx, index), shape=(self.n_vocab,))

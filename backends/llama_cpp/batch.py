@@ -118,6 +118,7 @@ class Scheduler:
         self.waiting: deque[Job] = deque()
         self.steps = 0  # decodes run; ``stats`` reports them with the widest batch seen
         self.widest = 0
+        self.reused = 0  # prompt tokens taken from a slot's cache instead of evaluated
         self._wake = threading.Condition()
         self._closed = False
         self._admitted = 0
@@ -130,7 +131,7 @@ class Scheduler:
     def stats(self) -> dict[str, int]:
         active = sum(slot.job is not None for slot in self.slots)
         return {"slots": self.parallel, "active_sequences": active, "waiting": len(self.waiting),
-                "steps": self.steps, "widest_batch": self.widest}
+                "steps": self.steps, "widest_batch": self.widest, "reused_tokens": self.reused}
 
     def close(self) -> None:
         with self._wake:
@@ -166,6 +167,7 @@ class Scheduler:
                 keep = 0
             del slot.tokens[keep:]
             job.fed = job.cached = keep
+            self.reused += keep
             self._admitted += 1
             job.admitted = self._admitted
             slot.job = job

@@ -24,7 +24,7 @@ class StopMatcher:
             at, stop = min(hits)
             out, self.pending = self.pending[:at], ""
             return out, stop
-        keep = max((k for s in self.stops for k in range(1, len(s)) if self.pending.endswith(s[:k])), default=0)
+        keep = max((_overlap(self.pending, s) for s in self.stops), default=0)
         cut = len(self.pending) - keep
         out, self.pending = self.pending[:cut], self.pending[cut:]
         return out, None
@@ -32,3 +32,18 @@ class StopMatcher:
     def flush(self) -> str:
         out, self.pending = self.pending, ""
         return out
+
+
+def _overlap(text: str, stop: str) -> int:
+    """The length of the longest end of ``text`` that begins ``stop`` (shorter than ``stop`` itself).
+
+    Only places where ``stop``'s first character occurs are tried, each with one C-speed comparison, so a long
+    stop sequence costs about the length of the held-back text, not the square of its own length.
+    """
+    start = max(0, len(text) - len(stop) + 1)
+    at = text.find(stop[0], start)
+    while at != -1:
+        if stop.startswith(text[at:]):
+            return len(text) - at
+        at = text.find(stop[0], at + 1)
+    return 0

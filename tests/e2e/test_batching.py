@@ -116,3 +116,16 @@ def test_a_cancelled_stream_frees_its_slot(data_dir):
         streams[1].close()
     finally:
         s.stop()
+
+
+def test_a_follow_up_turn_reuses_the_cached_history(server):
+    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
+    history = [{"role": "system", "content": "You are a careful assistant. " * 40},
+               {"role": "user", "content": "Name a colour."}]
+    first = client.chat.completions.create(model=MODEL, messages=history, max_tokens=8, temperature=0)
+    before = _runner_health(server)["reused_tokens"]
+    history += [{"role": "assistant", "content": first.choices[0].message.content},
+                {"role": "user", "content": "And another one?"}]
+    client.chat.completions.create(model=MODEL, messages=history, max_tokens=8, temperature=0)
+    reused = _runner_health(server)["reused_tokens"] - before
+    assert reused >= first.usage.prompt_tokens - 1  # the whole first prompt came from the slot's cache

@@ -6,6 +6,12 @@ unsupported feature, nothing fits) is a real HTTP error status; a failure after 
 gets keep-alives while it comes up, a non-streaming one waits. A runner that cannot be reached at the start of a
 request fails its instance (so it is re-placed) and the request is retried once on the new one. ``embed`` is a
 plain call that follows the same path (place, wait, connect, retry once if unreachable) and raises its error.
+
+Before a generation may wait for a slot, its prompt is checked against the instance's context
+(``gateway.context_fit``, the protocol's rule); then it takes its place in the instance's bounded, fair queue
+(``gateway.admission``, the caller named by the route). What cannot fit and a full queue are refused at once; a
+streaming request that waits for its turn gets keep-alives and leaves the queue if its client goes away. The slot
+is held until the event stream ends or is closed. Embeddings and token counts are not queued.
 """
 
 from __future__ import annotations
@@ -13,12 +19,16 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import weakref
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from dataclasses import dataclass
 from typing import TypeVar
 
 from backends.base import Backend, ModelCard, ModelSource, Runner, check_capabilities, check_embeddings
+from gateway.admission import Admission, Ticket
 from gateway.cluster.instances import InstanceManager
 from gateway.cluster.records import Instance, Ready
+from gateway.context_fit import Fit, cap_output, fit_context
 from protocols.model import (
     BackendUnavailable,
     EmbedRequest,
@@ -76,13 +86,26 @@ class Catalog:
         return card
 
 
+@dataclass(frozen=True)
+class _Job:
+    """One generation on its way to a runner: what runs it, for whom, and the protocol's context rule."""
+
+    card: ModelCard
+    backend: Backend
+    request: Request
+    caller: str
+    fit: Fit
+
+
 class Dispatcher:
     """Resolves models, finds or places their instances, opens event streams."""
 
     def __init__(self, catalog: Catalog, backends: Sequence[Backend], choose, instances: InstanceManager, *,
-                 keepalive: float = 2.0) -> None:
+                 keepalive: float = 2.0, admission: Admission | None = None, max_tokens: int = 65536) -> None:
         self.catalog = catalog
+        self.max_tokens = max_tokens
         self.keepalive = keepalive
+        self.admission = admission or Admission()
         self.backends = list(backends)
         self._choose = choose
         self.instances = instances
@@ -113,34 +136,73 @@ class Dispatcher:
                 await self.instances.delete(instance.id)
         return card
 
-    async def open_stream(self, request: Request) -> AsyncIterator[Event]:
-        """Start ``request``; raise its ``GatewayError`` if it fails before the first event."""
+    async def open_stream(self, request: Request, *, caller: str = "-", fit: Fit = Fit.PROMPT_AND_OUTPUT,
+                          clamp_output: bool = False) -> AsyncIterator[Event]:
+        """Start ``request``; raise its ``GatewayError`` if it fails before the first event.
+
+        ``caller`` (an API key or a client address) is the line it waits in; ``fit`` the protocol's context rule;
+        ``clamp_output`` cuts a ``max_tokens`` above the ``max_tokens`` setting to it (Ollama) instead of raising
+        ``OutputTooLarge``. Raises ``ContextLengthExceeded`` and ``Overloaded`` before waiting for anything but the
+        model itself.
+        """
+        request = cap_output(request, self.max_tokens, clamp=clamp_output)
         card = self.resolve(request.model)
         backend = self.backend_for(card)
         check_capabilities(request, backend.capabilities(card), card.name)
         context = request.num_ctx if isinstance(request.num_ctx, int) else None
         instance = await self.instances.acquire(card, context=context)
+        job = _Job(card=card, backend=backend, request=request, caller=caller, fit=fit)
         if not isinstance(instance.state, Ready) and request.stream:
-            return self._after_ready(instance, card, backend, request)
-        return await self._start(instance, card, backend, request)
+            return self._keepalive_until(lambda: self._start(instance, job))
+        return await self._start(instance, job)
 
-    async def _start(self, instance: Instance, card: ModelCard, backend: Backend, request: Request,
-                     retry: bool = True) -> AsyncIterator[Event]:
+    async def _start(self, instance: Instance, job: _Job, retry: bool = True) -> AsyncIterator[Event]:
+        """Check the context, take a place in the queue, generate (a waiting stream gets keep-alives)."""
         if not isinstance(instance.state, Ready):
             instance = await self.instances.wait_ready(instance.id)
-        urls = {node: status.url for node, status in instance.runners.items() if status.url}
-        events = backend.connect(card, instance.placement, urls).generate(request)
-        first = await anext(events)
+        runner = self._connect(instance, job.card, job.backend)
+        try:
+            request = await fit_context(job.request, instance.placement.context, runner.count_tokens, job.fit)
+        except BackendUnavailable as error:
+            if not retry:
+                raise
+            return await self._start(await self._replace(instance, job.card, error), job, retry=False)
+        request = cap_output(request, self.max_tokens, clamp=True, context=instance.placement.context)  # no limit
+        ticket = self.admission.enter(instance.id, job.caller)
+        if not ticket.granted and request.stream:
+            stream = self._keepalive_until(lambda: self._generate(instance, job, runner, request, ticket, retry))
+            _on_drop(stream, ticket.release)  # dropped before it started: leave the queue all the same
+            return stream
+        return await self._generate(instance, job, runner, request, ticket, retry)
+
+    async def _generate(self, instance: Instance, job: _Job, runner: Runner, request: Request, ticket: Ticket,
+                        retry: bool) -> AsyncIterator[Event]:
+        """Wait for ``ticket``'s turn, then start the generation, which frees the slot when its stream ends."""
+        try:
+            await ticket.wait()
+            events = runner.generate(request)
+            first = await anext(events)
+        except BaseException:
+            ticket.release()
+            raise
         if isinstance(first, Failed):
             await events.aclose()
+            ticket.release()
             error = error_from_info(first.error)
             if retry and isinstance(error, BackendUnavailable):
-                log.warning("instance %s unreachable (%s); re-placing", instance.id, error.message)
-                await self.instances.report_unreachable(instance, error.message)
-                replacement = await self.instances.acquire(card)
-                return await self._start(replacement, card, backend, request, retry=False)
+                return await self._start(await self._replace(instance, job.card, error), job, retry=False)
             raise error
-        return _chain(first, events)
+        return _chain(first, events, ticket.release)
+
+    def _connect(self, instance: Instance, card: ModelCard, backend: Backend) -> Runner:
+        urls = {node: status.url for node, status in instance.runners.items() if status.url}
+        return backend.connect(card, instance.placement, urls)
+
+    async def _replace(self, instance: Instance, card: ModelCard, error: GatewayError) -> Instance:
+        """Fail an instance whose runner cannot be reached (so it is re-placed); the instance to use now."""
+        log.warning("instance %s unreachable (%s); re-placing", instance.id, error.message)
+        await self.instances.report_unreachable(instance, error.message)
+        return await self.instances.acquire(card)
 
     async def embed(self, request: EmbedRequest) -> Embeddings:
         """``request``'s vectors, placing the model and waiting for it if needed; raise its ``GatewayError``.
@@ -174,21 +236,19 @@ class Dispatcher:
         re-placed) and the call is tried once more on the replacement."""
         if not isinstance(instance.state, Ready):
             instance = await self.instances.wait_ready(instance.id)
-        urls = {node: status.url for node, status in instance.runners.items() if status.url}
         try:
-            return await call(backend.connect(card, instance.placement, urls))
+            return await call(self._connect(instance, card, backend))
         except BackendUnavailable as error:
             if not retry:
                 raise
-            log.warning("instance %s unreachable (%s); re-placing", instance.id, error.message)
-            await self.instances.report_unreachable(instance, error.message)
-            replacement = await self.instances.acquire(card)
+            replacement = await self._replace(instance, card, error)
             return await self._on_ready(replacement, card, backend, call, retry=False)
 
-    async def _after_ready(self, instance: Instance, card: ModelCard, backend: Backend,
-                           request: Request) -> AsyncIterator[Event]:
-        """Keep-alives while the instance comes up, then the generation (errors as ``Failed``)."""
-        waiting = asyncio.ensure_future(self._start(instance, card, backend, request))
+    async def _keepalive_until(self, start: Callable[[], Awaitable[AsyncIterator[Event]]]) -> AsyncIterator[Event]:
+        """Keep-alives until ``start()`` gives the event stream (the instance came up, the request's turn came),
+        then its events; errors as ``Failed``. Closed early, it cancels ``start()``: a waiting request leaves
+        the queue."""
+        waiting = asyncio.ensure_future(start())
         try:
             while True:
                 done, _ = await asyncio.wait({waiting}, timeout=self.keepalive)
@@ -208,15 +268,30 @@ class Dispatcher:
                 waiting.cancel()
 
 
-async def _chain(first: Event, rest: AsyncIterator[Event]) -> AsyncIterator[Event]:
+def _chain(first: Event, rest: AsyncIterator[Event], release: Callable[[], None]) -> AsyncIterator[Event]:
+    """``first`` then ``rest``; ``release`` (the queue slot) when it ends, is closed, or is dropped unstarted."""
+    stream = _relay(first, rest, release)
+    _on_drop(stream, release)  # a generator closed before it started never runs its ``finally``
+    return stream
+
+
+def _on_drop(stream: AsyncIterator[Event], release: Callable[[], None]) -> None:
+    """Call ``release`` when ``stream`` is garbage (not at interpreter exit, when the loop is gone)."""
+    weakref.finalize(stream, release).atexit = False
+
+
+async def _relay(first: Event, rest: AsyncIterator[Event], release: Callable[[], None]) -> AsyncIterator[Event]:
     """``first`` then ``rest``; an unexpected exception becomes a ``Failed`` event, never a crash."""
-    async with contextlib.aclosing(rest):
-        yield first
-        try:
-            async for event in rest:
-                yield event
-        except GatewayError as exc:
-            yield Failed(error=exc.info())
-        except Exception as exc:
-            log.exception("backend stream raised")
-            yield Failed(error=GatewayError(f"internal error: {exc!r}").info())
+    try:
+        async with contextlib.aclosing(rest):
+            yield first
+            try:
+                async for event in rest:
+                    yield event
+            except GatewayError as exc:
+                yield Failed(error=exc.info())
+            except Exception as exc:
+                log.exception("backend stream raised")
+                yield Failed(error=GatewayError(f"internal error: {exc!r}").info())
+    finally:
+        release()

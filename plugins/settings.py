@@ -76,6 +76,9 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
             flight on an instance.
         max_queue: Requests of one gateway that may wait for an instance's runner; beyond it a request is refused
             at once as overloaded (429/529/503 with ``retry-after``).
+        max_tokens: The most output tokens one request may ask for (``MESHGATE_MAX_TOKENS``). More is refused
+            with a 400 by OpenAI and Anthropic endpoints and cut to it for Ollama's ``num_predict``; every request
+            is also held to the room left in its instance's context (see the README's endpoints section).
     """
 
     host: str = "127.0.0.1"
@@ -101,6 +104,7 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     keepalive: float = 2.0
     parallel: Annotated[int, msgspec.Meta(ge=1)] = 4
     max_queue: Annotated[int, msgspec.Meta(ge=0)] = 64
+    max_tokens: Annotated[int, msgspec.Meta(ge=1)] = 65536
     rate_limit: int = 0
     max_body_bytes: int = 64 << 20
     llama_repack: bool = False

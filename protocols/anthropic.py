@@ -3,8 +3,8 @@
 Covers ``POST /v1/messages`` (plain and streamed), ``POST /v1/messages/count_tokens``, ``GET /v1/models`` and
 ``GET /v1/models/{id}`` and the error envelope (PROTOCOLS.md section 2, items ANT-11 to ANT-53).
 
-Imports only ``protocols.model`` of ours, plus msgspec, the standard library and sse-starlette's
-``ServerSentEvent`` for SSE framing. No I/O, no web framework, no HTTP client.
+Imports only ``protocols.model`` and ``protocols.sse`` (SSE framing) of ours, plus msgspec and the standard
+library. No I/O, no web framework, no HTTP client.
 
 Decisions worth knowing:
 
@@ -37,10 +37,11 @@ from typing import Annotated, Any, Literal
 
 import msgspec
 from msgspec import UNSET, UnsetType
-from sse_starlette.event import ServerSentEvent
 
+from protocols import sse
 from protocols.model import (
     BackendProtocolError,
+    ContextLengthExceeded,
     Event,
     Failed,
     Finished,
@@ -51,6 +52,7 @@ from protocols.model import (
     Message,
     Meta,
     ModelInfo,
+    OutputTooLarge,
     Part,
     ReasoningDelta,
     ReasoningPart,
@@ -179,9 +181,9 @@ class MessagesRequest(CountTokensRequest, kw_only=True):
 
     max_tokens: Annotated[int, msgspec.Meta(ge=1)]
     stop_sequences: list[str] | None = None
-    temperature: float | None | UnsetType = UNSET
-    top_p: float | None | UnsetType = UNSET
-    top_k: int | None | UnsetType = UNSET
+    temperature: Annotated[float, msgspec.Meta(ge=0, le=1)] | None | UnsetType = UNSET  # ANT-16: 0.0 to 1.0
+    top_p: Annotated[float, msgspec.Meta(ge=0, le=1)] | None | UnsetType = UNSET
+    top_k: Annotated[int, msgspec.Meta(ge=0)] | None | UnsetType = UNSET
     stream: bool = False
 
 
@@ -404,8 +406,7 @@ def encode_count_tokens(n: int) -> bytes:
 
 def _frame(name: str, payload: dict[str, Any] | None = None) -> bytes:
     """One named SSE event whose JSON also carries ``"type": name`` (ANT-28 to ANT-30)."""
-    data = msgspec.json.encode({"type": name, **(payload or {})}).decode()
-    return ServerSentEvent(data=data, event=name).encode()
+    return sse.frame(msgspec.json.encode({"type": name, **(payload or {})}), name)
 
 
 class _StreamEncoder:
@@ -559,7 +560,16 @@ def error_body(err: GatewayError) -> tuple[int, bytes]:
     """Status and body in Anthropic's envelope (ANT-44, ANT-45).
 
     ``NoCapacity`` and ``BackendUnavailable`` (503 internally) become 529 ``overloaded_error``, which the SDK
-    retries; any status without an Anthropic type becomes 500 ``api_error``.
+    retries; any status without an Anthropic type becomes 500 ``api_error``. A full queue (``Overloaded``) is
+    529 too: that is what the API answers when it is overloaded as a whole, while 429 ``rate_limit_error`` means
+    the caller's own rate limit (``doc-ant-err``); both are retried by the SDK after ``retry-after`` (ANT-48).
     """
     status, kind = _ERROR_TYPES.get(err.status, (500, "api_error"))
-    return status, msgspec.json.encode({"type": "error", "error": {"type": kind, "message": err.message}})
+    message = err.message
+    if isinstance(err, ContextLengthExceeded) and err.context:
+        # Anthropic's wording; the most prompt that fits leaves one token of the context for the answer
+        message = f"prompt is too long: {err.prompt_tokens} tokens > {err.context - 1} maximum"
+    elif isinstance(err, OutputTooLarge) and err.limit:
+        message = (f"max_tokens: {err.asked} > {err.limit}, which is the maximum allowed number of output tokens "
+                   f"for {err.model}")
+    return status, msgspec.json.encode({"type": "error", "error": {"type": kind, "message": message}})

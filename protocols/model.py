@@ -19,7 +19,9 @@ Error tree (status on the class)::
 
     GatewayError (500)
     ├── InvalidRequest (400)
-    │   └── UnsupportedFeature (400)
+    │   ├── UnsupportedFeature (400)
+    │   ├── ContextLengthExceeded (400)  the prompt (plus the output asked for) does not fit the context
+    │   └── OutputTooLarge (400)         more output asked for than the gateway allows one request
     ├── AuthenticationFailed (401)
     ├── NotFound (404)
     │   └── UnknownModel (404)
@@ -27,6 +29,7 @@ Error tree (status on the class)::
     ├── Unprocessable (422)
     ├── RateLimited (429)
     ├── NoCapacity (503)          no placement fits / overloaded
+    │   └── Overloaded (503)      the instance's queue is full; retry after ``retry_after`` seconds
     ├── BackendUnavailable (503)  runner down, crashed or unreachable
     ├── BackendProtocolError (502)
     └── BackendTimeout (504)
@@ -34,6 +37,9 @@ Error tree (status on the class)::
 
 from __future__ import annotations
 
+import array
+import itertools
+import re
 from collections.abc import AsyncIterable
 from typing import Any, ClassVar, Literal, TypeAlias, TypeVar
 
@@ -41,6 +47,7 @@ import msgspec
 from msgspec import UNSET, UnsetType
 
 __all__ = [
+    "MAX_JSON_DEPTH",
     "UNSET",
     "AuthenticationFailed",
     "BackendProtocolError",
@@ -48,6 +55,7 @@ __all__ = [
     "BackendUnavailable",
     "EmbedRequest",
     "Embeddings",
+    "ContextLengthExceeded",
     "ErrorInfo",
     "Event",
     "Failed",
@@ -62,6 +70,8 @@ __all__ = [
     "ModelInfo",
     "NoCapacity",
     "NotFound",
+    "OutputTooLarge",
+    "Overloaded",
     "Part",
     "RateLimited",
     "ReasoningDelta",
@@ -88,6 +98,7 @@ __all__ = [
     "collect",
     "decode_body",
     "error_from_info",
+    "json_depth",
 ]
 
 T = TypeVar("T")
@@ -343,6 +354,48 @@ class UnsupportedFeature(InvalidRequest):
     status = 400
 
 
+class ContextLengthExceeded(InvalidRequest):
+    """The prompt, or the prompt plus the output the client asked for, does not fit the model's context.
+
+    ``completion_tokens`` is the output asked for, or ``None`` when only the prompt was checked (the output is
+    then capped by the room left). Rebuilt from an ``ErrorInfo`` (a ``Failed`` event) it keeps only the message
+    (``context`` is then 0); protocols render their own wording from the numbers when they have them.
+    """
+
+    status = 400
+
+    def __init__(self, message: str | None = None, *, prompt_tokens: int = 0, completion_tokens: int | None = None,
+                 context: int = 0, param: str | None = "messages") -> None:
+        if message is None:
+            asked = "" if completion_tokens is None else f" and {completion_tokens} asked for the output"
+            message = (f"the prompt has {prompt_tokens} tokens{asked}, but the model's context holds {context}; "
+                       f"shorten the prompt{'' if completion_tokens is None else ' or ask for less output'}")
+        super().__init__(message, param=param)
+        self.prompt_tokens = prompt_tokens
+        self.completion_tokens = completion_tokens
+        self.context = context
+
+
+class OutputTooLarge(InvalidRequest):
+    """A request asks for more output tokens (``asked``) than the gateway allows one request (``limit``).
+
+    Protocols that refuse it render their own wording from the numbers; rebuilt from an ``ErrorInfo`` it keeps
+    only the message (``limit`` is then 0).
+    """
+
+    status = 400
+
+    def __init__(self, message: str | None = None, *, asked: int = 0, limit: int = 0, model: str = "",
+                 param: str | None = "max_tokens") -> None:
+        if message is None:
+            message = (f"max_tokens is {asked}, more than the {limit} output tokens one request may ask of "
+                       f"{model or 'this model'}; ask for fewer")
+        super().__init__(message, param=param)
+        self.asked = asked
+        self.limit = limit
+        self.model = model
+
+
 class AuthenticationFailed(GatewayError):
     status = 401
 
@@ -377,6 +430,14 @@ class Unprocessable(GatewayError):
 
 class NoCapacity(GatewayError):
     status = 503
+
+
+class Overloaded(NoCapacity):
+    """Too many requests already wait for the model; ``retry_after`` is a fair guess in seconds."""
+
+    def __init__(self, message: str, *, param: str | None = None, retry_after: float = 1.0) -> None:
+        super().__init__(message, param=param)
+        self.retry_after = retry_after
 
 
 class BackendUnavailable(GatewayError):
@@ -437,18 +498,46 @@ class ModelInfo(_Frozen):
     context_length: int = 0
 
 
+MAX_JSON_DEPTH = 128
+"""How deeply a request body may nest JSON arrays and objects. Python's recursion limit (about 1,000 frames, shared
+with the code on the stack) stops every JSON decoder, encoder and schema walker somewhere below that; a body that
+decodes here must still encode for a runner and turn into a grammar there."""
+
+_JSON_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"')
+_BRACKET_STEPS = bytes.maketrans(b"[{]}", b"\x01\x01\xff\xff")  # +1 / -1 as signed bytes
+_NOT_BRACKETS = bytes(b for b in range(256) if b not in b"[]{}")
+
+
+def json_depth(body: bytes) -> int:
+    """How deeply ``body``, valid JSON, nests arrays and objects (brackets inside strings do not count).
+
+    Linear and mostly in C: the strings are cut out and the brackets left are summed (0.4 s for 32 MB of them).
+    """
+    steps = _JSON_STRING.sub(b"", body).translate(_BRACKET_STEPS, _NOT_BRACKETS)
+    return max(itertools.accumulate(array.array("b", steps)), default=0)
+
+
 def decode_body(body: bytes, into: type[T]) -> T:
     """Decode a JSON request body into a wire Struct; bad JSON or a bad field becomes ``InvalidRequest``.
 
     The message names the offending field (``Object missing required field `max_tokens```,
-    ``Expected `str`, got `int` - at `$.messages[0].content```).
+    ``Expected `str`, got `int` - at `$.messages[0].content```). JSON nested deeper than ``MAX_JSON_DEPTH`` is
+    refused, even in fields that are otherwise taken as they come.
     """
     try:
-        return msgspec.json.decode(body, type=into)
+        wire = msgspec.json.decode(body, type=into)
     except msgspec.ValidationError as exc:
         raise InvalidRequest(f"invalid request body: {exc}", param=_param_of(str(exc))) from exc
     except msgspec.DecodeError as exc:
         raise InvalidRequest(f"request body is not valid JSON: {exc}") from exc
+    except RecursionError as exc:  # deeper than the decoder's stack allows
+        raise InvalidRequest(f"request body nests JSON too deeply; at most {MAX_JSON_DEPTH} levels are allowed") \
+            from exc
+    # Measured on valid JSON only (every string closed, so the scan is linear). A body with fewer opening brackets
+    # than the limit cannot nest deeper than it and is not scanned.
+    if body.count(b"[") + body.count(b"{") > MAX_JSON_DEPTH and (depth := json_depth(body)) > MAX_JSON_DEPTH:
+        raise InvalidRequest(f"request body nests JSON {depth} levels deep; at most {MAX_JSON_DEPTH} are allowed")
+    return wire
 
 
 def _param_of(message: str) -> str | None:

@@ -26,18 +26,18 @@ from __future__ import annotations
 
 import base64
 import binascii
+import functools
 import re
 from collections.abc import AsyncIterable, AsyncIterator, Sequence
-from contextlib import aclosing
 from datetime import UTC, datetime
-from typing import Any
+from typing import Annotated, Any
 
 import msgspec
 
 from protocols.model import (
-    UNSET, Event, Failed, Finished, GatewayError, ImagePart, InvalidRequest, Message, Meta, ModelInfo, ReasoningDelta,
-    ReasoningPart, Request, Response, ResponseFormat, Sampling, TextDelta, TextPart, Tool, ToolCallDelta, ToolCallPart,
-    ToolResultPart, UnsupportedFeature, Usage, error_from_info,
+    UNSET, ContextLengthExceeded, Event, Failed, Finished, GatewayError, ImagePart, InvalidRequest, Message, Meta,
+    ModelInfo, Overloaded, ReasoningDelta, ReasoningPart, Request, Response, ResponseFormat, Sampling, TextDelta,
+    TextPart, Tool, ToolCallDelta, ToolCallPart, ToolResultPart, UnsupportedFeature, Usage, error_from_info,
 )
 
 __all__ = [
@@ -49,17 +49,26 @@ __all__ = [
 # ---------------------------------------------------------------------------------------------------- wire types
 
 
-class Options(msgspec.Struct, kw_only=True):
-    """The ``options`` keys meshgate maps (OLL-14); every other key is ignored, as the Ollama server does."""
+MAX_CONTEXT = 1 << 30
+"""The largest ``num_ctx`` taken at all (a model's own context caps it further, as Ollama caps it)."""
 
-    num_ctx: int | None = None
+
+class Options(msgspec.Struct, kw_only=True):
+    """The ``options`` keys meshgate maps (OLL-14); every other key is ignored, as the Ollama server does.
+
+    Values outside their range are a 400 naming the option (``options.num_ctx``): Ollama passes them to its runner
+    unchecked, where ``num_ctx: -1`` made ours fail to load. ``num_predict`` is any integer: 0 or less means "until
+    the context is full" (the gateway's ``max_tokens`` setting caps it too).
+    """
+
+    num_ctx: Annotated[int, msgspec.Meta(ge=1, le=MAX_CONTEXT)] | None = None
     seed: int | None = None
     num_predict: int | None = None
-    top_k: int | None = None
-    top_p: float | None = None
-    min_p: float | None = None
-    temperature: float | None = None
-    repeat_penalty: float | None = None
+    top_k: Annotated[int, msgspec.Meta(ge=0)] | None = None
+    top_p: Annotated[float, msgspec.Meta(ge=0, le=1)] | None = None
+    min_p: Annotated[float, msgspec.Meta(ge=0, le=1)] | None = None
+    temperature: Annotated[float, msgspec.Meta(ge=0)] | None = None
+    repeat_penalty: Annotated[float, msgspec.Meta(gt=0)] | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     stop: list[str] | None = None
@@ -100,7 +109,8 @@ class WireMessage(msgspec.Struct, kw_only=True):
 
 
 class ChatRequest(msgspec.Struct, kw_only=True):
-    """``POST /api/chat`` (OLL-8)."""
+    """``POST /api/chat`` (OLL-8). ``truncate`` (Ollama 0.12.6+, default true): drop the oldest turns when the
+    prompt does not fit the context; ``false`` refuses it instead (the gateway applies it)."""
 
     model: str
     messages: list[WireMessage] | None = None
@@ -112,6 +122,7 @@ class ChatRequest(msgspec.Struct, kw_only=True):
     think: bool | str | None = None
     logprobs: bool | None = None
     top_logprobs: int | None = None
+    truncate: bool | None = None
 
 
 class GenerateRequest(msgspec.Struct, kw_only=True):
@@ -132,6 +143,7 @@ class GenerateRequest(msgspec.Struct, kw_only=True):
     think: bool | str | None = None
     logprobs: bool | None = None
     top_logprobs: int | None = None
+    truncate: bool | None = None
 
 
 # ---------------------------------------------------------------------------------------------------- requests
@@ -331,18 +343,14 @@ def encode_generate_response(response: Response, meta: Meta) -> bytes:
     return msgspec.json.encode(_finish(chunk, response.finish, response.usage))
 
 
-async def encode_chat_stream(events: AsyncIterable[Event], meta: Meta) -> AsyncIterator[bytes]:
+def encode_chat_stream(events: AsyncIterable[Event], meta: Meta) -> AsyncIterator[bytes]:
     """Render an event stream as ``/api/chat`` NDJSON lines; a ``Failed`` event becomes an ``error`` line."""
-    async with aclosing(_encode_stream(events, meta, chat=True)) as lines:
-        async for line in lines:
-            yield line
+    return _encode_stream(events, meta, chat=True)
 
 
-async def encode_generate_stream(events: AsyncIterable[Event], meta: Meta) -> AsyncIterator[bytes]:
+def encode_generate_stream(events: AsyncIterable[Event], meta: Meta) -> AsyncIterator[bytes]:
     """Render an event stream as ``/api/generate`` NDJSON lines (``response`` fragments; OLL-27)."""
-    async with aclosing(_encode_stream(events, meta, chat=False)) as lines:
-        async for line in lines:
-            yield line
+    return _encode_stream(events, meta, chat=False)
 
 
 def encode_load_response(model: str, meta: Meta, *, unloaded: bool, chat: bool) -> bytes:
@@ -436,6 +444,7 @@ def _line(obj: dict[str, Any]) -> bytes:
     return msgspec.json.encode(obj) + b"\n"
 
 
+@functools.lru_cache(maxsize=256)  # every line of a stream carries its one timestamp: format it once
 def _rfc3339(timestamp: float) -> str:
     """RFC 3339 in UTC with exactly 6 fractional digits, which ``datetime.fromisoformat`` reads everywhere."""
     return datetime.fromtimestamp(timestamp, UTC).isoformat(timespec="microseconds")
@@ -472,5 +481,13 @@ def encode_version(version: str) -> bytes:
 
 
 def error_body(err: GatewayError) -> tuple[int, bytes]:
-    """The status and ``{"error": "<message>"}`` body for an error before streaming starts (OLL-33..35)."""
+    """The status and ``{"error": "<message>"}`` body for an error before streaming starts (OLL-33..35).
+
+    A full queue and a prompt that does not fit use Ollama's own words: its scheduler's ``ErrMaxQueue`` (503) and
+    its runner's ``errorInputTooLong`` (400, what it answers with ``truncate: false``).
+    """
+    if isinstance(err, Overloaded):
+        return 503, msgspec.json.encode({"error": "server busy, please try again.  maximum pending requests exceeded"})
+    if isinstance(err, ContextLengthExceeded):
+        return 400, msgspec.json.encode({"error": "the input length exceeds the context length"})
     return err.status, msgspec.json.encode({"error": err.message})

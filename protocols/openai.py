@@ -5,8 +5,8 @@ Pure translation between OpenAI's JSON and ``protocols.model``: request Structs 
 in; ``encode_*`` functions that turn a ``Response`` or an event stream into response bytes going out. The
 checklist items it implements are PROTOCOLS.md section 1 (OAI-n, cited where they decide something).
 
-Imports only ``protocols.model``, msgspec, the standard library and ``sse_starlette.event.ServerSentEvent``
-(SSE framing). No I/O, no web framework, no HTTP client.
+Imports only ``protocols.model``, ``protocols.sse`` and sse-starlette's ``ServerSentEvent`` (SSE framing), msgspec
+and the standard library. No I/O, no web framework, no HTTP client.
 
 Decisions worth knowing:
 
@@ -40,9 +40,11 @@ from sse_starlette.event import ServerSentEvent
 if TYPE_CHECKING:
     from protocols.openai_completions import CompletionRequest
 
+from protocols import sse
 from protocols.model import (
     AuthenticationFailed,
     BackendProtocolError,
+    ContextLengthExceeded,
     Event,
     Failed,
     Finished,
@@ -54,6 +56,8 @@ from protocols.model import (
     Meta,
     ModelInfo,
     NotFound,
+    OutputTooLarge,
+    Overloaded,
     Part,
     RateLimited,
     ReasoningDelta,
@@ -503,7 +507,7 @@ _KEEPALIVE = ServerSentEvent(comment="keep-alive").encode()
 
 def _frame(payload: dict[str, Any]) -> bytes:
     """One ``data:`` frame and no ``event:`` line (OAI-40, OAI-41)."""
-    return ServerSentEvent(data=msgspec.json.encode(payload).decode()).encode()
+    return sse.frame(msgspec.json.encode(payload))
 
 
 class _ChatChunks:
@@ -605,6 +609,7 @@ def encode_model(model: ModelInfo) -> bytes:
 _CODES: dict[type[GatewayError], str] = {
     AuthenticationFailed: "invalid_api_key",
     RateLimited: "rate_limit_exceeded",
+    ContextLengthExceeded: "context_length_exceeded",
 }
 
 
@@ -630,15 +635,38 @@ def _error_code(err: GatewayError) -> str | None:
     return re.sub(r"(?<!^)(?=[A-Z])", "_", type(err).__name__).lower()
 
 
+def _message(err: GatewayError) -> str:
+    """OpenAI's own wording for a context overflow (clients match on it) and for too large a ``max_tokens``;
+    the error's message otherwise."""
+    if isinstance(err, OutputTooLarge) and err.limit:
+        return (f"max_tokens is too large: {err.asked}. This model supports at most {err.limit} completion tokens, "
+                f"whereas you provided {err.asked}.")
+    if not isinstance(err, ContextLengthExceeded) or not err.context:
+        return err.message
+    limit = f"This model's maximum context length is {err.context} tokens."
+    if err.completion_tokens is None:
+        return (f"{limit} However, your messages resulted in {err.prompt_tokens} tokens. Please reduce the length "
+                "of the messages.")
+    return (f"{limit} However, you requested {err.prompt_tokens + err.completion_tokens} tokens ({err.prompt_tokens} "
+            f"in the messages, {err.completion_tokens} in the completion). Please reduce the length of the messages "
+            "or completion.")
+
+
+def _status(err: GatewayError) -> int:
+    """A full queue is 429 (with ``retry-after``), which the SDK retries after waiting (OAI-61)."""
+    return 429 if isinstance(err, Overloaded) else err.status
+
+
 def _envelope(err: GatewayError) -> dict[str, Any]:
     """OAI-57: ``{"error": {message, type, param, code}}``."""
-    error = {"message": err.message, "type": _error_type(err.status), "param": err.param, "code": _error_code(err)}
+    error = {"message": _message(err), "type": _error_type(_status(err)), "param": err.param,
+             "code": _error_code(err)}
     return {"error": error}
 
 
 def error_body(err: GatewayError) -> tuple[int, bytes]:
     """The HTTP status and JSON body for an error found before the response started (OAI-57, OAI-63)."""
-    return err.status, msgspec.json.encode(_envelope(err))
+    return _status(err), msgspec.json.encode(_envelope(err))
 
 
 def stream_error_frame(err: GatewayError) -> bytes:

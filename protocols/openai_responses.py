@@ -5,7 +5,8 @@ Pure translation between the Responses API's JSON and ``protocols.model``: ``Res
 (SSE frames) going out. Errors before the stream starts use the chat API's envelope (``protocols.openai.error_body``,
 applied by the route), which is the same for both APIs.
 
-Imports only ``protocols.model``, msgspec, the standard library and ``sse_starlette.event.ServerSentEvent``.
+Imports only ``protocols.model``, ``protocols.sse`` (SSE framing), msgspec, the standard library and
+``sse_starlette.event.ServerSentEvent``.
 Must not import the other protocol modules (it is listed in the independence contract). No I/O.
 
 Decisions worth knowing:
@@ -42,6 +43,7 @@ import msgspec
 from msgspec import UNSET, UnsetType
 from sse_starlette.event import ServerSentEvent
 
+from protocols import sse
 from protocols.model import (
     BackendProtocolError,
     Event,
@@ -368,7 +370,7 @@ class _Frames:
         """One SSE frame: ``event: <type>`` and the same ``type`` plus ``sequence_number`` in the JSON (OAI-66)."""
         payload = {"type": kind, "sequence_number": self.sequence, **fields}
         self.sequence += 1
-        return ServerSentEvent(data=msgspec.json.encode(payload).decode(), event=kind).encode()
+        return sse.frame(msgspec.json.encode(payload), kind)
 
     def lifecycle(self, kind: str, status: Status, **extra: Any) -> bytes:
         """A frame carrying the whole Response; usage only once it is final (not ``in_progress``)."""

@@ -1,8 +1,10 @@
 """A scripted backend for exact wire-format tests, registered as a plugin (``--plugin tests.scripted_plugin``).
 
-Model ``scripted`` plays back a script chosen by the last user message's text (``SCRIPTS``); anything else is
-echoed back word by word. Its embeddings are ``scripted_vector`` of each input (4 dimensions, unit length,
-float32 values; ``prompt_tokens`` counts words, or token ids). It never ships as a default: only tests load it.
+Model ``scripted`` plays back a script chosen by the last user message's text (``SCRIPTS``); ``sleep <seconds>``
+answers ``slept`` after that long (a slow request, for queue tests); ``how long`` answers how many messages and
+words (its token count) reached the backend; anything else is echoed back word by word. Its embeddings are
+``scripted_vector`` of each input (4 dimensions, unit length, float32 values; ``prompt_tokens`` counts words, or
+token ids). It never ships as a default: only tests load it.
 """
 
 from __future__ import annotations
@@ -74,6 +76,14 @@ class ScriptedRunner:
         if last == "crash":
             raise RuntimeError("the scripted backend crashed")
         script = SCRIPTS.get(last)
+        if last.startswith("sleep "):
+            await asyncio.sleep(float(last.split()[1]))
+            script = [Usage(prompt_tokens=2), TextDelta(text="slept"), Usage(prompt_tokens=2, completion_tokens=1),
+                      Finished(reason="stop")]
+        elif last == "how long":
+            words = await self.count_tokens(request)
+            script = [Usage(prompt_tokens=words), TextDelta(text=f"{len(request.messages)} messages, {words} words"),
+                      Usage(prompt_tokens=words, completion_tokens=4), Finished(reason="stop")]
         if script is None:
             words = last.split()
             script = [Usage(prompt_tokens=len(words)), *(TextDelta(text=w + " ") for w in words),

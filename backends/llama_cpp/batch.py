@@ -69,6 +69,7 @@ class Job:
     out: queue.SimpleQueue = field(default_factory=queue.SimpleQueue)
     end: str = "length"  # "length", "stop" (end of generation), "cancelled" or an error message
     error: bool = False
+    failure: Exception | None = None  # what made sampling fail (``sampling.GrammarStuck``, ...), when it did
     fed: int = 0  # prompt tokens in the slot's KV cache
     cached: int = 0  # of those, taken from the slot's cache (prefix reuse)
     count: int = 0  # tokens sampled
@@ -244,6 +245,7 @@ class Scheduler:
         try:
             token = job.sampler.sample(self.ctx, row)
         except Exception as exc:  # a grammar that cannot continue, a sampler failure: this job only
+            job.failure = exc
             self._release(slot, f"sampling failed: {exc}", error=True)
             return
         if self.is_eog(token):

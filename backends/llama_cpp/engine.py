@@ -15,7 +15,6 @@ Runs only in the runner process; imports protocols and llama_cpp, never the gate
 from __future__ import annotations
 
 import codecs
-import json
 import os
 import queue
 import random
@@ -43,7 +42,8 @@ from protocols.model import (
 from backends.llama_cpp.batch import Job, Scheduler
 from backends.llama_cpp.embed import Embedder
 from backends.llama_cpp.logprobs import LogprobAligner, token_logprob
-from backends.llama_cpp.sampling import Sampler
+from backends.llama_cpp.grammar import schema_grammar
+from backends.llama_cpp.sampling import GrammarStuck, Sampler
 from backends.llama_cpp.prompt import render_prompt
 from backends.runner.stops import StopMatcher
 from backends.llama_cpp.tools import CallGate, call_mode, call_schema
@@ -201,6 +201,8 @@ class LlamaEngine:
                 break
         job.done.set()
         if item is None:
+            if isinstance(job.failure, GrammarStuck):
+                raise Unprocessable(str(job.failure)) from job.failure
             if job.error:
                 raise GatewayError(job.end)
             if job.end == "cancelled":
@@ -220,6 +222,8 @@ class LlamaEngine:
     def _sampler(self, request: Request) -> Sampler:
         s = request.sampling
         seed = s.seed if isinstance(s.seed, int) else random.randrange(2**31)
+        if _value(s, "repeat_penalty") <= 0:  # llama.cpp divides logits by it: inf, then NaN probabilities
+            raise InvalidRequest("repeat_penalty must be greater than 0 (1 is no penalty)", param="repeat_penalty")
         try:
             return Sampler(self.llm._model.vocab, self.llm.n_vocab(), temp=_value(s, "temperature"),
                            top_k=_value(s, "top_k"), top_p=_value(s, "top_p"), min_p=_value(s, "min_p"),
@@ -236,15 +240,10 @@ class LlamaEngine:
         forced = call_mode(request) == "forced"
         if fmt.kind == "text" and not forced:
             return None
-        from llama_cpp.llama_grammar import JSON_GBNF, LlamaGrammar
+        from llama_cpp.llama_grammar import JSON_GBNF, LLAMA_GRAMMAR_DEFAULT_ROOT
 
         if forced or (fmt.kind == "json_schema" and fmt.schema):
             schema = call_schema(request) if forced else fmt.schema
-            try:
-                grammar = LlamaGrammar.from_json_schema(json.dumps(schema), verbose=False)
-            except Exception as exc:  # the converter asserts on schema features it lacks
-                what = "the tools' parameter schemas" if forced else "the response format's JSON schema"
-                raise Unprocessable(f"{what} cannot be turned into a grammar: {exc!r}") from exc
-        else:
-            grammar = LlamaGrammar.from_string(JSON_GBNF, verbose=False)
-        return grammar._grammar, grammar._root
+            what = "the tools' parameter schemas" if forced else "the response format's JSON schema"
+            return schema_grammar(schema, what), LLAMA_GRAMMAR_DEFAULT_ROOT  # checked and escaped (grammar.py)
+        return JSON_GBNF, LLAMA_GRAMMAR_DEFAULT_ROOT

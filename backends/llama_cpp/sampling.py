@@ -11,6 +11,11 @@ chain picks a token from the full distribution, the grammar is asked about that 
 rejects it is the grammar applied to the vocabulary and the chain run again. At temperature 0 this gives the
 answer an in-chain grammar would give whenever the model's first choice is allowed.
 
+llama.cpp aborts the whole process when its grammar is made to accept a token it does not allow ("Unexpected
+empty grammar stack"), so no such token is ever accepted: when the grammar allows no token at all (a grammar that
+asks for text no token can produce) ``sample`` raises ``GrammarStuck`` and only that request fails; when the chain
+picks a disallowed token anyway (all allowed ones cut by its filters), the most likely allowed one is taken.
+
 Runs only in the runner process; imports numpy and llama_cpp, nothing of ours.
 """
 
@@ -22,10 +27,14 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["Sampler"]
+__all__ = ["GrammarStuck", "Sampler"]
 
 PENALTY_LAST_N = 64
 """Tokens the repetition penalties look back over (``Llama.last_n_tokens_size``)."""
+
+
+class GrammarStuck(RuntimeError):
+    """The request's grammar allows no token at this point: the request cannot go on (the runner can)."""
 
 
 class Sampler:
@@ -80,10 +89,13 @@ class Sampler:
             return int(lib.llama_sampler_sample(self.chain, ctx, index))  # accepts the token itself
         logits = np.ctypeslib.as_array(lib.llama_get_logits_ith(ctx, index), shape=(self.n_vocab,))
         token = self._pick(logits, grammar_first=False)
-        self.one[0].id, self.one[0].logit, self.one[0].p = token, float(logits[token]), 0.0
-        single = lib.llama_token_data_array(self.one, 1, -1, False)
-        lib.llama_sampler_apply(self.grammar, ctypes.byref(single))
-        if math.isinf(self.one[0].logit):  # the grammar rejects the chain's pick: sample again within it
+        rejected = token < 0
+        if not rejected:
+            self.one[0].id, self.one[0].logit, self.one[0].p = token, float(logits[token]), 0.0
+            single = lib.llama_token_data_array(self.one, 1, -1, False)
+            lib.llama_sampler_apply(self.grammar, ctypes.byref(single))
+            rejected = math.isinf(self.one[0].logit)
+        if rejected:  # the grammar rejects the chain's pick: sample again within it
             token = self._pick(logits, grammar_first=True)
         lib.llama_sampler_accept(self.grammar, token)
         lib.llama_sampler_accept(self.chain, token)
@@ -95,10 +107,19 @@ class Sampler:
         self.view["logit"] = logits
         self.view["p"] = 0.0
         candidates = lib.llama_token_data_array(self.data, self.n_vocab, -1, False)
+        allowed = None
         if grammar_first:
             lib.llama_sampler_apply(self.grammar, ctypes.byref(candidates))
+            allowed = np.isfinite(self.view["logit"])  # by token id: the chain reorders the array next
+            if not allowed.any():
+                raise GrammarStuck("the grammar (from the request's JSON schema or tools) allows no token here: "
+                                   "it asks for text the model cannot produce")
         lib.llama_sampler_apply(self.chain, ctypes.byref(candidates))
-        return int(candidates.data[candidates.selected].id)
+        selected = candidates.selected
+        token = int(candidates.data[selected].id) if 0 <= selected < candidates.size else -1
+        if allowed is not None and not (0 <= token < self.n_vocab and allowed[token]):
+            token = int(np.argmax(np.where(allowed, logits, -np.inf)))  # never hand the grammar a token it rejects
+        return token
 
     def close(self) -> None:
         if self.chain:

@@ -95,23 +95,22 @@ def parse_call(text: str, tools: tuple[Tool, ...]) -> tuple[str, str] | None:
     """``(name, arguments JSON)`` when ``text`` is exactly a call of one of ``tools``, else ``None``."""
     try:
         value = json.loads(text)
-    except ValueError:
+        if not isinstance(value, dict) or set(value) != {"name", "arguments"}:
+            return None
+        name, arguments = value["name"], value["arguments"]
+        if not isinstance(name, str) or name not in {t.name for t in tools} or not isinstance(arguments, dict):
+            return None
+        return name, json.dumps(arguments, ensure_ascii=False, separators=(",", ":"))
+    except (ValueError, RecursionError):  # not JSON, or nested too deeply to be a call
         return None
-    if not isinstance(value, dict) or set(value) != {"name", "arguments"}:
-        return None
-    name, arguments = value["name"], value["arguments"]
-    if name not in {t.name for t in tools} or not isinstance(arguments, dict):
-        return None
-    return name, json.dumps(arguments, ensure_ascii=False, separators=(",", ":"))
 
 
 def render_call(name: str, arguments: str) -> str:
     """An earlier call as the model would have answered it (arguments that are not JSON go in as they are)."""
     try:
-        parsed = json.loads(arguments or "{}")
-    except ValueError:
+        return json.dumps({"name": name, "arguments": json.loads(arguments or "{}")}, ensure_ascii=False)
+    except (ValueError, RecursionError):  # not JSON, or nested too deeply to write back
         return f'{{"name": {json.dumps(name)}, "arguments": {arguments}}}'
-    return json.dumps({"name": name, "arguments": parsed}, ensure_ascii=False)
 
 
 def new_call_id() -> str:

@@ -1,8 +1,9 @@
 """Read the internal streaming protocol: send a ``Request`` to a runner, get its events back.
 
-Transport failures are mapped here, once, into ``Failed`` events (never raised): a refused connection or a
-runner that dies mid-stream is ``BackendUnavailable``, a stalled one ``BackendTimeout``, garbage
-``BackendProtocolError``. Closing the iterator closes the HTTP response, which cancels the generation.
+A generation is read with ``backends.runner.http_stream.post_stream`` (the per-token path, kept lean), the unary
+calls with the shared httpx client. Transport failures become ``Failed`` events (never raised): a refused
+connection or a runner that dies mid-stream is ``BackendUnavailable``, a stalled one ``BackendTimeout``, garbage
+``BackendProtocolError``. Closing the iterator closes the connection, which cancels the generation.
 ``embed`` is a plain request: the same failures are raised, and a runner's ``{"error": ErrorInfo}`` answer is
 raised as the ``GatewayError`` it names.
 
@@ -11,11 +12,13 @@ Imports protocols only.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import AsyncIterator
 
 import httpx
 import msgspec
 
+from backends.runner.http_stream import post_stream
 from protocols.model import (
     TERMINAL,
     BackendProtocolError,
@@ -61,18 +64,19 @@ class RunnerClient:
         return response.json()
 
     async def generate(self, request: Request) -> AsyncIterator[Event]:
-        """Stream ``request``'s events; always ends in exactly one ``Finished`` or ``Failed``."""
+        """Stream ``request``'s events; always ends in exactly one ``Finished`` or ``Failed``.
+
+        Read with ``post_stream`` (not httpx: this is the per-token path). The events of every line that came in
+        one read are yielded back to back, with no wait between them, so whoever relays them can write them out
+        together.
+        """
+        pending = b""
         try:
-            async with self.http.stream("POST", f"{self.base_url}/generate", content=_encoder.encode(request),
-                                        headers={"content-type": "application/json"},
-                                        timeout=self.timeout) as response:
-                if response.status_code != 200:
-                    body = (await response.aread()).decode(errors="replace")
-                    yield _failed(BackendProtocolError(f"runner answered {response.status_code}: {body[:200]}"))
-                    return
-                pending = b""
-                async for chunk in response.aiter_raw():  # NDJSON split by hand: no text decoding per token
-                    *lines, pending = (pending + chunk).split(b"\n")
+            async with contextlib.aclosing(post_stream(f"{self.base_url}/generate", _encoder.encode(request),
+                                                       connect_timeout=self.timeout.connect or 10.0,
+                                                       read_timeout=self.timeout.read or 300.0)) as chunks:
+                async for chunk in chunks:  # NDJSON split by hand: no text decoding per token
+                    *lines, pending = (pending + chunk if pending else chunk).split(b"\n")
                     for line in lines:
                         if not line:
                             continue
@@ -80,11 +84,8 @@ class RunnerClient:
                         yield event
                         if isinstance(event, TERMINAL):
                             return
-        except httpx.TimeoutException as exc:
-            yield _failed(BackendTimeout(f"the model runner did not answer in time ({type(exc).__name__})"))
-            return
-        except (httpx.ConnectError, httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError) as exc:
-            yield _failed(BackendUnavailable(f"lost the connection to the model runner: {exc or type(exc).__name__}"))
+        except GatewayError as exc:
+            yield _failed(exc)
             return
         except msgspec.DecodeError as exc:
             yield _failed(BackendProtocolError(f"the model runner sent an invalid event: {exc}"))

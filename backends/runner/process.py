@@ -4,13 +4,19 @@ The runner prints ``MESHGATE_RUNNER_READY port=N`` once its model is loaded and 
 we wait (bounded). The runner's stdin is a pipe we hold: if the gateway dies, the runner sees EOF and exits, so
 none is left behind. ``stop`` terminates, then kills after a grace period.
 
+A runner that exits without being asked to (a runtime that aborts, the OOM killer) is logged as a warning on the
+``meshgate.runner`` logger with why: its exit code or signal and the last lines it wrote to stderr (an abort's
+message is there). Its stderr still reaches ours as it comes, as when it was inherited.
+
 Imports protocols only.
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
+import logging
 import os
 import signal
 from collections.abc import Mapping, Sequence
@@ -19,17 +25,24 @@ from protocols.model import BackendTimeout, BackendUnavailable
 
 __all__ = ["RunnerProcess"]
 
+log = logging.getLogger("meshgate.runner")
+
 READY_PREFIX = b"MESHGATE_RUNNER_READY port="
 FAILED_PREFIX = b"MESHGATE_RUNNER_FAILED "
+TAIL_LINES = 20
+"""Lines of a runner's stderr kept to say why it died."""
 
 
 class RunnerProcess:
     """A started runner process and the port it serves on."""
 
-    def __init__(self, proc: asyncio.subprocess.Process, port: int, name: str) -> None:
+    def __init__(self, proc: asyncio.subprocess.Process, port: int, name: str,
+                 stderr: _Stderr | None = None) -> None:
         self.proc = proc
         self.port = port
         self.name = name
+        self._stderr = stderr
+        self._stopping = False
 
     @property
     def pid(self) -> int:
@@ -44,9 +57,10 @@ class RunnerProcess:
                     ready_timeout: float = 120.0) -> RunnerProcess:
         """Spawn ``argv`` and wait for its ready line; raise ``BackendUnavailable``/``BackendTimeout`` if none."""
         proc = await asyncio.create_subprocess_exec(
-            *argv, stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, stderr=None,
+            *argv, stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
             env={**os.environ, **(env or {})}, start_new_session=True,
         )
+        stderr = _Stderr(proc)
         try:
             port, why = await asyncio.wait_for(_read_ready(proc), ready_timeout)
         except TimeoutError:
@@ -56,14 +70,68 @@ class RunnerProcess:
             await _terminate(proc)
             raise
         if port is None:
-            code = await proc.wait()
-            raise BackendUnavailable(why or f"runner for {name} exited with code {code} before it was ready")
-        runner = cls(proc, port, name)
+            await proc.wait()
+            raise BackendUnavailable(why or f"runner for {name} {await stderr.exit_reason(' before it was ready')}")
+        runner = cls(proc, port, name, stderr)
         asyncio.ensure_future(_drain(proc))
+        asyncio.ensure_future(runner._watch())
         return runner
 
     async def stop(self, grace: float = 5.0) -> None:
+        self._stopping = True
         await _terminate(self.proc, grace)
+
+    async def _watch(self) -> None:
+        """Log a runner that exits without ``stop``: its exit status and its last words."""
+        with contextlib.suppress(Exception):
+            await self.proc.wait()
+            if not self._stopping and self._stderr is not None:
+                log.warning("runner for %s (pid %s) %s", self.name, self.pid, await self._stderr.exit_reason())
+
+
+class _Stderr:
+    """Relays a process's stderr to ours, keeping its last ``TAIL_LINES`` lines."""
+
+    def __init__(self, proc: asyncio.subprocess.Process) -> None:
+        self.proc = proc
+        self.tail: collections.deque[str] = collections.deque(maxlen=TAIL_LINES)
+        self.task = asyncio.ensure_future(self._relay())
+
+    async def _relay(self) -> None:
+        """Copy chunks as they come (a line of any length never stalls the pipe); keep the lines' last 1000 bytes."""
+        assert self.proc.stderr is not None
+        partial = b""
+        with contextlib.suppress(Exception):
+            while chunk := await self.proc.stderr.read(65536):
+                with contextlib.suppress(OSError):
+                    view = memoryview(chunk)
+                    while view:
+                        view = view[os.write(2, view):]
+                *lines, partial = (partial + chunk).split(b"\n")
+                partial = partial[-1000:]
+                self._keep(lines)
+        self._keep([partial])
+
+    def _keep(self, lines: list[bytes]) -> None:
+        for line in lines:
+            if text := line[-1000:].decode(errors="replace").strip():
+                self.tail.append(text)
+
+    async def exit_reason(self, when: str = "") -> str:
+        """``exited with code N`` or ``was killed by SIGX``, then ``when``, then the stderr lines that say why
+        (once the process has exited)."""
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(asyncio.shield(self.task), 2.0)  # the last lines, written just before it died
+        code = self.proc.returncode
+        if code is not None and code < 0:
+            try:
+                status = f"was killed by {signal.Signals(-code).name}"
+            except ValueError:
+                status = f"was killed by signal {-code}"
+        else:
+            status = f"exited with code {code}"
+        said = [line for line in self.tail if "MESHGATE_RUNNER" not in line][-5:]
+        return status + when + (f"; its last output: {' | '.join(said)}" if said else "")
 
 
 async def _read_ready(proc: asyncio.subprocess.Process) -> tuple[int | None, str | None]:

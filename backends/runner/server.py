@@ -105,7 +105,7 @@ class RunnerApp:
         body = await _read_body(receive)
         try:
             request = _request_decoder.decode(body)
-        except msgspec.MsgspecError as exc:
+        except (msgspec.MsgspecError, RecursionError) as exc:  # RecursionError: JSON nested too deeply
             await _respond(send, 400, _encoder.encode({"error": f"bad request: {exc}"}))
             return
         await send({"type": "http.response.start", "status": 200,
@@ -139,7 +139,7 @@ class RunnerApp:
         try:
             try:
                 request = decoder.decode(body)
-            except msgspec.MsgspecError as exc:
+            except (msgspec.MsgspecError, RecursionError) as exc:
                 raise InvalidRequest(f"bad {method} request: {exc}") from exc
             call = getattr(self.engine, method, None)
             if call is None:

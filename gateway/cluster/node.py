@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import os
 import shutil
 import socket
@@ -26,6 +27,7 @@ def _meminfo() -> tuple[int, int]:
         return total, total // 2
 
 
+@functools.cache  # asked at every heartbeat; what is installed does not change while we run
 def _accelerators() -> tuple[str, ...]:
     if not shutil.which("nvidia-smi"):
         return ()
@@ -36,6 +38,7 @@ def _accelerators() -> tuple[str, ...]:
     return tuple(line.split(" (")[0] for line in out.splitlines() if line.startswith("GPU"))
 
 
+@functools.cache  # asked at every heartbeat (a metadata scan of site-packages each time without it)
 def _runtimes() -> dict[str, str]:
     found = {}
     for name, package in RUNTIME_PACKAGES.items():
@@ -73,4 +76,4 @@ def describe_node(name: str | None, address: str, agent_url: str, flops: float |
     return Node(id=NodeId(name), name=name, address=address, agent_url=agent_url, memory_total=total,
                 memory_available=available, cpu_count=os.cpu_count() or 1,
                 flops=flops if flops is not None else measure_flops(), accelerators=_accelerators(),
-                runtimes=_runtimes(), heartbeat_at=time.time())
+                runtimes=dict(_runtimes()), heartbeat_at=time.time())

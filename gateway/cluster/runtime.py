@@ -15,6 +15,7 @@ import httpx
 import pluggy
 
 from backends.base import Backend, ModelSource
+from gateway.admission import Admission
 from gateway.cluster.agent import NodeAgent
 from gateway.cluster.instances import InstanceManager
 from gateway.cluster.planner import default_rank
@@ -75,7 +76,9 @@ async def control_plane(settings: Settings, plugins: pluggy.PluginManager, *, ga
                     store, backends, resolve=catalog.resolve, choose=choose,
                     rank=_rank(plugins), auto_place=settings.placement != "never", context=context)
                 await plane.instances.start()
-                plane.dispatcher = Dispatcher(catalog, backends, choose, plane.instances, keepalive=settings.keepalive)
+                plane.dispatcher = Dispatcher(catalog, backends, choose, plane.instances, keepalive=settings.keepalive,
+                                              admission=Admission(settings.parallel, settings.max_queue),
+                                              max_tokens=settings.max_tokens)
             yield plane
         finally:
             if plane.instances is not None:

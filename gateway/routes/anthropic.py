@@ -5,8 +5,11 @@ from __future__ import annotations
 from litestar import Request as HttpRequest
 from litestar import Response, Router, post
 
+from gateway.context_fit import Fit
 from gateway.routes.common import (
     admit,
+    caller_of,
+    collect_or_cancel,
     dispatcher_of,
     error_handler,
     json_response,
@@ -14,7 +17,7 @@ from gateway.routes.common import (
     stream_response,
 )
 from protocols import anthropic
-from protocols.model import GatewayError, collect, decode_body
+from protocols.model import GatewayError, decode_body
 
 SSE = "text/event-stream"
 
@@ -25,10 +28,12 @@ async def messages(request: HttpRequest) -> Response:
     wire = decode_body(await request.body(), anthropic.MessagesRequest)
     internal = anthropic.messages_to_internal(wire)
     meta = new_meta(internal.model)
-    events = await dispatcher_of(request).open_stream(internal)
+    # only the prompt is checked: clients send max_tokens far beyond small contexts, and the runner caps the
+    # output at the room left
+    events = await dispatcher_of(request).open_stream(internal, caller=caller_of(request), fit=Fit.PROMPT)
     if internal.stream:
         return stream_response(anthropic.encode_message_stream(events, meta), SSE)
-    return json_response(anthropic.encode_message_response(await collect(events), meta))
+    return json_response(anthropic.encode_message_response(await collect_or_cancel(request, events), meta))
 
 
 @post(["/v1/messages/count_tokens"], status_code=200)

@@ -1,11 +1,13 @@
 """The cluster API: topology, placement previews and instances (``/cluster``, ``/instances``, ``/events``).
 
-Errors use OpenAI's envelope (``{"error": {"message", "type", ...}}``), the most widely parsed one.
+Errors use OpenAI's envelope (``{"error": {"message", "type", ...}}``), the most widely parsed one. Instances are
+shown with this gateway's queue for each (``queue``: requests generating, waiting, and the bounds).
 """
 
 from __future__ import annotations
 
 import asyncio
+import re
 from collections.abc import AsyncIterator
 from typing import Literal
 
@@ -16,6 +18,7 @@ from litestar.response import Stream
 from sse_starlette.event import ServerSentEvent
 
 from backends.placement import Candidate, Link, Node
+from gateway.admission import Load
 from gateway.cluster.instances import InstanceManager
 from gateway.cluster.records import Failed, Instance, Ready, StoreEvent
 from gateway.routes.common import check_auth, error_handler
@@ -23,10 +26,16 @@ from protocols import openai
 from protocols.model import GatewayError, InvalidRequest, NotFound
 
 
+class InstanceView(Instance, frozen=True):
+    """A stored instance and this gateway's queue for it."""
+
+    queue: Load | None = None
+
+
 class ClusterView(msgspec.Struct, frozen=True):
     nodes: list[Node]
     links: list[Link]
-    instances: list[Instance]
+    instances: list[InstanceView]
 
 
 class Preview(msgspec.Struct, frozen=True):
@@ -49,6 +58,11 @@ def _instances(request: HttpRequest) -> InstanceManager:
     return request.app.state.plane.instances
 
 
+def _view(request: HttpRequest, instance: Instance) -> InstanceView:
+    fields = {name: getattr(instance, name) for name in instance.__struct_fields__}
+    return InstanceView(**fields, queue=request.app.state.dispatcher.admission.load(instance.id))
+
+
 def _nodes(value: str | None) -> list[str] | None:
     return [n.strip() for n in value.split(",") if n.strip()] if value else None
 
@@ -58,7 +72,7 @@ async def cluster(request: HttpRequest) -> ClusterView:
     manager = _instances(request)
     topology = await manager.topology()
     return ClusterView(nodes=list(topology.nodes), links=list(topology.links),
-                       instances=await manager.store.instances())
+                       instances=[_view(request, i) for i in await manager.store.instances()])
 
 
 @get("/instances/previews", summary="Every placement candidate for a model, with memory per node, cost and error")
@@ -76,17 +90,17 @@ async def create_instance(request: HttpRequest, data: CreateInstance) -> Instanc
                                             strategy=data.strategy, min_nodes=data.min_nodes)
 
 
-@get("/instances", summary="All instances")
-async def list_instances(request: HttpRequest) -> list[Instance]:
-    return await _instances(request).store.instances()
+@get("/instances", summary="All instances, with this gateway's queue for each")
+async def list_instances(request: HttpRequest) -> list[InstanceView]:
+    return [_view(request, i) for i in await _instances(request).store.instances()]
 
 
-@get("/instances/{instance_id:str}", summary="One instance")
-async def get_instance(request: HttpRequest, instance_id: str) -> Instance:
+@get("/instances/{instance_id:str}", summary="One instance, with this gateway's queue for it")
+async def get_instance(request: HttpRequest, instance_id: str) -> InstanceView:
     instance = await _instances(request).store.get_instance(instance_id)
     if instance is None:
         raise NotFound(f"instance '{instance_id}' not found")
-    return instance
+    return _view(request, instance)
 
 
 @delete("/instances/{instance_id:str}", summary="Delete an instance and stop its processes", status_code=204)
@@ -123,7 +137,14 @@ async def _state_changes(manager: InstanceManager, instance_id: str) -> AsyncIte
 async def events(request: HttpRequest, since: str | None = None, count: int = 100) -> list[StoreEvent]:
     if not 1 <= count <= 10000:
         raise InvalidRequest("count must be between 1 and 10000", param="count")
+    if since is not None and not _EVENT_ID.fullmatch(since):
+        raise InvalidRequest(f"since must be an event id such as 1700000000000-0 (the id of an event from "
+                             f"this list); got {since!r}", param="since")
     return await _instances(request).store.events(since=since, count=count)
+
+
+_EVENT_ID = re.compile(r"[0-9]{1,19}(?:-[0-9]{1,19})?")  # 64-bit numbers
+"""An event's id, as the state store gives it: ``<milliseconds>-<sequence>`` (a Redis stream id)."""
 
 
 router = Router(

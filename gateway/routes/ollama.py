@@ -14,8 +14,11 @@ from contextlib import aclosing
 from litestar import Request as HttpRequest
 from litestar import Response, Router, get, head, post
 
+from gateway.context_fit import Fit
 from gateway.routes.common import (
     admit,
+    caller_of,
+    collect_or_cancel,
     dispatcher_of,
     error_handler,
     json_response,
@@ -26,7 +29,7 @@ from gateway.routes.common import (
 from gateway import model_admin
 from gateway.routes.ollama_models import ROUTES as MODEL_ROUTES
 from protocols import ollama, ollama_embeddings, ollama_models
-from protocols.model import GatewayError, Request, collect, decode_body
+from protocols.model import GatewayError, Request, decode_body
 
 NDJSON = "application/x-ndjson"
 log = logging.getLogger("meshgate.ollama")
@@ -104,12 +107,14 @@ async def _run(request: HttpRequest, wire: ollama.ChatRequest | ollama.GenerateR
         if not unload:
             await after()
         return json_response(ollama.encode_load_response(internal.model, meta, unloaded=unload, chat=chat))
-    events = await dispatcher.open_stream(internal)
+    # Ollama's /api/chat drops the oldest turns to fit the context unless told ``truncate: false``
+    fit = Fit.DROP_OLDEST if chat and wire.truncate is not False else Fit.PROMPT
+    events = await dispatcher.open_stream(internal, caller=caller_of(request), fit=fit, clamp_output=True)
     if internal.stream:
         encode = ollama.encode_chat_stream if chat else ollama.encode_generate_stream
         return stream_response(_then(encode(events, meta), after), NDJSON)
     encode_one = ollama.encode_chat_response if chat else ollama.encode_generate_response
-    body = encode_one(await collect(events), meta)
+    body = encode_one(await collect_or_cancel(request, events), meta)
     await after()
     return json_response(body)
 

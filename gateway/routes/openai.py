@@ -11,9 +11,12 @@ from urllib.parse import unquote
 from litestar import Request as HttpRequest
 from litestar import Response, Router, get, post
 
+from gateway.context_fit import Fit
 from gateway.routes.common import (
     admit,
+    caller_of,
     check_auth,
+    collect_or_cancel,
     dispatcher_of,
     error_response,
     json_response,
@@ -22,7 +25,7 @@ from gateway.routes.common import (
     stream_response,
 )
 from protocols import anthropic, openai, openai_completions, openai_embeddings, openai_responses
-from protocols.model import GatewayError, UnknownModel, collect, decode_body
+from protocols.model import GatewayError, UnknownModel, decode_body
 
 SSE = "text/event-stream"
 
@@ -42,10 +45,10 @@ async def chat_completions(request: HttpRequest) -> Response:
     wire = decode_body(await request.body(), openai.ChatRequest)
     internal = openai.chat_to_internal(wire)
     meta = new_meta(internal.model)
-    events = await dispatcher_of(request).open_stream(internal)
+    events = await dispatcher_of(request).open_stream(internal, caller=caller_of(request), fit=Fit.PROMPT_AND_OUTPUT)
     if internal.stream:
         return stream_response(openai.encode_chat_stream(events, meta, include_usage=openai.wants_usage(wire)), SSE)
-    return json_response(openai.encode_chat_response(await collect(events), meta))
+    return json_response(openai.encode_chat_response(await collect_or_cancel(request, events), meta))
 
 
 @post(["/v1/completions"], status_code=200)
@@ -54,11 +57,11 @@ async def completions(request: HttpRequest) -> Response:
     wire = decode_body(await request.body(), openai_completions.CompletionRequest)
     internal = openai_completions.completion_to_internal(wire)
     meta = new_meta(internal.model)
-    events = await dispatcher_of(request).open_stream(internal)
+    events = await dispatcher_of(request).open_stream(internal, caller=caller_of(request), fit=Fit.PROMPT_AND_OUTPUT)
     if internal.stream:
         return stream_response(
             openai_completions.encode_completion_stream(events, meta, include_usage=openai.wants_usage(wire)), SSE)
-    return json_response(openai_completions.encode_completion_response(await collect(events), meta))
+    return json_response(openai_completions.encode_completion_response(await collect_or_cancel(request, events), meta))
 
 
 @post(["/v1/responses", "/responses"], status_code=200)
@@ -67,10 +70,10 @@ async def responses(request: HttpRequest) -> Response:
     wire = decode_body(await request.body(), openai_responses.ResponsesRequest)
     internal = openai_responses.responses_to_internal(wire)
     meta = new_meta(internal.model)
-    events = await dispatcher_of(request).open_stream(internal)
+    events = await dispatcher_of(request).open_stream(internal, caller=caller_of(request), fit=Fit.PROMPT_AND_OUTPUT)
     if internal.stream:
         return stream_response(openai_responses.encode_response_stream(events, meta), SSE)
-    return json_response(openai_responses.encode_response(await collect(events), meta))
+    return json_response(openai_responses.encode_response(await collect_or_cancel(request, events), meta))
 
 
 @post(["/v1/embeddings", "/embeddings"], status_code=200)

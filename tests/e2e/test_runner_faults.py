@@ -3,8 +3,10 @@ gives each protocol's mid-stream error, the gateway keeps serving, and the next 
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -145,3 +147,49 @@ def test_embedding_after_the_runner_died_is_served_by_a_new_one(server):
     reply = client.embeddings.create(model=MODEL, input="a cat")
     assert len(reply.data[0].embedding) == 640
     assert runner_pid(server) != pid
+
+
+def runner_url(server: Server) -> str:
+    instances = httpx.get(f"{server.url}/instances", timeout=10).json()
+    return next(r["url"] for i in instances for r in i["runners"].values() if r.get("url"))
+
+
+def test_non_streaming_client_that_leaves_cancels_generation(server):
+    """``curl -m 3 .../api/generate -d '{..., "stream": false, "options": {"num_predict": -1}}'``: the runner stops
+    generating soon after the client gives up (issue 15, item 2); it used to run to the end of the context."""
+    warm(server)
+    health_url = f"{runner_url(server)}/health"
+    gone = threading.Event()
+
+    def leave_after_3_seconds() -> None:
+        with contextlib.suppress(httpx.TimeoutException):
+            httpx.post(f"{server.url}/api/generate", timeout=3, json={
+                "model": MODEL, "prompt": LONG, "stream": False, "options": {"num_predict": -1}})
+        gone.set()
+
+    thread = threading.Thread(target=leave_after_3_seconds)
+    thread.start()
+    seen_active = False
+    while not gone.wait(0.2):
+        seen_active = seen_active or httpx.get(health_url, timeout=5).json()["active_sequences"] == 1
+    thread.join()
+    assert seen_active, "the generation never started"
+    deadline, health = time.monotonic() + 10, {}
+    while time.monotonic() < deadline:
+        health = httpx.get(health_url, timeout=5).json()
+        if health["active_sequences"] == 0 and health["active"] == 0:
+            break
+        time.sleep(0.2)
+    assert health["active_sequences"] == 0 and health["active"] == 0, f"still generating: {health}"
+
+
+def test_a_runner_that_dies_is_logged_with_why(server):
+    """A runner that dies on its own fails only its requests, and the gateway's log says why (issue 15, item 1)."""
+    pid = warm(server)
+    os.kill(pid, signal.SIGABRT)
+    expected = f"runner for {MODEL} (pid {pid}) was killed by SIGABRT"
+    deadline = time.monotonic() + 15
+    while time.monotonic() < deadline and expected not in server.log.read_text(errors="replace"):
+        time.sleep(0.2)
+    assert expected in server.log.read_text(errors="replace")
+    _next_request_works(server, pid)

@@ -1,0 +1,185 @@
+"""Context checks before the queue: does a request's prompt (and the output it asks for) fit the instance?
+
+Each protocol's own rule (``Fit``), applied by the dispatcher before a request may wait for a slot:
+
+- ``PROMPT_AND_OUTPUT`` (OpenAI): the prompt plus ``max_tokens`` must fit the context; without ``max_tokens`` the
+  prompt must leave room for one token of output.
+- ``PROMPT`` (Anthropic; Ollama's ``/api/generate``, and ``/api/chat`` with ``truncate: false``): only the prompt
+  is checked, leaving room for one token; the output is capped by the room left (the runner does that).
+  Anthropic clients routinely send ``max_tokens`` far beyond a small context (Claude Code asks for 32000).
+- ``DROP_OLDEST`` (Ollama's ``/api/chat``): as Ollama's ``chatPrompt`` does, drop the oldest messages (keeping
+  every system message, the latest message, and the assistant call a tool result answers) until the prompt fits.
+
+What cannot fit is ``ContextLengthExceeded``, each protocol rendering its own words. Before any of that, the output
+asked for is held to the gateway's ``max_tokens`` setting (``cap_output``): refused as ``OutputTooLarge`` (OpenAI,
+Anthropic) or cut to it (Ollama's ``num_predict``); after it, a request that asks for no limit gets that one when
+the context would allow more. Ollama goes on to cut a prompt
+that still does not fit inside its runner (keeping its first ``num_keep`` tokens and its end); that is not
+done here, such a prompt is refused as Ollama refuses it with ``truncate: false``.
+
+The count is the runner's own (its ``/tokenize``, template and tools included). A request is not counted at all
+when its bytes already bound its tokens well inside the context: every token of a prompt stands for at least one
+byte of its rendered text, so the UTF-8 size of the messages plus a generous allowance for the chat template
+(role markers, a template's default system text) is an upper bound. Requests with tools or images (rendered by
+the backend at sizes the gateway cannot bound) are always counted; a backend that cannot count
+(``UnsupportedFeature``) leaves the check to its runner.
+
+Imports ``protocols.model`` only; the count is passed in.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Awaitable, Callable, Sequence
+
+import msgspec
+
+from protocols.model import (
+    ContextLengthExceeded,
+    ImagePart,
+    Message,
+    OutputTooLarge,
+    ReasoningPart,
+    Request,
+    TextPart,
+    ToolCallPart,
+    ToolResultPart,
+    UnsupportedFeature,
+)
+
+__all__ = ["Fit", "cap_output", "fit_context", "token_bound"]
+
+Count = Callable[[Request], Awaitable[int]]
+
+TEMPLATE_BYTES = 1024
+"""Allowance for what a chat template adds once: BOS, a default system text, the generation prompt."""
+
+TURN_BYTES = 64
+"""Allowance for what a chat template adds per message (role markers, separators, ``Result of <tool>:``)."""
+
+
+class Fit(enum.Enum):
+    """How a protocol wants a request checked against the context (see the module docstring)."""
+
+    PROMPT_AND_OUTPUT = "prompt_and_output"
+    PROMPT = "prompt"
+    DROP_OLDEST = "drop_oldest"
+
+
+async def fit_context(request: Request, context: int, count: Count, fit: Fit) -> Request:
+    """``request`` as it will run (for ``DROP_OLDEST``, maybe without its oldest messages).
+
+    Args:
+        request: The request.
+        context: Tokens the instance holds per sequence; 0 or less when unknown (nothing is checked).
+        count: The runner's token count for a request.
+        fit: The protocol's rule.
+
+    Raises:
+        ContextLengthExceeded: it does not fit.
+        GatewayError: counting failed (``BackendUnavailable`` when the runner cannot be reached).
+    """
+    if context <= 0:
+        return request
+    output = request.max_tokens if fit is Fit.PROMPT_AND_OUTPUT else None
+    room = output or 1
+    bound = token_bound(request)
+    if bound is not None and bound + room <= context:
+        return request
+    try:
+        prompt = await count(request)
+    except UnsupportedFeature:
+        return request
+    if prompt + room <= context:
+        return request
+    if fit is Fit.DROP_OLDEST and len(request.messages) > 1:
+        trimmed = await _drop_oldest(request, context, count)
+        if trimmed is not None:
+            return trimmed
+    raise ContextLengthExceeded(prompt_tokens=prompt, completion_tokens=output, context=context)
+
+
+def cap_output(request: Request, limit: int, *, clamp: bool, context: int = 0) -> Request:
+    """``request`` with ``max_tokens`` at most ``limit``: cut to it when ``clamp``, else refused.
+
+    ``None`` (no limit asked for: the runner stops at the end of the context) becomes ``limit`` when that is the
+    tighter bound, i.e. below the instance's ``context`` (0: unknown, left as it is). Only do that once the prompt
+    was checked against the context (``fit_context``), which reads ``max_tokens`` as the output asked for.
+
+    Raises:
+        OutputTooLarge: ``max_tokens`` is above ``limit`` and ``clamp`` is false.
+    """
+    if request.max_tokens is None:
+        return msgspec.structs.replace(request, max_tokens=limit) if 0 < limit < context else request
+    if request.max_tokens <= limit:
+        return request
+    if not clamp:
+        raise OutputTooLarge(asked=request.max_tokens, limit=limit, model=request.model)
+    return msgspec.structs.replace(request, max_tokens=limit)
+
+
+def token_bound(request: Request) -> int | None:
+    """An upper bound on the prompt's tokens from its bytes alone; ``None`` with tools or images."""
+    if request.tools:
+        return None
+    if request.raw_prompt is not None:
+        return TEMPLATE_BYTES + len(request.raw_prompt.encode())
+    total = TEMPLATE_BYTES
+    for message in request.messages:
+        total += TURN_BYTES
+        for part in message.parts:
+            match part:
+                case TextPart(text=text) | ReasoningPart(text=text):
+                    total += len(text.encode())
+                case ToolCallPart(name=name, arguments=arguments):
+                    total += TURN_BYTES + len(name.encode()) + len(arguments.encode())
+                case ToolResultPart(name=name, content=content):
+                    if any(isinstance(c, ImagePart) for c in content):
+                        return None
+                    total += TURN_BYTES + len((name or "").encode())
+                    total += sum(len(c.text.encode()) for c in content if isinstance(c, TextPart))
+                case _:  # an image
+                    return None
+    return total
+
+
+async def _drop_oldest(request: Request, context: int, count: Count) -> Request | None:
+    """The request without the fewest oldest messages that makes it fit; ``None`` if keeping only the system
+    messages and the latest turn still does not.
+
+    Dropping more never makes a prompt longer, so the first start that fits is found by bisection.
+    """
+    messages = request.messages
+    last = len(messages) - 1
+
+    def starting_at(i: int) -> Request:
+        start = _turn_start(messages, i)
+        kept = tuple(m for m in messages[:start] if m.role == "system") + messages[start:]
+        return msgspec.structs.replace(request, messages=kept)
+
+    async def fits(i: int) -> bool:
+        return await count(starting_at(i)) + 1 <= context
+
+    if not await fits(last):
+        return None
+    low, high = 1, last
+    while low < high:
+        middle = (low + high) // 2
+        if await fits(middle):
+            high = middle
+        else:
+            low = middle + 1
+    return starting_at(low)
+
+
+def _turn_start(messages: Sequence[Message], i: int) -> int:
+    """Where a conversation kept from message ``i`` must start so a tool result keeps the call it answers
+    (Ollama's ``toolBlockStartIndex``)."""
+    if messages[i].role != "tool":
+        return i
+    start = i
+    while start > 0 and messages[start - 1].role == "tool":
+        start -= 1
+    calls = start > 0 and messages[start - 1].role == "assistant" and any(
+        isinstance(p, ToolCallPart) for p in messages[start - 1].parts)
+    return start - 1 if calls else i

@@ -25,7 +25,7 @@ from gateway.routes import ollama as ollama_routes
 from gateway.routes import openai as openai_routes
 from plugins.settings import Settings
 from protocols import anthropic, ollama, openai
-from protocols.model import GatewayError, InvalidRequest, NotFound, RequestTooLarge
+from protocols.model import MAX_JSON_DEPTH, GatewayError, InvalidRequest, NotFound, RequestTooLarge
 
 __all__ = ["create_app"]
 
@@ -45,6 +45,8 @@ def _render_for_path(request: Request, exc: Exception) -> Response[bytes]:
             err = InvalidRequest(str(exc.detail))
     elif isinstance(exc, GatewayError):
         err = exc
+    elif isinstance(exc, RecursionError):  # a body Litestar decodes itself (``data:``), nested past the stack
+        err = InvalidRequest(f"request body nests JSON too deeply; at most {MAX_JSON_DEPTH} levels are allowed")
     else:
         log.exception("unhandled error on %s", request.url.path, exc_info=exc)
         err = GatewayError(f"internal error: {type(exc).__name__}")

@@ -198,6 +198,13 @@ def test_deeply_nested_json_is_a_400_in_each_protocol(server, depth):
     assert r.status_code == 400 and "nests JSON" in r.json()["error"]
 
 
+def test_deeply_nested_json_in_a_body_litestar_decodes_is_a_400(server):
+    raw = "[" * 5000 + "]" * 5000
+    r = httpx.post(f"{server.url}/instances", content='{"model": "%s", "x": %s}' % (MODEL, raw), timeout=30,
+                   headers={"content-type": "application/json"})
+    assert r.status_code == 400 and "nests JSON too deeply" in r.json()["error"]["message"]
+
+
 def test_events_since_that_is_no_event_id_is_a_400(server):
     r = httpx.get(f"{server.url}/events", params={"since": "abc"}, timeout=10)
     assert r.status_code == 400, r.text

@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import ctypes
+import itertools
 import json
 import math
 import os
@@ -151,7 +152,7 @@ async def one_stream(client: httpx.AsyncClient, model: str, prompt: str, tokens:
                 count = chunk["usage"]["completion_tokens"]
     if not stamps:
         raise RuntimeError("the stream had no content")
-    return Stream(ttft=stamps[0] - started, gaps=[b - a for a, b in zip(stamps, stamps[1:])],
+    return Stream(ttft=stamps[0] - started, gaps=[b - a for a, b in itertools.pairwise(stamps)],
                   tokens=count or len(stamps))
 
 

@@ -40,7 +40,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from backends.llama_cpp.sampling import Sampler
+from backends.llama_cpp.sampling import GrammarStuck, Sampler
 
 __all__ = ["Job", "Scheduler"]
 
@@ -65,11 +65,10 @@ class Job:
     limit: int
     sampler: Sampler
     cancel: threading.Event
-    logprob: Callable[[Any, int, int], Any] | None = None  # (logits pointer, token, n_vocab) -> entry
+    logprob: Callable[[Any, int], Any] | None = None  # (pointer to the row's logits, token) -> entry
     out: queue.SimpleQueue = field(default_factory=queue.SimpleQueue)
-    end: str = "length"  # "length", "stop" (end of generation), "cancelled" or an error message
-    error: bool = False
-    failure: Exception | None = None  # what made sampling fail (``sampling.GrammarStuck``, ...), when it did
+    end: str = "length"  # "length", "stop" (end of generation), "cancelled" or "failed"
+    failure: Exception | None = None  # why it failed (``sampling.GrammarStuck``, a decode error, ...)
     fed: int = 0  # prompt tokens in the slot's KV cache
     cached: int = 0  # of those, taken from the slot's cache (prefix reuse)
     count: int = 0  # tokens sampled
@@ -245,28 +244,28 @@ class Scheduler:
         try:
             token = job.sampler.sample(self.ctx, row)
         except Exception as exc:  # a grammar that cannot continue, a sampler failure: this job only
-            job.failure = exc
-            self._release(slot, f"sampling failed: {exc}", error=True)
+            failure = exc if isinstance(exc, GrammarStuck) else RuntimeError(f"sampling failed: {exc}")
+            self._release(slot, "failed", failure=failure)
             return
         if self.is_eog(token):
             self._release(slot, "stop")
             return
         entry = None
         if job.logprob is not None:
-            entry = job.logprob(self._lib.llama_get_logits_ith(self.ctx, row), token, self.n_vocab)
+            entry = job.logprob(self._lib.llama_get_logits_ith(self.ctx, row), token)
         job.count += 1
         job.last = token
         job.out.put((token, entry))
         if job.count >= job.limit:
             self._release(slot, "length")
 
-    def _release(self, slot: _Slot, end: str, *, error: bool = False) -> None:
+    def _release(self, slot: _Slot, end: str, *, failure: Exception | None = None) -> None:
         job, slot.job = slot.job, None
         if job is not None:
-            self._end(job, end, error=error)
+            self._end(job, end, failure=failure)
 
-    def _end(self, job: Job, end: str, *, error: bool = False) -> None:
-        job.end, job.error = end, error
+    def _end(self, job: Job, end: str, *, failure: Exception | None = None) -> None:
+        job.end, job.failure = end, failure
         job.sampler.close()
         job.out.put(None)
 
@@ -277,7 +276,7 @@ class Scheduler:
             if slot.job is not None:
                 self._lib.llama_memory_seq_rm(self.memory, slot.seq, -1, -1)
                 slot.tokens.clear()
-                self._release(slot, f"the model failed to evaluate the batch: {why}", error=True)
+                self._release(slot, "failed", failure=RuntimeError(f"the model failed to evaluate the batch: {why}"))
 
     def free(self) -> None:
         """Free the context (after ``run`` has returned)."""

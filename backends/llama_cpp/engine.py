@@ -154,7 +154,7 @@ class LlamaEngine:
         job = Job(prompt=tokens, limit=limit, sampler=self._sampler(request), cancel=cancel)
         if request.logprobs:
             top_n, n_vocab = request.top_logprobs, self.llm.n_vocab()
-            job.logprob = lambda row, token, _n: token_logprob(
+            job.logprob = lambda row, token: token_logprob(
                 self.llm, np.ctypeslib.as_array(row, shape=(n_vocab,)), token, top_n)
         yield Usage(prompt_tokens=len(tokens), load_ns=load_ns)
         started = time.perf_counter_ns()
@@ -203,8 +203,8 @@ class LlamaEngine:
         if item is None:
             if isinstance(job.failure, GrammarStuck):
                 raise Unprocessable(str(job.failure)) from job.failure
-            if job.error:
-                raise GatewayError(job.end)
+            if job.failure is not None:
+                raise GatewayError(str(job.failure)) from job.failure
             if job.end == "cancelled":
                 return
             finish = Finished(reason="stop") if job.end == "stop" else finish

@@ -19,16 +19,6 @@ HALF = "The quick brown fox jumps over the lazy dog. " * 120  # ~1,200 tokens
 
 
 @pytest.fixture(scope="module")
-def oai(real_server) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{real_server.url}/v1", api_key="unused", max_retries=0)
-
-
-@pytest.fixture(scope="module")
-def ant(real_server) -> anthropic.Anthropic:
-    return anthropic.Anthropic(base_url=real_server.url, api_key="unused", max_retries=0)
-
-
-@pytest.fixture(scope="module")
 def context(real_server, ant) -> int:
     """The context the model's instance holds (placed by a first request)."""
     ant.messages.count_tokens(model=MODEL, messages=[{"role": "user", "content": "hi"}])

@@ -313,6 +313,8 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2, help="llama.cpp threads, for the runner and the raw loop")
     parser.add_argument("--n-ctx", type=int, default=2048, help="context per sequence, for the runner and raw loop")
     parser.add_argument("--parallel", type=int, help="MESHGATE_PARALLEL for the started gateway (the top level)")
+    parser.add_argument("--inexact", action="store_true",
+                        help="MESHGATE_EXACT_BATCHES=0 for the started gateway: every sequence in one decode")
     parser.add_argument("--url", help="use this running gateway instead of starting one")
     parser.add_argument("--gateway-pid", type=int, help="the --url gateway's pid (found by its port if local)")
     parser.add_argument("--model", default=MODEL)
@@ -335,7 +337,8 @@ def main() -> None:
     else:
         from tests.conftest import Server
 
-        env = {"MESHGATE_PARALLEL": str(args.parallel or max(levels))}
+        env = {"MESHGATE_PARALLEL": str(args.parallel or max(levels)),
+               "MESHGATE_EXACT_BATCHES": "0" if args.inexact else "1"}
         server = Server(data_dir, "--threads", str(args.threads), "--n-ctx", str(args.n_ctx), env=env)
         url, pid = server.url, server.proc.pid
     results: list[Level] = []

@@ -46,10 +46,11 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=32)
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--parallel", type=int, default=8)
+    parser.add_argument("--inexact", action="store_true", help="every sequence in one decode (no DECODE_GROUP)")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         path = PackagedGGUFSource(Path(tmp)).models()[0].path
-        engine = LlamaEngine(path, n_ctx=1024, parallel=args.parallel)
+        engine = LlamaEngine(path, n_ctx=1024, parallel=args.parallel, exact=not args.inexact)
         texts = prompts(args.prompts)
         alone = [run(engine, t, args.tokens) for t in texts]
         with ThreadPoolExecutor(args.parallel) as pool:

@@ -26,7 +26,7 @@ def meshgate_register_backends(register: Callable[[Backend], None], settings: Se
                                http: httpx.AsyncClient) -> None:
     register(LlamaCppBackend(http, python=settings.runner_python, n_ctx=settings.n_ctx, threads=settings.threads,
                              cache_dir=str(Path(settings.data_dir) / "rpc-cache"), repack=settings.llama_repack,
-                             parallel=settings.parallel))
+                             parallel=settings.parallel, exact=settings.exact_batches))
 
 
 @hookimpl

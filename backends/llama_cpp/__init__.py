@@ -74,7 +74,7 @@ class LlamaCppBackend:
 
     def __init__(self, http: httpx.AsyncClient, *, python: str | None = None, n_ctx: int = 4096,
                  threads: int | None = None, ready_timeout: float = 120.0, cache_dir: str | None = None,
-                 repack: bool = False, parallel: int = 4) -> None:
+                 repack: bool = False, parallel: int = 4, exact: bool = True) -> None:
         self.http = http
         self.python = python or sys.executable
         self.n_ctx = n_ctx
@@ -83,6 +83,7 @@ class LlamaCppBackend:
         self.cache_dir = cache_dir
         self.repack = repack
         self.parallel = parallel
+        self.exact = exact
 
     def supports(self, card: ModelCard) -> bool:
         return card.format == "gguf"
@@ -120,7 +121,7 @@ class LlamaCppBackend:
                 "--n-ctx", str(placement.context or self.context(card)), "--shards", json.dumps(shards)]
         argv += ["--threads", str(self.threads)] if self.threads else []
         argv += ["--repack"] if self.repack else []
-        argv += ["--parallel", str(self.parallel)]
+        argv += ["--parallel", str(self.parallel)] + ([] if self.exact else ["--inexact"])
         process = await RunnerProcess.start(argv, name=card.name, ready_timeout=self.ready_timeout,
                                             env={"GGML_NO_BACKTRACE": "1"})
         return LaunchedRunner(process, host)

@@ -42,12 +42,13 @@ from typing import Any
 
 from backends.llama_cpp.sampling import GrammarStuck, Sampler
 
-__all__ = ["Job", "Scheduler"]
+__all__ = ["DECODE_GROUP", "Job", "Scheduler"]
 
 DECODE_GROUP = 7
-"""Sequences decoded in one call at most: with 8 or more tokens in a ubatch, llama.cpp's CPU matrix kernels
-take another path for some of them (seen on x86-64 with AVX2: 2 of 8 rows off by up to 0.87 in a logit), so
-more sequences are decoded in balanced groups of up to 7, each giving exactly the single-sequence numbers."""
+"""Sequences decoded in one call at most (unless the runner is told ``--inexact``): with 8 or more tokens in a
+ubatch, llama.cpp's CPU matrix kernels take another path (seen on x86-64 with AVX-512: decoding 16 sequences
+in one call, rows 0, 2, 5, 7, 11 and 15 were off by 0.26-1.2 in a logit, every row exact up to 7), so more
+sequences are decoded in balanced groups of up to 7, each giving exactly the single-sequence numbers."""
 
 MIN_REUSE = 32
 """Cached prefixes shorter than this are evaluated again: the few tokens saved are not worth a prompt whose
@@ -92,12 +93,13 @@ class Scheduler:
     """Runs jobs in ``parallel`` slots of one context; ``submit`` from any thread, ``run`` on its own."""
 
     def __init__(self, model: Any, *, n_ctx: int, parallel: int, n_threads: int,
-                 is_eog: Callable[[int], bool]) -> None:
+                 is_eog: Callable[[int], bool], group: int = DECODE_GROUP) -> None:
         import llama_cpp as lib
 
         self._lib = lib
         self.n_ctx = n_ctx
         self.parallel = parallel
+        self.group = max(1, group)  # sequences decoded in one call at most
         self.n_batch = n_batch = CHUNK + parallel
         self.is_eog = is_eog
         params = lib.llama_context_default_params()
@@ -183,7 +185,7 @@ class Scheduler:
                 self._release(slot, "cancelled")
             elif job.fed == len(job.prompt):  # generating: feed the token sampled last
                 generating.append(slot)
-        groups = -(-len(generating) // DECODE_GROUP)
+        groups = -(-len(generating) // self.group)
         for g in range(groups):  # balanced, each of consecutive sequence ids (llama.cpp splits a ubatch at gaps)
             group = generating[len(generating) * g // groups : len(generating) * (g + 1) // groups]
             n = 0

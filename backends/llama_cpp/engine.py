@@ -39,7 +39,7 @@ from protocols.model import (
     Unprocessable,
     Usage,
 )
-from backends.llama_cpp.batch import Job, Scheduler
+from backends.llama_cpp.batch import DECODE_GROUP, Job, Scheduler
 from backends.llama_cpp.embed import Embedder
 from backends.llama_cpp.logprobs import LogprobAligner, token_logprob
 from backends.llama_cpp.grammar import schema_grammar
@@ -74,11 +74,12 @@ class LlamaEngine:
 
     def __init__(self, path: str, *, n_ctx: int = 4096, n_threads: int | None = None,
                  shards: Sequence[tuple[str | None, int, int]] = (), repack: bool = False,
-                 parallel: int = PARALLEL) -> None:
+                 parallel: int = PARALLEL, exact: bool = True) -> None:
         """Load ``path``; with ``shards`` (``(endpoint or None for local, layer_start, layer_end)`` in pipeline
         order) the blocks are split over llama.cpp RPC workers. ``repack`` lets llama.cpp repack CPU weights
         (faster on some CPUs, but different numerics from a split run). Each of the ``parallel`` sequences holds
-        up to ``n_ctx`` tokens."""
+        up to ``n_ctx`` tokens; ``exact=False`` decodes them all in one call instead of in groups of
+        ``DECODE_GROUP`` (faster, but greedy text may then depend on the load)."""
         import llama_cpp
 
         from backends.llama_cpp.gguf import read_metadata
@@ -100,7 +101,7 @@ class LlamaEngine:
         self.n_ctx = n_ctx
         self.parallel = max(1, parallel)
         self.scheduler = Scheduler(self.llm._model.model, n_ctx=n_ctx, parallel=self.parallel, n_threads=threads,
-                                   is_eog=self._is_eog)
+                                   is_eog=self._is_eog, group=DECODE_GROUP if exact else self.parallel)
         threading.Thread(target=self.scheduler.run, name="llama-scheduler", daemon=True).start()
         self.load_ns = time.perf_counter_ns() - started
         self.path = path

@@ -11,16 +11,21 @@ import contextlib
 import logging
 import uuid
 from collections.abc import AsyncIterator
+from pathlib import Path
 
 import pluggy
 from litestar import Litestar, Request, Response
 from litestar.exceptions import HTTPException
 from litestar.openapi import OpenAPIConfig
 
+from gateway.auth import KeyRing, authorize
+from gateway.cluster.accounts import MemoryAccounts, RedisAccounts
 from gateway.cluster.runtime import control_plane
+from gateway.openapi_bodies import describe_request_bodies
 from gateway.routes.common import error_response
 from gateway.routes import anthropic as anthropic_routes
 from gateway.routes import cluster as cluster_routes
+from gateway.routes import keys as key_routes
 from gateway.routes import ollama as ollama_routes
 from gateway.routes import openai as openai_routes
 from plugins.settings import Settings
@@ -78,10 +83,18 @@ def create_app(settings: Settings, plugins: pluggy.PluginManager) -> Litestar:
                      "redis" if settings.redis else "memory (embedded agent)")
             app.state.dispatcher = plane.dispatcher
             app.state.plane = plane
-            yield
+            accounts = RedisAccounts(settings.redis) if settings.redis else \
+                MemoryAccounts(Path(settings.data_dir) / "keys.json")
+            app.state.keyring = KeyRing(accounts, settings.api_keys, settings.rate_limit)
+            try:
+                yield
+            finally:
+                await accounts.close()
 
     app = Litestar(
-        route_handlers=[openai_routes.router, anthropic_routes.router, ollama_routes.router, cluster_routes.router],
+        route_handlers=[openai_routes.router, anthropic_routes.router, ollama_routes.router, cluster_routes.router,
+                        key_routes.router],
+        guards=[authorize],  # every route: its scope (admin unless it says otherwise) and limits (gateway.auth)
         lifespan=[lifespan],
         exception_handlers={Exception: _render_for_path},
         openapi_config=OpenAPIConfig(title="meshgate", version="0.1.0", path="/schema"),
@@ -89,6 +102,7 @@ def create_app(settings: Settings, plugins: pluggy.PluginManager) -> Litestar:
         before_send=[_request_id],
         debug=False,
     )
+    describe_request_bodies(app.openapi_schema)  # handlers decode raw bodies: Litestar cannot see their Structs
     app.state.settings = settings
     app.state.plugins = plugins
     return app

@@ -6,6 +6,7 @@
     meshgate ps [--url U]                                  instances of a running gateway
     meshgate place MODEL [--preview] [--nodes a,b] [--url U]
     meshgate convert MODEL [--dtype D] [--name NAME] [--out DIR]   a GGUF as a Hugging Face checkpoint (MLX, vLLM)
+    meshgate keys create NAME [--scope S] [--model M ...] [--rpm N] [--tpm N] | keys list | keys revoke ID
 """
 
 from __future__ import annotations
@@ -38,6 +39,15 @@ def _serve(settings: Settings, args: argparse.Namespace) -> int:
     from gateway.app import create_app
 
     _logging(settings)
+    if not _loopback(settings.host) and not settings.api_keys and not _stored_keys(settings):
+        if not args.insecure_no_auth:
+            print(f"refusing to serve on {settings.host} without API keys: anyone who can reach it could use and "
+                  "administer it. Set MESHGATE_API_KEYS (or --api-key), make keys with `meshgate keys create`, "
+                  "or pass --insecure-no-auth if this network is trusted.", file=sys.stderr)
+            return 2
+        logging.getLogger("meshgate").warning("serving on %s WITHOUT authentication (--insecure-no-auth): "
+                                              "anyone who can reach this port can use and administer it",
+                                              settings.host)
     app = create_app(settings, build_plugin_manager(settings))
     uvicorn.run(app, host=settings.host, port=settings.port, log_level=settings.log_level,
                 access_log=settings.log_level == "debug", timeout_graceful_shutdown=5)
@@ -114,10 +124,71 @@ def _convert(settings: Settings, args: argparse.Namespace) -> int:
     return 0
 
 
+def _loopback(host: str) -> bool:
+    import ipaddress
+
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return host == "localhost"
+
+
+def _stored_keys(settings: Settings) -> bool:
+    """Whether ``meshgate keys create`` made any key this gateway will read (then auth is on)."""
+    from pathlib import Path
+
+    if settings.redis:
+        import redis
+
+        with redis.Redis.from_url(settings.redis) as r:
+            return bool(r.hlen("meshgate:keys"))
+    path = Path(settings.data_dir) / "keys.json"
+    return path.exists() and path.read_text().strip() not in ("", "[]")
+
+
 def _client(args: argparse.Namespace):
     import httpx
 
-    return httpx.Client(base_url=args.url, timeout=300, trust_env=False)
+    key = args.api_key or os.environ.get("MESHGATE_ADMIN_KEY") or \
+        next(iter(Settings.from_env(os.environ).api_keys), None)
+    headers = {"authorization": f"Bearer {key}"} if key else {}
+    return httpx.Client(base_url=args.url, timeout=300, trust_env=False, headers=headers)
+
+
+def _fail(response) -> int:
+    try:
+        message = response.json()["error"]["message"]
+    except (ValueError, KeyError, TypeError):
+        message = response.text
+    print(f"{response.status_code}: {message}", file=sys.stderr)
+    return 1
+
+
+def _keys(settings: Settings, args: argparse.Namespace) -> int:
+    with _client(args) as http:
+        if args.action == "create":
+            payload = {"name": args.key_name, "scope": args.scope, "models": args.model, "rpm": args.rpm,
+                       "tpm": args.tpm}
+            response = http.post("/keys", json=payload)
+            if response.status_code != 201:
+                return _fail(response)
+            made = response.json()
+            print(made["key"])
+            print(f"id {made['id']}, scope {made['scope']}: shown once, keep it now", file=sys.stderr)
+        elif args.action == "list":
+            response = http.get("/keys")
+            if response.status_code != 200:
+                return _fail(response)
+            print(f"{'ID':14} {'NAME':20} {'SCOPE':10} {'RPM':>6} {'TPM':>8} MODELS")
+            for k in response.json()["keys"]:
+                print(f"{k['id']:14} {k['name']:20} {k['scope']:10} {k['rpm'] or '-':>6} {k['tpm'] or '-':>8} "
+                      f"{', '.join(k['models']) or 'all'}")
+        else:
+            response = http.delete(f"/keys/{args.key_id}")
+            if response.status_code != 204:
+                return _fail(response)
+            print(f"revoked {args.key_id}")
+    return 0
 
 
 def _ps(settings: Settings, args: argparse.Namespace) -> int:
@@ -186,10 +257,13 @@ def main(argv: list[str] | None = None) -> int:
         p.add_argument("--placement", choices=["auto", "never"], help="place models on first request (auto)")
         p.add_argument("--memory", type=int, help="bytes of memory this node offers for models")
         p.add_argument("--log-level", help="debug, info, warning or error")
+        p.add_argument("--insecure-no-auth", action="store_true",
+                       help="serve on a non-loopback address without API keys (otherwise refused)")
     for name, text in (("ps", "show nodes and instances of a running gateway"),
                        ("place", "preview or create a placement")):
         p = sub.add_parser(name, help=text)
         p.add_argument("--url", default="http://127.0.0.1:11434", help="the gateway (default %(default)s)")
+        p.add_argument("--api-key", help="an admin key (default: $MESHGATE_ADMIN_KEY, else $MESHGATE_API_KEYS)")
         if name == "place":
             p.add_argument("model_name", metavar="MODEL")
             p.add_argument("--preview", action="store_true", help="list candidates instead of creating")
@@ -200,9 +274,22 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--name", help="the name to list it under (default MODEL-bf16, -f16 or -f32)")
     p.add_argument("--out", help="the directory to write (default DATA_DIR/models/hf/NAME)")
     p.add_argument("--data-dir", help="where models and state live (default $XDG_DATA_HOME/meshgate)")
+    p = sub.add_parser("keys", help="make, list and revoke API keys of a running gateway (admin key needed)")
+    p.add_argument("--url", default="http://127.0.0.1:11434", help="the gateway (default %(default)s)")
+    p.add_argument("--api-key", help="an admin key (default: $MESHGATE_ADMIN_KEY, else $MESHGATE_API_KEYS)")
+    actions = p.add_subparsers(dest="action", required=True)
+    made = actions.add_parser("create", help="make a key; it is printed once")
+    made.add_argument("key_name", metavar="NAME")
+    made.add_argument("--scope", choices=["inference", "admin"], default="inference")
+    made.add_argument("--model", action="append", default=[], help="a model it may use (repeatable; default all)")
+    made.add_argument("--rpm", type=int, default=0, help="requests per minute (default MESHGATE_RATE_LIMIT)")
+    made.add_argument("--tpm", type=int, default=0, help="tokens per minute (default no limit)")
+    actions.add_parser("list", help="list keys (never the keys themselves)")
+    actions.add_parser("revoke", help="revoke a key").add_argument("key_id", metavar="ID")
     args = parser.parse_args(argv)
     settings = _settings(args) if args.command in ("serve", "node", "models") else Settings.from_env(os.environ)
-    commands = {"serve": _serve, "node": _node, "models": _models, "ps": _ps, "place": _place, "convert": _convert}
+    commands = {"serve": _serve, "node": _node, "models": _models, "ps": _ps, "place": _place, "convert": _convert,
+                "keys": _keys}
     return commands[args.command](settings, args)
 
 

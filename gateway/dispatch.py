@@ -40,6 +40,7 @@ from protocols.model import (
     NoCapacity,
     Request,
     UnknownModel,
+    Usage,
     error_from_info,
 )
 
@@ -95,6 +96,7 @@ class _Job:
     request: Request
     caller: str
     fit: Fit
+    on_usage: Callable[[Usage], None] | None = None
 
 
 class Dispatcher:
@@ -113,8 +115,13 @@ class Dispatcher:
     def models(self) -> list[ModelCard]:
         return self.catalog.models()
 
-    def resolve(self, name: str) -> ModelCard:
-        return self.catalog.resolve(name)
+    def resolve(self, name: str, may_use: Callable[[str], bool] | None = None) -> ModelCard:
+        """The model ``name`` names; ``UnknownModel`` when there is none or ``may_use`` (the caller's key) allows
+        neither the name asked for nor the model's own."""
+        card = self.catalog.resolve(name)
+        if may_use is not None and not (may_use(name) or may_use(card.name)):
+            raise UnknownModel(name)
+        return card
 
     def backend_for(self, card: ModelCard) -> Backend:
         backend = self._choose(card=card, backends=self.backends)
@@ -122,9 +129,9 @@ class Dispatcher:
             raise NoCapacity(f"no backend can serve model '{card.name}' (format {card.format})")
         return backend
 
-    async def load(self, name: str) -> Instance:
+    async def load(self, name: str, may_use: Callable[[str], bool] | None = None) -> Instance:
         """Place ``name`` if needed and wait until it is ready (Ollama's empty-prompt load)."""
-        card = self.resolve(name)
+        card = self.resolve(name, may_use)
         instance = await self.instances.acquire(card)
         return await self.instances.wait_ready(instance.id)
 
@@ -137,21 +144,23 @@ class Dispatcher:
         return card
 
     async def open_stream(self, request: Request, *, caller: str = "-", fit: Fit = Fit.PROMPT_AND_OUTPUT,
-                          clamp_output: bool = False) -> AsyncIterator[Event]:
+                          clamp_output: bool = False, may_use: Callable[[str], bool] | None = None,
+                          on_usage: Callable[[Usage], None] | None = None) -> AsyncIterator[Event]:
         """Start ``request``; raise its ``GatewayError`` if it fails before the first event.
 
         ``caller`` (an API key or a client address) is the line it waits in; ``fit`` the protocol's context rule;
         ``clamp_output`` cuts a ``max_tokens`` above the ``max_tokens`` setting to it (Ollama) instead of raising
         ``OutputTooLarge``. Raises ``ContextLengthExceeded`` and ``Overloaded`` before waiting for anything but the
-        model itself.
+        model itself. ``may_use`` restricts the models (a key's list); ``on_usage`` gets the last ``Usage`` when
+        the stream ends (a key's token budget).
         """
         request = cap_output(request, self.max_tokens, clamp=clamp_output)
-        card = self.resolve(request.model)
+        card = self.resolve(request.model, may_use)
         backend = self.backend_for(card)
         check_capabilities(request, backend.capabilities(card), card.name)
         context = request.num_ctx if isinstance(request.num_ctx, int) else None
         instance = await self.instances.acquire(card, context=context)
-        job = _Job(card=card, backend=backend, request=request, caller=caller, fit=fit)
+        job = _Job(card=card, backend=backend, request=request, caller=caller, fit=fit, on_usage=on_usage)
         if not isinstance(instance.state, Ready) and request.stream:
             return self._keepalive_until(lambda: self._start(instance, job))
         return await self._start(instance, job)
@@ -192,7 +201,7 @@ class Dispatcher:
             if retry and isinstance(error, BackendUnavailable):
                 return await self._start(await self._replace(instance, job.card, error), job, retry=False)
             raise error
-        return _chain(first, events, ticket.release)
+        return _chain(first, events, ticket.release, job.on_usage)
 
     def _connect(self, instance: Instance, card: ModelCard, backend: Backend) -> Runner:
         urls = {node: status.url for node, status in instance.runners.items() if status.url}
@@ -204,20 +213,20 @@ class Dispatcher:
         await self.instances.report_unreachable(instance, error.message)
         return await self.instances.acquire(card)
 
-    async def embed(self, request: EmbedRequest) -> Embeddings:
+    async def embed(self, request: EmbedRequest, may_use: Callable[[str], bool] | None = None) -> Embeddings:
         """``request``'s vectors, placing the model and waiting for it if needed; raise its ``GatewayError``.
 
         No inputs only loads the model (Ollama's empty ``input``) and returns no vectors.
         """
-        card = self.resolve(request.model)
+        card = self.resolve(request.model, may_use)
         backend = self.backend_for(card)
         check_embeddings(backend.capabilities(card), card.name)
         instance = await self.instances.acquire(card)
         return await self._embed(instance, card, backend, request)
 
-    async def count_tokens(self, request: Request) -> int:
+    async def count_tokens(self, request: Request, may_use: Callable[[str], bool] | None = None) -> int:
         """Tokens of ``request``'s prompt as the model reads it (Anthropic's count_tokens)."""
-        card = self.resolve(request.model)
+        card = self.resolve(request.model, may_use)
         backend = self.backend_for(card)
         instance = await self.instances.acquire(card)
         return await self._on_ready(instance, card, backend, lambda runner: runner.count_tokens(request))
@@ -268,9 +277,11 @@ class Dispatcher:
                 waiting.cancel()
 
 
-def _chain(first: Event, rest: AsyncIterator[Event], release: Callable[[], None]) -> AsyncIterator[Event]:
-    """``first`` then ``rest``; ``release`` (the queue slot) when it ends, is closed, or is dropped unstarted."""
-    stream = _relay(first, rest, release)
+def _chain(first: Event, rest: AsyncIterator[Event], release: Callable[[], None],
+           on_usage: Callable[[Usage], None] | None = None) -> AsyncIterator[Event]:
+    """``first`` then ``rest``; ``release`` (the queue slot) when it ends, is closed, or is dropped unstarted;
+    ``on_usage`` with the last ``Usage`` seen when it ends or is closed."""
+    stream = _relay(first, rest, release) if on_usage is None else _metered(_relay(first, rest, release), on_usage)
     _on_drop(stream, release)  # a generator closed before it started never runs its ``finally``
     return stream
 
@@ -295,3 +306,17 @@ async def _relay(first: Event, rest: AsyncIterator[Event], release: Callable[[],
                 yield Failed(error=GatewayError(f"internal error: {exc!r}").info())
     finally:
         release()
+
+
+async def _metered(events: AsyncIterator[Event], on_usage: Callable[[Usage], None]) -> AsyncIterator[Event]:
+    """``events`` unchanged; the last ``Usage`` among them goes to ``on_usage`` when they end or are closed."""
+    usage: Usage | None = None
+    try:
+        async with contextlib.aclosing(events):
+            async for event in events:
+                if isinstance(event, Usage):
+                    usage = event
+                yield event
+    finally:
+        if usage is not None:
+            on_usage(usage)

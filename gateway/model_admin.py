@@ -18,6 +18,20 @@ Decisions (PROTOCOLS.md OLL-15, OLL-41..47):
 - **No hub.** ``/api/pull`` succeeds, with progress objects, for models meshgate already has (including a hidden
   packaged model, which it shows again); any other name fails like Ollama's missing manifest. ``/api/push``
   answers 501.
+- **Hostile clients.** ``/api/create`` reads only GGUF files under ``<data_dir>/models`` or a directory of
+  ``MESHGATE_MODEL_DIRS`` (``model_roots``). ``from`` is a path, not a model name, when its text says so (absolute,
+  ``~``, starting with ``.``, or ending in ``.gguf``), never because a file exists. A relative path is taken from
+  ``<data_dir>/models`` (the server's working directory means nothing to a client). The path is resolved
+  (symlinks followed, ``..`` applied) and must land under a resolved root, so a link in the data directory to a
+  file elsewhere needs that place in ``MESHGATE_MODEL_DIRS``. Outside the roots the answer is one message whether
+  or not the path exists; only inside them does "names no file" appear. Names given to create, copy (destination)
+  and delete must be Ollama model names (``protocols.ollama_models.parse_model_name``).
+- **A bounded registry** (``backends.llama_cpp.registry``: 1,000 user models, 16 MiB). Past it create and copy
+  answer 400 with ``{"error": "too many models: ..."}``: Ollama clients (ollama-python, ollama-js, Open WebUI)
+  surface any error status with its ``error`` text, and a 4xx says "do not retry as is", which is right, since
+  only deleting models helps. A 503 would invite retry loops, and 507 is neither a status Ollama answers nor in
+  our error tree. A registry entry whose file has gone is listed by no source but still counts, so
+  ``/api/delete`` removes it by name.
 """
 
 from __future__ import annotations
@@ -26,19 +40,20 @@ import asyncio
 import math
 import os
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
 from typing import Any
 
 from backends.base import ModelCard
 from backends.llama_cpp.gguf import read_metadata
-from backends.llama_cpp.registry import ModelRegistry, UserModel, sha256_file
+from backends.llama_cpp.registry import ModelRegistry, RegistryFull, UserModel, sha256_file
 from gateway.cluster.records import Ready
 from gateway.dispatch import Dispatcher, normalize_model_name
+from plugins.settings import Settings
 from protocols import ollama_models
 from protocols.model import InvalidRequest, ModelInfo, NotFound, UnknownModel, UnsupportedFeature
 
-__all__ = ["apply_keep_alive", "copy", "create", "delete", "ps", "pull", "registry_of", "show"]
+__all__ = ["apply_keep_alive", "copy", "create", "delete", "model_roots", "ps", "pull", "registry_of", "show"]
 
 # The Gemma turn format backends.llama_cpp.prompt renders, written as the Go template Ollama shows for gemma3.
 GEMMA_TEMPLATE = (
@@ -59,6 +74,12 @@ def registry_of(data_dir: str) -> ModelRegistry:
     return ModelRegistry(Path(data_dir) / "registry.json")
 
 
+def model_roots(settings: Settings) -> tuple[Path, ...]:
+    """The directories ``/api/create`` may read GGUF files from, resolved: ``<data_dir>/models`` first, then
+    ``MESHGATE_MODEL_DIRS``."""
+    return tuple(Path(d).expanduser().resolve() for d in (settings.models_dir, *settings.model_dirs))
+
+
 def info_of(card: ModelCard, context_length: int = 0) -> ModelInfo:
     return ModelInfo(name=card.name, created=card.created, size=card.size, digest=card.digest, format=card.format,
                      family=card.family, parameter_size=card.parameter_size, quantization=card.quantization,
@@ -77,7 +98,12 @@ def effective_context(dispatcher: Dispatcher, card: ModelCard) -> int:
 
 def _model_info(card: ModelCard, context: int) -> dict[str, Any]:
     """``model_info`` from the GGUF header: arrays (token tables) as null, the context as the effective one."""
-    meta = read_metadata(card.path)
+    meta: dict[str, Any] = {}
+    if card.format == "gguf":  # a checkpoint directory or a plugin's model has no GGUF header to read (issue 16
+        try:                   # moves this behind the backend contract)
+            meta = read_metadata(card.path)
+        except (OSError, ValueError):  # the file went away or changed since the catalog read it
+            meta = {}
     arch = str(meta.get("general.architecture", card.family))
     info: dict[str, Any] = {k: (None if k in _ARRAY_KEYS else v) for k, v in meta.items()}
     if context:
@@ -148,29 +174,71 @@ def _derived(card: ModelCard, parent: UserModel | None, **overrides: Any) -> Use
     return UserModel(path=card.path, digest=card.digest, created=time.time(), parent=card.name, **fields)
 
 
+def _put(registry: ModelRegistry, name: str, entry: UserModel, param: str) -> None:
+    try:
+        registry.put(name, entry)
+    except RegistryFull as exc:
+        raise InvalidRequest(str(exc), param=param) from exc
+
+
 async def copy(dispatcher: Dispatcher, registry: ModelRegistry, source: str, destination: str) -> None:
-    """``/api/copy``: ``destination`` names ``source``'s file (and stored fields); ``UnknownModel`` if none."""
-    card = dispatcher.resolve(source)
+    """``/api/copy``: ``destination`` names ``source``'s file (and stored fields); ``UnknownModel`` if none,
+    ``InvalidRequest`` for a destination that is no Ollama name or a full registry."""
     if not destination:
         raise InvalidRequest("destination is required", param="destination")
-    registry.put(normalize_model_name(destination), _derived(card, registry.get(card.name)))
+    name = normalize_model_name(ollama_models.parse_model_name(destination, "destination"))
+    card = dispatcher.resolve(source)
+    _put(registry, name, _derived(card, registry.get(card.name)), "destination")
     await _refresh(dispatcher)
 
 
 async def delete(dispatcher: Dispatcher, registry: ModelRegistry, name: str) -> None:
-    """``/api/delete``: unload, then remove a user model or hide another source's; ``UnknownModel`` if none."""
-    card = dispatcher.resolve(name)
+    """``/api/delete``: unload, then remove a user model or hide another source's; ``UnknownModel`` if none,
+    ``InvalidRequest`` for a name that is no Ollama name. A registry entry whose file has gone is removed too."""
+    name = ollama_models.parse_model_name(name, "model")
+    try:
+        card = dispatcher.resolve(name)
+    except UnknownModel:
+        if registry.remove(normalize_model_name(name)):
+            return
+        raise
     await dispatcher.unload(card.name)
     if not registry.remove(card.name):
         registry.hide(card.name)
     await _refresh(dispatcher)
 
 
-async def create(dispatcher: Dispatcher, registry: ModelRegistry,
-                 wire: ollama_models.CreateRequest) -> AsyncIterator[bytes]:
-    """``/api/create`` from a GGUF path or a model name; validates and registers before the first status line,
-    so errors are real statuses."""
-    name = normalize_model_name(wire.target)
+def _is_path(from_: str) -> bool:
+    """Whether ``from`` names a file rather than a model, by its text alone (absolute, ``~``, ``./``, ``../``, or
+    ending in ``.gguf``), so the answer never depends on which files exist."""
+    return from_.startswith(("/", "~", ".")) or from_.lower().endswith(".gguf")
+
+
+def _allowed_file(from_: str, roots: Sequence[Path]) -> str:
+    """The file ``from_`` names, resolved (relative to ``roots[0]``, symlinks followed), if it lies under a root.
+
+    Raises:
+        InvalidRequest: outside every root, with one message whether or not the path exists; inside, when it
+            names no file.
+    """
+    outside = InvalidRequest(f"'from' must be a GGUF file under the data directory ({roots[0]}) or "
+                             "MESHGATE_MODEL_DIRS", param="from")
+    try:
+        path = (roots[0] / os.path.expanduser(from_)).resolve()
+    except (OSError, RuntimeError, ValueError):  # a symlink loop, an unreadable directory, a NUL byte
+        raise outside from None
+    if not any(path.is_relative_to(root) for root in roots):
+        raise outside
+    if not os.path.isfile(path):
+        raise InvalidRequest(f"'from' names no file: {from_}", param="from")
+    return str(path)
+
+
+async def create(dispatcher: Dispatcher, registry: ModelRegistry, wire: ollama_models.CreateRequest,
+                 roots: Sequence[Path]) -> AsyncIterator[bytes]:
+    """``/api/create`` from a GGUF path under ``roots`` (``model_roots``) or a model name; validates and registers
+    before the first status line, so errors are real statuses."""
+    name = normalize_model_name(ollama_models.parse_model_name(wire.target, "model"))
     for field in ("files", "adapters", "quantize", "messages"):
         if getattr(wire, field):
             raise UnsupportedFeature(f"create with '{field}' is not supported; use 'from' with a GGUF path or "
@@ -179,21 +247,19 @@ async def create(dispatcher: Dispatcher, registry: ModelRegistry,
         raise InvalidRequest("neither 'from' nor 'files' was specified", param="from")
     overrides = {"system": wire.system, "template": wire.template, "parameters": wire.parameters}
     lines = [ollama_models.progress_line("parsing modelfile")]
-    if os.path.isfile(wire.from_):
-        path = os.path.abspath(wire.from_)
+    if _is_path(wire.from_):
+        path = _allowed_file(wire.from_, roots)
         try:
             await asyncio.to_thread(read_metadata, path)
         except (OSError, ValueError) as exc:
             raise InvalidRequest(f"'from' is not a GGUF file: {exc}", param="from") from exc
         digest = await asyncio.to_thread(sha256_file, path)
         entry = _derived(ModelCard(name="", path=path, digest=digest), None, **overrides)
-    elif os.sep in wire.from_ or wire.from_.endswith(".gguf"):
-        raise InvalidRequest(f"'from' names no file: {wire.from_}", param="from")
     else:
         card = dispatcher.resolve(wire.from_)
         entry = _derived(card, registry.get(card.name), **overrides)
     lines.append(ollama_models.progress_line(f"using existing layer sha256:{entry.digest}"))
-    registry.put(name, entry)
+    _put(registry, name, entry, "model")
     await _refresh(dispatcher)
     lines += [ollama_models.progress_line("writing manifest"), ollama_models.progress_line("success")]
     return _lines(lines)

@@ -35,6 +35,8 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
         port: Port to bind; Ollama's, so Ollama clients work unconfigured.
         data_dir: Where models are assembled and state is kept.
         models: Extra GGUF files, ``name=path`` or a bare path (named after the file).
+        model_dirs: Directories, besides ``<data_dir>/models``, from which Ollama's ``/api/create`` may read GGUF
+            files (``MESHGATE_MODEL_DIRS="/srv/gguf,/mnt/models"``); paths are resolved, symlinks followed.
         plugins: Extra plugin modules to register, besides the ``meshgate`` entry points.
         disabled_plugins: Plugin names (entry-point names) not to load.
         api_keys: When non-empty, clients must present one of these keys.
@@ -58,6 +60,9 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
         redis: Redis URL for cluster state; without it state is in memory and the gateway embeds a local agent.
         node_name: This node's name (agents); the host name by default.
         cluster_address: Address this node's agent and runtime processes bind (loopback by default).
+        cluster_secret: What runner processes and node agents demand of every caller (``MESHGATE_CLUSTER_SECRET``;
+            environment only, never a flag, so ``ps`` never shows it). Unset: a random one per gateway, or with
+            Redis the one the first process stored there.
         agent_port: Port of the agent's link-probe endpoint (0 picks a free one).
         heartbeat: Seconds between an agent's heartbeats.
         node_ttl: Seconds without a heartbeat after which a node leaves the topology.
@@ -88,6 +93,7 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     port: int = 11434
     data_dir: str = msgspec.field(default_factory=default_data_dir)
     models: tuple[str, ...] = ()
+    model_dirs: tuple[str, ...] = ()
     plugins: tuple[str, ...] = ()
     disabled_plugins: tuple[str, ...] = ()
     api_keys: tuple[str, ...] = ()
@@ -98,6 +104,7 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     redis: str | None = None
     node_name: str | None = None
     cluster_address: str = "127.0.0.1"
+    cluster_secret: str | None = None
     agent_port: int = 0
     heartbeat: float = 1.0
     node_ttl: float = 3.0
@@ -157,4 +164,4 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
         return pairs
 
 
-_LIST_FIELDS = {"models", "plugins", "disabled_plugins", "api_keys", "backend_preference"}
+_LIST_FIELDS = {"models", "model_dirs", "plugins", "disabled_plugins", "api_keys", "backend_preference"}

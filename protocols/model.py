@@ -50,6 +50,7 @@ __all__ = [
     "MAX_JSON_DEPTH",
     "UNSET",
     "AuthenticationFailed",
+    "PermissionDenied",
     "BackendProtocolError",
     "BackendTimeout",
     "BackendUnavailable",
@@ -398,6 +399,12 @@ class OutputTooLarge(InvalidRequest):
 
 class AuthenticationFailed(GatewayError):
     status = 401
+
+
+class PermissionDenied(GatewayError):
+    """A valid key without the scope an endpoint needs."""
+
+    status = 403
 
 
 class NotFound(GatewayError):

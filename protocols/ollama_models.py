@@ -10,6 +10,12 @@ Imports only ``protocols.model``, ``msgspec`` and the standard library; no I/O. 
 - ``/api/ps`` reports an instance without expiry as expiring in the year 2318, as Ollama does for "forever".
 - Progress streams (OLL-45) are NDJSON ``{status, digest?, total?, completed?}`` objects ending in
   ``{"status":"success"}``; without streaming only the last object is sent.
+- Model names that ``/api/create``, ``/api/copy`` (destination) and ``/api/delete`` accept follow Ollama's
+  ``types/model/name.go``: ``[host/][namespace/]model[:tag]``; each part starts with a letter, digit or ``_`` and
+  continues with letters, digits, ``_``, ``-`` and ``.`` (no ``.`` in a namespace; a host may also have ``:`` for
+  a port, and an ``http://``/``https://`` scheme, which is dropped); model, namespace and tag are 1..80 characters,
+  a host 1..350. Ollama's newer ``host/namespace/kind/model`` form (``kind`` is ``skill``, ``agent`` or ``mcp``)
+  names no model, so it is not accepted.
 """
 
 from __future__ import annotations
@@ -26,7 +32,7 @@ from protocols.model import InvalidRequest, ModelInfo
 
 __all__ = [
     "CopyRequest", "CreateRequest", "DeleteRequest", "PullRequest", "ShowRequest", "encode_ps", "encode_show",
-    "error_line", "format_parameters", "parse_keep_alive", "progress_line",
+    "error_line", "format_parameters", "parse_keep_alive", "parse_model_name", "progress_line",
 ]
 
 FOREVER = datetime(2318, 1, 1, tzinfo=UTC).timestamp()  # what /api/ps says for "never expires"
@@ -100,6 +106,47 @@ def _required(value: str | None, param: str) -> str:
     if not value:
         raise InvalidRequest(f"{param} is required", param=param)
     return value
+
+
+# ---------------------------------------------------------------------------------------------------- model names
+
+MAX_PART_LEN = 80
+MAX_HOST_LEN = 350
+NAME_RULE = ("a model name is [host/][namespace/]model[:tag]: each part starts with a letter, digit or '_' and "
+             "continues with letters, digits, '_', '-' or '.' (no '.' in the namespace; the host may add ':port'), "
+             f"at most {MAX_PART_LEN} characters a part ({MAX_HOST_LEN} for the host)")
+_MODEL_OR_TAG = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]*")
+_NAMESPACE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_-]*")
+_HOST = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.:-]*")
+
+
+def parse_model_name(name: str, param: str = "model") -> str:
+    """``name`` if Ollama would accept it as a model name (the module docstring has the rules), without a URL scheme.
+
+    Parsed as Ollama parses it: the tag after a ``:`` that follows the last ``/``, the model after the last ``/``,
+    the namespace before it, and everything before that the host.
+
+    Raises:
+        InvalidRequest: ``<param> "<name>" is invalid: <the rules>`` (Ollama's ``destination "x" is invalid``,
+            with what is allowed).
+    """
+    rest, tag = name, None
+    if name.rfind(":") > name.rfind("/"):
+        rest, _, tag = name.rpartition(":")
+    head, slash, model = rest.rpartition("/")
+    namespace = host = None
+    if slash:
+        head, slash, namespace = head.rpartition("/")
+        if slash:
+            scheme, sep, host = head.partition("://")
+            host = host if sep else scheme
+    parts = [(model, _MODEL_OR_TAG, MAX_PART_LEN), (tag, _MODEL_OR_TAG, MAX_PART_LEN),
+             (namespace, _NAMESPACE, MAX_PART_LEN), (host, _HOST, MAX_HOST_LEN)]
+    if not all(part is None or (len(part) <= limit and pattern.fullmatch(part)) for part, pattern, limit in parts):
+        shown = name if len(name) <= 100 else name[:100] + "..."
+        raise InvalidRequest(f"{param} {msgspec.json.encode(shown).decode()} is invalid: {NAME_RULE}", param=param)
+    return "".join([f"{host}/" if host is not None else "", f"{namespace}/" if namespace is not None else "", model,
+                    f":{tag}" if tag is not None else ""])
 
 
 # ---------------------------------------------------------------------------------------------------- keep_alive

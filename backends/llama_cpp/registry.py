@@ -7,6 +7,11 @@ template and parameters); ``/api/delete`` removes one, or hides a model that ano
 on every call, so the gateway's routes and the catalog's source share it without sharing objects; writes go to a
 temporary file that is renamed over the old one.
 
+The registry is bounded, since it is read on every call and clients write it: at most ``MAX_USER_MODELS`` names
+and ``MAX_REGISTRY_BYTES`` of JSON (system prompts, templates and parameters included). ``put`` raises
+``RegistryFull`` beyond either; replacing an existing name is always allowed while the file stays in bounds, and
+``remove`` always is.
+
 Imports ``backends.base`` and ``backends.llama_cpp``'s GGUF helpers; nothing of the gateway.
 """
 
@@ -23,7 +28,15 @@ import msgspec
 from backends.base import ModelCard, ModelSource
 from backends.llama_cpp.sources import card_from_gguf
 
-__all__ = ["HidingSource", "ModelRegistry", "RegistrySource", "UserModel", "sha256_file"]
+__all__ = ["MAX_REGISTRY_BYTES", "MAX_USER_MODELS", "HidingSource", "ModelRegistry", "RegistryFull", "RegistrySource",
+           "UserModel", "sha256_file"]
+
+MAX_USER_MODELS = 1000
+MAX_REGISTRY_BYTES = 16 << 20
+
+
+class RegistryFull(Exception):
+    """Adding a model would take the registry past its bounds (its message says which, and what to do)."""
 
 
 class UserModel(msgspec.Struct, kw_only=True):
@@ -44,10 +57,13 @@ class _Registry(msgspec.Struct, kw_only=True):
 
 
 class ModelRegistry:
-    """The persisted registry (``<data_dir>/registry.json``)."""
+    """The persisted registry (``<data_dir>/registry.json``), holding at most ``max_models`` user models in at most
+    ``max_bytes`` of JSON."""
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, *, max_models: int = MAX_USER_MODELS, max_bytes: int = MAX_REGISTRY_BYTES) -> None:
         self.path = path
+        self.max_models = max_models
+        self.max_bytes = max_bytes
 
     def _load(self) -> _Registry:
         try:
@@ -56,9 +72,12 @@ class ModelRegistry:
             return _Registry()
 
     def _save(self, registry: _Registry) -> None:
+        self._write(msgspec.json.encode(registry))
+
+    def _write(self, data: bytes) -> None:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         partial = self.path.with_name(self.path.name + f".{os.getpid()}.partial")
-        partial.write_bytes(msgspec.json.encode(registry))
+        partial.write_bytes(data)
         partial.replace(self.path)
 
     def models(self) -> dict[str, UserModel]:
@@ -71,11 +90,24 @@ class ModelRegistry:
         return set(self._load().hidden)
 
     def put(self, name: str, model: UserModel) -> None:
-        """Add or replace ``name`` (and stop hiding it)."""
+        """Add or replace ``name`` (and stop hiding it).
+
+        Raises:
+            RegistryFull: ``name`` is new and the registry holds ``max_models`` already, or the registry would
+                exceed ``max_bytes``. Nothing is written then.
+        """
         registry = self._load()
+        if name not in registry.models and len(registry.models) >= self.max_models:
+            raise RegistryFull(f"too many models: meshgate keeps at most {self.max_models} copied or created models; "
+                               "delete one (/api/delete) before adding another")
         registry.models[name] = model
         registry.hidden = [h for h in registry.hidden if h != name]
-        self._save(registry)
+        data = msgspec.json.encode(registry)
+        if len(data) > self.max_bytes:
+            raise RegistryFull(f"the model registry would exceed {self.max_bytes >> 20} MiB (the system prompts, "
+                               "templates and parameters of all copied and created models); store less, or delete "
+                               "models (/api/delete) first")
+        self._write(data)
 
     def unhide(self, name: str) -> None:
         registry = self._load()

@@ -13,7 +13,9 @@ After ``/join`` the follower calls ``init`` with the hostfile it was sent and ke
 the rest of its life: the head's ``watch`` connects to it every second, so a rank that dies is noticed even where
 the ring itself would wait on it forever. Every wait is bounded: a follower never joined exits after its timeout.
 
-``serve_join`` runs in the follower (standard library only); ``gather`` and ``join`` run in the head's agent.
+``serve_join`` runs in the follower (standard library only); ``gather`` and ``join`` run in the head's agent. The
+control endpoint answers only callers presenting the cluster secret (``backends.runner.control``); ``gather`` and
+``join`` present it.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+from backends.runner import secret as cluster_secret
 from backends.runner.control import JsonHandler, serve_control
 from backends.runner.net import free_port, host_port
 
@@ -113,7 +116,7 @@ async def gather(http: Any, urls: Sequence[str]) -> list[str]:
     """Head side: each follower's ring address, in the order of ``urls`` (rank 1, 2, ...)."""
     out = []
     for url in urls:
-        reply = await http.get(f"{url}/ring", timeout=10.0)
+        reply = await http.get(f"{url}/ring", headers=cluster_secret.headers(), timeout=10.0)
         reply.raise_for_status()
         out.append(str(reply.json()["ring"]))
     return out
@@ -122,5 +125,6 @@ async def gather(http: Any, urls: Sequence[str]) -> list[str]:
 async def join(http: Any, urls: Sequence[str], hosts: list[list[str]]) -> None:
     """Head side: send the hostfile to every follower (``urls[i]`` is rank ``i + 1``)."""
     for rank, url in enumerate(urls, start=1):
-        reply = await http.post(f"{url}/join", json={"rank": rank, "hosts": hosts}, timeout=10.0)
+        reply = await http.post(f"{url}/join", json={"rank": rank, "hosts": hosts}, headers=cluster_secret.headers(),
+                                timeout=10.0)
         reply.raise_for_status()

@@ -5,7 +5,9 @@ calls with the shared httpx client. Transport failures become ``Failed`` events 
 connection or a runner that dies mid-stream is ``BackendUnavailable``, a stalled one ``BackendTimeout``, garbage
 ``BackendProtocolError``. Closing the iterator closes the connection, which cancels the generation.
 ``embed`` is a plain request: the same failures are raised, and a runner's ``{"error": ErrorInfo}`` answer is
-raised as the ``GatewayError`` it names.
+raised as the ``GatewayError`` it names. Every call presents the cluster secret (``backends.runner.secret``); a
+runner that refuses it (401: the two ended up with different secrets) is a ``BackendProtocolError``, never the
+client's own authentication error.
 
 Imports protocols only.
 """
@@ -18,6 +20,7 @@ from collections.abc import AsyncIterator
 import httpx
 import msgspec
 
+from backends.runner import secret as cluster_secret
 from backends.runner.http_stream import post_stream
 from protocols.model import (
     TERMINAL,
@@ -51,15 +54,20 @@ _error_decoder = msgspec.json.Decoder(_ErrorBody)
 
 
 class RunnerClient:
-    """Talks to one runner at ``base_url`` over a shared ``httpx.AsyncClient``."""
+    """Talks to one runner at ``base_url`` over a shared ``httpx.AsyncClient``, presenting ``secret`` (by default
+    this process's cluster secret, ``backends.runner.secret.current()``)."""
 
-    def __init__(self, base_url: str, http: httpx.AsyncClient, *, read_timeout: float = 300.0) -> None:
+    def __init__(self, base_url: str, http: httpx.AsyncClient, *, read_timeout: float = 300.0,
+                 secret: str | None = None) -> None:
         self.base_url = base_url.rstrip("/")
         self.http = http
         self.timeout = httpx.Timeout(10.0, read=read_timeout)
+        token = secret or cluster_secret.current()
+        self.headers = {"authorization": f"Bearer {token}"}
+        self._stream_headers = b"authorization: Bearer %s\r\n" % token.encode()  # built once, not per generation
 
     async def health(self) -> dict[str, object]:
-        response = await self.http.get(f"{self.base_url}/health", timeout=5.0)
+        response = await self.http.get(f"{self.base_url}/health", headers=self.headers, timeout=5.0)
         response.raise_for_status()
         return response.json()
 
@@ -73,6 +81,7 @@ class RunnerClient:
         pending = b""
         try:
             async with contextlib.aclosing(post_stream(f"{self.base_url}/generate", _encoder.encode(request),
+                                                       headers=self._stream_headers,
                                                        connect_timeout=self.timeout.connect or 10.0,
                                                        read_timeout=self.timeout.read or 300.0)) as chunks:
                 async for chunk in chunks:  # NDJSON split by hand: no text decoding per token
@@ -103,11 +112,15 @@ class RunnerClient:
     async def _unary(self, path: str, request: object, decoder: msgspec.json.Decoder, what: str):
         try:
             response = await self.http.post(f"{self.base_url}{path}", content=_encoder.encode(request),
-                                             headers={"content-type": "application/json"}, timeout=self.timeout)
+                                             headers={"content-type": "application/json", **self.headers},
+                                             timeout=self.timeout)
         except httpx.TimeoutException as exc:
             raise BackendTimeout(f"the model runner did not answer in time ({type(exc).__name__})") from exc
         except (httpx.ConnectError, httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError) as exc:
             raise BackendUnavailable(f"lost the connection to the model runner: {exc or type(exc).__name__}") from exc
+        if response.status_code == 401:
+            raise BackendProtocolError("the model runner refused this process's cluster secret (the gateway and the "
+                                       "runner's agent disagree on MESHGATE_CLUSTER_SECRET)")
         if response.status_code != 200:
             try:
                 info = _error_decoder.decode(response.content).error

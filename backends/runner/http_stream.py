@@ -120,9 +120,12 @@ class _ReadTimeout:
         self.timer.cancel()
 
 
-async def post_stream(url: str, body: bytes, *, connect_timeout: float = 10.0,
+async def post_stream(url: str, body: bytes, *, headers: bytes = b"", connect_timeout: float = 10.0,
                       read_timeout: float = 300.0) -> AsyncIterator[bytes]:
     """POST ``body`` (JSON) to ``url`` and yield the 200 response's body as it arrives.
+
+    ``headers``: extra request header lines, encoded once by the caller, each ending in ``\r\n``
+    (``b"authorization: Bearer ...\r\n"``), so nothing is built per request but the head itself.
 
     Raises:
         BackendUnavailable: the connection was refused, failed or closed before the response was complete.
@@ -144,8 +147,9 @@ async def post_stream(url: str, body: bytes, *, connect_timeout: float = 10.0,
     try:
         authority = parts.netloc.rpartition("@")[2].encode()
         target = (parts.path or "/").encode() + (b"?" + parts.query.encode() if parts.query else b"")
-        transport.write(b"POST %s HTTP/1.1\r\nhost: %s\r\ncontent-type: application/json\r\n"
-                        b"content-length: %d\r\nconnection: close\r\n\r\n%s" % (target, authority, len(body), body))
+        transport.write(b"POST %s HTTP/1.1\r\nhost: %s\r\ncontent-type: application/json\r\n%s"
+                        b"content-length: %d\r\nconnection: close\r\n\r\n%s"
+                        % (target, authority, headers, len(body), body))
         while True:
             if response.status and response.status != 200:
                 while not (response.complete or response.closed or response.error):

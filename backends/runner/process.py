@@ -4,6 +4,10 @@ The runner prints ``MESHGATE_RUNNER_READY port=N`` once its model is loaded and 
 we wait (bounded). The runner's stdin is a pipe we hold: if the gateway dies, the runner sees EOF and exits, so
 none is left behind. ``stop`` terminates, then kills after a grace period.
 
+The runner's environment carries this process's cluster secret (``MESHGATE_RUNNER_SECRET``, see
+``backends.runner.secret``; never argv, which ``ps`` shows), so every backend's runner demands it without the
+backend having to pass it.
+
 A runner that exits without being asked to (a runtime that aborts, the OOM killer) is logged as a warning on the
 ``meshgate.runner`` logger with why: its exit code or signal and the last lines it wrote to stderr (an abort's
 message is there). Its stderr still reaches ours as it comes, as when it was inherited.
@@ -21,6 +25,7 @@ import os
 import signal
 from collections.abc import Mapping, Sequence
 
+from backends.runner import secret as cluster_secret
 from protocols.model import BackendTimeout, BackendUnavailable
 
 __all__ = ["RunnerProcess"]
@@ -55,10 +60,11 @@ class RunnerProcess:
     @classmethod
     async def start(cls, argv: Sequence[str], *, name: str, env: Mapping[str, str] | None = None,
                     ready_timeout: float = 120.0) -> RunnerProcess:
-        """Spawn ``argv`` and wait for its ready line; raise ``BackendUnavailable``/``BackendTimeout`` if none."""
+        """Spawn ``argv`` with ``env`` (and the cluster secret) added to ours and wait for its ready line; raise
+        ``BackendUnavailable``/``BackendTimeout`` if none."""
         proc = await asyncio.create_subprocess_exec(
             *argv, stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
-            env={**os.environ, **(env or {})}, start_new_session=True,
+            env={**os.environ, **cluster_secret.child_env(), **(env or {})}, start_new_session=True,
         )
         stderr = _Stderr(proc)
         try:

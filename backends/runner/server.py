@@ -13,6 +13,11 @@ tools). An engine without ``embed`` or ``count_tokens`` answers ``UnsupportedFea
 these run beside the generations (the gateway counts a prompt before it queues it); for others, under the same
 one-job lock.
 
+Every endpoint, ``/health`` included, answers only callers presenting the cluster secret (``backends.runner.secret``:
+``authorization: Bearer <secret>`` or ``x-meshgate-secret``); anything else gets 401 with
+``{"error": ErrorInfo}`` before its body is read, and nothing runs. ``serve`` takes the secret from the runner's
+environment (``MESHGATE_RUNNER_SECRET``, set by ``RunnerProcess.start``).
+
 Imports protocols only; no web framework (a raw ASGI app keeps the runner light).
 """
 
@@ -29,9 +34,11 @@ from typing import Any, Protocol
 
 import msgspec
 
+from backends.runner import secret as cluster_secret
 from backends.runner.net import family
 from protocols.model import (
     TERMINAL,
+    AuthenticationFailed,
     BackendProtocolError,
     EmbedRequest,
     Embeddings,
@@ -75,11 +82,16 @@ class EmbeddingEngine(Engine, Protocol):
         ...
 
 
-class RunnerApp:
-    """ASGI app serving one engine."""
+_UNAUTHORIZED = _encoder.encode({"error": AuthenticationFailed(
+    "this runner answers only its cluster: missing or wrong cluster secret").info()})
 
-    def __init__(self, engine: Engine) -> None:
+
+class RunnerApp:
+    """ASGI app serving one engine; with ``secret``, only to callers that present it (``None``: to anyone)."""
+
+    def __init__(self, engine: Engine, secret: bytes | None = None) -> None:
         self.engine = engine
+        self.secret = secret
         self.parallel = max(1, int(getattr(engine, "parallel", 1) or 1))
         self._busy = asyncio.Semaphore(self.parallel)
         self._unary_busy = self._busy if self.parallel == 1 else contextlib.nullcontext()
@@ -88,6 +100,11 @@ class RunnerApp:
     async def __call__(self, scope: dict[str, Any], receive: Callable[..., Any], send: Callable[..., Any]) -> None:
         if scope["type"] == "lifespan":
             await _lifespan(receive, send)
+            return
+        if scope["type"] != "http":
+            return  # a websocket: closed unaccepted
+        if not cluster_secret.authorized_asgi(self.secret, scope.get("headers", ())):
+            await _respond(send, 401, _UNAUTHORIZED, [(b"www-authenticate", b"Bearer")])
             return
         path, method = scope["path"], scope["method"]
         if path == "/health" and method == "GET":
@@ -229,9 +246,10 @@ async def _read_body(receive: Callable[..., Any]) -> bytes:
             return b"".join(chunks)
 
 
-async def _respond(send: Callable[..., Any], status: int, body: bytes) -> None:
+async def _respond(send: Callable[..., Any], status: int, body: bytes,
+                   headers: list[tuple[bytes, bytes]] | None = None) -> None:
     await send({"type": "http.response.start", "status": status,
-                "headers": [(b"content-type", b"application/json")]})
+                "headers": [(b"content-type", b"application/json"), *(headers or ())]})
     await send({"type": "http.response.body", "body": body})
 
 
@@ -254,11 +272,16 @@ def exit_when_parent_goes() -> None:
 
 
 def serve(engine: Engine, host: str = "127.0.0.1", port: int = 0, *, watch_parent: bool = True) -> None:
-    """Serve ``engine`` on ``host:port`` (0 picks a free port) and print the ready line with the real port.
+    """Serve ``engine`` on ``host:port`` (0 picks a free port) and print the ready line with the real port; only
+    to callers with the secret in ``MESHGATE_RUNNER_SECRET`` (to anyone, with a warning, when it is unset).
 
     ``watch_parent``: exit when stdin closes (the runner's own ``main`` may watch it already)."""
     import uvicorn
 
+    secret = cluster_secret.from_environ()
+    if secret is None:
+        print(f"meshgate runner: {cluster_secret.ENV} is not set: serving without authentication", file=sys.stderr,
+              flush=True)
     sock = socket.socket(family(host), socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind((host, port))
@@ -266,5 +289,5 @@ def serve(engine: Engine, host: str = "127.0.0.1", port: int = 0, *, watch_paren
     if watch_parent:
         threading.Thread(target=exit_when_parent_goes, name="parent-watch", daemon=True).start()
     print(f"{READY_LINE} port={sock.getsockname()[1]}", flush=True)
-    config = uvicorn.Config(RunnerApp(engine), log_level="warning", access_log=False, lifespan="on")
+    config = uvicorn.Config(RunnerApp(engine, secret), log_level="warning", access_log=False, lifespan="on")
     uvicorn.Server(config).run(sockets=[sock])

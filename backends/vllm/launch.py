@@ -8,10 +8,13 @@ IPC sockets (``VLLM_RPC_BASE_PATH``), ``TMPDIR`` (rendezvous files), ``VLLM_CACH
 and the ``/dev/shm`` segments the instance made. Usage reporting is off (``VLLM_NO_USAGE_STATS``,
 ``DO_NOT_TRACK``) and the hub is never asked (``HF_HUB_OFFLINE``).
 
-The child gets ``PR_SET_PDEATHSIG`` = SIGTERM, so an agent that dies takes its vLLM server with it.
+The child gets ``PR_SET_PDEATHSIG`` = SIGTERM, so an agent that dies takes its vLLM server with it. Its environment
+(never ``layout.json``, never argv) carries the cluster secret: ``MESHGATE_RUNNER_SECRET`` for a Ray node's keeper,
+and the same value as ``VLLM_API_KEY``, so vLLM's API server demands it (``Authorization: Bearer``) on its ``/v1``
+routes; the health check presents it.
 
-Imports ``backends.placement``, ``protocols.model`` and the standard library; vLLM itself only ever runs in the
-child process (its interpreter is ``Settings.vllm_python``).
+Imports ``backends.placement``, ``backends.runner.secret``, ``protocols.model`` and the standard library; vLLM
+itself only ever runs in the child process (its interpreter is ``Settings.vllm_python``).
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ import httpx
 import msgspec
 
 from backends.placement import Candidate, NodeId
+from backends.runner import secret as cluster_secret
 from protocols.model import BackendTimeout, BackendUnavailable
 
 __all__ = ["Layout", "RuntimeFolder", "VllmServer", "group_members", "layout", "server_argv", "server_env",
@@ -219,7 +223,8 @@ class VllmServer:
         with open(log, "ab") as out:
             proc = await asyncio.create_subprocess_exec(
                 *argv, stdin=asyncio.subprocess.DEVNULL, stdout=out, stderr=asyncio.subprocess.STDOUT,
-                env={**os.environ, **env}, start_new_session=True, preexec_fn=_die_with_parent)
+                env={**os.environ, **cluster_secret.child_env(), "VLLM_API_KEY": cluster_secret.current(), **env},
+                start_new_session=True, preexec_fn=_die_with_parent)
         server = cls(proc, folder, url, log)
         if health is None:
             return server
@@ -241,7 +246,7 @@ class VllmServer:
                     raise BackendUnavailable(f"vLLM for {name} exited with code {self.proc.returncode} before it "
                                              f"was ready: {self.tail()}")
                 with contextlib.suppress(httpx.HTTPError):
-                    if (await client.get(health, timeout=2.0)).status_code == 200:
+                    if (await client.get(health, headers=cluster_secret.headers(), timeout=2.0)).status_code == 200:
                         return
                 await asyncio.sleep(0.5)
 

@@ -29,7 +29,9 @@ Stopping is killing the process group (the join process and its Ray node, or the
 ``ray stop``, which stops every Ray node of the machine, another instance's or another agent's included.
 
 Keepers run under meshgate's own interpreter, ``ray`` under ``Settings.vllm_python``. Imports
-``backends.placement``, ``backends.runner.bindshim``, ``backends.vllm.launch``, httpx and the standard library.
+``backends.placement``, ``backends.runner.bindshim``/``net``/``secret``, ``backends.vllm.launch``, httpx and the
+standard library. The keepers' endpoints demand the cluster secret (``backends.runner.control``); the calls here
+present it.
 """
 
 from __future__ import annotations
@@ -49,6 +51,7 @@ import httpx
 
 from backends.placement import Candidate, NodeId
 from backends.runner import bindshim
+from backends.runner import secret as cluster_secret
 from backends.runner.net import family, free_port, url_host
 from backends.vllm.launch import RuntimeFolder, VllmServer
 
@@ -193,7 +196,7 @@ async def wait_running(http: httpx.AsyncClient, nodes: Sequence[str], timeout: f
     out = []
     for url in nodes:
         while True:
-            state = (await http.get(f"{url}/health", timeout=5.0)).json()
+            state = (await http.get(f"{url}/health", headers=cluster_secret.headers(), timeout=5.0)).json()
             if state["state"] == "running":
                 out.append(str(state["gcs"]))
                 break
@@ -208,7 +211,7 @@ async def wait_running(http: httpx.AsyncClient, nodes: Sequence[str], timeout: f
 async def join(http: httpx.AsyncClient, followers: Sequence[str], head: str) -> None:
     """Tell every follower's keeper the head's GCS address (``ip:port``)."""
     for url in followers:
-        reply = await http.post(f"{url}/join", json={"head": head}, timeout=10.0)
+        reply = await http.post(f"{url}/join", json={"head": head}, headers=cluster_secret.headers(), timeout=10.0)
         reply.raise_for_status()
 
 

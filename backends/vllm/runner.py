@@ -4,9 +4,11 @@
 failures are mapped here, once, into ``Failed`` events (never raised): a refused connection or a server that dies
 mid-stream is ``BackendUnavailable``, a stalled one ``BackendTimeout``. Closing the iterator closes the HTTP
 response, which makes vLLM abort the request. ``count_tokens`` uses vLLM's ``/tokenize`` (the chat template
-applied, as the model reads it); there are no embeddings.
+applied, as the model reads it); there are no embeddings. Every call presents the cluster secret, which the
+backend gave vLLM as its API key (``VLLM_API_KEY``); a 401 from vLLM (the two disagree) is a
+``BackendProtocolError``, never the client's own authentication error.
 
-Imports protocols and httpx only.
+Imports protocols, httpx and ``backends.runner.secret`` only.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from collections.abc import AsyncIterator
 import httpx
 import msgspec
 
+from backends.runner import secret as cluster_secret
 from protocols.model import (
     BackendProtocolError,
     BackendTimeout,
@@ -48,6 +51,7 @@ class VllmRunner:
         self.served_name = served_name
         self.http = http
         self.timeout = httpx.Timeout(10.0, read=read_timeout)
+        self.headers = {"content-type": "application/json", **cluster_secret.headers()}
 
     async def generate(self, request: Request) -> AsyncIterator[Event]:
         """Stream ``request``'s events; always ends in exactly one ``Finished`` or ``Failed``."""
@@ -55,9 +59,10 @@ class VllmRunner:
         decoder = StreamDecoder()
         try:
             async with self.http.stream("POST", f"{self.base_url}{path}", content=body, timeout=self.timeout,
-                                        headers={"content-type": "application/json"}) as response:
+                                        headers=self.headers) as response:
                 if response.status_code != 200:
-                    yield _failed(error_from_response(response.status_code, await response.aread()))
+                    yield _failed(_refused() if response.status_code == 401 else
+                                  error_from_response(response.status_code, await response.aread()))
                     return
                 async for chunk in response.aiter_raw():
                     for event in decoder.feed(chunk):
@@ -86,11 +91,13 @@ class VllmRunner:
                                  for t in request.tools]
         try:
             response = await self.http.post(f"{self.base_url}/tokenize", content=msgspec.json.encode(body),
-                                             headers={"content-type": "application/json"}, timeout=self.timeout)
+                                             headers=self.headers, timeout=self.timeout)
         except httpx.TimeoutException as exc:
             raise BackendTimeout(f"vLLM did not answer in time ({type(exc).__name__})") from exc
         except _TRANSPORT as exc:
             raise BackendUnavailable(f"lost the connection to vLLM: {exc or type(exc).__name__}") from exc
+        if response.status_code == 401:
+            raise _refused()
         if response.status_code != 200:
             raise error_from_response(response.status_code, response.content)
         try:
@@ -105,3 +112,8 @@ class VllmRunner:
 
 def _failed(err: GatewayError) -> Failed:
     return Failed(error=err.info())
+
+
+def _refused() -> GatewayError:
+    return BackendProtocolError("vLLM refused this process's cluster secret (the gateway and the runner's agent "
+                                "disagree on MESHGATE_CLUSTER_SECRET)")

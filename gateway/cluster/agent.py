@@ -5,7 +5,10 @@ every shard the stored instances place on this node gets a process (``Backend.la
 ``RunnerStatus``; processes whose instance is gone, failed or re-placed are stopped; a process that dies is
 reported failed. Runtime processes bind to the node's cluster address, never a public one by default.
 
-It serves two tiny endpoints for link probes (``GET /ping``, ``GET /blob?bytes=N``) on the cluster address.
+It serves two tiny endpoints for link probes (``GET /ping``, ``GET /blob?bytes=N``) on the cluster address, to
+callers presenting the cluster secret only (``backends.runner.secret``: ``authorization: Bearer`` or
+``x-meshgate-secret``; others get 401), and presents it when it probes the other agents. The runners it launches
+get the same secret from ``RunnerProcess.start``.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ import httpx
 
 from backends.base import Backend, Launched, ModelCard
 from backends.placement import Link, NodeId
+from backends.runner import secret as cluster_secret
 from gateway.cluster.node import describe_node, measure_flops
 from gateway.cluster.records import Failed, Instance, RunnerStatus
 from gateway.cluster.store import StateStore
@@ -38,8 +42,10 @@ class NodeAgent:
     def __init__(self, store: StateStore, backends: Sequence[Backend], resolve: Callable[[str], ModelCard], *,
                  choose: Callable[..., Backend | None], name: str | None = None, address: str = "127.0.0.1",
                  port: int = 0, heartbeat: float = 1.0, ttl: float = 3.0, probe_every: float = 30.0,
-                 probe_bytes: int = 4 << 20, memory: int | None = None, flops: float | None = None) -> None:
+                 probe_bytes: int = 4 << 20, memory: int | None = None, flops: float | None = None,
+                 secret: str | None = None) -> None:
         self.store = store
+        self.secret = secret or cluster_secret.current()
         self.backends = list(backends)
         self.resolve = resolve
         self.choose = choose
@@ -211,7 +217,8 @@ class NodeAgent:
         others = [n for n in await self.store.nodes() if n.id != self.node_id and n.agent_url]
         if not others:
             return links  # a client costs ~20 ms of CPU (its TLS context): none for nothing to probe
-        async with httpx.AsyncClient(timeout=10.0, trust_env=False) as http:
+        async with httpx.AsyncClient(timeout=10.0, trust_env=False,
+                                     headers={"authorization": f"Bearer {self.secret}"}) as http:
             for node in others:
                 try:
                     rtts = []
@@ -222,6 +229,7 @@ class NodeAgent:
                     received, first_byte_at = 0, None
                     async with http.stream("GET", f"{node.agent_url}/blob",
                                            params={"bytes": self.probe_bytes}) as response:
+                        response.raise_for_status()
                         async for chunk in response.aiter_raw():
                             if first_byte_at is None:
                                 first_byte_at = time.perf_counter()  # from the first byte: no latency in it
@@ -248,15 +256,31 @@ class NodeAgent:
         sock.bind((self.address, self.port))
         sock.listen(64)
         self.port = sock.getsockname()[1]
-        config = uvicorn.Config(_probe_app, log_level="warning", access_log=False, lifespan="off")
+        config = uvicorn.Config(_ProbeApp(self.secret.encode()), log_level="warning", access_log=False,
+                                lifespan="off")
         self._server = uvicorn.Server(config)
         self._server.install_signal_handlers = lambda: None  # type: ignore[method-assign]
         self._tasks.append(asyncio.create_task(self._server.serve(sockets=[sock]), name="agent-probes"))
 
 
+class _ProbeApp:
+    """The probe endpoints, to callers with ``secret`` only."""
+
+    def __init__(self, secret: bytes) -> None:
+        self.secret = secret
+
+    async def __call__(self, scope: dict[str, Any], receive: Callable[..., Any], send: Callable[..., Any]) -> None:
+        if scope["type"] != "http":
+            return
+        if not cluster_secret.authorized_asgi(self.secret, scope["headers"]):
+            await send({"type": "http.response.start", "status": 401,
+                        "headers": [(b"content-type", b"application/json"), (b"www-authenticate", b"Bearer")]})
+            await send({"type": "http.response.body", "body": b'{"error":"missing or wrong cluster secret"}'})
+            return
+        await _probe_app(scope, receive, send)
+
+
 async def _probe_app(scope: dict[str, Any], receive: Callable[..., Any], send: Callable[..., Any]) -> None:
-    if scope["type"] != "http":
-        return
     if scope["path"] == "/blob":
         query = dict(p.split("=", 1) for p in scope.get("query_string", b"").decode().split("&") if "=" in p)
         size = min(int(query.get("bytes", len(_BLOB))), 64 << 20)

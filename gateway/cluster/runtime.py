@@ -2,6 +2,10 @@
 instance manager and (embedded, or as ``meshgate node``) the node agent.
 
 Both ``create_app`` and ``meshgate node`` use it, so a gateway and an agent see the same backends and models.
+
+It also settles the cluster secret that runners and agents demand of callers (``backends.runner.secret``): the
+operator's ``MESHGATE_CLUSTER_SECRET``, else the one in the state store (with Redis, the first process to start
+stores its random one and every later gateway and agent reads it; in memory, this process's random one).
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ import httpx
 import pluggy
 
 from backends.base import Backend, ModelSource
+from backends.runner import secret as cluster_secret
 from gateway.admission import Admission
 from gateway.cluster.agent import NodeAgent
 from gateway.cluster.instances import InstanceManager
@@ -61,12 +66,14 @@ async def control_plane(settings: Settings, plugins: pluggy.PluginManager, *, ga
         plane = ControlPlane(store=store, catalog=catalog, backends=backends, plugins=plugins, http=http)
         choose = plugins.hook.meshgate_choose_backend
         try:
+            secret = settings.cluster_secret or await store.cluster_secret(cluster_secret.current())
+            cluster_secret.use(secret)  # what this process's runners demand and its runner clients present
             if agent:
                 plane.agent = NodeAgent(store, backends, catalog.resolve, choose=choose, name=settings.node_name,
                                         address=settings.cluster_address, port=settings.agent_port,
                                         heartbeat=settings.heartbeat, ttl=settings.node_ttl,
                                         memory=settings.node_memory, probe_every=settings.link_probe_every,
-                                        flops=settings.node_flops)
+                                        flops=settings.node_flops, secret=secret)
                 await plane.agent.start()
             if gateway:
                 def context(backend: Backend, card) -> int | None:

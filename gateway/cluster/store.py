@@ -17,6 +17,7 @@ Redis keys, all under ``prefix`` (default ``meshgate:``)::
     generation           int     bumped by every write that changes nodes, links or instances
     changes              pub/sub channel; messages "nodes" | "links" | "instances" (wake-ups only)
     ratelimit:{key}:{n}  int     requests in fixed window n of a rate limit; expires after two windows
+    cluster_secret       string  the secret runners and agents demand of callers; set once (SET NX), never changed
 
 Decisions:
     * State lives in keys, never in pub/sub: notifications only say "look again", so a lost message costs a
@@ -113,6 +114,8 @@ class StateStore(Protocol):
         """A counter bumped by every change of nodes, links or instances."""
     async def hit(self, key: str, window: float) -> int:
         """Count one hit on ``key`` in the current fixed window of ``window`` seconds; the count so far."""
+    async def cluster_secret(self, proposed: str) -> str:
+        """The cluster's secret: the one stored, else ``proposed``, stored now (the first caller's wins)."""
     def watch(self) -> AsyncIterator[str]:
         """Wake-ups: the kinds ("nodes", "links", "instances") that changed. Ends when the store closes."""
     async def close(self) -> None:
@@ -163,6 +166,7 @@ class MemoryStore:
         self._last_id = (0, 0)
         self._generation = 0
         self._hits: dict[str, dict[int, int]] = {}
+        self._secret: str | None = None
         self._watchers = _Watchers()
 
     def _changed(self, *kinds: str) -> None:
@@ -256,6 +260,11 @@ class MemoryStore:
             del counts[old]
         counts[slot] = counts.get(slot, 0) + 1
         return counts[slot]
+
+    async def cluster_secret(self, proposed: str) -> str:
+        if self._secret is None:
+            self._secret = proposed
+        return self._secret
 
     def watch(self) -> AsyncIterator[str]:
         return self._watchers.stream(lambda: asyncio.sleep(0))
@@ -425,6 +434,12 @@ class RedisStore:
         async with self._r.pipeline(transaction=True) as pipe:
             count, _ = await pipe.incr(name).pexpire(name, int(window * 2000)).execute()
         return int(count)
+
+    async def cluster_secret(self, proposed: str) -> str:
+        key = self._key("cluster_secret")
+        async with self._r.pipeline(transaction=True) as pipe:
+            _, stored = await pipe.set(key, proposed, nx=True).get(key).execute()
+        return stored.decode()
 
     def watch(self) -> AsyncIterator[str]:
         return self._watchers.stream(self._ready)

@@ -7,14 +7,14 @@ from litestar import Response, Router, post
 
 from gateway.context_fit import Fit
 from gateway.routes.common import (
-    admit,
-    caller_of,
     collect_or_cancel,
     dispatcher_of,
     error_handler,
     json_response,
+    may_use,
     new_meta,
     stream_response,
+    who,
 )
 from protocols import anthropic
 from protocols.model import GatewayError, decode_body
@@ -22,15 +22,14 @@ from protocols.model import GatewayError, decode_body
 SSE = "text/event-stream"
 
 
-@post(["/v1/messages"], status_code=200)
+@post(["/v1/messages"], status_code=200, opt={"limited": True})
 async def messages(request: HttpRequest) -> Response:
-    await admit(request)
     wire = decode_body(await request.body(), anthropic.MessagesRequest)
     internal = anthropic.messages_to_internal(wire)
     meta = new_meta(internal.model)
     # only the prompt is checked: clients send max_tokens far beyond small contexts, and the runner caps the
     # output at the room left
-    events = await dispatcher_of(request).open_stream(internal, caller=caller_of(request), fit=Fit.PROMPT)
+    events = await dispatcher_of(request).open_stream(internal, **who(request), fit=Fit.PROMPT)
     if internal.stream:
         return stream_response(anthropic.encode_message_stream(events, meta), SSE)
     return json_response(anthropic.encode_message_response(await collect_or_cancel(request, events), meta))
@@ -39,9 +38,8 @@ async def messages(request: HttpRequest) -> Response:
 @post(["/v1/messages/count_tokens"], status_code=200)
 async def count_tokens(request: HttpRequest) -> Response:
     """ANT-3/50/51: system, tools and messages counted with the model's own tokenizer and chat template."""
-    await admit(request)
     wire = decode_body(await request.body(), anthropic.CountTokensRequest)
-    count = await dispatcher_of(request).count_tokens(anthropic.count_tokens_to_internal(wire))
+    count = await dispatcher_of(request).count_tokens(anthropic.count_tokens_to_internal(wire), may_use(request))
     return json_response(anthropic.encode_count_tokens(count))
 
 
@@ -50,4 +48,5 @@ router = Router(
     route_handlers=[messages, count_tokens],
     exception_handlers={GatewayError: error_handler(anthropic.error_body)},
     tags=["anthropic"],
+    opt={"scope": "inference"},
 )

@@ -21,7 +21,7 @@ from backends.placement import Candidate, Link, Node
 from gateway.admission import Load
 from gateway.cluster.instances import InstanceManager
 from gateway.cluster.records import Failed, Instance, Ready, StoreEvent
-from gateway.routes.common import check_auth, error_handler
+from gateway.routes.common import error_handler
 from protocols import openai
 from protocols.model import GatewayError, InvalidRequest, NotFound
 
@@ -54,7 +54,6 @@ class CreateInstance(msgspec.Struct, frozen=True, kw_only=True):
 
 
 def _instances(request: HttpRequest) -> InstanceManager:
-    check_auth(request)
     return request.app.state.plane.instances
 
 
@@ -153,4 +152,5 @@ router = Router(
                     instance_events, events],
     exception_handlers={GatewayError: error_handler(openai.error_body)},
     tags=["cluster"],
+    opt={"scope": "admin"},
 )

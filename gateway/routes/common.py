@@ -7,16 +7,18 @@ import contextlib
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
+from typing import Any
 
 from litestar import Request as HttpRequest
 from litestar import Response
 from litestar.exceptions import HTTPException
 from litestar.response import Stream
 
+from gateway.auth import caller_of
 from gateway.dispatch import Dispatcher
 from gateway.routes.stream import CoalescedStream
 from protocols import model
-from protocols.model import AuthenticationFailed, Event, GatewayError, Meta, ModelInfo, RateLimited
+from protocols.model import Event, GatewayError, Meta, ModelInfo
 
 JSON = "application/json"
 
@@ -29,42 +31,28 @@ def new_meta(model: str) -> Meta:
     return Meta(id=uuid.uuid4().hex[:24], model=model, created=time.time())
 
 
-def model_infos(dispatcher: Dispatcher) -> list[ModelInfo]:
+def model_infos(dispatcher: Dispatcher, request: HttpRequest | None = None) -> list[ModelInfo]:
+    """The models to list; only those the caller's key may use when it has a list."""
+    allowed = may_use(request) if request is not None else None
     return [ModelInfo(name=c.name, created=c.created, size=c.size, digest=c.digest, format=c.format,
                       family=c.family, parameter_size=c.parameter_size, quantization=c.quantization,
-                      context_length=c.context_length) for c in dispatcher.models()]
+                      context_length=c.context_length) for c in dispatcher.models()
+            if allowed is None or allowed(c.name)]
 
 
-def _api_key(request: HttpRequest) -> str | None:
-    """The key a client presents, as ``Authorization: Bearer`` or ``x-api-key``."""
-    bearer = request.headers.get("authorization", "")
-    return bearer[7:].strip() if bearer.lower().startswith("bearer ") else request.headers.get("x-api-key")
+def who(request: HttpRequest) -> dict[str, Any]:
+    """``open_stream``'s view of the caller ``gateway.auth.authorize`` found: its line in the queue, the models
+    its key may use, and (with a token budget) where its usage is counted."""
+    caller = caller_of(request)
+    ring = request.app.state.keyring
+    return {"caller": caller.bucket, "may_use": caller.may_use if caller.models else None,
+            "on_usage": ring.meter(caller) if caller.tpm else None}
 
 
-def check_auth(request: HttpRequest) -> None:
-    """With ``api_keys`` configured, require one as ``Authorization: Bearer`` or ``x-api-key``."""
-    keys = request.app.state.settings.api_keys
-    if keys and _api_key(request) not in keys:
-        raise AuthenticationFailed("invalid or missing API key: pass it as 'Authorization: Bearer <key>'")
-
-
-def caller_of(request: HttpRequest) -> str:
-    """Who a request is from, for rate limits and the fair queue: its API key (any key a client sends while auth
-    is off), else the client's address."""
-    key = _api_key(request)
-    return f"key:{key}" if key else f"addr:{request.client.host if request.client else '-'}"
-
-
-async def admit(request: HttpRequest) -> None:
-    """Auth, then the rate limit (``rate_limit`` generation requests per minute per key or client address)."""
-    check_auth(request)
-    limit = request.app.state.settings.rate_limit
-    if not limit:
-        return
-    count = await request.app.state.plane.store.hit(f"requests:{caller_of(request)}", 60.0)
-    if count > limit:
-        raise RateLimited(f"rate limit reached: {limit} requests per minute; retry after the minute",
-                          retry_after=60 - time.time() % 60)
+def may_use(request: HttpRequest) -> Callable[[str], bool] | None:
+    """The caller's model filter (``None``: every model)."""
+    caller = caller_of(request)
+    return caller.may_use if caller.models else None
 
 
 class ClientGone(HTTPException):

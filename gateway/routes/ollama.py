@@ -16,15 +16,15 @@ from litestar import Response, Router, get, head, post
 
 from gateway.context_fit import Fit
 from gateway.routes.common import (
-    admit,
-    caller_of,
     collect_or_cancel,
     dispatcher_of,
     error_handler,
     json_response,
+    may_use,
     model_infos,
     new_meta,
     stream_response,
+    who,
 )
 from gateway import model_admin
 from gateway.routes.ollama_models import ROUTES as MODEL_ROUTES
@@ -36,57 +36,53 @@ log = logging.getLogger("meshgate.ollama")
 VERSION = "0.13.0"  # the Ollama API version we follow; clients gate features on it
 
 
-@get("/", sync_to_thread=False, include_in_schema=False)
+@get("/", sync_to_thread=False, include_in_schema=False, opt={"scope": "public"})
 def root() -> Response[str]:
     return Response("Ollama is running", media_type="text/plain")
 
 
-@head("/", sync_to_thread=False, include_in_schema=False)
+@head("/", sync_to_thread=False, include_in_schema=False, opt={"scope": "public"})
 def root_head() -> Response[None]:
     return Response(None, media_type="text/plain")
 
 
-@get(["/api/version"], sync_to_thread=False)
+@get(["/api/version"], sync_to_thread=False, opt={"scope": "public"})
 def version() -> Response[bytes]:
     return json_response(ollama.encode_version(VERSION))
 
 
 @get(["/api/tags"], sync_to_thread=False)
 def tags(request: HttpRequest) -> Response[bytes]:
-    return json_response(ollama.encode_tags(model_infos(dispatcher_of(request))))
+    return json_response(ollama.encode_tags(model_infos(dispatcher_of(request), request)))
 
 
-@post("/api/chat", status_code=200)
+@post("/api/chat", status_code=200, opt={"limited": True})
 async def chat(request: HttpRequest) -> Response:
-    await admit(request)
     wire = decode_body(await request.body(), ollama.ChatRequest)
     return await _run(request, wire, ollama.chat_to_internal(wire), chat=True)
 
 
-@post("/api/generate", status_code=200)
+@post("/api/generate", status_code=200, opt={"limited": True})
 async def generate(request: HttpRequest) -> Response:
-    await admit(request)
     wire = decode_body(await request.body(), ollama.GenerateRequest)
     return await _run(request, wire, ollama.generate_to_internal(wire), chat=False)
 
 
-@post("/api/embed", status_code=200)
+@post("/api/embed", status_code=200, opt={"limited": True})
 async def embed(request: HttpRequest) -> Response:
-    await admit(request)
     started = time.perf_counter_ns()
     wire = decode_body(await request.body(), ollama_embeddings.EmbedBody)
     keep_alive = ollama_models.parse_keep_alive(wire.keep_alive)
-    result = await dispatcher_of(request).embed(ollama_embeddings.embed_to_internal(wire))
+    result = await dispatcher_of(request).embed(ollama_embeddings.embed_to_internal(wire), may_use(request))
     await model_admin.apply_keep_alive(dispatcher_of(request), wire.model, keep_alive)
     return json_response(ollama_embeddings.encode_embed(result, wire.model, time.perf_counter_ns() - started))
 
 
-@post("/api/embeddings", status_code=200)
+@post("/api/embeddings", status_code=200, opt={"limited": True})
 async def embeddings(request: HttpRequest) -> Response:
-    await admit(request)
     wire = decode_body(await request.body(), ollama_embeddings.EmbeddingsBody)
     keep_alive = ollama_models.parse_keep_alive(wire.keep_alive)
-    result = await dispatcher_of(request).embed(ollama_embeddings.embeddings_to_internal(wire))
+    result = await dispatcher_of(request).embed(ollama_embeddings.embeddings_to_internal(wire), may_use(request))
     await model_admin.apply_keep_alive(dispatcher_of(request), wire.model, keep_alive)
     return json_response(ollama_embeddings.encode_embeddings(result))
 
@@ -102,6 +98,7 @@ async def _run(request: HttpRequest, wire: ollama.ChatRequest | ollama.GenerateR
         await model_admin.apply_keep_alive(dispatcher, internal.model, keep_alive)
 
     if ollama.is_load_request(wire):
+        dispatcher.resolve(internal.model, may_use(request))  # a key's model list holds for loads too
         unload = ollama.is_unload_request(wire)
         await (dispatcher.unload(internal.model) if unload else dispatcher.load(internal.model))
         if not unload:
@@ -109,7 +106,7 @@ async def _run(request: HttpRequest, wire: ollama.ChatRequest | ollama.GenerateR
         return json_response(ollama.encode_load_response(internal.model, meta, unloaded=unload, chat=chat))
     # Ollama's /api/chat drops the oldest turns to fit the context unless told ``truncate: false``
     fit = Fit.DROP_OLDEST if chat and wire.truncate is not False else Fit.PROMPT
-    events = await dispatcher.open_stream(internal, caller=caller_of(request), fit=fit, clamp_output=True)
+    events = await dispatcher.open_stream(internal, **who(request), fit=fit, clamp_output=True)
     if internal.stream:
         encode = ollama.encode_chat_stream if chat else ollama.encode_generate_stream
         return stream_response(_then(encode(events, meta), after), NDJSON)
@@ -135,4 +132,5 @@ router = Router(
     route_handlers=[root, root_head, version, tags, chat, generate, embed, embeddings, *MODEL_ROUTES],
     exception_handlers={GatewayError: error_handler(ollama.error_body)},
     tags=["ollama"],
+    opt={"scope": "inference"},
 )

@@ -9,7 +9,7 @@ from litestar import Request as HttpRequest
 from litestar import Response, delete, get, post
 
 from gateway import model_admin
-from gateway.routes.common import check_auth, dispatcher_of, json_response, stream_response
+from gateway.routes.common import dispatcher_of, json_response, stream_response
 from protocols import ollama_models
 from protocols.model import decode_body
 
@@ -22,53 +22,47 @@ def _registry(request: HttpRequest):
 
 @post("/api/show", status_code=200)
 async def show(request: HttpRequest) -> Response[bytes]:
-    check_auth(request)
     wire = decode_body(await request.body(), ollama_models.ShowRequest)
     return json_response(await model_admin.show(dispatcher_of(request), _registry(request), wire.target))
 
 
 @get("/api/ps")
 async def ps(request: HttpRequest) -> Response[bytes]:
-    check_auth(request)
     instances = await request.app.state.plane.store.instances()
     return json_response(await model_admin.ps(dispatcher_of(request), instances))
 
 
-@post("/api/copy", status_code=200)
+@post("/api/copy", status_code=200, opt={"scope": "admin"})
 async def copy(request: HttpRequest) -> Response[None]:
-    check_auth(request)
     wire = decode_body(await request.body(), ollama_models.CopyRequest)
     await model_admin.copy(dispatcher_of(request), _registry(request), wire.source, wire.destination)
     return Response(None, status_code=200)
 
 
-@delete("/api/delete", status_code=200)
+@delete("/api/delete", status_code=200, opt={"scope": "admin"})
 async def delete_model(request: HttpRequest) -> Response[None]:
-    check_auth(request)
     wire = decode_body(await request.body(), ollama_models.DeleteRequest)
     await model_admin.delete(dispatcher_of(request), _registry(request), wire.target)
     return Response(None, status_code=200)
 
 
-@post("/api/create", status_code=200)
+@post("/api/create", status_code=200, opt={"scope": "admin"})
 async def create(request: HttpRequest) -> Response:
-    check_auth(request)
     wire = decode_body(await request.body(), ollama_models.CreateRequest)
-    lines = await model_admin.create(dispatcher_of(request), _registry(request), wire)
+    lines = await model_admin.create(dispatcher_of(request), _registry(request), wire,
+                                     model_admin.model_roots(request.app.state.settings))
     return await _progress(lines, wire.stream)
 
 
-@post("/api/pull", status_code=200)
+@post("/api/pull", status_code=200, opt={"scope": "admin"})
 async def pull(request: HttpRequest) -> Response:
-    check_auth(request)
     wire = decode_body(await request.body(), ollama_models.PullRequest)
     lines = await model_admin.pull(dispatcher_of(request), _registry(request), wire.target)
     return await _progress(lines, wire.stream)
 
 
-@post("/api/push", status_code=200)
+@post("/api/push", status_code=200, opt={"scope": "admin"})
 async def push(request: HttpRequest) -> Response[bytes]:
-    check_auth(request)
     decode_body(await request.body(), ollama_models.PullRequest)
     return json_response(ollama_models.error_line("push is not supported: meshgate has no registry to push to"),
                          status=501)

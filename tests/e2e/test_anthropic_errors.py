@@ -11,8 +11,7 @@ from tests.conftest import Server
 @pytest.fixture(scope="module")
 def server(data_dir):
     s = Server(data_dir, "--plugin", "tests.scripted_plugin",
-               env={"MESHGATE_DISABLED_PLUGINS": "llama_cpp", "MESHGATE_RATE_LIMIT": "30",
-                    "MESHGATE_MAX_BODY_BYTES": "4096"})
+               env={"MESHGATE_DISABLED_PLUGINS": "llama_cpp", "MESHGATE_MAX_BODY_BYTES": "4096"})
     yield s
     s.stop()
 
@@ -37,12 +36,17 @@ def test_ant_45_46_status_and_type(server, text, error, status, kind):
     assert exc.value.request_id and exc.value.request_id.startswith("req_"), "ANT-47: request-id header"
 
 
-def test_ant_45_429_rate_limit_error(server):
-    with pytest.raises(anthropic.RateLimitError) as exc:
-        for _ in range(40):
-            ask(server, "hello", key="limited")
-    assert exc.value.body["error"]["type"] == "rate_limit_error"
-    assert int(exc.value.response.headers["retry-after"]) >= 1
+def test_ant_45_429_rate_limit_error(data_dir):
+    limited = Server(data_dir, "--plugin", "tests.scripted_plugin",
+                     env={"MESHGATE_DISABLED_PLUGINS": "llama_cpp", "MESHGATE_RATE_LIMIT": "5"})
+    try:
+        with pytest.raises(anthropic.RateLimitError) as exc:
+            for _ in range(6):
+                ask(limited, "hello", key="limited")
+        assert exc.value.body["error"]["type"] == "rate_limit_error"
+        assert int(exc.value.response.headers["retry-after"]) >= 1
+    finally:
+        limited.stop()
 
 
 def test_ant_42_error_event_mid_stream(server):

@@ -23,9 +23,12 @@ TOKENS = 24
 TOPICS = ["the sea", "a mountain", "bread", "the moon", "a violin", "winter", "a red bicycle", "the library"]
 
 
+SECRET = {"MESHGATE_CLUSTER_SECRET": "batching-test-secret"}  # so these tests may read the runners' /health
+
+
 @pytest.fixture(scope="module")
 def server(data_dir):
-    s = Server(data_dir, "--n-ctx", "1024", env={"MESHGATE_PARALLEL": "8"})
+    s = Server(data_dir, "--n-ctx", "1024", env={"MESHGATE_PARALLEL": "8", **SECRET})
     yield s
     s.stop()
 
@@ -69,7 +72,7 @@ CLIENTS = [_openai, _anthropic, _ollama]
 def _runner_health(server: Server) -> dict:
     instance = next(i for i in httpx.get(f"{server.url}/instances").json() if i["model"] == MODEL)
     url = next(r["url"] for r in instance["runners"].values() if r.get("url"))
-    return httpx.get(f"{url}/health").json()
+    return httpx.get(f"{url}/health", headers={"x-meshgate-secret": SECRET["MESHGATE_CLUSTER_SECRET"]}).json()
 
 
 def test_eight_concurrent_streams_get_their_own_text(server):
@@ -93,7 +96,7 @@ def test_eight_concurrent_streams_get_their_own_text(server):
 
 
 def test_a_cancelled_stream_frees_its_slot(data_dir):
-    s = Server(data_dir, "--n-ctx", "1024", env={"MESHGATE_PARALLEL": "2", "MESHGATE_MAX_QUEUE": "4"})
+    s = Server(data_dir, "--n-ctx", "1024", env={"MESHGATE_PARALLEL": "2", "MESHGATE_MAX_QUEUE": "4", **SECRET})
     try:
         client = openai.OpenAI(base_url=f"{s.url}/v1", api_key="unused", max_retries=0)
         long = {"model": MODEL, "stream": True, "max_tokens": 800, "temperature": 0,

@@ -18,7 +18,8 @@ def server(data_dir, packaged_gguf):
 
 
 def test_configured_gguf_is_listed_and_served(server):
-    tags = httpx.get(f"{server.url}/api/tags").json()["models"]
+    assert httpx.get(f"{server.url}/api/tags").status_code == 401, "keys are set: listings need one too"
+    tags = httpx.get(f"{server.url}/api/tags", headers={"authorization": "Bearer sesame"}).json()["models"]
     mine = next(m for m in tags if m["name"] == "mygemma:q4")
     assert mine["details"]["family"] == "gemma3" and mine["details"]["quantization_level"] == "Q4_K_M"
     assert len(mine["digest"]) == 64

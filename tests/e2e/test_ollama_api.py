@@ -28,7 +28,7 @@ def server(tmp_path_factory: pytest.TempPathFactory, packaged_gguf: Path) -> Ite
     data = tmp_path_factory.mktemp("ollama-api")
     (data / "models").mkdir()
     os.symlink(packaged_gguf, data / "models" / packaged_gguf.name)
-    server = Server(data, "--n-ctx", "2048")
+    server = Server(data, "--n-ctx", "2048", env={"MESHGATE_MODEL_DIRS": str(packaged_gguf.parent)})
     yield server
     server.stop()
 

@@ -88,12 +88,13 @@ def test_oai_59_61_429_rate_limit_with_retry_after(data_dir):
     try:
         client = openai.OpenAI(base_url=f"{s.url}/v1", api_key="k1", max_retries=0)
         with pytest.raises(openai.RateLimitError) as exc:
-            for _ in range(7):  # 3 per fixed minute: the 4th is refused (the 7th if a minute turns meanwhile)
+            for _ in range(4):  # 3 in any 60 s (a sliding window): the 4th is refused
                 chat(client, "hello")
         assert 1 <= int(exc.value.response.headers["retry-after"]) <= 60
         assert exc.value.body["type"] == "rate_limit_error"
         other = openai.OpenAI(base_url=f"{s.url}/v1", api_key="k2", max_retries=0)
-        assert chat(other, "hello").choices[0].message.content == "Hello, world", "limits are per key"
+        with pytest.raises(openai.RateLimitError):  # no keys configured: counted by address, whatever is sent
+            chat(other, "hello")
         assert httpx.get(f"{s.url}/v1/models", headers={"authorization": "Bearer k1"}).status_code == 200
     finally:
         s.stop()

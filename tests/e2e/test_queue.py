@@ -37,12 +37,16 @@ def _chat(text: str, **extra) -> dict:
     return {"model": "scripted", "messages": [{"role": "user", "content": text}], **extra}
 
 
+ADMIN = {"authorization": "Bearer A"}  # ignored by the keyless gateway; an admin key of ``keyed``
+
+
 def _instance(server) -> str:
-    return next(i["id"] for i in httpx.get(f"{server.url}/instances").json() if i["model"] == "scripted")
+    return next(i["id"] for i in httpx.get(f"{server.url}/instances", headers=ADMIN).json()
+                if i["model"] == "scripted")
 
 
 def _queue(server) -> dict:
-    return httpx.get(f"{server.url}/instances/{_instance(server)}").json()["queue"]
+    return httpx.get(f"{server.url}/instances/{_instance(server)}", headers=ADMIN).json()["queue"]
 
 
 async def _until(server, **expected) -> dict:
@@ -96,8 +100,21 @@ async def test_overflow_is_refused_at_once_in_each_protocol(server):
                                                                "max_queue": MAX_QUEUE}
 
 
-async def test_round_robin_across_api_keys(server):
+@pytest.fixture
+def keyed(data_dir):
+    """The same gateway with two keys, A and B (callers are told apart by their validated key)."""
+    s = Server(data_dir, "--plugin", "tests.scripted_plugin", "--api-key", "A", "--api-key", "B",
+               env={"MESHGATE_PARALLEL": "1", "MESHGATE_MAX_QUEUE": str(MAX_QUEUE), "MESHGATE_KEEPALIVE": "0.2"})
+    r = httpx.post(f"{s.url}/v1/chat/completions", json=_chat("hello"), headers={"authorization": "Bearer A"},
+                   timeout=30)
+    assert r.status_code == 200, r.text
+    yield s
+    s.stop()
+
+
+async def test_round_robin_across_api_keys(keyed):
     """Key A queues five requests, then key B one: B is served after one of A's queued ones, not after all."""
+    server = keyed
     done: list[str] = []
 
     async def ask(http: httpx.AsyncClient, key: str, name: str, text: str = "sleep 0.2") -> None:

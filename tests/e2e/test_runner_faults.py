@@ -20,11 +20,13 @@ import pytest
 from tests.conftest import MODEL, Server
 
 LONG = "Count from one to one thousand, one number per line."
+SECRET = "runner-faults-test-secret"  # the runners' cluster secret, so this test may read their /health
+RUNNER = {"authorization": f"Bearer {SECRET}"}
 
 
 @pytest.fixture(scope="module")
 def server(data_dir) -> Iterator[Server]:
-    s = Server(data_dir, "--n-ctx", "2048")
+    s = Server(data_dir, "--n-ctx", "2048", env={"MESHGATE_CLUSTER_SECRET": SECRET})
     yield s
     s.stop()
 
@@ -171,12 +173,12 @@ def test_non_streaming_client_that_leaves_cancels_generation(server):
     thread.start()
     seen_active = False
     while not gone.wait(0.2):
-        seen_active = seen_active or httpx.get(health_url, timeout=5).json()["active_sequences"] == 1
+        seen_active = seen_active or httpx.get(health_url, headers=RUNNER, timeout=5).json()["active_sequences"] == 1
     thread.join()
     assert seen_active, "the generation never started"
     deadline, health = time.monotonic() + 10, {}
     while time.monotonic() < deadline:
-        health = httpx.get(health_url, timeout=5).json()
+        health = httpx.get(health_url, headers=RUNNER, timeout=5).json()
         if health["active_sequences"] == 0 and health["active"] == 0:
             break
         time.sleep(0.2)

@@ -21,6 +21,7 @@ import pytest
 from backends.base import ModelCard
 from backends.mlx import LaunchedRank, MlxBackend
 from backends.placement import Candidate, NodeId, Shard
+from backends.runner import secret as cluster_secret
 from protocols.model import Failed, Finished, Request, Sampling, TextDelta, Usage
 from tests.mlx.test_mlx_engine import HERE, _mlx, mlx_python
 
@@ -108,7 +109,7 @@ def test_two_ranks_joined_by_the_backend_serve_the_single_process_text_and_stop_
         tiny_dir: Path, tmp_path: Path, single_texts: list[str], strategy: str) -> None:
     async def body(backend, card, plan, launched) -> dict[str, Any]:
         head = launched["a"]
-        health = (await backend.http.get(f"{head.url}/health")).json()
+        health = (await backend.http.get(f"{head.url}/health", headers=cluster_secret.headers())).json()
         texts = []
         for prompt in PROMPTS:
             events = await generate(backend, card, plan, launched, request(prompt))
@@ -176,7 +177,8 @@ def test_a_follower_that_is_never_joined_gives_up(tiny_dir: Path, tmp_path: Path
             follower = await backend.launch(card, plan, plan.shards[0], host="127.0.0.1", peers=None)  # type: ignore[arg-type]
             started = time.monotonic()
             try:
-                assert (await http.get(f"{follower.url}/ring")).json()["ring"].startswith("127.0.0.1:")
+                ring = (await http.get(f"{follower.url}/ring", headers=cluster_secret.headers())).json()["ring"]
+                assert ring.startswith("127.0.0.1:")
                 while follower.alive and time.monotonic() - started < 20:
                     await asyncio.sleep(0.1)
                 return follower.alive, time.monotonic() - started

@@ -34,12 +34,16 @@ TOKENS = 12
 N_CTX = 512
 
 
+SECRET = "mlx-cluster-test-secret"  # every process's, so these tests may read the head runner's /health
+RUNNER = {"authorization": f"Bearer {SECRET}"}
+
+
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory, data_dir, converted_gemma: Path) -> Iterator[Server]:
     # a node's time-to-live well above a load's CPU stall on two cores: only process deaths should fail ranks here
     env = {"MESHGATE_MODELS": str(converted_gemma), "MESHGATE_MLX_PYTHON": str(mlx_python()),
            "MESHGATE_DISABLED_PLUGINS": "vllm", "MESHGATE_HEARTBEAT": "0.5", "MESHGATE_NODE_TTL": "15",
-           "MESHGATE_LINK_PROBE_EVERY": "2"}
+           "MESHGATE_LINK_PROBE_EVERY": "2", "MESHGATE_CLUSTER_SECRET": SECRET}
     with linked_cluster(tmp_path_factory, data_dir, "mlx", n_ctx=N_CTX, env=env, nodes={"a": {}, "b": {}}) as (
             gateway, _):
         yield gateway
@@ -94,7 +98,7 @@ def together(gateway: Server, ready: dict) -> tuple[list[str], int]:
     with ThreadPoolExecutor(2 * len(PROMPTS)) as pool:
         found = list(pool.map(one, PROMPTS * 2))
     head = min(ready["placement"]["shards"], key=lambda s: (s["layer_start"], s["tensor_rank"]))["node_id"]
-    return found, httpx.get(f"{ready['runners'][head]['url']}/health").json()["batch"]["widest"]
+    return found, httpx.get(f"{ready['runners'][head]['url']}/health", headers=RUNNER).json()["batch"]["widest"]
 
 
 @pytest.fixture(scope="module")
@@ -120,7 +124,7 @@ def test_two_ranks_give_the_single_rank_text_through_all_protocols(cluster, refe
     else:
         assert sorted(s["tensor_rank"] for s in placement["shards"]) == [0, 1]
     head = min(placement["shards"], key=lambda s: (s["layer_start"], s["tensor_rank"]))["node_id"]
-    health = httpx.get(f"{ready['runners'][head]['url']}/health").json()
+    health = httpx.get(f"{ready['runners'][head]['url']}/health", headers=RUNNER).json()
     assert health["ranks"] == 2 and health["sharding"] == strategy
     assert texts(cluster) == reference
     batched, widest = together(cluster, ready)

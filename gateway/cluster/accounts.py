@@ -1,0 +1,172 @@
+"""API key records and the sliding-window counters behind rate limits, in memory or in Redis.
+
+Keys are stored hashed (``ApiKey.digest``: SHA-256 of the key, which is random and long, so a fast hash is
+enough); the key itself is shown once, when it is made. Without Redis the records live in
+``<data_dir>/keys.json`` (mode 0600) so they survive a restart; with Redis every gateway shares them.
+
+Limits count with a sliding window over two fixed windows (the previous window's count weighted by how much of
+it still overlaps the last ``window`` seconds, plus the current one): 3 requests at :59 and 3 at :00 are 6 in
+the last minute, not 3 and 3. Each counted name holds two small counters that expire; the memory version also
+caps how many names it keeps, so random callers cannot grow it without bound.
+
+    Redis keys (under the store's prefix):
+    keys                 hash    key id -> ApiKey JSON
+    window:{name}:{slot} string  a counter, expiring after two windows
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+from collections import OrderedDict
+from pathlib import Path
+from typing import Literal, Protocol
+
+import msgspec
+import redis.asyncio as aioredis
+
+__all__ = ["ApiKey", "Accounts", "MemoryAccounts", "RedisAccounts", "Scope", "retry_after"]
+
+Scope = Literal["inference", "admin"]
+
+
+class ApiKey(msgspec.Struct, frozen=True, kw_only=True):
+    """A stored key: never the key itself, only its digest."""
+
+    id: str
+    name: str
+    scope: Scope = "inference"
+    models: tuple[str, ...] = ()  # the models it may use; empty: all
+    rpm: int = 0  # requests per minute; 0: the gateway's MESHGATE_RATE_LIMIT
+    tpm: int = 0  # prompt + generated tokens per minute; 0: no limit
+    created: float = 0.0
+    digest: str = ""
+
+
+class Accounts(Protocol):
+    async def put_key(self, key: ApiKey) -> None: ...
+    async def get_key(self, key_id: str) -> ApiKey | None: ...
+    async def keys(self) -> list[ApiKey]: ...
+    async def delete_key(self, key_id: str) -> bool: ...
+    async def window(self, name: str, amount: int, limit: int, window: float = 60.0) -> tuple[bool, float]:
+        """Count ``amount`` on ``name`` unless that takes the last ``window`` seconds past ``limit`` (0: no
+        limit, always counted). Returns (counted, the count in the window before this amount)."""
+        ...
+
+    async def close(self) -> None: ...
+
+
+def _slot(window: float, now: float) -> tuple[int, float]:
+    """The current fixed window's number and how much of the previous one still overlaps (0..1]."""
+    slot = math.floor(now / window)
+    return slot, 1.0 - (now - slot * window) / window
+
+
+def retry_after(count: float, amount: int, limit: int, window: float = 60.0) -> float:
+    """Seconds until ``amount`` more fits under ``limit``, roughly (the previous window's share fades linearly)."""
+    over = count + amount - limit
+    return max(1.0, min(window, math.ceil(window * over / max(limit, 1))))
+
+
+class MemoryAccounts:
+    """One process's keys (persisted to ``path`` when given) and counters (at most ``max_names`` names)."""
+
+    def __init__(self, path: Path | None = None, max_names: int = 100_000) -> None:
+        self.path = path
+        self.max_names = max_names
+        self._keys: dict[str, ApiKey] = {}
+        self._windows: OrderedDict[str, tuple[int, int, int]] = OrderedDict()  # name -> (slot, previous, current)
+        if path is not None and path.exists():
+            for item in json.loads(path.read_text() or "[]"):
+                key = msgspec.convert(item, ApiKey)
+                self._keys[key.id] = key
+
+    def _save(self) -> None:
+        if self.path is None:
+            return
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = self.path.with_suffix(".tmp")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "wb") as f:
+            f.write(msgspec.json.encode(list(self._keys.values())))
+        os.replace(tmp, self.path)
+
+    async def put_key(self, key: ApiKey) -> None:
+        self._keys[key.id] = key
+        self._save()
+
+    async def get_key(self, key_id: str) -> ApiKey | None:
+        return self._keys.get(key_id)
+
+    async def keys(self) -> list[ApiKey]:
+        return sorted(self._keys.values(), key=lambda k: k.created)
+
+    async def delete_key(self, key_id: str) -> bool:
+        gone = self._keys.pop(key_id, None) is not None
+        if gone:
+            self._save()
+        return gone
+
+    async def window(self, name: str, amount: int, limit: int, window: float = 60.0) -> tuple[bool, float]:
+        slot, share = _slot(window, time.time())
+        old_slot, previous, current = self._windows.pop(name, (slot, 0, 0))
+        if old_slot != slot:  # moved on: the current window became the previous one (or both are stale)
+            previous, current = (current if old_slot == slot - 1 else 0), 0
+        count = previous * share + current
+        counted = not limit or count + amount <= limit
+        self._windows[name] = (slot, previous, current + amount if counted else current)  # most recent last
+        while len(self._windows) > self.max_names:  # the least recently counted names go first
+            self._windows.popitem(last=False)
+        return counted, count
+
+    async def close(self) -> None:
+        return None
+
+
+# KEYS: current window, previous window. ARGV: share of the previous, amount, limit, expiry (ms).
+_WINDOW = """
+local current = tonumber(redis.call('GET', KEYS[1]) or '0')
+local count = tonumber(redis.call('GET', KEYS[2]) or '0') * tonumber(ARGV[1]) + current
+local amount, limit = tonumber(ARGV[2]), tonumber(ARGV[3])
+if limit > 0 and count + amount > limit then return {0, tostring(count)} end
+if amount > 0 then
+  redis.call('INCRBY', KEYS[1], amount)
+  redis.call('PEXPIRE', KEYS[1], ARGV[4])
+end
+return {1, tostring(count)}
+"""
+
+
+class RedisAccounts:
+    """Keys and counters in Redis at ``url``, shared by every gateway."""
+
+    def __init__(self, url: str, prefix: str = "meshgate:") -> None:
+        self.prefix = prefix
+        self._r = aioredis.Redis.from_url(url)
+        self._window = self._r.register_script(_WINDOW)
+
+    async def put_key(self, key: ApiKey) -> None:
+        await self._r.hset(self.prefix + "keys", key.id, msgspec.json.encode(key))
+
+    async def get_key(self, key_id: str) -> ApiKey | None:
+        raw = await self._r.hget(self.prefix + "keys", key_id)
+        return msgspec.json.decode(raw, type=ApiKey) if raw else None
+
+    async def keys(self) -> list[ApiKey]:
+        raw = await self._r.hvals(self.prefix + "keys")
+        return sorted((msgspec.json.decode(r, type=ApiKey) for r in raw), key=lambda k: k.created)
+
+    async def delete_key(self, key_id: str) -> bool:
+        return bool(await self._r.hdel(self.prefix + "keys", key_id))
+
+    async def window(self, name: str, amount: int, limit: int, window: float = 60.0) -> tuple[bool, float]:
+        slot, share = _slot(window, time.time())
+        base = f"{self.prefix}window:{name}:"
+        counted, count = await self._window(keys=[f"{base}{slot}", f"{base}{slot - 1}"],
+                                            args=[repr(share), amount, limit, int(window * 2000)])
+        return bool(counted), float(count)
+
+    async def close(self) -> None:
+        await self._r.aclose()

@@ -1,0 +1,189 @@
+"""The cluster secret: runner processes, their control endpoints and the node agents' probes answer only callers
+that present it; ``RunnerClient`` and the agents present it; it reaches a runner through its environment, never its
+command line; the state stores hand every process the first one proposed.
+
+Runners here are real processes started by ``RunnerProcess`` serving a tiny engine over real sockets.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from backends.runner import secret as cluster_secret
+from backends.runner.client import RunnerClient
+from backends.runner.control import JsonHandler, serve_control
+from backends.runner.process import RunnerProcess
+from gateway.cluster.agent import NodeAgent
+from gateway.cluster.store import MemoryStore, RedisStore, StateStore
+from protocols.model import BackendProtocolError, Failed, Finished, Request, TextDelta
+from tests.cluster.conftest import redis_server  # noqa: F401 (a fixture)
+
+SECRET = "test-cluster-secret-0123456789"
+REQUEST = Request(model="m", raw_prompt="hi", stream=True)
+
+ENGINE = """
+from backends.runner.server import serve
+from protocols.model import Finished, TextDelta, Usage
+
+class Engine:
+    calls = 0
+
+    def generate(self, request, cancel):
+        Engine.calls += 1
+        yield Usage(prompt_tokens=1)
+        yield TextDelta(text="hello")
+        yield Finished(reason="stop")
+
+    def count_tokens(self, request, cancel):
+        Engine.calls += 1
+        return {"count": 3}
+
+    def health(self):
+        return {"status": "ok", "calls": Engine.calls}
+
+serve(Engine())
+"""
+
+
+@pytest.fixture
+def secret() -> Iterator[str]:
+    """This process's cluster secret set to ``SECRET`` for the test, as the control plane does."""
+    before = cluster_secret._current
+    cluster_secret.use(SECRET)
+    yield SECRET
+    cluster_secret._current = before
+
+
+@pytest.fixture
+async def runner(secret: str) -> AsyncIterator[RunnerProcess]:
+    process = await RunnerProcess.start([sys.executable, "-c", ENGINE], name="secret-test", ready_timeout=60)
+    yield process
+    await process.stop()
+
+
+def url(process: RunnerProcess) -> str:
+    return f"http://127.0.0.1:{process.port}"
+
+
+BODY = b'{"model":"m","raw_prompt":"hi","stream":true}'
+CALLS = [("GET", "/health"), ("POST", "/generate"), ("POST", "/tokenize"), ("POST", "/embed"), ("GET", "/nowhere")]
+
+
+async def test_a_runner_refuses_every_call_without_the_secret_and_runs_nothing(runner: RunnerProcess) -> None:
+    async with httpx.AsyncClient(base_url=url(runner), trust_env=False) as http:
+        for headers in ({}, {"authorization": "Bearer wrong"}, {"authorization": f"Basic {SECRET}"},
+                        {"x-meshgate-secret": SECRET[:-1]}, {"authorization": "Bearer"}):
+            for method, path in CALLS:
+                reply = await http.request(method, path, content=BODY if method == "POST" else None, headers=headers)
+                assert reply.status_code == 401, (method, path, headers, reply.text)
+                assert reply.json()["error"]["kind"] == "AuthenticationFailed"
+                assert reply.headers["www-authenticate"] == "Bearer"
+        health = await http.get("/health", headers={"x-meshgate-secret": SECRET})
+        assert health.status_code == 200 and health.json()["calls"] == 0, "nothing ran for the refused calls"
+        health = await http.get("/health", headers={"authorization": f"bearer {SECRET}"})
+        assert health.status_code == 200 and health.json()["finished"] == 0
+
+
+async def test_runner_client_presents_the_secret(runner: RunnerProcess) -> None:
+    async with httpx.AsyncClient(trust_env=False) as http:
+        client = RunnerClient(url(runner), http)
+        events = [e async for e in client.generate(REQUEST)]
+        assert [e for e in events if isinstance(e, TextDelta)] == [TextDelta(text="hello")]
+        assert isinstance(events[-1], Finished)
+        assert await client.count_tokens(REQUEST) == 3
+        assert (await client.health())["calls"] == 2
+
+
+async def test_a_client_with_another_secret_gets_a_backend_error_not_an_auth_error(runner: RunnerProcess) -> None:
+    async with httpx.AsyncClient(trust_env=False) as http:
+        client = RunnerClient(url(runner), http, secret="another-clusters-secret")
+        [failed] = [e async for e in client.generate(REQUEST)]
+        assert isinstance(failed, Failed) and failed.error.kind == "BackendProtocolError", failed
+        with pytest.raises(BackendProtocolError, match="cluster secret"):
+            await client.count_tokens(REQUEST)
+        assert (await RunnerClient(url(runner), http).health())["calls"] == 0
+
+
+async def test_the_secret_travels_in_the_environment_not_the_command_line(runner: RunnerProcess) -> None:
+    assert SECRET.encode() not in Path(f"/proc/{runner.pid}/cmdline").read_bytes()
+    assert f"{cluster_secret.ENV}={SECRET}".encode() in Path(f"/proc/{runner.pid}/environ").read_bytes().split(b"\0")
+
+
+def test_control_endpoints_demand_the_secret_of_their_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    class Handler(JsonHandler):
+        def do_GET(self) -> None:
+            self.reply(200, {"ok": True})
+
+        def do_POST(self) -> None:
+            self.reply(200, {"joined": self.body()})
+
+    monkeypatch.setenv(cluster_secret.ENV, SECRET)
+    server = serve_control("127.0.0.1", 0, Handler, "secret-test")
+    try:
+        base = f"http://127.0.0.1:{server.server_address[1]}"
+        with httpx.Client(base_url=base, trust_env=False, timeout=10) as http:
+            assert http.get("/ring").status_code == 401
+            assert http.post("/join", json={"rank": 1}, headers={"authorization": "Bearer no"}).status_code == 401
+            assert http.get("/ring", headers={"authorization": f"Bearer {SECRET}"}).json() == {"ok": True}
+            assert http.post("/join", json={"rank": 1}, headers={"x-meshgate-secret": SECRET}).json() == \
+                {"joined": {"rank": 1}}
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+async def _agent(store: StateStore, name: str, secret: str | None) -> NodeAgent:
+    agent = NodeAgent(store, [], lambda model: None, choose=lambda **_: None, name=name, flops=1e9,
+                      probe_bytes=1 << 20, secret=secret)  # type: ignore[arg-type]
+    await agent.start()
+    return agent
+
+
+async def test_agents_probe_each_other_with_the_secret_and_refuse_strangers() -> None:
+    store = MemoryStore()
+    a, b = await _agent(store, "a", SECRET), await _agent(store, "b", SECRET)
+    stranger = await _agent(store, "stranger", "some-other-secret")
+    try:
+        async with httpx.AsyncClient(trust_env=False) as http:
+            assert (await http.get(f"{a.agent_url}/ping")).status_code == 401
+            assert (await http.get(f"{a.agent_url}/blob", params={"bytes": 1 << 20})).status_code == 401
+            assert (await http.get(f"{a.agent_url}/ping", headers={"x-meshgate-secret": "nope"})).status_code == 401
+            assert (await http.get(f"{a.agent_url}/ping", headers={"authorization": f"Bearer {SECRET}"})).text == "pong"
+        assert {link.dst for link in await a.probe_links()} == {"b"}, "the stranger's agent refused a's probes"
+        assert await stranger.probe_links() == [], "a and b refused the stranger's probes"
+    finally:
+        for agent in (a, b, stranger):
+            await agent.close()
+        await store.close()
+
+
+@pytest.mark.parametrize("kind", ["memory", "redis"])
+async def test_stores_hand_everyone_the_first_proposed_secret(kind: str, request: pytest.FixtureRequest) -> None:
+    if kind == "memory":
+        first = second = MemoryStore()
+    else:
+        server = request.getfixturevalue("redis_server")
+        prefix = f"secret-{id(request)}:"
+        first, second = RedisStore(server.url, prefix=prefix), RedisStore(server.url, prefix=prefix)
+    try:
+        proposals = ["first-proposal", "second-proposal", "third-proposal"]
+        stores = [first, second, first]
+        got = await asyncio.gather(*(s.cluster_secret(p) for s, p in zip(stores, proposals, strict=True)))
+        assert len(set(got)) == 1 and got[0] in proposals
+        assert await second.cluster_secret("later") == got[0]
+    finally:
+        await first.close()
+        if second is not first:
+            await second.close()
+
+
+def test_a_secret_that_cannot_travel_in_a_header_is_refused() -> None:
+    for bad in ("", "two words", "line\r\nx-injected: 1", "caf\u00e9"):
+        with pytest.raises(ValueError):
+            cluster_secret.use(bad)

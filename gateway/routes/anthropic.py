@@ -29,10 +29,11 @@ async def messages(request: HttpRequest) -> Response:
     meta = new_meta(internal.model)
     # only the prompt is checked: clients send max_tokens far beyond small contexts, and the runner caps the
     # output at the room left
-    events = await dispatcher_of(request).open_stream(internal, **who(request), fit=Fit.PROMPT)
+    opening = dispatcher_of(request).open_stream(internal, **who(request), fit=Fit.PROMPT)
     if internal.stream:
+        events = await opening
         return stream_response(anthropic.encode_message_stream(events, meta), SSE)
-    return json_response(anthropic.encode_message_response(await collect_or_cancel(request, events), meta))
+    return json_response(anthropic.encode_message_response(await collect_or_cancel(request, opening), meta))
 
 
 @post(["/v1/messages/count_tokens"], status_code=200)

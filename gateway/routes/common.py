@@ -6,7 +6,7 @@ import asyncio
 import contextlib
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 from litestar import Request as HttpRequest
@@ -61,19 +61,29 @@ class ClientGone(HTTPException):
     status_code = 499  # nginx's "client closed request"
 
 
-async def collect_or_cancel(request: HttpRequest, events: AsyncIterator[Event]) -> model.Response:
-    """``protocols.model.collect(events)`` for a non-streaming answer, cancelled with the generation if the client
-    disconnects meanwhile.
+async def collect_or_cancel(request: HttpRequest, opening: Awaitable[AsyncIterator[Event]]) -> model.Response:
+    """``protocols.model.collect`` of the stream ``opening`` gives, for a non-streaming answer, cancelled if the
+    client disconnects first: while the request waits for its model or its turn in the queue (it leaves the
+    queue), or while the answer is generated (the generation stops).
 
     Litestar does not cancel a handler when its client goes (a streaming response notices when a write fails), so
-    the request's ASGI receive channel is watched for ``http.disconnect`` while the answer is collected; closing
-    the event stream closes the runner's stream, which cancels the generation on the runner.
+    the request's ASGI receive channel is watched for ``http.disconnect`` meanwhile; closing the event stream
+    closes the runner's stream, which cancels the generation on the runner.
 
     Raises:
         ClientGone: the client disconnected first.
-        GatewayError: as ``protocols.model.collect``.
+        GatewayError: as ``Dispatcher.open_stream`` and ``protocols.model.collect``.
     """
-    collecting = asyncio.ensure_future(model.collect(events))
+
+    async def answer() -> model.Response:
+        events = await opening
+        try:
+            return await model.collect(events)
+        finally:
+            if hasattr(events, "aclose"):
+                await events.aclose()  # releases the runner's stream (a no-op once it ended)
+
+    collecting = asyncio.ensure_future(answer())
     watching = asyncio.ensure_future(_disconnect(request))
     try:
         await asyncio.wait({collecting, watching}, return_when=asyncio.FIRST_COMPLETED)
@@ -86,8 +96,6 @@ async def collect_or_cancel(request: HttpRequest, events: AsyncIterator[Event]) 
                 task.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
                     await task
-        if hasattr(events, "aclose"):
-            await events.aclose()  # releases the runner's stream (a no-op once it ended)
 
 
 async def _disconnect(request: HttpRequest) -> None:

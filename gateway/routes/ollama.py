@@ -106,12 +106,13 @@ async def _run(request: HttpRequest, wire: ollama.ChatRequest | ollama.GenerateR
         return json_response(ollama.encode_load_response(internal.model, meta, unloaded=unload, chat=chat))
     # Ollama's /api/chat drops the oldest turns to fit the context unless told ``truncate: false``
     fit = Fit.DROP_OLDEST if chat and wire.truncate is not False else Fit.PROMPT
-    events = await dispatcher.open_stream(internal, **who(request), fit=fit, clamp_output=True)
+    opening = dispatcher.open_stream(internal, **who(request), fit=fit, clamp_output=True)
     if internal.stream:
+        events = await opening
         encode = ollama.encode_chat_stream if chat else ollama.encode_generate_stream
         return stream_response(_then(encode(events, meta), after), NDJSON)
     encode_one = ollama.encode_chat_response if chat else ollama.encode_generate_response
-    body = encode_one(await collect_or_cancel(request, events), meta)
+    body = encode_one(await collect_or_cancel(request, opening), meta)
     await after()
     return json_response(body)
 

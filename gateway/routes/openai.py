@@ -43,10 +43,11 @@ async def chat_completions(request: HttpRequest) -> Response:
     wire = decode_body(await request.body(), openai.ChatRequest)
     internal = openai.chat_to_internal(wire)
     meta = new_meta(internal.model)
-    events = await dispatcher_of(request).open_stream(internal, **who(request), fit=Fit.PROMPT_AND_OUTPUT)
+    opening = dispatcher_of(request).open_stream(internal, **who(request), fit=Fit.PROMPT_AND_OUTPUT)
     if internal.stream:
+        events = await opening
         return stream_response(openai.encode_chat_stream(events, meta, include_usage=openai.wants_usage(wire)), SSE)
-    return json_response(openai.encode_chat_response(await collect_or_cancel(request, events), meta))
+    return json_response(openai.encode_chat_response(await collect_or_cancel(request, opening), meta))
 
 
 @post(["/v1/completions"], status_code=200, opt={"limited": True})
@@ -54,11 +55,12 @@ async def completions(request: HttpRequest) -> Response:
     wire = decode_body(await request.body(), openai_completions.CompletionRequest)
     internal = openai_completions.completion_to_internal(wire)
     meta = new_meta(internal.model)
-    events = await dispatcher_of(request).open_stream(internal, **who(request), fit=Fit.PROMPT_AND_OUTPUT)
+    opening = dispatcher_of(request).open_stream(internal, **who(request), fit=Fit.PROMPT_AND_OUTPUT)
     if internal.stream:
+        events = await opening
         return stream_response(
             openai_completions.encode_completion_stream(events, meta, include_usage=openai.wants_usage(wire)), SSE)
-    return json_response(openai_completions.encode_completion_response(await collect_or_cancel(request, events), meta))
+    return json_response(openai_completions.encode_completion_response(await collect_or_cancel(request, opening), meta))
 
 
 @post(["/v1/responses", "/responses"], status_code=200, opt={"limited": True})
@@ -66,10 +68,11 @@ async def responses(request: HttpRequest) -> Response:
     wire = decode_body(await request.body(), openai_responses.ResponsesRequest)
     internal = openai_responses.responses_to_internal(wire)
     meta = new_meta(internal.model)
-    events = await dispatcher_of(request).open_stream(internal, **who(request), fit=Fit.PROMPT_AND_OUTPUT)
+    opening = dispatcher_of(request).open_stream(internal, **who(request), fit=Fit.PROMPT_AND_OUTPUT)
     if internal.stream:
+        events = await opening
         return stream_response(openai_responses.encode_response_stream(events, meta), SSE)
-    return json_response(openai_responses.encode_response(await collect_or_cancel(request, events), meta))
+    return json_response(openai_responses.encode_response(await collect_or_cancel(request, opening), meta))
 
 
 @post(["/v1/embeddings", "/embeddings"], status_code=200, opt={"limited": True})

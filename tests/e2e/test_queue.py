@@ -149,6 +149,25 @@ async def test_a_streaming_client_that_leaves_while_queued_leaves_the_queue(serv
         assert (await running).status_code == 200
 
 
+@pytest.mark.parametrize("path, body", [
+    ("/v1/chat/completions", _chat("hello")),
+    ("/v1/messages", {"model": "scripted", "max_tokens": 8, "messages": [{"role": "user", "content": "hello"}]}),
+    ("/api/generate", {"model": "scripted", "prompt": "hello", "stream": False}),
+])
+async def test_a_non_streaming_client_that_leaves_while_queued_leaves_the_queue(server, path, body):
+    async with httpx.AsyncClient(base_url=server.url, timeout=30) as http:
+        running = asyncio.create_task(http.post("/v1/chat/completions", json=_chat("sleep 3")))
+        await _until(server, active=1)
+        waiting = asyncio.create_task(http.post(path, json=body, headers=ANTHROPIC))
+        assert (await _until(server, queued=1))["queued"] == 1
+        waiting.cancel()  # the client gives up: its connection closes
+        with pytest.raises(asyncio.CancelledError):
+            await waiting
+        queue = await _until(server, queued=0)
+        assert queue["queued"] == 0 and not running.done(), "it left the queue while the first still runs"
+        assert (await running).status_code == 200
+
+
 def test_context_refused_per_protocol_before_generation(server):
     """2,000 words against a 1,024-token context: each protocol's own refusal, never an echo."""
     long = " ".join(["w"] * 2000)

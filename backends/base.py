@@ -16,8 +16,8 @@ from typing import Protocol, runtime_checkable
 
 import msgspec
 
-from backends.placement import Candidate, ModelSpec, Shard, ShardCosts, Strategy
-from protocols.model import EmbedRequest, Embeddings, Event, ImagePart, Request, UnsupportedFeature
+from meshgate.backends.placement import Candidate, ModelSpec, Shard, ShardCosts, Strategy
+from meshgate.protocols.model import EmbedRequest, Embeddings, Event, ImagePart, Request, UnsupportedFeature
 
 __all__ = ["Backend", "Capabilities", "InProcess", "Launched", "ModelCard", "ModelSource", "Peers", "Runner",
            "check_capabilities", "check_embeddings"]

@@ -24,8 +24,8 @@ from math import prod
 from pathlib import Path
 from typing import Any, BinaryIO
 
-from backends.base import ModelCard
-from backends.placement import ModelSpec
+from meshgate.backends.base import ModelCard
+from meshgate.backends.placement import ModelSpec
 
 __all__ = ["MESHGATE_FILE", "CheckpointSource", "SafetensorsWriter", "card_from_checkpoint", "checkpoint_itemsize",
            "is_checkpoint", "read_safetensors_header", "spec_from_checkpoint"]

@@ -278,7 +278,7 @@ class RawDecoder:
 
 
 def packaged_gguf(data_dir: Path) -> Path:
-    from backends.llama_cpp.sources import PackagedGGUFSource
+    from meshgate.backends.llama_cpp.sources import PackagedGGUFSource
 
     return Path(PackagedGGUFSource(data_dir / "models").models()[0].path)
 

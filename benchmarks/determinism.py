@@ -18,9 +18,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from backends.llama_cpp.engine import LlamaEngine  # noqa: E402
-from backends.llama_cpp.sources import PackagedGGUFSource  # noqa: E402
-from protocols.model import Message, Request, Sampling, TextDelta, TextPart  # noqa: E402
+from meshgate.backends.llama_cpp.engine import LlamaEngine  # noqa: E402
+from meshgate.backends.llama_cpp.sources import PackagedGGUFSource  # noqa: E402
+from meshgate.protocols.model import Message, Request, Sampling, TextDelta, TextPart  # noqa: E402
 
 SUBJECTS = ["the sea", "a mountain", "bread", "the moon", "a violin", "winter", "a red bicycle", "the library",
             "coffee", "a lighthouse", "rain", "an old clock", "the desert", "a garden", "trains", "the city at night"]

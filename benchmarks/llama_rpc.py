@@ -23,9 +23,9 @@ import httpx
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from backends.runner.client import RunnerClient  # noqa: E402
-from backends.runner.process import RunnerProcess  # noqa: E402
-from protocols.model import Request, Sampling, collect  # noqa: E402
+from meshgate.backends.runner.client import RunnerClient  # noqa: E402
+from meshgate.backends.runner.process import RunnerProcess  # noqa: E402
+from meshgate.protocols.model import Request, Sampling, collect  # noqa: E402
 
 PROMPT = ("Run {n}. The history of the printing press begins in the fifteenth century, when movable type changed "
           "how books were made. ") * 6
@@ -37,7 +37,7 @@ def rss_mib(pid: int) -> float:
 
 
 async def worker(threads: int) -> RunnerProcess:
-    return await RunnerProcess.start([sys.executable, "-m", "backends.llama_cpp.rpc", "--host", "127.0.0.1",
+    return await RunnerProcess.start([sys.executable, "-m", "meshgate.backends.llama_cpp.rpc", "--host", "127.0.0.1",
                                       "--port", "0", "--threads", str(threads)], name="worker")
 
 
@@ -45,7 +45,7 @@ async def configuration(gguf: str, layout: list[tuple[int | None, int, int]], he
                         worker_threads: list[int], tokens: int, runs: int) -> dict:
     workers = [await worker(t) for t in worker_threads]
     shards = [(None if w is None else f"127.0.0.1:{workers[w].port}", a, b) for w, a, b in layout]
-    head = await RunnerProcess.start([sys.executable, "-m", "backends.llama_cpp.runner", "--model", gguf,
+    head = await RunnerProcess.start([sys.executable, "-m", "meshgate.backends.llama_cpp.runner", "--model", gguf,
                                       "--n-ctx", "1024", "--threads", str(head_threads),
                                       "--shards", json.dumps(shards)], name="head")
     try:

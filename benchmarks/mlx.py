@@ -34,10 +34,10 @@ import httpx
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from backends.base import ModelCard  # noqa: E402
-from backends.mlx import MlxBackend  # noqa: E402
-from backends.placement import Candidate, NodeId, Shard  # noqa: E402
-from protocols.model import Request, Sampling, TextDelta, Usage  # noqa: E402
+from meshgate.backends.base import ModelCard  # noqa: E402
+from meshgate.backends.mlx import MlxBackend  # noqa: E402
+from meshgate.backends.placement import Candidate, NodeId, Shard  # noqa: E402
+from meshgate.protocols.model import Request, Sampling, TextDelta, Usage  # noqa: E402
 
 PROMPT = ("The history of the printing press begins in the fifteenth century, when movable type changed how books "
           "were made. ") * 6
@@ -134,8 +134,8 @@ async def streams(backend: MlxBackend, card: ModelCard, n: int, tokens: int) -> 
 def default_model() -> Path:
     target = ROOT / ".cache" / "test-data" / "converted" / "gemma3-270m-bf16"
     if not (target / "config.json").exists():
-        from backends.llama_cpp.convert import convert
-        from backends.llama_cpp.sources import PackagedGGUFSource
+        from meshgate.backends.llama_cpp.convert import convert
+        from meshgate.backends.llama_cpp.sources import PackagedGGUFSource
 
         gguf = PackagedGGUFSource(ROOT / ".cache" / "test-data" / "models").models()[0].path
         convert(gguf, target, dtype="bfloat16", name="gemma3:270m-bf16")

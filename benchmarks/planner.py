@@ -21,8 +21,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from backends.placement import Link, ModelSpec, Node, NodeId, Topology  # noqa: E402
-from gateway.cluster.planner import BackendOffer, plan  # noqa: E402
+from meshgate.backends.placement import Link, ModelSpec, Node, NodeId, Topology  # noqa: E402
+from meshgate.gateway.cluster.planner import BackendOffer, plan  # noqa: E402
 
 GiB = 1 << 30
 RACK = 10

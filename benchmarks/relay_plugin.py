@@ -25,13 +25,13 @@ from typing import Any
 
 import msgspec
 
-from backends.base import Backend, Capabilities, ModelCard, ModelSource, Peers
-from backends.placement import Candidate, ModelSpec, Shard, ShardCosts
-from backends.runner.client import RunnerClient
-from backends.runner.process import RunnerProcess
-from backends.runner.server import READY_LINE, exit_when_parent_goes
-from plugins.hookspecs import hookimpl
-from protocols.model import Embeddings, EmbedRequest, Event, Finished, Request, TextDelta, UnsupportedFeature, Usage
+from meshgate.backends.base import Backend, Capabilities, ModelCard, ModelSource, Peers
+from meshgate.backends.placement import Candidate, ModelSpec, Shard, ShardCosts
+from meshgate.backends.runner.client import RunnerClient
+from meshgate.backends.runner.process import RunnerProcess
+from meshgate.backends.runner.server import READY_LINE, exit_when_parent_goes
+from meshgate.plugins.hookspecs import hookimpl
+from meshgate.protocols.model import Embeddings, EmbedRequest, Event, Finished, Request, TextDelta, UnsupportedFeature, Usage
 
 CARD = ModelCard(name="relay:latest", path="", format="relay", family="relay", parameter_size="0", size=1,
                  digest="2" * 64, created=1_700_000_000.0, context_length=8192)

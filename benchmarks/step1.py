@@ -41,7 +41,7 @@ class Direct:
     def __init__(self, path: str, threads: int) -> None:
         from llama_cpp import Llama
 
-        from backends.llama_cpp.rpc import weight_repacking
+        from meshgate.backends.llama_cpp.rpc import weight_repacking
 
         with weight_repacking(False):  # the setting meshgate's runners load with (MESHGATE_LLAMA_REPACK)
             self.llm = Llama(model_path=path, n_ctx=2048, n_threads=threads, n_threads_batch=threads,

@@ -26,10 +26,10 @@ import httpx
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from backends.checkpoints import card_from_checkpoint, spec_from_checkpoint  # noqa: E402
-from backends.placement import Candidate, NodeId, Shard  # noqa: E402
-from backends.vllm import VllmBackend  # noqa: E402
-from protocols.model import Finished, Request, Sampling, TextDelta, Usage  # noqa: E402
+from meshgate.backends.checkpoints import card_from_checkpoint, spec_from_checkpoint  # noqa: E402
+from meshgate.backends.placement import Candidate, NodeId, Shard  # noqa: E402
+from meshgate.backends.vllm import VllmBackend  # noqa: E402
+from meshgate.protocols.model import Finished, Request, Sampling, TextDelta, Usage  # noqa: E402
 
 PROMPT = ("The history of the printing press begins in the fifteenth century, when movable type changed how books "
           "were made. ")

@@ -24,7 +24,7 @@ from collections import OrderedDict, deque
 
 import msgspec
 
-from protocols.model import Overloaded
+from meshgate.protocols.model import Overloaded
 
 __all__ = ["Admission", "Load", "Ticket"]
 

@@ -18,19 +18,19 @@ from litestar import Litestar, Request, Response
 from litestar.exceptions import HTTPException
 from litestar.openapi import OpenAPIConfig
 
-from gateway.auth import KeyRing, authorize
-from gateway.cluster.accounts import MemoryAccounts, RedisAccounts
-from gateway.cluster.runtime import control_plane
-from gateway.openapi_bodies import describe_request_bodies
-from gateway.routes.common import error_response
-from gateway.routes import anthropic as anthropic_routes
-from gateway.routes import cluster as cluster_routes
-from gateway.routes import keys as key_routes
-from gateway.routes import ollama as ollama_routes
-from gateway.routes import openai as openai_routes
-from plugins.settings import Settings
-from protocols import anthropic, ollama, openai
-from protocols.model import MAX_JSON_DEPTH, GatewayError, InvalidRequest, NotFound, RequestTooLarge
+from meshgate.gateway.auth import KeyRing, authorize
+from meshgate.gateway.cluster.accounts import MemoryAccounts, RedisAccounts
+from meshgate.gateway.cluster.runtime import control_plane
+from meshgate.gateway.openapi_bodies import describe_request_bodies
+from meshgate.gateway.routes.common import error_response
+from meshgate.gateway.routes import anthropic as anthropic_routes
+from meshgate.gateway.routes import cluster as cluster_routes
+from meshgate.gateway.routes import keys as key_routes
+from meshgate.gateway.routes import ollama as ollama_routes
+from meshgate.gateway.routes import openai as openai_routes
+from meshgate.plugins.settings import Settings
+from meshgate.protocols import anthropic, ollama, openai
+from meshgate.protocols.model import MAX_JSON_DEPTH, GatewayError, InvalidRequest, NotFound, RequestTooLarge
 
 __all__ = ["create_app"]
 

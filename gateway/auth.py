@@ -31,8 +31,8 @@ from dataclasses import dataclass
 from litestar.connection import ASGIConnection
 from litestar.handlers.base import BaseRouteHandler
 
-from gateway.cluster.accounts import Accounts, ApiKey, Scope, retry_after
-from protocols.model import AuthenticationFailed, PermissionDenied, RateLimited, UnknownModel, Usage
+from meshgate.gateway.cluster.accounts import Accounts, ApiKey, Scope, retry_after
+from meshgate.protocols.model import AuthenticationFailed, PermissionDenied, RateLimited, UnknownModel, Usage
 
 __all__ = ["Caller", "KeyRing", "authorize", "caller_of"]
 

@@ -16,8 +16,8 @@ import logging
 import os
 import sys
 
-from plugins.manager import build_plugin_manager
-from plugins.settings import Settings
+from meshgate.plugins.manager import build_plugin_manager
+from meshgate.plugins.settings import Settings
 
 
 def _settings(args: argparse.Namespace) -> Settings:
@@ -36,7 +36,7 @@ def _settings(args: argparse.Namespace) -> Settings:
 def _serve(settings: Settings, args: argparse.Namespace) -> int:
     import uvicorn
 
-    from gateway.app import create_app
+    from meshgate.gateway.app import create_app
 
     _logging(settings)
     if not _loopback(settings.host) and not settings.api_keys and not _stored_keys(settings):
@@ -58,7 +58,7 @@ def _node(settings: Settings, args: argparse.Namespace) -> int:
     import asyncio
     import signal
 
-    from gateway.cluster.runtime import control_plane
+    from meshgate.gateway.cluster.runtime import control_plane
 
     if not settings.redis:
         print("meshgate node needs --redis URL (or MESHGATE_REDIS): the agents and gateways share it", file=sys.stderr)
@@ -79,7 +79,7 @@ def _node(settings: Settings, args: argparse.Namespace) -> int:
 
 
 def _models(settings: Settings, args: argparse.Namespace) -> int:
-    from gateway.dispatch import Catalog
+    from meshgate.gateway.dispatch import Catalog
 
     pm = build_plugin_manager(settings)
     sources: list = []
@@ -93,9 +93,9 @@ def _convert(settings: Settings, args: argparse.Namespace) -> int:
     import time
     from pathlib import Path
 
-    from backends.llama_cpp.convert import convert, default_name
-    from gateway.dispatch import Catalog
-    from protocols.model import UnknownModel
+    from meshgate.backends.llama_cpp.convert import convert, default_name
+    from meshgate.gateway.dispatch import Catalog
+    from meshgate.protocols.model import UnknownModel
 
     if args.data_dir:
         settings = settings.replace(data_dir=args.data_dir)

@@ -34,7 +34,7 @@ from collections.abc import Awaitable, Callable, Sequence
 
 import msgspec
 
-from protocols.model import (
+from meshgate.protocols.model import (
     ContextLengthExceeded,
     ImagePart,
     Message,

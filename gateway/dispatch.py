@@ -24,12 +24,12 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import TypeVar
 
-from backends.base import Backend, ModelCard, ModelSource, Runner, check_capabilities, check_embeddings
-from gateway.admission import Admission, Ticket
-from gateway.cluster.instances import InstanceManager
-from gateway.cluster.records import Instance, Ready
-from gateway.context_fit import Fit, cap_output, fit_context
-from protocols.model import (
+from meshgate.backends.base import Backend, ModelCard, ModelSource, Runner, check_capabilities, check_embeddings
+from meshgate.gateway.admission import Admission, Ticket
+from meshgate.gateway.cluster.instances import InstanceManager
+from meshgate.gateway.cluster.records import Instance, Ready
+from meshgate.gateway.context_fit import Fit, cap_output, fit_context
+from meshgate.protocols.model import (
     BackendUnavailable,
     EmbedRequest,
     Embeddings,

@@ -44,14 +44,14 @@ from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
 from typing import Any
 
-from backends.base import ModelCard
-from backends.llama_cpp.gguf import read_metadata
-from backends.llama_cpp.registry import ModelRegistry, RegistryFull, UserModel, sha256_file
-from gateway.cluster.records import Ready
-from gateway.dispatch import Dispatcher, normalize_model_name
-from plugins.settings import Settings
-from protocols import ollama_models
-from protocols.model import InvalidRequest, ModelInfo, NotFound, UnknownModel, UnsupportedFeature
+from meshgate.backends.base import ModelCard
+from meshgate.backends.llama_cpp.gguf import read_metadata
+from meshgate.backends.llama_cpp.registry import ModelRegistry, RegistryFull, UserModel, sha256_file
+from meshgate.gateway.cluster.records import Ready
+from meshgate.gateway.dispatch import Dispatcher, normalize_model_name
+from meshgate.plugins.settings import Settings
+from meshgate.protocols import ollama_models
+from meshgate.protocols.model import InvalidRequest, ModelInfo, NotFound, UnknownModel, UnsupportedFeature
 
 __all__ = ["apply_keep_alive", "copy", "create", "delete", "model_roots", "ps", "pull", "registry_of", "show"]
 

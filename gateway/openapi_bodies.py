@@ -31,7 +31,7 @@ from litestar.openapi.spec import (
     Schema,
 )
 
-from protocols import (
+from meshgate.protocols import (
     anthropic,
     ollama,
     ollama_embeddings,

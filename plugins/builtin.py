@@ -12,13 +12,13 @@ from pathlib import Path
 
 import httpx
 
-from backends.base import Backend, ModelSource
-from backends.checkpoints import CheckpointSource
-from backends.llama_cpp import LlamaCppBackend
-from backends.llama_cpp.registry import HidingSource, ModelRegistry, RegistrySource
-from backends.llama_cpp.sources import GGUFPathSource, PackagedGGUFSource
-from plugins.hookspecs import hookimpl
-from plugins.settings import Settings
+from meshgate.backends.base import Backend, ModelSource
+from meshgate.backends.checkpoints import CheckpointSource
+from meshgate.backends.llama_cpp import LlamaCppBackend
+from meshgate.backends.llama_cpp.registry import HidingSource, ModelRegistry, RegistrySource
+from meshgate.backends.llama_cpp.sources import GGUFPathSource, PackagedGGUFSource
+from meshgate.plugins.hookspecs import hookimpl
+from meshgate.plugins.settings import Settings
 
 
 @hookimpl

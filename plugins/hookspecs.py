@@ -8,7 +8,7 @@ published in the ``meshgate`` entry-point group::
     my_backend = "my_package.plugin"
 
     # my_package/plugin.py
-    from plugins.hookspecs import hookimpl
+    from meshgate.plugins.hookspecs import hookimpl
 
     @hookimpl
     def meshgate_register_backends(register, settings, http):
@@ -28,9 +28,9 @@ import pluggy
 if TYPE_CHECKING:
     import httpx
 
-    from backends.base import Backend, ModelCard, ModelSource
-    from backends.placement import Candidate, Topology
-    from plugins.settings import Settings
+    from meshgate.backends.base import Backend, ModelCard, ModelSource
+    from meshgate.backends.placement import Candidate, Topology
+    from meshgate.plugins.settings import Settings
 
 __all__ = ["PROJECT", "hookimpl", "hookspec"]
 

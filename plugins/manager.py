@@ -12,8 +12,8 @@ from types import ModuleType
 
 import pluggy
 
-from plugins import hookspecs
-from plugins.settings import Settings
+from meshgate.plugins import hookspecs
+from meshgate.plugins.settings import Settings
 
 __all__ = ["build_plugin_manager"]
 

@@ -13,10 +13,10 @@ from collections.abc import Callable
 
 import httpx
 
-from backends.base import Backend
-from backends.mlx import MlxBackend
-from plugins.hookspecs import hookimpl
-from plugins.settings import Settings
+from meshgate.backends.base import Backend
+from meshgate.backends.mlx import MlxBackend
+from meshgate.plugins.hookspecs import hookimpl
+from meshgate.plugins.settings import Settings
 
 log = logging.getLogger("meshgate.plugins.mlx")
 

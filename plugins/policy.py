@@ -12,8 +12,8 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 
-from backends.base import Backend, ModelCard
-from plugins.hookspecs import hookimpl
+from meshgate.backends.base import Backend, ModelCard
+from meshgate.plugins.hookspecs import hookimpl
 
 
 def by_preference(backends: Iterable[Backend], preference: Sequence[str]) -> list[Backend]:

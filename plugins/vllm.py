@@ -13,10 +13,10 @@ from collections.abc import Callable
 
 import httpx
 
-from backends.base import Backend
-from backends.vllm import VllmBackend
-from plugins.hookspecs import hookimpl
-from plugins.settings import Settings
+from meshgate.backends.base import Backend
+from meshgate.backends.vllm import VllmBackend
+from meshgate.plugins.hookspecs import hookimpl
+from meshgate.plugins.settings import Settings
 
 log = logging.getLogger("meshgate.plugins.vllm")
 

@@ -38,8 +38,8 @@ from typing import Annotated, Any, Literal
 import msgspec
 from msgspec import UNSET, UnsetType
 
-from protocols import sse
-from protocols.model import (
+from meshgate.protocols import sse
+from meshgate.protocols.model import (
     BackendProtocolError,
     ContextLengthExceeded,
     Event,

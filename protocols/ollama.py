@@ -34,7 +34,7 @@ from typing import Annotated, Any
 
 import msgspec
 
-from protocols.model import (
+from meshgate.protocols.model import (
     UNSET, ContextLengthExceeded, Event, Failed, Finished, GatewayError, ImagePart, InvalidRequest, Message, Meta,
     ModelInfo, Overloaded, ReasoningDelta, ReasoningPart, Request, Response, ResponseFormat, Sampling, TextDelta,
     TextPart, Tool, ToolCallDelta, ToolCallPart, ToolResultPart, UnsupportedFeature, Usage, error_from_info,

@@ -29,7 +29,7 @@ from typing import Any
 
 import msgspec
 
-from protocols.model import EmbedRequest, Embeddings
+from meshgate.protocols.model import EmbedRequest, Embeddings
 
 __all__ = ["EmbedBody", "EmbeddingsBody", "embed_to_internal", "embeddings_to_internal", "encode_embed",
            "encode_embeddings"]

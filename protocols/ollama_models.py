@@ -28,7 +28,7 @@ from typing import Any
 
 import msgspec
 
-from protocols.model import InvalidRequest, ModelInfo
+from meshgate.protocols.model import InvalidRequest, ModelInfo
 
 __all__ = [
     "CopyRequest", "CreateRequest", "DeleteRequest", "PullRequest", "ShowRequest", "encode_ps", "encode_show",

@@ -38,10 +38,10 @@ from msgspec import UNSET, UnsetType
 from sse_starlette.event import ServerSentEvent
 
 if TYPE_CHECKING:
-    from protocols.openai_completions import CompletionRequest
+    from meshgate.protocols.openai_completions import CompletionRequest
 
-from protocols import sse
-from protocols.model import (
+from meshgate.protocols import sse
+from meshgate.protocols.model import (
     AuthenticationFailed,
     BackendProtocolError,
     ContextLengthExceeded,

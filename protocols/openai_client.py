@@ -34,7 +34,7 @@ from typing import Any
 import msgspec
 from msgspec import UNSET
 
-from protocols.model import (
+from meshgate.protocols.model import (
     AuthenticationFailed,
     BackendProtocolError,
     BackendTimeout,

@@ -15,7 +15,7 @@ from collections.abc import AsyncIterable, AsyncIterator
 import msgspec
 from msgspec import UNSET, UnsetType
 
-from protocols.model import (
+from meshgate.protocols.model import (
     BackendProtocolError,
     Event,
     Failed,
@@ -30,7 +30,7 @@ from protocols.model import (
     Usage,
     error_from_info,
 )
-from protocols.openai import (
+from meshgate.protocols.openai import (
     _DONE,
     _KEEPALIVE,
     Penalty,

@@ -29,7 +29,7 @@ from typing import Annotated, Any, Literal
 
 import msgspec
 
-from protocols.model import EmbedRequest, Embeddings, InvalidRequest
+from meshgate.protocols.model import EmbedRequest, Embeddings, InvalidRequest
 
 __all__ = ["MAX_INPUTS", "EmbeddingRequest", "embeddings_to_internal", "encode_embeddings"]
 

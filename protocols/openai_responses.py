@@ -43,8 +43,8 @@ import msgspec
 from msgspec import UNSET, UnsetType
 from sse_starlette.event import ServerSentEvent
 
-from protocols import sse
-from protocols.model import (
+from meshgate.protocols import sse
+from meshgate.protocols.model import (
     BackendProtocolError,
     Event,
     Failed,

@@ -38,7 +38,7 @@ class Server:
         full_env.pop("MESHGATE_API_KEYS", None)
         with open(self.log, "wb") as log:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "gateway.cli", "serve", "--port", str(self.port), "--data-dir", str(data_dir),
+                [sys.executable, "-m", "meshgate.gateway.cli", "serve", "--port", str(self.port), "--data-dir", str(data_dir),
                  "--log-level", "warning", *args],
                 stdout=log, stderr=subprocess.STDOUT, env=full_env, cwd=ROOT)
         self._wait_ready()
@@ -81,7 +81,7 @@ def data_dir() -> Path:
 @pytest.fixture(scope="session")
 def packaged_gguf(data_dir: Path) -> Path:
     """The packaged Gemma 3 270M GGUF, assembled into the test data directory (as the gateway does)."""
-    from backends.llama_cpp.sources import PackagedGGUFSource
+    from meshgate.backends.llama_cpp.sources import PackagedGGUFSource
 
     return Path(PackagedGGUFSource(data_dir / "models").models()[0].path)
 
@@ -95,8 +95,8 @@ def converted_gemma(packaged_gguf: Path) -> Path:
     """
     import json
 
-    from backends.checkpoints import is_checkpoint
-    from backends.llama_cpp.convert import CONVERTER_VERSION, convert
+    from meshgate.backends.checkpoints import is_checkpoint
+    from meshgate.backends.llama_cpp.convert import CONVERTER_VERSION, convert
 
     target = packaged_gguf.parent.parent / "converted" / "gemma3-270m-bf16"
     marker = target / "meshgate.json"

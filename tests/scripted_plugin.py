@@ -17,10 +17,10 @@ import struct
 import msgspec
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 
-from backends.base import Backend, Capabilities, InProcess, ModelCard, ModelSource, Peers
-from backends.placement import Candidate, ModelSpec, Shard, ShardCosts
-from plugins.hookspecs import hookimpl
-from protocols.model import (
+from meshgate.backends.base import Backend, Capabilities, InProcess, ModelCard, ModelSource, Peers
+from meshgate.backends.placement import Candidate, ModelSpec, Shard, ShardCosts
+from meshgate.plugins.hookspecs import hookimpl
+from meshgate.protocols.model import (
     EmbedRequest,
     Embeddings,
     ErrorInfo,

@@ -6,9 +6,9 @@ import asyncio
 
 import pytest
 
-from gateway.admission import Admission, Load
-from gateway.context_fit import Fit, fit_context, token_bound
-from protocols.model import (
+from meshgate.gateway.admission import Admission, Load
+from meshgate.gateway.context_fit import Fit, fit_context, token_bound
+from meshgate.protocols.model import (
     ContextLengthExceeded,
     ImagePart,
     Message,
@@ -230,7 +230,7 @@ def test_token_bound():
 
 
 def test_error_rebuilt_from_info_keeps_its_message():
-    from protocols.model import error_from_info
+    from meshgate.protocols.model import error_from_info
 
     err = ContextLengthExceeded(prompt_tokens=10, completion_tokens=5, context=12)
     rebuilt = error_from_info(err.info())

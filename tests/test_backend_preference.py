@@ -8,12 +8,12 @@ from __future__ import annotations
 
 import asyncio
 
-from backends.base import ModelCard
-from gateway.cluster.runtime import control_plane
-from plugins.hookspecs import hookimpl
-from plugins.manager import build_plugin_manager
-from plugins.policy import by_preference
-from plugins.settings import Settings
+from meshgate.backends.base import ModelCard
+from meshgate.gateway.cluster.runtime import control_plane
+from meshgate.plugins.hookspecs import hookimpl
+from meshgate.plugins.manager import build_plugin_manager
+from meshgate.plugins.policy import by_preference
+from meshgate.plugins.settings import Settings
 
 SAFETENSORS = ModelCard(name="m", path="", format="safetensors")
 GGUF = ModelCard(name="g", path="", format="gguf")

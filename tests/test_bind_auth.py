@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from gateway import cli
+from meshgate.gateway import cli
 
 
 @pytest.fixture

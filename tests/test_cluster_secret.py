@@ -15,21 +15,21 @@ from pathlib import Path
 import httpx
 import pytest
 
-from backends.runner import secret as cluster_secret
-from backends.runner.client import RunnerClient
-from backends.runner.control import JsonHandler, serve_control
-from backends.runner.process import RunnerProcess
-from gateway.cluster.agent import NodeAgent
-from gateway.cluster.store import MemoryStore, RedisStore, StateStore
-from protocols.model import BackendProtocolError, Failed, Finished, Request, TextDelta
+from meshgate.backends.runner import secret as cluster_secret
+from meshgate.backends.runner.client import RunnerClient
+from meshgate.backends.runner.control import JsonHandler, serve_control
+from meshgate.backends.runner.process import RunnerProcess
+from meshgate.gateway.cluster.agent import NodeAgent
+from meshgate.gateway.cluster.store import MemoryStore, RedisStore, StateStore
+from meshgate.protocols.model import BackendProtocolError, Failed, Finished, Request, TextDelta
 from tests.cluster.conftest import redis_server  # noqa: F401 (a fixture)
 
 SECRET = "test-cluster-secret-0123456789"
 REQUEST = Request(model="m", raw_prompt="hi", stream=True)
 
 ENGINE = """
-from backends.runner.server import serve
-from protocols.model import Finished, TextDelta, Usage
+from meshgate.backends.runner.server import serve
+from meshgate.protocols.model import Finished, TextDelta, Usage
 
 class Engine:
     calls = 0

@@ -10,7 +10,7 @@ import asyncio
 import time
 from collections.abc import AsyncIterator
 
-from gateway.routes.common import stream_response
+from meshgate.gateway.routes.common import stream_response
 
 
 class Recorder:

@@ -9,9 +9,9 @@ import asyncio
 
 import pytest
 
-from gateway.context_fit import cap_output
-from gateway.routes.common import ClientGone, collect_or_cancel
-from protocols.model import Finished, OutputTooLarge, Request, TextDelta, Usage
+from meshgate.gateway.context_fit import cap_output
+from meshgate.gateway.routes.common import ClientGone, collect_or_cancel
+from meshgate.protocols.model import Finished, OutputTooLarge, Request, TextDelta, Usage
 
 
 def ask(max_tokens: int | None) -> Request:

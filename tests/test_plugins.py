@@ -8,17 +8,17 @@ import sys
 import openai
 import pytest
 
-from backends.base import ModelCard
-from plugins.hookspecs import hookimpl
-from plugins.manager import build_plugin_manager
-from plugins.settings import Settings
+from meshgate.backends.base import ModelCard
+from meshgate.plugins.hookspecs import hookimpl
+from meshgate.plugins.manager import build_plugin_manager
+from meshgate.plugins.settings import Settings
 from tests.conftest import ROOT, Server
 
 
 def test_builtins_load_through_the_entry_point_group():
     pm = build_plugin_manager(Settings())
     plugin = pm.get_plugin("llama_cpp")
-    assert plugin is not None and plugin.__name__ == "plugins.builtin"
+    assert plugin is not None and plugin.__name__ == "meshgate.plugins.builtin"
     assert [dist.project_name for p, dist in pm.list_plugin_distinfo() if p is plugin] == ["meshgate"]
 
 

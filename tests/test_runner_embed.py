@@ -11,9 +11,9 @@ import httpx
 import msgspec
 import pytest
 
-from backends.runner.client import RunnerClient
-from backends.runner.server import RunnerApp
-from protocols.model import (
+from meshgate.backends.runner.client import RunnerClient
+from meshgate.backends.runner.server import RunnerApp
+from meshgate.protocols.model import (
     BackendProtocolError,
     BackendUnavailable,
     EmbedRequest,

@@ -10,8 +10,8 @@ import sys
 
 import pytest
 
-from backends.runner.process import RunnerProcess
-from protocols.model import BackendUnavailable
+from meshgate.backends.runner.process import RunnerProcess
+from meshgate.protocols.model import BackendUnavailable
 
 ABORTS = """
 import os, sys, time

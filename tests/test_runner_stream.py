@@ -13,9 +13,9 @@ import httpx
 import msgspec
 import pytest
 
-from backends.runner.client import RunnerClient
-from backends.runner.http_stream import post_stream
-from protocols.model import (
+from meshgate.backends.runner.client import RunnerClient
+from meshgate.backends.runner.http_stream import post_stream
+from meshgate.protocols.model import (
     BackendProtocolError,
     BackendTimeout,
     BackendUnavailable,

@@ -1,7 +1,7 @@
 """Settings: one object from MESHGATE_* variables and CLI flags."""
 
-from plugins.settings import Settings, default_data_dir
-from gateway.cli import _settings
+from meshgate.plugins.settings import Settings, default_data_dir
+from meshgate.gateway.cli import _settings
 import argparse
 
 

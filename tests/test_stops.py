@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import random
 
-from backends.runner.stops import StopMatcher
+from meshgate.backends.runner.stops import StopMatcher
 
 
 def _brute(pieces: list[str], stops: tuple[str, ...]) -> tuple[str, str | None]:

@@ -1,6 +1,6 @@
 """llama.cpp through llama-cpp-python: GGUF models, each served by a runner process.
 
-``LlamaCppBackend.launch`` (in a node agent) starts ``python -m backends.llama_cpp.runner`` for a shard;
+``LlamaCppBackend.launch`` (in a node agent) starts ``python -m meshgate.backends.llama_cpp.runner`` for a shard;
 ``LlamaCppBackend.connect`` (in the gateway) gives a ``LlamaCppRunner`` that speaks the internal streaming protocol
 to the head runner. llama-cpp-python itself is
 only ever imported inside the runner process, so a crash in the runtime cannot take the gateway down.
@@ -14,13 +14,13 @@ from collections.abc import AsyncIterator, Mapping
 
 import httpx
 
-from backends.base import Capabilities, ModelCard, Peers
-from backends.llama_cpp.gguf import read_metadata, tensor_sizes
-from backends.placement import Candidate, ModelSpec, Shard, ShardCosts, Strategy
-from backends.runner.client import RunnerClient
-from backends.runner.net import url_host
-from backends.runner.process import RunnerProcess
-from protocols.model import EmbedRequest, Embeddings, Event, Request
+from meshgate.backends.base import Capabilities, ModelCard, Peers
+from meshgate.backends.llama_cpp.gguf import read_metadata, tensor_sizes
+from meshgate.backends.placement import Candidate, ModelSpec, Shard, ShardCosts, Strategy
+from meshgate.backends.runner.client import RunnerClient
+from meshgate.backends.runner.net import url_host
+from meshgate.backends.runner.process import RunnerProcess
+from meshgate.protocols.model import EmbedRequest, Embeddings, Event, Request
 
 __all__ = ["LaunchedRunner", "LlamaCppBackend", "LlamaCppRunner", "spec_from_gguf"]
 
@@ -65,7 +65,7 @@ class LlamaCppBackend:
 
     A single-node placement is one runner process. A pipeline places the first layer range in the head runner
     (on the first shard's node, which also keeps the input embedding) and every later range in an RPC worker
-    (``python -m backends.llama_cpp.rpc``) on its node; the head registers the workers and loads with the
+    (``python -m meshgate.backends.llama_cpp.rpc``) on its node; the head registers the workers and loads with the
     ``tensor_split`` that puts exactly each range on its worker. Weight repacking is off unless asked for, so a
     split model gives the same tokens as a single process.
     """
@@ -117,7 +117,7 @@ class LlamaCppBackend:
             urls = await peers()
             shards += [(urls[s.node_id].removeprefix("rpc://"), s.layer_start, s.layer_end)
                        for s in placement.shards if s.layer_start != 0]
-        argv = [self.python, "-m", "backends.llama_cpp.runner", "--model", card.path, "--host", host,
+        argv = [self.python, "-m", "meshgate.backends.llama_cpp.runner", "--model", card.path, "--host", host,
                 "--n-ctx", str(placement.context or self.context(card)), "--shards", json.dumps(shards)]
         argv += ["--threads", str(self.threads)] if self.threads else []
         argv += ["--repack"] if self.repack else []
@@ -127,7 +127,7 @@ class LlamaCppBackend:
         return LaunchedRunner(process, host)
 
     async def _worker(self, card: ModelCard, host: str) -> LaunchedRunner:
-        argv = [self.python, "-m", "backends.llama_cpp.rpc", "--host", host, "--port", "0"]
+        argv = [self.python, "-m", "meshgate.backends.llama_cpp.rpc", "--host", host, "--port", "0"]
         argv += ["--threads", str(self.threads)] if self.threads else []
         argv += ["--cache-dir", self.cache_dir] if self.cache_dir else []
         process = await RunnerProcess.start(argv, name=f"{card.name} worker", ready_timeout=self.ready_timeout)

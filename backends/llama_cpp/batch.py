@@ -40,7 +40,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from backends.llama_cpp.sampling import GrammarStuck, Sampler
+from meshgate.backends.llama_cpp.sampling import GrammarStuck, Sampler
 
 __all__ = ["DECODE_GROUP", "Job", "Scheduler"]
 

@@ -30,8 +30,8 @@ from typing import Any
 
 import numpy as np
 
-from backends.checkpoints import MESHGATE_FILE, SafetensorsWriter
-from backends.llama_cpp.hf_tokenizer import GEMMA_CHAT_TEMPLATE, tokenizer_config, tokenizer_json
+from meshgate.backends.checkpoints import MESHGATE_FILE, SafetensorsWriter
+from meshgate.backends.llama_cpp.hf_tokenizer import GEMMA_CHAT_TEMPLATE, tokenizer_config, tokenizer_json
 
 __all__ = ["CONVERTER_VERSION", "DTYPES", "convert", "default_name"]
 

@@ -37,7 +37,7 @@ from typing import Any
 
 import numpy as np
 
-from protocols.model import EmbedRequest, Embeddings, GatewayError, InvalidRequest
+from meshgate.protocols.model import EmbedRequest, Embeddings, GatewayError, InvalidRequest
 
 __all__ = ["LOGITS_BUDGET", "Embedder", "finish_vector"]
 

@@ -26,7 +26,7 @@ from typing import Any
 import msgspec
 import numpy as np
 
-from protocols.model import (
+from meshgate.protocols.model import (
     UNSET,
     EmbedRequest,
     Embeddings,
@@ -39,14 +39,14 @@ from protocols.model import (
     Unprocessable,
     Usage,
 )
-from backends.llama_cpp.batch import DECODE_GROUP, Job, Scheduler
-from backends.llama_cpp.embed import Embedder
-from backends.llama_cpp.logprobs import LogprobAligner, token_logprob
-from backends.llama_cpp.grammar import schema_grammar
-from backends.llama_cpp.sampling import GrammarStuck, Sampler
-from backends.llama_cpp.prompt import render_prompt
-from backends.runner.stops import StopMatcher
-from backends.llama_cpp.tools import CallGate, call_mode, call_schema
+from meshgate.backends.llama_cpp.batch import DECODE_GROUP, Job, Scheduler
+from meshgate.backends.llama_cpp.embed import Embedder
+from meshgate.backends.llama_cpp.logprobs import LogprobAligner, token_logprob
+from meshgate.backends.llama_cpp.grammar import schema_grammar
+from meshgate.backends.llama_cpp.sampling import GrammarStuck, Sampler
+from meshgate.backends.llama_cpp.prompt import render_prompt
+from meshgate.backends.runner.stops import StopMatcher
+from meshgate.backends.llama_cpp.tools import CallGate, call_mode, call_schema
 
 __all__ = ["LlamaEngine", "StopMatcher"]  # StopMatcher re-exported from backends.runner.stops
 
@@ -82,8 +82,8 @@ class LlamaEngine:
         ``DECODE_GROUP`` (faster, but greedy text may then depend on the load)."""
         import llama_cpp
 
-        from backends.llama_cpp.gguf import read_metadata
-        from backends.llama_cpp.rpc import add_rpc_servers, split_kwargs, weight_repacking
+        from meshgate.backends.llama_cpp.gguf import read_metadata
+        from meshgate.backends.llama_cpp.rpc import add_rpc_servers, split_kwargs, weight_repacking
 
         self._llama_cpp = llama_cpp
         started = time.perf_counter_ns()

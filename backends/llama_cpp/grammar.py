@@ -29,7 +29,7 @@ import json
 import re
 from typing import Any
 
-from protocols.model import Unprocessable
+from meshgate.protocols.model import Unprocessable
 
 __all__ = ["MAX_GBNF_BYTES", "MAX_NESTING", "MAX_REPEAT", "escape_literal", "nesting", "schema_grammar"]
 

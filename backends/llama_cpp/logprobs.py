@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from protocols.model import TokenLogprob, TopLogprob
+from meshgate.protocols.model import TokenLogprob, TopLogprob
 
 __all__ = ["LogprobAligner", "token_logprob"]
 

@@ -15,8 +15,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from backends.llama_cpp.tools import render_call, tools_block
-from protocols.model import (
+from meshgate.backends.llama_cpp.tools import render_call, tools_block
+from meshgate.protocols.model import (
     Message,
     ReasoningPart,
     Request,

@@ -25,8 +25,8 @@ from typing import Any
 
 import msgspec
 
-from backends.base import ModelCard, ModelSource
-from backends.llama_cpp.sources import card_from_gguf
+from meshgate.backends.base import ModelCard, ModelSource
+from meshgate.backends.llama_cpp.sources import card_from_gguf
 
 __all__ = ["MAX_REGISTRY_BYTES", "MAX_USER_MODELS", "HidingSource", "ModelRegistry", "RegistryFull", "RegistrySource",
            "UserModel", "sha256_file"]

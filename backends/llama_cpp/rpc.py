@@ -1,6 +1,6 @@
 """Run one GGUF split across llama.cpp RPC workers: the worker process and the head's primitives.
 
-The worker, ``python -m backends.llama_cpp.rpc --host H --port P [--threads N] [--cache-dir D]``, serves ggml's
+The worker, ``python -m meshgate.backends.llama_cpp.rpc --host H --port P [--threads N] [--cache-dir D]``, serves ggml's
 CPU device over ggml's RPC protocol. It follows the runner conventions of ``backends.runner.process``: it prints
 ``MESHGATE_RUNNER_READY port=N`` once its socket listens and exits when its stdin reaches EOF, so
 ``RunnerProcess.start`` supervises it and it never outlives the agent that started it. ggml's server binds IPv4
@@ -39,7 +39,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from protocols.model import BackendUnavailable
+from meshgate.protocols.model import BackendUnavailable
 
 __all__ = ["RpcDevice", "add_rpc_servers", "main", "probe", "rpc_devices", "split_kwargs", "weight_repacking"]
 

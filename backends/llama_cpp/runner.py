@@ -1,4 +1,4 @@
-"""The llama.cpp runner process: ``python -m backends.llama_cpp.runner --model PATH``.
+"""The llama.cpp runner process: ``python -m meshgate.backends.llama_cpp.runner --model PATH``.
 
 Loads the GGUF, then serves it over the internal streaming protocol on loopback (or ``--host``). Started and
 supervised by ``LlamaCppBackend``; exits when the gateway that started it goes away.
@@ -10,8 +10,8 @@ import argparse
 import json
 import sys
 
-from backends.llama_cpp.engine import PARALLEL, LlamaEngine
-from backends.runner.server import FAILED_LINE, serve
+from meshgate.backends.llama_cpp.engine import PARALLEL, LlamaEngine
+from meshgate.backends.runner.server import FAILED_LINE, serve
 
 
 def main(argv: list[str] | None = None) -> None:

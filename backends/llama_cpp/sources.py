@@ -12,8 +12,8 @@ import os
 from collections.abc import Sequence
 from pathlib import Path
 
-from backends.base import ModelCard
-from backends.llama_cpp.gguf import FILE_TYPES, read_metadata
+from meshgate.backends.base import ModelCard
+from meshgate.backends.llama_cpp.gguf import FILE_TYPES, read_metadata
 
 __all__ = ["GGUFPathSource", "PackagedGGUFSource", "card_from_gguf"]
 

@@ -27,7 +27,7 @@ import json
 import secrets
 from typing import Any, Literal
 
-from protocols.model import Event, Finished, Request, TextDelta, TokenLogprob, Tool, ToolCallDelta
+from meshgate.protocols.model import Event, Finished, Request, TextDelta, TokenLogprob, Tool, ToolCallDelta
 
 __all__ = ["CallGate", "allowed_tools", "call_mode", "call_schema", "new_call_id", "parse_call", "render_call",
            "tools_block"]

@@ -24,21 +24,21 @@ from typing import TYPE_CHECKING
 import httpx
 import msgspec
 
-from backends.base import Capabilities, ModelCard, Peers
-from backends.checkpoints import checkpoint_itemsize, spec_from_checkpoint
-from backends.mlx import rendezvous
-from backends.placement import Candidate, ModelSpec, Shard, ShardCosts, Strategy
-from backends.runner.net import free_port, host_port
-from backends.runner.process import RunnerProcess
-from protocols.model import EmbedRequest, Embeddings, Event, Request, UnsupportedFeature
+from meshgate.backends.base import Capabilities, ModelCard, Peers
+from meshgate.backends.checkpoints import checkpoint_itemsize, spec_from_checkpoint
+from meshgate.backends.mlx import rendezvous
+from meshgate.backends.placement import Candidate, ModelSpec, Shard, ShardCosts, Strategy
+from meshgate.backends.runner.net import free_port, host_port
+from meshgate.backends.runner.process import RunnerProcess
+from meshgate.protocols.model import EmbedRequest, Embeddings, Event, Request, UnsupportedFeature
 
 if TYPE_CHECKING:  # the gateway's side only: rank processes import this package too, and their python need not
-    from backends.runner.client import RunnerClient  # have the client's HTTP parser (httptools)
+    from meshgate.backends.runner.client import RunnerClient  # have the client's HTTP parser (httptools)
 
 __all__ = ["LaunchedRank", "MlxBackend", "MlxRunner", "rank_order"]
 
 MiB = 1 << 20
-_PACKAGES = ("backends", "protocols")  # what a rank imports of meshgate
+_PACKAGES = ("meshgate",)  # what a rank imports: the package (from a checkout it finds the folders itself)
 # MLX on Linux is CPU only: compute in float32 there (CPUs have no fast bfloat16; measured on Gemma 3 270M with
 # mlx 0.32.4: 4.0 tok/s float32 vs 3.6 bfloat16, and tensor-parallel sums then match one process exactly).
 _CPU_DTYPE = "float32" if sys.platform == "linux" else None
@@ -140,7 +140,7 @@ class MlxBackend:
         order = rank_order(placement)
         rank, ranks = order.index(shard), len(order)
         mode = "single" if ranks == 1 else "tensor" if placement.strategy == "tensor" else "pipeline"
-        argv = [self.python, "-m", "backends.mlx.runner", "--model", card.path, "--host", host,
+        argv = [self.python, "-m", "meshgate.backends.mlx.runner", "--model", card.path, "--host", host,
                 "--n-ctx", str(placement.context or self.context(card)), "--sharding", mode, "--rank", str(rank),
                 "--ranks", str(ranks), "--ready-timeout", str(self.ready_timeout), "--parallel", str(self.parallel)]
         if mode == "pipeline":
@@ -166,7 +166,7 @@ class MlxBackend:
         return LaunchedRank(process, host, grace=10.0, hostfile=hostfile)
 
     def connect(self, card: ModelCard, placement: Candidate, urls: Mapping[str, str]) -> MlxRunner:
-        from backends.runner.client import RunnerClient
+        from meshgate.backends.runner.client import RunnerClient
 
         return MlxRunner(RunnerClient(urls[rank_order(placement)[0].node_id], self.http))
 
@@ -184,12 +184,12 @@ class MlxBackend:
         return path
 
     def _env(self) -> dict[str, str]:
-        """Our packages on the path (the rank's python may be another venv: only links to ``backends`` and
-        ``protocols``, never the directory they are installed in), no hub, MLX's JIT cache kept."""
+        """Our package on the path (the rank's python may be another venv: only a link to ``meshgate``, never
+        the directory it is installed in), no hub, MLX's JIT cache kept."""
         tmp, code = self.runtime_dir / "tmp", self.runtime_dir / "code"
         tmp.mkdir(parents=True, exist_ok=True)
         code.mkdir(exist_ok=True)
-        root = Path(__file__).resolve().parents[2]
+        root = Path(sys.modules["meshgate"].__file__).resolve().parent.parent
         for name in _PACKAGES:
             link = code / name
             if not link.is_symlink() or link.resolve() != root / name:

@@ -37,7 +37,7 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-from protocols.model import BackendUnavailable
+from meshgate.protocols.model import BackendUnavailable
 
 __all__ = ["Batch", "Sampler", "Scheduler", "Sequence"]
 

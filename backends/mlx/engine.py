@@ -29,10 +29,10 @@ from typing import Any
 
 import msgspec
 
-from backends.mlx.batch import Batch, Sampler, Scheduler, Sequence
-from backends.mlx.lockstep import Lockstep
-from backends.runner.stops import StopMatcher
-from protocols.model import (
+from meshgate.backends.mlx.batch import Batch, Sampler, Scheduler, Sequence
+from meshgate.backends.mlx.lockstep import Lockstep
+from meshgate.backends.runner.stops import StopMatcher
+from meshgate.protocols.model import (
     UNSET,
     Event,
     Finished,
@@ -104,7 +104,7 @@ class MlxEngine:
         from mlx_lm.models.cache import make_prompt_cache
         from mlx_lm.utils import load_model, load_tokenizer
 
-        from backends.mlx import sharding
+        from meshgate.backends.mlx import sharding
 
         model, config = load_model(Path(path), lazy=True)
         tokenizer = load_tokenizer(Path(path), eos_token_ids=config.get("eos_token_id"))

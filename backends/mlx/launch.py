@@ -16,7 +16,7 @@ import tempfile
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from backends.runner.net import free_port
+from meshgate.backends.runner.net import free_port
 
 __all__ = ["Ranks", "hostfile", "launch"]
 

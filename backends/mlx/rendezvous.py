@@ -26,9 +26,9 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from backends.runner import secret as cluster_secret
-from backends.runner.control import JsonHandler, serve_control
-from backends.runner.net import free_port, host_port
+from meshgate.backends.runner import secret as cluster_secret
+from meshgate.backends.runner.control import JsonHandler, serve_control
+from meshgate.backends.runner.net import free_port, host_port
 
 __all__ = ["Joined", "gather", "join", "serve_join", "watch"]
 

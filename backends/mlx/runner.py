@@ -1,4 +1,4 @@
-"""The MLX runner process: ``python -m backends.mlx.runner --model DIR ...`` (run with a python that has mlx).
+"""The MLX runner process: ``python -m meshgate.backends.mlx.runner --model DIR ...`` (run with a python that has mlx).
 
 One rank of an instance:
 
@@ -29,9 +29,9 @@ import threading
 from collections.abc import Iterator
 from typing import Any
 
-from backends.mlx.rendezvous import serve_join, watch
-from backends.runner.server import FAILED_LINE, READY_LINE, exit_when_parent_goes, serve
-from protocols.model import BackendUnavailable, Event, Request
+from meshgate.backends.mlx.rendezvous import serve_join, watch
+from meshgate.backends.runner.server import FAILED_LINE, READY_LINE, exit_when_parent_goes, serve
+from meshgate.protocols.model import BackendUnavailable, Event, Request
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -138,7 +138,7 @@ def _join(args: argparse.Namespace) -> None:
 
 
 def _load(args: argparse.Namespace, *, own_hostfile: bool):
-    from backends.mlx.engine import MlxEngine
+    from meshgate.backends.mlx.engine import MlxEngine
 
     group = None
     if args.ranks > 1:

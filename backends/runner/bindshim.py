@@ -19,7 +19,7 @@ import subprocess
 from collections.abc import Mapping
 from pathlib import Path
 
-from protocols.model import BackendUnavailable
+from meshgate.protocols.model import BackendUnavailable
 
 __all__ = ["SOURCE", "build", "confine"]
 

@@ -20,9 +20,9 @@ from collections.abc import AsyncIterator
 import httpx
 import msgspec
 
-from backends.runner import secret as cluster_secret
-from backends.runner.http_stream import post_stream
-from protocols.model import (
+from meshgate.backends.runner import secret as cluster_secret
+from meshgate.backends.runner.http_stream import post_stream
+from meshgate.protocols.model import (
     TERMINAL,
     BackendProtocolError,
     BackendTimeout,

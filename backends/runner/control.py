@@ -16,8 +16,8 @@ import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
-from backends.runner import secret as cluster_secret
-from backends.runner.net import family
+from meshgate.backends.runner import secret as cluster_secret
+from meshgate.backends.runner.net import family
 
 __all__ = ["JsonHandler", "serve_control"]
 

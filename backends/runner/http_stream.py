@@ -29,7 +29,7 @@ from urllib.parse import urlsplit
 
 import httptools
 
-from protocols.model import BackendProtocolError, BackendTimeout, BackendUnavailable
+from meshgate.protocols.model import BackendProtocolError, BackendTimeout, BackendUnavailable
 
 __all__ = ["post_stream"]
 

@@ -25,8 +25,8 @@ import os
 import signal
 from collections.abc import Mapping, Sequence
 
-from backends.runner import secret as cluster_secret
-from protocols.model import BackendTimeout, BackendUnavailable
+from meshgate.backends.runner import secret as cluster_secret
+from meshgate.protocols.model import BackendTimeout, BackendUnavailable
 
 __all__ = ["RunnerProcess"]
 

@@ -34,9 +34,9 @@ from typing import Any, Protocol
 
 import msgspec
 
-from backends.runner import secret as cluster_secret
-from backends.runner.net import family
-from protocols.model import (
+from meshgate.backends.runner import secret as cluster_secret
+from meshgate.backends.runner.net import family
+from meshgate.protocols.model import (
     TERMINAL,
     AuthenticationFailed,
     BackendProtocolError,

@@ -29,13 +29,13 @@ from collections.abc import Mapping
 
 import httpx
 
-from backends.base import Capabilities, ModelCard, Peers
-from backends.checkpoints import spec_from_checkpoint
-from backends.placement import Candidate, ModelSpec, Shard, ShardCosts, Strategy
-from backends.runner import bindshim
-from backends.runner.net import free_port, url_host
-from backends.vllm import raynode
-from backends.vllm.launch import (
+from meshgate.backends.base import Capabilities, ModelCard, Peers
+from meshgate.backends.checkpoints import spec_from_checkpoint
+from meshgate.backends.placement import Candidate, ModelSpec, Shard, ShardCosts, Strategy
+from meshgate.backends.runner import bindshim
+from meshgate.backends.runner.net import free_port, url_host
+from meshgate.backends.vllm import raynode
+from meshgate.backends.vllm.launch import (
     Layout,
     RuntimeFolder,
     VllmServer,
@@ -44,8 +44,8 @@ from backends.vllm.launch import (
     server_env,
     threads_bind,
 )
-from backends.vllm.runner import VllmRunner
-from protocols.model import UnsupportedFeature
+from meshgate.backends.vllm.runner import VllmRunner
+from meshgate.protocols.model import UnsupportedFeature
 
 __all__ = ["VllmBackend", "VllmRunner"]
 

@@ -32,9 +32,9 @@ from pathlib import Path
 import httpx
 import msgspec
 
-from backends.placement import Candidate, NodeId
-from backends.runner import secret as cluster_secret
-from protocols.model import BackendTimeout, BackendUnavailable
+from meshgate.backends.placement import Candidate, NodeId
+from meshgate.backends.runner import secret as cluster_secret
+from meshgate.protocols.model import BackendTimeout, BackendUnavailable
 
 __all__ = ["Layout", "RuntimeFolder", "VllmServer", "group_members", "layout", "server_argv", "server_env",
            "threads_bind"]

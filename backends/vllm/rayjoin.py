@@ -1,4 +1,4 @@
-"""One Ray node's keeper process (``python -m backends.vllm.rayjoin``), started by a node agent.
+"""One Ray node's keeper process (``python -m meshgate.backends.vllm.rayjoin``), started by a node agent.
 
 It serves ``GET /health`` on the node's cluster address: ``{"state": "waiting" | "starting" | "running" |
 "failed", "gcs": "ip:port" (a head), "error": ...}``. With ``--head`` it starts ``ray start --head --block`` at once
@@ -26,10 +26,10 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from backends.runner.control import JsonHandler, serve_control
-from backends.runner.net import host_port
-from backends.vllm.launch import group_members
-from backends.vllm.raynode import RayPorts, head_argv, worker_argv
+from meshgate.backends.runner.control import JsonHandler, serve_control
+from meshgate.backends.runner.net import host_port
+from meshgate.backends.vllm.launch import group_members
+from meshgate.backends.vllm.raynode import RayPorts, head_argv, worker_argv
 
 WORKER_COMM = "ray::RayWorker"  # vLLM's worker actors' process name (RayWorkerProc; RayWorkerWrapper before)
 WATCH_EVERY = 0.5
@@ -96,7 +96,7 @@ def _workers() -> set[int]:
 
 def _ray_env() -> dict[str, str]:
     """Our environment without meshgate's own root on ``PYTHONPATH`` (Ray and vLLM need only the plugin there)."""
-    root = str(Path(__file__).resolve().parents[2])
+    root = str(Path(sys.modules["meshgate"].__file__).resolve().parent.parent)
     path = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p and os.path.abspath(p) != root]
     return {**os.environ, "PYTHONPATH": os.pathsep.join(path)}
 

@@ -49,11 +49,11 @@ from pathlib import Path
 
 import httpx
 
-from backends.placement import Candidate, NodeId
-from backends.runner import bindshim
-from backends.runner import secret as cluster_secret
-from backends.runner.net import family, free_port, url_host
-from backends.vllm.launch import RuntimeFolder, VllmServer
+from meshgate.backends.placement import Candidate, NodeId
+from meshgate.backends.runner import bindshim
+from meshgate.backends.runner import secret as cluster_secret
+from meshgate.backends.runner.net import family, free_port, url_host
+from meshgate.backends.vllm.launch import RuntimeFolder, VllmServer
 
 __all__ = ["RayHead", "RayPorts", "head_argv", "join", "loopback", "node_env", "plugin_dir", "stage", "stage_env",
            "start_node", "wait_running", "worker_argv"]
@@ -179,9 +179,9 @@ async def start_node(folder: RuntimeFolder, *, host: str, python: str, slots: in
     answers (a follower then waits to be joined; a head is already starting its Ray node)."""
     port = free_port(host)
     url = f"http://{url_host(host)}:{port}"
-    argv = [sys.executable, "-m", "backends.vllm.rayjoin", "--host", host, "--port", str(port), "--python", python,
+    argv = [sys.executable, "-m", "meshgate.backends.vllm.rayjoin", "--host", host, "--port", str(port), "--python", python,
             "--temp-dir", str(folder.path / "ray"), "--slots", str(slots), "--join-timeout", str(timeout)]
-    root = str(Path(__file__).resolve().parents[2])  # the keeper imports meshgate's ``backends``
+    root = str(Path(sys.modules["meshgate"].__file__).resolve().parent.parent)  # the keeper imports meshgate's ``backends``
     path = os.pathsep.join(p for p in (root, env.get("PYTHONPATH", "")) if p)
     return await VllmServer.start([*argv, "--head"] if head else argv, env={**env, "PYTHONPATH": path},
                                   folder=folder, url=url, ready_timeout=60.0, name=f"{name} (Ray node)",

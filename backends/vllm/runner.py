@@ -18,8 +18,8 @@ from collections.abc import AsyncIterator
 import httpx
 import msgspec
 
-from backends.runner import secret as cluster_secret
-from protocols.model import (
+from meshgate.backends.runner import secret as cluster_secret
+from meshgate.protocols.model import (
     BackendProtocolError,
     BackendTimeout,
     BackendUnavailable,
@@ -31,7 +31,7 @@ from protocols.model import (
     Request,
     UnsupportedFeature,
 )
-from protocols.openai_client import StreamDecoder, chat_messages, encode_request, error_from_response
+from meshgate.protocols.openai_client import StreamDecoder, chat_messages, encode_request, error_from_response
 
 __all__ = ["VllmRunner"]
 

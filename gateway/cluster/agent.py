@@ -23,12 +23,12 @@ from typing import Any
 
 import httpx
 
-from backends.base import Backend, Launched, ModelCard
-from backends.placement import Link, NodeId
-from backends.runner import secret as cluster_secret
-from gateway.cluster.node import describe_node, measure_flops
-from gateway.cluster.records import Failed, Instance, RunnerStatus
-from gateway.cluster.store import StateStore
+from meshgate.backends.base import Backend, Launched, ModelCard
+from meshgate.backends.placement import Link, NodeId
+from meshgate.backends.runner import secret as cluster_secret
+from meshgate.gateway.cluster.node import describe_node, measure_flops
+from meshgate.gateway.cluster.records import Failed, Instance, RunnerStatus
+from meshgate.gateway.cluster.store import StateStore
 
 __all__ = ["NodeAgent"]
 

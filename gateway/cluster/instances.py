@@ -20,12 +20,12 @@ from collections.abc import Callable, Sequence
 
 import msgspec
 
-from backends.base import Backend, ModelCard
-from backends.placement import Candidate, InstanceId, Topology
-from gateway.cluster.planner import BackendOffer, plan
-from gateway.cluster.records import Failed, Instance, Ready, Starting
-from gateway.cluster.store import StateStore
-from protocols.model import BackendUnavailable, NoCapacity, NotFound
+from meshgate.backends.base import Backend, ModelCard
+from meshgate.backends.placement import Candidate, InstanceId, Topology
+from meshgate.gateway.cluster.planner import BackendOffer, plan
+from meshgate.gateway.cluster.records import Failed, Instance, Ready, Starting
+from meshgate.gateway.cluster.store import StateStore
+from meshgate.protocols.model import BackendUnavailable, NoCapacity, NotFound
 
 __all__ = ["InstanceManager"]
 

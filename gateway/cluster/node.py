@@ -10,7 +10,7 @@ import subprocess
 import time
 from importlib import metadata
 
-from backends.placement import Node, NodeId
+from meshgate.backends.placement import Node, NodeId
 
 __all__ = ["describe_node", "measure_flops"]
 

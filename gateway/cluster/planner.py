@@ -41,7 +41,7 @@ from itertools import accumulate, combinations, pairwise
 
 import msgspec
 
-from backends.placement import Candidate, Link, ModelSpec, Node, NodeId, Shard, Strategy, Topology
+from meshgate.backends.placement import Candidate, Link, ModelSpec, Node, NodeId, Shard, Strategy, Topology
 
 __all__ = ["ACTIVATION_BYTES", "ALTERNATIVES", "PARAMS_PER_BYTE", "TENSOR_MAX_LATENCY", "BackendOffer", "Rank",
            "default_rank", "plan"]

@@ -19,7 +19,7 @@ from typing import Literal
 
 import msgspec
 
-from backends.placement import Candidate, InstanceId, NodeId
+from meshgate.backends.placement import Candidate, InstanceId, NodeId
 
 __all__ = [
     "STATE_TYPES", "Draining", "Failed", "Instance", "InstanceState", "Ready", "RunnerState", "RunnerStatus",

@@ -18,16 +18,16 @@ from dataclasses import dataclass, field
 import httpx
 import pluggy
 
-from backends.base import Backend, ModelSource
-from backends.runner import secret as cluster_secret
-from gateway.admission import Admission
-from gateway.cluster.agent import NodeAgent
-from gateway.cluster.instances import InstanceManager
-from gateway.cluster.planner import default_rank
-from gateway.cluster.store import MemoryStore, RedisStore, StateStore
-from gateway.dispatch import Catalog, Dispatcher
-from plugins.policy import by_preference
-from plugins.settings import Settings
+from meshgate.backends.base import Backend, ModelSource
+from meshgate.backends.runner import secret as cluster_secret
+from meshgate.gateway.admission import Admission
+from meshgate.gateway.cluster.agent import NodeAgent
+from meshgate.gateway.cluster.instances import InstanceManager
+from meshgate.gateway.cluster.planner import default_rank
+from meshgate.gateway.cluster.store import MemoryStore, RedisStore, StateStore
+from meshgate.gateway.dispatch import Catalog, Dispatcher
+from meshgate.plugins.policy import by_preference
+from meshgate.plugins.settings import Settings
 
 __all__ = ["ControlPlane", "control_plane", "make_store"]
 

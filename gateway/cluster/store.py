@@ -55,8 +55,8 @@ from redis.asyncio.retry import Retry
 from redis.backoff import ExponentialBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError, RedisError, TimeoutError as RedisTimeoutError
 
-from backends.placement import InstanceId, Link, Node, NodeId
-from gateway.cluster.records import Instance, InstanceState, RunnerStatus, StoreEvent, state_tag
+from meshgate.backends.placement import InstanceId, Link, Node, NodeId
+from meshgate.gateway.cluster.records import Instance, InstanceState, RunnerStatus, StoreEvent, state_tag
 
 __all__ = ["KINDS", "MAX_EVENTS", "MemoryStore", "RedisStore", "StateStore"]
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 from litestar import Request as HttpRequest
 from litestar import Response, Router, post
 
-from gateway.context_fit import Fit
-from gateway.routes.common import (
+from meshgate.gateway.context_fit import Fit
+from meshgate.gateway.routes.common import (
     collect_or_cancel,
     dispatcher_of,
     error_handler,
@@ -16,8 +16,8 @@ from gateway.routes.common import (
     stream_response,
     who,
 )
-from protocols import anthropic
-from protocols.model import GatewayError, decode_body
+from meshgate.protocols import anthropic
+from meshgate.protocols.model import GatewayError, decode_body
 
 SSE = "text/event-stream"
 

@@ -17,13 +17,13 @@ from litestar import Router, delete, get, post
 from litestar.response import Stream
 from sse_starlette.event import ServerSentEvent
 
-from backends.placement import Candidate, Link, Node
-from gateway.admission import Load
-from gateway.cluster.instances import InstanceManager
-from gateway.cluster.records import Failed, Instance, Ready, StoreEvent
-from gateway.routes.common import error_handler
-from protocols import openai
-from protocols.model import GatewayError, InvalidRequest, NotFound
+from meshgate.backends.placement import Candidate, Link, Node
+from meshgate.gateway.admission import Load
+from meshgate.gateway.cluster.instances import InstanceManager
+from meshgate.gateway.cluster.records import Failed, Instance, Ready, StoreEvent
+from meshgate.gateway.routes.common import error_handler
+from meshgate.protocols import openai
+from meshgate.protocols.model import GatewayError, InvalidRequest, NotFound
 
 
 class InstanceView(Instance, frozen=True):

@@ -14,11 +14,11 @@ from litestar import Response
 from litestar.exceptions import HTTPException
 from litestar.response import Stream
 
-from gateway.auth import caller_of
-from gateway.dispatch import Dispatcher
-from gateway.routes.stream import CoalescedStream
-from protocols import model
-from protocols.model import Event, GatewayError, Meta, ModelInfo
+from meshgate.gateway.auth import caller_of
+from meshgate.gateway.dispatch import Dispatcher
+from meshgate.gateway.routes.stream import CoalescedStream
+from meshgate.protocols import model
+from meshgate.protocols.model import Event, GatewayError, Meta, ModelInfo
 
 JSON = "application/json"
 

@@ -12,11 +12,11 @@ import msgspec
 from litestar import Request as HttpRequest
 from litestar import Response, Router, delete, get, post
 
-from gateway.auth import KeyRing, mint
-from gateway.cluster.accounts import ApiKey, Scope
-from gateway.routes.common import error_handler, json_response
-from protocols import openai
-from protocols.model import GatewayError, NotFound, decode_body
+from meshgate.gateway.auth import KeyRing, mint
+from meshgate.gateway.cluster.accounts import ApiKey, Scope
+from meshgate.gateway.routes.common import error_handler, json_response
+from meshgate.protocols import openai
+from meshgate.protocols.model import GatewayError, NotFound, decode_body
 
 _Name = Annotated[str, msgspec.Meta(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9][A-Za-z0-9_.@ -]*$")]
 _Limit = Annotated[int, msgspec.Meta(ge=0, le=10**9)]

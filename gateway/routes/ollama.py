@@ -14,8 +14,8 @@ from contextlib import aclosing
 from litestar import Request as HttpRequest
 from litestar import Response, Router, get, head, post
 
-from gateway.context_fit import Fit
-from gateway.routes.common import (
+from meshgate.gateway.context_fit import Fit
+from meshgate.gateway.routes.common import (
     collect_or_cancel,
     dispatcher_of,
     error_handler,
@@ -26,10 +26,10 @@ from gateway.routes.common import (
     stream_response,
     who,
 )
-from gateway import model_admin
-from gateway.routes.ollama_models import ROUTES as MODEL_ROUTES
-from protocols import ollama, ollama_embeddings, ollama_models
-from protocols.model import GatewayError, Request, decode_body
+from meshgate.gateway import model_admin
+from meshgate.gateway.routes.ollama_models import ROUTES as MODEL_ROUTES
+from meshgate.protocols import ollama, ollama_embeddings, ollama_models
+from meshgate.protocols.model import GatewayError, Request, decode_body
 
 NDJSON = "application/x-ndjson"
 log = logging.getLogger("meshgate.ollama")

@@ -8,10 +8,10 @@ from collections.abc import AsyncIterator
 from litestar import Request as HttpRequest
 from litestar import Response, delete, get, post
 
-from gateway import model_admin
-from gateway.routes.common import dispatcher_of, json_response, stream_response
-from protocols import ollama_models
-from protocols.model import decode_body
+from meshgate.gateway import model_admin
+from meshgate.gateway.routes.common import dispatcher_of, json_response, stream_response
+from meshgate.protocols import ollama_models
+from meshgate.protocols.model import decode_body
 
 NDJSON = "application/x-ndjson"
 

@@ -11,8 +11,8 @@ from urllib.parse import unquote
 from litestar import Request as HttpRequest
 from litestar import Response, Router, get, post
 
-from gateway.context_fit import Fit
-from gateway.routes.common import (
+from meshgate.gateway.context_fit import Fit
+from meshgate.gateway.routes.common import (
     may_use,
     collect_or_cancel,
     dispatcher_of,
@@ -23,8 +23,8 @@ from gateway.routes.common import (
     stream_response,
     who,
 )
-from protocols import anthropic, openai, openai_completions, openai_embeddings, openai_responses
-from protocols.model import GatewayError, UnknownModel, decode_body
+from meshgate.protocols import anthropic, openai, openai_completions, openai_embeddings, openai_responses
+from meshgate.protocols.model import GatewayError, UnknownModel, decode_body
 
 SSE = "text/event-stream"
 

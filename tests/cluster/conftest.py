@@ -12,7 +12,7 @@ from collections.abc import AsyncIterator, Iterator
 
 import pytest
 
-from gateway.cluster.store import MemoryStore, RedisStore, StateStore
+from meshgate.gateway.cluster.store import MemoryStore, RedisStore, StateStore
 from tests.cluster.redis_server import RedisServer
 
 

@@ -7,9 +7,9 @@ import uuid
 
 import pytest
 
-from gateway.auth import digest, mint
-from gateway.cluster import accounts as accounts_module
-from gateway.cluster.accounts import MemoryAccounts, RedisAccounts
+from meshgate.gateway.auth import digest, mint
+from meshgate.gateway.cluster import accounts as accounts_module
+from meshgate.gateway.cluster.accounts import MemoryAccounts, RedisAccounts
 
 
 @pytest.fixture(params=["memory", "redis"])

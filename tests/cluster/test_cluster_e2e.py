@@ -43,7 +43,7 @@ class Agent:
         self.log = log_dir / f"agent-{name}.log"
         with open(self.log, "wb") as log:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "gateway.cli", "node", "--redis", redis_url, "--name", name,
+                [sys.executable, "-m", "meshgate.gateway.cli", "node", "--redis", redis_url, "--name", name,
                  "--data-dir", str(data_dir), "--memory", memory, "--n-ctx", str(n_ctx), "--log-level", "info",
                  "--plugin", "tests.scripted_plugin"],
                 stdout=log, stderr=subprocess.STDOUT, cwd=ROOT,
@@ -242,7 +242,7 @@ def _instances_or_none(gateway: Server) -> list | None:
 
 def test_cli_ps_and_place_mirror_the_api(cluster):
     gateway, _, _ = cluster
-    run = lambda *a: subprocess.run([sys.executable, "-m", "gateway.cli", *a, "--url", gateway.url],  # noqa: E731
+    run = lambda *a: subprocess.run([sys.executable, "-m", "meshgate.gateway.cli", *a, "--url", gateway.url],  # noqa: E731
                                     capture_output=True, text=True, cwd=ROOT, timeout=60)
     preview = run("place", "scripted-big", "--preview")
     assert preview.returncode == 0, preview.stderr

@@ -6,16 +6,16 @@ import time
 
 import pytest
 
-from backends.placement import Node, NodeId
-from gateway.cluster.instances import MAX_ATTEMPTS, InstanceManager
-from gateway.cluster.records import Failed, Ready, RunnerStatus, Starting
-from gateway.cluster.runtime import _rank
-from gateway.cluster.store import MemoryStore
-from gateway.dispatch import Catalog
-from plugins.hookspecs import hookimpl
-from plugins.manager import build_plugin_manager
-from plugins.settings import Settings
-from protocols.model import NoCapacity
+from meshgate.backends.placement import Node, NodeId
+from meshgate.gateway.cluster.instances import MAX_ATTEMPTS, InstanceManager
+from meshgate.gateway.cluster.records import Failed, Ready, RunnerStatus, Starting
+from meshgate.gateway.cluster.runtime import _rank
+from meshgate.gateway.cluster.store import MemoryStore
+from meshgate.gateway.dispatch import Catalog
+from meshgate.plugins.hookspecs import hookimpl
+from meshgate.plugins.manager import build_plugin_manager
+from meshgate.plugins.settings import Settings
+from meshgate.protocols.model import NoCapacity
 from tests import scripted_plugin
 
 

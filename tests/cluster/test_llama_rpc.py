@@ -21,10 +21,10 @@ import ollama
 import openai
 import pytest
 
-from backends.base import ModelCard
-from backends.llama_cpp import LlamaCppBackend
-from backends.placement import Candidate, NodeId, Shard
-from protocols.model import BackendUnavailable
+from meshgate.backends.base import ModelCard
+from meshgate.backends.llama_cpp import LlamaCppBackend
+from meshgate.backends.placement import Candidate, NodeId, Shard
+from meshgate.protocols.model import BackendUnavailable
 from tests.cluster.faults import alive, long_stream
 from tests.cluster.agents import linked_cluster
 from tests.cluster.test_cluster_e2e import FAST, instance, wait_for

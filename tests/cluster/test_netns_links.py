@@ -159,7 +159,7 @@ class Hosts:
         log = open(self.log_dir / f"agent-{n}.log", "ab")
         with log:
             self.agents[n] = subprocess.Popen(
-                ["ip", "netns", "exec", self.ns[n], sys.executable, "-m", "gateway.cli", "node",
+                ["ip", "netns", "exec", self.ns[n], sys.executable, "-m", "meshgate.gateway.cli", "node",
                  "--redis", self.redis_url, "--name", n, "--address", self.ip[n], "--memory", NODE_MEMORY,
                  "--n-ctx", "1024", "--data-dir", str(self.data_dir), "--log-level", "info",
                  "--plugin", "tests.scripted_plugin"],

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import msgspec
 
-from backends.placement import Candidate, Link, ModelSpec, Node, NodeId, Topology
-from gateway.cluster.planner import BackendOffer, default_rank, plan
+from meshgate.backends.placement import Candidate, Link, ModelSpec, Node, NodeId, Topology
+from meshgate.gateway.cluster.planner import BackendOffer, default_rank, plan
 
 GiB = 1 << 30
 MiB = 1 << 20

@@ -11,8 +11,8 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 
 import pytest
 
-from backends.placement import Candidate, InstanceId, Link, Node, NodeId, Shard
-from gateway.cluster.records import (
+from meshgate.backends.placement import Candidate, InstanceId, Link, Node, NodeId, Shard
+from meshgate.gateway.cluster.records import (
     Draining,
     Failed,
     Instance,
@@ -22,7 +22,7 @@ from gateway.cluster.records import (
     StoreEvent,
     state_tag,
 )
-from gateway.cluster.store import KINDS, MemoryStore, RedisStore, StateStore
+from meshgate.gateway.cluster.store import KINDS, MemoryStore, RedisStore, StateStore
 from tests.cluster.redis_server import RedisServer
 
 WAIT = 5.0

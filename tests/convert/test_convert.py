@@ -18,10 +18,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from backends.checkpoints import CheckpointSource, is_checkpoint, read_safetensors_header, spec_from_checkpoint
-from backends.llama_cpp.convert import default_name
-from backends.llama_cpp.prompt import render_gemma
-from protocols.model import Message, Request, TextPart
+from meshgate.backends.checkpoints import CheckpointSource, is_checkpoint, read_safetensors_header, spec_from_checkpoint
+from meshgate.backends.llama_cpp.convert import default_name
+from meshgate.backends.llama_cpp.prompt import render_gemma
+from meshgate.protocols.model import Message, Request, TextPart
 
 ROOT = Path(__file__).resolve().parents[2]
 ENV = {**os.environ, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1"}
@@ -120,7 +120,7 @@ def test_default_names() -> None:
 def cli_checkpoint(tmp_path_factory: pytest.TempPathFactory, data_dir: Path, packaged_gguf: Path) -> Path:
     out = tmp_path_factory.mktemp("convert-cli") / "hf" / "gemma3-270m-bf16"
     started = time.monotonic()
-    done = subprocess.run([sys.executable, "-m", "gateway.cli", "convert", "gemma3:270m", "--out", str(out),
+    done = subprocess.run([sys.executable, "-m", "meshgate.gateway.cli", "convert", "gemma3:270m", "--out", str(out),
                            "--data-dir", str(data_dir)], env=ENV, cwd=ROOT, capture_output=True, text=True,
                           timeout=600)
     assert done.returncode == 0, done.stderr[-2000:]
@@ -140,7 +140,7 @@ def test_cli_writes_a_complete_checkpoint(cli_checkpoint: Path) -> None:
 
 
 def test_cli_rejects_an_unknown_model(data_dir: Path, tmp_path: Path) -> None:
-    done = subprocess.run([sys.executable, "-m", "gateway.cli", "convert", "no-such:model", "--out",
+    done = subprocess.run([sys.executable, "-m", "meshgate.gateway.cli", "convert", "no-such:model", "--out",
                            str(tmp_path / "x"), "--data-dir", str(data_dir)], env=ENV, cwd=ROOT,
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 1 and "unknown model" in done.stderr and not (tmp_path / "x").exists()
@@ -161,7 +161,7 @@ def test_source_and_spec_describe_the_checkpoint(cli_checkpoint: Path) -> None:
 
 def test_meshgate_models_lists_a_configured_checkpoint_dir(cli_checkpoint: Path, data_dir: Path) -> None:
     env = {**ENV, "MESHGATE_MODELS": str(cli_checkpoint)}
-    done = subprocess.run([sys.executable, "-m", "gateway.cli", "models", "--data-dir", str(data_dir)], env=env,
+    done = subprocess.run([sys.executable, "-m", "meshgate.gateway.cli", "models", "--data-dir", str(data_dir)], env=env,
                           cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
     line = next(line for line in done.stdout.splitlines() if line.startswith("gemma3:270m-bf16"))

@@ -26,7 +26,7 @@ import schemathesis
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
-from gateway.openapi_bodies import BODIES
+from meshgate.gateway.openapi_bodies import BODIES
 from tests.conftest import Server
 
 POSITIVE = 40

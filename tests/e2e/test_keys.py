@@ -35,7 +35,7 @@ def server(data_dir, tmp_path_factory):
 def keys(server, *args: str, key: str = BOOT) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     env.pop("MESHGATE_API_KEYS", None)
-    return subprocess.run([sys.executable, "-m", "gateway.cli", "keys", "--url", server.url, "--api-key", key, *args],
+    return subprocess.run([sys.executable, "-m", "meshgate.gateway.cli", "keys", "--url", server.url, "--api-key", key, *args],
                           capture_output=True, text=True, env=env, cwd=ROOT, timeout=60)
 
 

@@ -18,9 +18,9 @@ from pathlib import Path
 import httpx
 import pytest
 
-from backends.llama_cpp.registry import MAX_USER_MODELS
-from protocols.model import InvalidRequest
-from protocols.ollama_models import parse_model_name
+from meshgate.backends.llama_cpp.registry import MAX_USER_MODELS
+from meshgate.protocols.model import InvalidRequest
+from meshgate.protocols.ollama_models import parse_model_name
 from tests.conftest import Server
 
 OUTSIDE = "'from' must be a GGUF file under the data directory ({models}) or MESHGATE_MODEL_DIRS"

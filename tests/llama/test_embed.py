@@ -10,11 +10,11 @@ import threading
 
 import pytest
 
-from protocols.model import EmbedRequest, GatewayError, InvalidRequest
+from meshgate.protocols.model import EmbedRequest, GatewayError, InvalidRequest
 
 llama_cpp = pytest.importorskip("llama_cpp")
 
-from backends.llama_cpp.embed import Embedder  # noqa: E402
+from meshgate.backends.llama_cpp.embed import Embedder  # noqa: E402
 
 N_CTX = 256
 TEXT = "The quick brown fox jumps over the lazy dog while the cat sleeps in the warm afternoon sun."

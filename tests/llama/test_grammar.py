@@ -14,9 +14,9 @@ from pathlib import Path
 
 import pytest
 
-from backends.llama_cpp.grammar import MAX_REPEAT, escape_literal, nesting, schema_grammar
-from backends.llama_cpp.tools import call_schema
-from protocols.model import Request, Tool, ToolChoice, Unprocessable
+from meshgate.backends.llama_cpp.grammar import MAX_REPEAT, escape_literal, nesting, schema_grammar
+from meshgate.backends.llama_cpp.tools import call_schema
+from meshgate.protocols.model import Request, Tool, ToolChoice, Unprocessable
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -19,9 +19,9 @@ from pathlib import Path
 
 import pytest
 
-from backends.llama_cpp.rpc import RpcDevice, probe, split_kwargs
-from backends.runner.process import RunnerProcess
-from protocols.model import BackendUnavailable
+from meshgate.backends.llama_cpp.rpc import RpcDevice, probe, split_kwargs
+from meshgate.backends.runner.process import RunnerProcess
+from meshgate.protocols.model import BackendUnavailable
 
 ROOT = Path(__file__).resolve().parents[2]
 ENV = {"PYTHONPATH": str(ROOT)}
@@ -32,8 +32,8 @@ MiB = 1 << 20
 # the workers' buffers) until its stdin closes.
 HEAD = r"""
 import json, sys
-from backends.llama_cpp import rpc
-from backends.llama_cpp.gguf import read_metadata
+from meshgate.backends.llama_cpp import rpc
+from meshgate.backends.llama_cpp.gguf import read_metadata
 
 model, placement, n_tokens = sys.argv[1], sys.argv[2], int(sys.argv[3])
 kwargs = {}
@@ -65,7 +65,7 @@ def rss(pid: int) -> int:
 
 
 async def start_worker() -> RunnerProcess:
-    argv = [sys.executable, "-m", "backends.llama_cpp.rpc", "--host", "127.0.0.1", "--port", "0", "--threads", "1"]
+    argv = [sys.executable, "-m", "meshgate.backends.llama_cpp.rpc", "--host", "127.0.0.1", "--port", "0", "--threads", "1"]
     return await RunnerProcess.start(argv, name="rpc-worker", env=ENV, ready_timeout=60)
 
 
@@ -135,7 +135,7 @@ async def test_worker_exits_when_stdin_closes() -> None:
 
 
 def test_worker_refuses_wildcard_address() -> None:
-    result = subprocess.run([sys.executable, "-m", "backends.llama_cpp.rpc", "--host", "0.0.0.0", "--port", "0"],
+    result = subprocess.run([sys.executable, "-m", "meshgate.backends.llama_cpp.rpc", "--host", "0.0.0.0", "--port", "0"],
                             stdin=subprocess.DEVNULL, capture_output=True, cwd=ROOT, env={**os.environ, **ENV},
                             timeout=30)
     assert result.returncode == 2

@@ -9,11 +9,11 @@ import json
 
 import pytest
 
-from backends.llama_cpp.engine import StopMatcher
-from backends.llama_cpp.logprobs import LogprobAligner
-from backends.llama_cpp.prompt import flatten, render_gemma
-from backends.llama_cpp.tools import CallGate, call_mode, call_schema, parse_call, tools_block
-from protocols.model import (
+from meshgate.backends.llama_cpp.engine import StopMatcher
+from meshgate.backends.llama_cpp.logprobs import LogprobAligner
+from meshgate.backends.llama_cpp.prompt import flatten, render_gemma
+from meshgate.backends.llama_cpp.tools import CallGate, call_mode, call_schema, parse_call, tools_block
+from meshgate.protocols.model import (
     Finished,
     Message,
     Request,

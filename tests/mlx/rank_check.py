@@ -27,8 +27,8 @@ import threading
 
 import mlx.core as mx
 
-from backends.mlx.engine import MlxEngine
-from protocols.model import Finished, Message, Request, Sampling, TextDelta, TextPart, Usage
+from meshgate.backends.mlx.engine import MlxEngine
+from meshgate.protocols.model import Finished, Message, Request, Sampling, TextDelta, TextPart, Usage
 
 # the last prompt outgrows the tiny gemma3's sliding window (8 tokens) in the prompt itself
 PROMPTS = ["Hello world", "The quick brown fox",

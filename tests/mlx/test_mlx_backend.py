@@ -18,11 +18,11 @@ from typing import Any
 import httpx
 import pytest
 
-from backends.base import ModelCard
-from backends.mlx import LaunchedRank, MlxBackend
-from backends.placement import Candidate, NodeId, Shard
-from backends.runner import secret as cluster_secret
-from protocols.model import Failed, Finished, Request, Sampling, TextDelta, Usage
+from meshgate.backends.base import ModelCard
+from meshgate.backends.mlx import LaunchedRank, MlxBackend
+from meshgate.backends.placement import Candidate, NodeId, Shard
+from meshgate.backends.runner import secret as cluster_secret
+from meshgate.protocols.model import Failed, Finished, Request, Sampling, TextDelta, Usage
 from tests.mlx.test_mlx_engine import HERE, _mlx, mlx_python
 
 PROMPTS = ["Hello world", "Ranks talk over a ring"]

@@ -34,7 +34,7 @@ def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @contextlib.contextmanager
 def runner(model: Path, parallel: int) -> Iterator[str]:
-    argv = [str(mlx_python()), "-m", "backends.mlx.runner", "--model", str(model), "--parallel", str(parallel)]
+    argv = [str(mlx_python()), "-m", "meshgate.backends.mlx.runner", "--model", str(model), "--parallel", str(parallel)]
     proc = subprocess.Popen(argv, env=ENV, cwd=ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                             stderr=subprocess.DEVNULL, text=True)
     try:

@@ -60,7 +60,7 @@ def tiny(models: dict[str, Path]) -> Path:
 
 def _checks(runs: list[dict], n: int, max_tokens: int = 32) -> list[dict]:
     """Run ``rank_check.py`` over ``runs`` on ``n`` ranks (one launch for all); each rank's report, rank order."""
-    from backends.mlx.launch import launch
+    from meshgate.backends.mlx.launch import launch
 
     started = time.monotonic()
     argv = [str(mlx_python()), str(HERE / "rank_check.py"), json.dumps(runs), str(max_tokens)]
@@ -185,9 +185,9 @@ def _generate(port: int, text: str) -> list[dict]:
 
 @pytest.mark.parametrize("n", [1, 2])
 def test_runner_streams_the_same_events_on_one_and_two_ranks(tiny: Path, one_rank: dict, n: int) -> None:
-    from backends.mlx.launch import launch
+    from meshgate.backends.mlx.launch import launch
 
-    argv = [str(mlx_python()), "-m", "backends.mlx.runner", "--model", str(tiny), "--sharding", "tensor"]
+    argv = [str(mlx_python()), "-m", "meshgate.backends.mlx.runner", "--model", str(tiny), "--sharding", "tensor"]
     ranks = launch(n, argv, env=ENV, cwd=ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                    stderr=subprocess.DEVNULL, text=True)
     try:

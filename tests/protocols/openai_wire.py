@@ -12,8 +12,8 @@ from openai._streaming import Stream
 from openai.lib.streaming.chat import ChatCompletionStreamState
 from openai.types.chat import ChatCompletionChunk
 
-from protocols import openai as oai
-from protocols.model import Event, Meta
+from meshgate.protocols import openai as oai
+from meshgate.protocols.model import Event, Meta
 
 try:  # openai 3.x talks through httpx2, 1.x through httpx
     import httpx2 as httpx

@@ -22,7 +22,7 @@ from anthropic.types import ModelInfo as SdkModelInfo
 from anthropic.types import RawMessageStreamEvent
 from pydantic import TypeAdapter
 
-from protocols.anthropic import (
+from meshgate.protocols.anthropic import (
     CountTokensRequest,
     MessagesRequest,
     count_tokens_to_internal,
@@ -34,7 +34,7 @@ from protocols.anthropic import (
     error_body,
     messages_to_internal,
 )
-from protocols.model import (
+from meshgate.protocols.model import (
     UNSET,
     AuthenticationFailed,
     BackendProtocolError,

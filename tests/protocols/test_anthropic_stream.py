@@ -7,8 +7,8 @@ import msgspec
 import pytest
 from anthropic.types import Message as SdkMessage
 
-from protocols.anthropic import encode_message_response
-from protocols.model import (
+from meshgate.protocols.anthropic import encode_message_response
+from meshgate.protocols.model import (
     BackendTimeout,
     Failed,
     Finished,

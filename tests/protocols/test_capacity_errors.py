@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import json
 
-from protocols import anthropic, ollama, openai
-from protocols.model import ContextLengthExceeded, Overloaded, error_from_info
+from meshgate.protocols import anthropic, ollama, openai
+from meshgate.protocols.model import ContextLengthExceeded, Overloaded, error_from_info
 
 BUSY = Overloaded("the model is busy", retry_after=3)
 

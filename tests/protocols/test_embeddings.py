@@ -12,8 +12,8 @@ import struct
 import msgspec
 import pytest
 
-from protocols import ollama_embeddings, openai_embeddings
-from protocols.model import EmbedRequest, Embeddings, InvalidRequest, decode_body
+from meshgate.protocols import ollama_embeddings, openai_embeddings
+from meshgate.protocols.model import EmbedRequest, Embeddings, InvalidRequest, decode_body
 
 VECTORS = ((0.6, 0.8), (1.0, 0.0), (-0.28, 0.96))
 RESULT = Embeddings(vectors=VECTORS, prompt_tokens=9, load_ns=1234)

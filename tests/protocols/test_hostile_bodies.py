@@ -9,8 +9,8 @@ import json
 import msgspec
 import pytest
 
-from protocols import anthropic, ollama, openai
-from protocols.model import MAX_JSON_DEPTH, InvalidRequest, OutputTooLarge, decode_body, json_depth
+from meshgate.protocols import anthropic, ollama, openai
+from meshgate.protocols.model import MAX_JSON_DEPTH, InvalidRequest, OutputTooLarge, decode_body, json_depth
 
 
 def nested(depth: int) -> str:

@@ -16,8 +16,8 @@ import msgspec
 import ollama
 import pytest
 
-from protocols import ollama as oll
-from protocols.model import (
+from meshgate.protocols import ollama as oll
+from meshgate.protocols.model import (
     UNSET,
     AuthenticationFailed,
     BackendUnavailable,

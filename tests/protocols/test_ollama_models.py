@@ -9,8 +9,8 @@ import msgspec
 import pytest
 from ollama import _types
 
-from protocols.model import InvalidRequest, ModelInfo, decode_body
-from protocols.ollama_models import CreateRequest, ShowRequest, encode_ps, encode_show, parse_keep_alive, progress_line
+from meshgate.protocols.model import InvalidRequest, ModelInfo, decode_body
+from meshgate.protocols.ollama_models import CreateRequest, ShowRequest, encode_ps, encode_show, parse_keep_alive, progress_line
 
 INFO = ModelInfo(name="gemma3:270m", created=1_700_000_000.0, size=253113024, digest="ab" * 32, family="gemma3",
                  parameter_size="270M", quantization="Q4_K_M", context_length=2048)

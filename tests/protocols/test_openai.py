@@ -16,9 +16,9 @@ import pytest
 from openai.types import Completion, Model
 from openai.types.chat import ChatCompletion
 
-from protocols import openai as oai
-from protocols import openai_completions as oac
-from protocols.model import (
+from meshgate.protocols import openai as oai
+from meshgate.protocols import openai_completions as oac
+from meshgate.protocols.model import (
     UNSET,
     AuthenticationFailed,
     BackendTimeout,

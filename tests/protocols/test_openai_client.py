@@ -11,8 +11,8 @@ import json
 
 import pytest
 
-from protocols import openai as oai
-from protocols.model import (
+from meshgate.protocols import openai as oai
+from meshgate.protocols.model import (
     BackendProtocolError,
     BackendUnavailable,
     Failed,
@@ -37,7 +37,7 @@ from protocols.model import (
     Usage,
     collect,
 )
-from protocols.openai_client import StreamDecoder, encode_request, error_from_response, request_body
+from meshgate.protocols.openai_client import StreamDecoder, encode_request, error_from_response, request_body
 
 
 def _sse(*payloads: object, crlf: bool = False) -> bytes:

@@ -19,8 +19,8 @@ from openai.types.responses import Response as SDKResponse
 from openai.types.responses import ResponseStreamEvent
 from pydantic import TypeAdapter
 
-from protocols import openai_responses as resp
-from protocols.model import (
+from meshgate.protocols import openai_responses as resp
+from meshgate.protocols.model import (
     UNSET,
     ErrorInfo,
     Event,

@@ -9,8 +9,8 @@ import pytest
 from openai.types import Completion
 from openai.types.chat import ChatCompletionChunk
 
-from protocols import openai_completions as oac
-from protocols.model import (
+from meshgate.protocols import openai_completions as oac
+from meshgate.protocols.model import (
     BackendTimeout,
     BackendUnavailable,
     Failed,

@@ -6,7 +6,7 @@ import msgspec
 import pytest
 from sse_starlette.event import ServerSentEvent
 
-from protocols import sse
+from meshgate.protocols import sse
 
 PAYLOADS = [b"[DONE]", msgspec.json.encode({"text": "line\nbreak \r and \u2028 \U0001f600", "n": 1}), b"{}"]
 

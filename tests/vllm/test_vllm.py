@@ -151,10 +151,10 @@ async def _launch_and_generate(python: Path, model: Path, runtime_dir: Path, mod
                                prompts: tuple[str, ...]) -> tuple[list[str], float]:
     """Start ``model`` once in ``mode`` (``single`` TP=1, ``tensor`` TP=2, ``pipeline`` PP=2) on one node through
     ``VllmBackend.launch``, as an agent does; return the greedy texts of ``prompts`` and the startup seconds."""
-    from backends.checkpoints import card_from_checkpoint, spec_from_checkpoint
-    from backends.placement import Candidate, NodeId, Shard
-    from backends.vllm import VllmBackend
-    from protocols.model import Request, Sampling, collect
+    from meshgate.backends.checkpoints import card_from_checkpoint, spec_from_checkpoint
+    from meshgate.backends.placement import Candidate, NodeId, Shard
+    from meshgate.backends.vllm import VllmBackend
+    from meshgate.protocols.model import Request, Sampling, collect
 
     card = card_from_checkpoint(model)
     n = spec_from_checkpoint(card.name, card.path).n_layers

@@ -9,10 +9,10 @@ from pathlib import Path
 
 import pytest
 
-from backends.placement import Candidate, NodeId, Shard
-from backends.runner import bindshim
-from backends.vllm.launch import layout, threads_bind
-from backends.vllm.raynode import stage, stage_env
+from meshgate.backends.placement import Candidate, NodeId, Shard
+from meshgate.backends.runner import bindshim
+from meshgate.backends.vllm.launch import layout, threads_bind
+from meshgate.backends.vllm.raynode import stage, stage_env
 from tests.cluster.sockets import listening
 
 

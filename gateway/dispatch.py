@@ -35,6 +35,7 @@ from meshgate.protocols.model import (
     Embeddings,
     Event,
     Failed,
+    Finished,
     GatewayError,
     KeepAlive,
     NoCapacity,
@@ -309,13 +310,17 @@ async def _relay(first: Event, rest: AsyncIterator[Event], release: Callable[[],
 
 
 async def _metered(events: AsyncIterator[Event], on_usage: Callable[[Usage], None]) -> AsyncIterator[Event]:
-    """``events`` unchanged; the last ``Usage`` among them goes to ``on_usage`` when they end or are closed."""
+    """``events`` unchanged; the last ``Usage`` among them goes to ``on_usage`` once: at the terminal event (a
+    reader may stop there), or when the stream is closed early."""
     usage: Usage | None = None
     try:
         async with contextlib.aclosing(events):
             async for event in events:
                 if isinstance(event, Usage):
                     usage = event
+                elif isinstance(event, Finished | Failed) and usage is not None:
+                    on_usage(usage)
+                    usage = None
                 yield event
     finally:
         if usage is not None:

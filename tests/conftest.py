@@ -121,3 +121,28 @@ def scripted_server(data_dir: Path) -> Iterator[Server]:
     server = Server(data_dir, "--plugin", "tests.scripted_plugin")
     yield server
     server.stop()
+
+
+# ------------------------------------------------------------------ the "runtime" marker
+
+_RUNTIME_FIXTURES = {"data_dir", "packaged_gguf", "converted_gemma", "real_server", "scripted_server", "redis_server",
+                     "store_kind"}
+"""Fixtures that start processes (gateways, runners, redis-server) or build models: a test using one is slow."""
+
+_RUNTIME_DIRS = {"e2e", "llama", "mlx", "vllm", "convert", "compat"}
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", "runtime: starts real processes (gateways, runtimes, Redis); "
+                            "`pytest -m 'not runtime'` runs the fast in-process tests")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Mark ``runtime`` what starts processes: tests under the runtime folders, or using such a fixture, or in a
+    module that runs subprocesses itself."""
+    for item in items:
+        path = Path(str(item.fspath)).relative_to(ROOT / "tests")
+        module = getattr(item, "module", None)
+        spawns = module is not None and "subprocess" in vars(module)
+        if path.parts[0] in _RUNTIME_DIRS or _RUNTIME_FIXTURES & set(getattr(item, "fixturenames", ())) or spawns:
+            item.add_marker(pytest.mark.runtime)

@@ -49,6 +49,11 @@ class FakeRequest:
         return {"type": "http.disconnect"}
 
 
+async def opened(events):
+    """What ``Dispatcher.open_stream`` gives ``collect_or_cancel``: an awaitable of the event stream."""
+    return events
+
+
 async def test_collect_or_cancel_closes_the_stream_when_the_client_goes():
     closed = asyncio.Event()
 
@@ -62,7 +67,7 @@ async def test_collect_or_cancel_closes_the_stream_when_the_client_goes():
             closed.set()
 
     with pytest.raises(ClientGone):
-        await asyncio.wait_for(collect_or_cancel(FakeRequest(0.1), endless()), 5)  # type: ignore[arg-type]
+        await asyncio.wait_for(collect_or_cancel(FakeRequest(0.1), opened(endless())), 5)  # type: ignore[arg-type]
     assert closed.is_set()
 
 
@@ -71,5 +76,5 @@ async def test_collect_or_cancel_returns_the_answer_while_the_client_stays():
         yield TextDelta(text="hi")
         yield Finished(reason="stop")
 
-    response = await collect_or_cancel(FakeRequest(None), short())  # type: ignore[arg-type]
+    response = await collect_or_cancel(FakeRequest(None), opened(short()))  # type: ignore[arg-type]
     assert response.text == "hi" and response.finish.reason == "stop"

@@ -26,7 +26,7 @@ class _Data(msgspec.Struct, frozen=True, kw_only=True):
     pass
 
 
-class Node(_Data):
+class Node(_Data, frozen=True):
     """One machine as its agent reports it.
 
     ``flops`` is a relative compute speed (the agent's own measurement, e.g. GFLOP/s of a small matmul), used to
@@ -47,7 +47,7 @@ class Node(_Data):
     heartbeat_at: float = 0.0
 
 
-class Link(_Data):
+class Link(_Data, frozen=True):
     """A measured one-way view of the path from ``src`` to ``dst``."""
 
     src: NodeId
@@ -57,7 +57,7 @@ class Link(_Data):
     measured_at: float = 0.0
 
 
-class Topology(_Data):
+class Topology(_Data, frozen=True):
     """A frozen snapshot of the cluster, the planner's only input about machines."""
 
     nodes: tuple[Node, ...] = ()
@@ -70,7 +70,7 @@ class Topology(_Data):
         return next((link for link in self.links if link.src == src and link.dst == dst), None)
 
 
-class ModelSpec(_Data):
+class ModelSpec(_Data, frozen=True):
     """What the planner needs to know about a model (a "model card" in placement terms).
 
     ``layer_bytes`` is the weight size of one transformer block; ``embedding_bytes`` the token embedding (which
@@ -101,7 +101,7 @@ class ModelSpec(_Data):
         return 2 * self.n_kv_heads * self.head_dim * self.kv_bytes_per_element * context * n
 
 
-class ShardCosts(_Data):
+class ShardCosts(_Data, frozen=True):
     """What a runtime costs per shard beyond weights and KV cache, for the planner's memory estimate.
 
     ``base_bytes`` is the process and fixed buffers of every shard; ``head_bytes`` what the head shard (the one
@@ -120,7 +120,7 @@ class ShardCosts(_Data):
     sequences: int = 1
 
 
-class Shard(_Data):
+class Shard(_Data, frozen=True):
     """One node's part of a placement: a layer range (pipeline) and/or a tensor rank."""
 
     node_id: NodeId
@@ -138,7 +138,7 @@ class Shard(_Data):
         return self.weight_bytes + self.kv_bytes + self.overhead_bytes
 
 
-class Candidate(_Data):
+class Candidate(_Data, frozen=True):
     """A placement record: where a model's shards go, what it costs, and whether it fits.
 
     ``link_cost`` is the estimated seconds per decoded token spent on links; ``tok_s`` the estimated decode
@@ -151,7 +151,7 @@ class Candidate(_Data):
     strategy: Strategy
     context: int
     shards: tuple[Shard, ...]
-    memory_per_node: dict[str, int]
+    memory_per_node: dict[NodeId, int]
     link_cost: float = 0.0
     tok_s: float = 0.0
     fits: bool = True

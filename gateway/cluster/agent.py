@@ -27,7 +27,7 @@ from meshgate.backends.base import Backend, Launched, ModelCard
 from meshgate.backends.placement import Link, NodeId
 from meshgate.backends.runner import secret as cluster_secret
 from meshgate.gateway.cluster.node import describe_node, measure_flops
-from meshgate.gateway.cluster.records import Failed, Instance, RunnerStatus
+from meshgate.gateway.cluster.records import Failed, Instance, RunnerState, RunnerStatus
 from meshgate.gateway.cluster.store import StateStore
 
 __all__ = ["NodeAgent"]
@@ -133,8 +133,8 @@ class NodeAgent:
             if any(s.node_id == self.node_id for s in instance.placement.shards):
                 wanted[instance.id] = instance
         for instance_id, (epoch, launched) in list(self.launched.items()):
-            instance = wanted.get(instance_id)
-            if instance is None or instance.epoch != epoch:
+            found = wanted.get(instance_id)
+            if found is None or found.epoch != epoch:
                 del self.launched[instance_id]
                 await launched.stop()
                 log.info("stopped shard of %s (epoch %s)", instance_id, epoch)
@@ -142,7 +142,7 @@ class NodeAgent:
                 del self.launched[instance_id]
                 self._failed.add((instance_id, epoch))
                 await launched.stop()  # what the dead process left: children, runtime folders, shm segments
-                await self._report(instance, "failed", error="the runner process exited")
+                await self._report(found, "failed", error="the runner process exited")
         for instance_id, instance in wanted.items():
             if instance_id in self.launched or instance_id in self._starting:
                 continue
@@ -182,15 +182,16 @@ class NodeAgent:
             if current is None or current.epoch != instance.epoch or isinstance(current.state, Failed):
                 raise RuntimeError("the placement changed while waiting for its other shards")
             statuses = {n: current.runners.get(n) for n in others}
-            failed = [n for n, s in statuses.items() if s and s.epoch == instance.epoch and s.state == "failed"]
+            failed = [s for s in statuses.values() if s and s.epoch == instance.epoch and s.state == "failed"]
             if failed:
-                raise RuntimeError(f"shard on {failed[0]} failed: {statuses[failed[0]].error}")
-            if all(s and s.epoch == instance.epoch and s.state == "ready" and s.url for s in statuses.values()):
-                return {n: s.url for n, s in statuses.items()}
+                raise RuntimeError(f"shard on {failed[0].node_id} failed: {failed[0].error}")
+            urls = {n: s.url for n, s in statuses.items() if s and s.epoch == instance.epoch and s.state == "ready"}
+            if len(urls) == len(statuses) and all(urls.values()):
+                return {n: url for n, url in urls.items() if url}
             await asyncio.sleep(0.1)
         raise TimeoutError(f"the other shards were not up within {timeout:.0f}s")
 
-    async def _report(self, instance: Instance, state: str, *, url: str | None = None, pid: int | None = None,
+    async def _report(self, instance: Instance, state: RunnerState, *, url: str | None = None, pid: int | None = None,
                       error: str | None = None) -> None:
         await self.store.update_runner(instance.id, RunnerStatus(
             node_id=self.node_id, state=state, url=url, pid=pid, error=error, epoch=instance.epoch))
@@ -199,7 +200,7 @@ class NodeAgent:
 
     async def _probe_loop(self) -> None:
         """Probe every ``probe_every`` seconds, and at once when the set of nodes changes."""
-        known: set[str] = set()
+        known: set[NodeId] = set()
         last = 0.0
         while True:
             await asyncio.sleep(0.5)
@@ -259,7 +260,7 @@ class NodeAgent:
         config = uvicorn.Config(_ProbeApp(self.secret.encode()), log_level="warning", access_log=False,
                                 lifespan="off")
         self._server = uvicorn.Server(config)
-        self._server.install_signal_handlers = lambda: None  # type: ignore[method-assign]
+        self._server.install_signal_handlers = lambda: None
         self._tasks.append(asyncio.create_task(self._server.serve(sockets=[sock]), name="agent-probes"))
 
 

@@ -21,7 +21,7 @@ from collections.abc import Callable, Sequence
 import msgspec
 
 from meshgate.backends.base import Backend, ModelCard
-from meshgate.backends.placement import Candidate, InstanceId, Topology
+from meshgate.backends.placement import Candidate, InstanceId, NodeId, Topology
 from meshgate.gateway.cluster.planner import BackendOffer, plan
 from meshgate.gateway.cluster.records import Failed, Instance, Ready, Starting
 from meshgate.gateway.cluster.store import StateStore
@@ -146,7 +146,7 @@ class InstanceManager:
         self._view[instance.id] = instance
         return instance
 
-    async def delete(self, instance_id: str) -> None:
+    async def delete(self, instance_id: InstanceId) -> None:
         if await self.store.get_instance(instance_id) is None:
             raise NotFound(f"instance '{instance_id}' not found")
         await self.store.delete_instance(instance_id)
@@ -197,7 +197,7 @@ class InstanceManager:
             why = "automatic: first request" if context is None else f"automatic: a request for {context} tokens"
             return await self.create(card.name, context=context, reason=why)
 
-    async def wait_ready(self, instance_id: str, timeout: float = 300.0) -> Instance:
+    async def wait_ready(self, instance_id: InstanceId, timeout: float = 300.0) -> Instance:
         """Wait until the instance is ready; raise if it fails (and is not re-placed) or times out."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
@@ -288,7 +288,7 @@ def _usable(instances: Sequence[Instance]) -> Instance | None:
     return None
 
 
-def _problem(instance: Instance, node_ids: set[str]) -> str | None:
+def _problem(instance: Instance, node_ids: set[NodeId]) -> str | None:
     for shard in instance.placement.shards:
         if shard.node_id not in node_ids:
             return f"node {shard.node_id} left the cluster"

@@ -59,7 +59,7 @@ ALTERNATIVES = 3
 
 Rank = Callable[[list[Candidate], Topology], list[Candidate]]
 _STRATEGIES: tuple[Strategy, ...] = ("single", "pipeline", "tensor", "hybrid")
-_Next = Callable[[list[Node], set[str], Iterator[Node]], tuple[Node, bool] | None]
+_Next = Callable[[list[Node], set[NodeId], Iterator[Node]], tuple[Node, bool] | None]
 
 
 class BackendOffer(msgspec.Struct, frozen=True, kw_only=True):
@@ -94,7 +94,7 @@ class BackendOffer(msgspec.Struct, frozen=True, kw_only=True):
 
 
 def plan(spec: ModelSpec, topology: Topology, backends: Sequence[BackendOffer], *, context: int | None = None,
-         nodes: Sequence[NodeId] | None = None, rank: Rank | None = None, max_nodes: int | None = None,
+         nodes: Sequence[str] | None = None, rank: Rank | None = None, max_nodes: int | None = None,
          min_nodes: int | None = None, strategy: str | None = None) -> list[Candidate]:
     """Every placement considered for ``spec`` on ``topology``: fitting ones best first, then rejected ones.
 
@@ -155,19 +155,19 @@ def default_rank(candidates: list[Candidate], topology: Topology) -> list[Candid
 class _View:
     """Indexes over the eligible nodes for one plan() call: by id, in greedy order, neighbours in greedy order."""
 
-    def __init__(self, nodes: list[Node], links: dict[tuple[str, str], Link]) -> None:
+    def __init__(self, nodes: list[Node], links: dict[tuple[NodeId, NodeId], Link]) -> None:
         self.nodes = {n.id: n for n in nodes}
         self.order = sorted(nodes, key=_greedy)
         self.links = links
         self.roomiest = list(accumulate(n.memory_available for n in self.order))
-        adjacent: dict[str, set[str]] = {n.id: set() for n in nodes}
+        adjacent: dict[NodeId, set[NodeId]] = {n.id: set() for n in nodes}
         for src, dst in links:
             if src != dst and src in adjacent and dst in adjacent:
                 adjacent[src].add(dst)
                 adjacent[dst].add(src)
         self.neighbours = {nid: sorted((self.nodes[m] for m in ms), key=_greedy) for nid, ms in adjacent.items()}
 
-    def link(self, a: str, b: str) -> Link | None:
+    def link(self, a: NodeId, b: NodeId) -> Link | None:
         return self.links.get((a, b)) or self.links.get((b, a))
 
 
@@ -246,15 +246,15 @@ class _Planner:
         kv = self.spec.n_kv_heads
         return self.spec.n_heads % k == 0 and (kv % k == 0 or k % kv == 0)
 
-    def _next_stage(self, chain: list[Node], used: set[str], rest: Iterator[Node]) -> tuple[Node, bool] | None:
+    def _next_stage(self, chain: list[Node], used: set[NodeId], rest: Iterator[Node]) -> tuple[Node, bool] | None:
         """The tail's best unused linked neighbour, else (unlinked) the best unused node."""
         for node in self.view.neighbours[chain[-1].id]:
             if node.id not in used:
                 return node, True
-        node = next(rest, None)
-        return None if node is None else (node, False)
+        unlinked = next(rest, None)
+        return None if unlinked is None else (unlinked, False)
 
-    def _next_rank(self, group: list[Node], used: set[str], rest: Iterator[Node]) -> tuple[Node, bool] | None:
+    def _next_rank(self, group: list[Node], used: set[NodeId], rest: Iterator[Node]) -> tuple[Node, bool] | None:
         """The best unused node with fast measured links to every rank; else a slow or unlinked one, flagged."""
         fallback = None
         for node in self.view.neighbours[group[0].id]:
@@ -264,8 +264,8 @@ class _Planner:
             if all(link is not None and link.latency <= TENSOR_MAX_LATENCY for link in links):
                 return node, True
             fallback = fallback or node
-        node = fallback or next(rest, None)
-        return None if node is None else (node, False)
+        other = fallback or next(rest, None)
+        return None if other is None else (other, False)
 
     # ---------------------------------------------------------------------------------------- one candidate
 

@@ -17,7 +17,7 @@ from litestar import Router, delete, get, post
 from litestar.response import Stream
 from sse_starlette.event import ServerSentEvent
 
-from meshgate.backends.placement import Candidate, Link, Node
+from meshgate.backends.placement import Candidate, InstanceId, Link, Node
 from meshgate.gateway.admission import Load
 from meshgate.gateway.cluster.instances import InstanceManager
 from meshgate.gateway.cluster.records import Failed, Instance, Ready, StoreEvent
@@ -96,7 +96,7 @@ async def list_instances(request: HttpRequest) -> list[InstanceView]:
 
 @get("/instances/{instance_id:str}", summary="One instance, with this gateway's queue for it")
 async def get_instance(request: HttpRequest, instance_id: str) -> InstanceView:
-    instance = await _instances(request).store.get_instance(instance_id)
+    instance = await _instances(request).store.get_instance(InstanceId(instance_id))
     if instance is None:
         raise NotFound(f"instance '{instance_id}' not found")
     return _view(request, instance)
@@ -104,18 +104,18 @@ async def get_instance(request: HttpRequest, instance_id: str) -> InstanceView:
 
 @delete("/instances/{instance_id:str}", summary="Delete an instance and stop its processes", status_code=204)
 async def delete_instance(request: HttpRequest, instance_id: str) -> None:
-    await _instances(request).delete(instance_id)
+    await _instances(request).delete(InstanceId(instance_id))
 
 
 @get("/instances/{instance_id:str}/events", summary="Server-sent state changes until ready or failed")
 async def instance_events(request: HttpRequest, instance_id: str) -> Stream:
     manager = _instances(request)
-    if await manager.store.get_instance(instance_id) is None:
+    if await manager.store.get_instance(InstanceId(instance_id)) is None:
         raise NotFound(f"instance '{instance_id}' not found")
-    return Stream(_state_changes(manager, instance_id), media_type="text/event-stream")
+    return Stream(_state_changes(manager, InstanceId(instance_id)), media_type="text/event-stream")
 
 
-async def _state_changes(manager: InstanceManager, instance_id: str) -> AsyncIterator[bytes]:
+async def _state_changes(manager: InstanceManager, instance_id: InstanceId) -> AsyncIterator[bytes]:
     last = None
     for _ in range(3000):  # bounded: 10 minutes at 0.2 s
         instance = await manager.store.get_instance(instance_id)

@@ -6,21 +6,27 @@ turns a ``Request`` into an event stream ending in exactly one ``Finished`` or `
 ``Capabilities.embeddings``, an ``EmbedRequest`` into ``Embeddings``). Runtimes live in their
 own processes, never in the gateway.
 
+Everything the gateway needs of a model besides its card comes through ``Backend`` too: the context a runner gets
+(``context``) and what clients are shown (``describe``: Ollama ``/api/show``'s ``model_info``, template,
+parameters), so the gateway never reads a model file or knows a backend by name. Both have defaults on the
+Protocol, which a backend inherits by subclassing ``Backend`` (``class Mine(meshgate.Backend)``); a backend that
+only matches the Protocol structurally must define them.
+
 Imports ``protocols.model`` and ``backends.placement``; must not import the gateway, plugins or a web framework.
 """
 
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 import msgspec
 
 from meshgate.backends.placement import Candidate, ModelSpec, Shard, ShardCosts, Strategy
 from meshgate.protocols.model import EmbedRequest, Embeddings, Event, ImagePart, Request, UnsupportedFeature
 
-__all__ = ["Backend", "Capabilities", "InProcess", "Launched", "ModelCard", "ModelSource", "Peers", "Runner",
-           "check_capabilities", "check_embeddings"]
+__all__ = ["Backend", "Capabilities", "InProcess", "Launched", "ModelCard", "ModelDescription", "ModelSource", "Peers",
+           "Runner", "basic_model_info", "check_capabilities", "check_embeddings"]
 
 
 class ModelCard(msgspec.Struct, frozen=True, kw_only=True):
@@ -54,6 +60,47 @@ class Capabilities(msgspec.Struct, frozen=True, kw_only=True):
     reasoning: bool = False
     raw_prompt: bool = True
     embeddings: bool = False
+
+
+class ModelDescription(msgspec.Struct, frozen=True, kw_only=True):
+    """What clients are shown of a model besides its card (``Backend.describe``): Ollama ``/api/show``'s
+    ``model_info``, ``template``, ``parameters`` and ``license``. Its ``details`` (format, family, parameter size,
+    quantization) are the ``ModelCard``'s, and ``/api/tags`` and ``/v1/models`` list cards only.
+
+    ``model_info`` and ``parameters`` are open maps because their keys are the model's own (a GGUF header's keys,
+    a checkpoint's ``config.json`` under those names); they travel to clients as they are and are never read back.
+
+    Example::
+
+        ModelDescription(model_info={"general.architecture": "gemma3", "gemma3.context_length": 4096},
+                         template="{{ .Prompt }}", parameters={"stop": ["<end_of_turn>"]})
+
+    Attributes:
+        model_info: The model's metadata under GGUF's key names, as Ollama shows it (``general.architecture``,
+            ``<arch>.context_length`` as the context a runner gets, ``<arch>.block_count``, ...); big arrays
+            (token tables) as ``None``, as Ollama shows them without ``verbose``.
+        template: The chat template the runtime applies (a Go template where the backend renders Ollama's
+            format, else the model's own, e.g. a checkpoint's Jinja ``chat_template``); empty when unknown.
+        parameters: Default generation parameters under Ollama's names (``stop``, ``temperature``, ...); a user
+            model's stored parameters (``/api/create``) are laid over them.
+        license: The model's license text, when it carries one.
+    """
+
+    model_info: dict[str, Any] = msgspec.field(default_factory=dict)
+    template: str = ""
+    parameters: dict[str, Any] = msgspec.field(default_factory=dict)
+    license: str = ""
+
+
+def basic_model_info(card: ModelCard, context: int) -> dict[str, Any]:
+    """``model_info`` from the card alone: its family as ``general.architecture`` and ``context`` (tokens a runner
+    gets; 0 leaves it out) as ``<family>.context_length``; empty without a family."""
+    if not card.family:
+        return {}
+    info: dict[str, Any] = {"general.architecture": card.family}
+    if context:
+        info[f"{card.family}.context_length"] = context
+    return info
 
 
 def check_capabilities(request: Request, caps: Capabilities, model: str) -> None:
@@ -141,6 +188,8 @@ class Backend(Protocol):
     """A runtime: which models it serves, how their shards start on a node, how the gateway reaches them.
 
     ``launch`` runs in a node agent (on the machine that holds the shard); ``connect`` runs in a gateway.
+    ``context`` and ``describe`` have defaults here: subclass ``Backend`` to inherit them (a class that only
+    matches the Protocol must define them), and override them where the runtime knows better.
     """
 
     name: str
@@ -176,6 +225,26 @@ class Backend(Protocol):
     def connect(self, card: ModelCard, placement: Candidate, urls: Mapping[str, str]) -> Runner:
         """A client for the placed model, given each shard's URL by node id."""
         ...
+
+    def context(self, card: ModelCard) -> int:
+        """Tokens of context a runner of ``card`` gets unless a placement says otherwise: the planner reserves KV
+        cache for them, ``/api/show`` and ``/api/ps`` report them. 0 means the model's own
+        (``ModelSpec.context_length``).
+
+        The default (inherited by subclasses of ``Backend``) is the card's ``context_length``.
+        """
+        return card.context_length
+
+    def describe(self, card: ModelCard) -> ModelDescription:
+        """What clients are shown of ``card`` (Ollama ``/api/show``); see ``ModelDescription``.
+
+        May read the model's files (the gateway calls it in a worker thread); a file that has gone or changed
+        gives a smaller description, never an error.
+
+        The default (inherited by subclasses of ``Backend``) is ``basic_model_info`` with ``context(card)``, no
+        template and no parameters.
+        """
+        return ModelDescription(model_info=basic_model_info(card, self.context(card)))
 
 
 @runtime_checkable

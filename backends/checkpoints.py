@@ -4,7 +4,9 @@
 any configured model path that is a directory holding ``config.json``, as ``ModelCard``s with
 ``format="safetensors"``. The name comes from the ``meshgate.json`` the converter writes beside the weights (else
 the directory's name). ``spec_from_checkpoint`` reads ``config.json`` and the safetensors headers (never the
-weights) into the planner's ``ModelSpec``. ``SafetensorsWriter`` streams a safetensors file tensor by tensor
+weights) into the planner's ``ModelSpec``; ``describe_checkpoint`` reads them (and ``tokenizer_config.json``'s chat
+template) into what ``/api/show`` shows, for every backend that serves checkpoints (MLX, vLLM); ``read_checkpoint``
+is the user-model registry's reader for them. ``SafetensorsWriter`` streams a safetensors file tensor by tensor
 (bfloat16 from float32 by rounding to nearest even, so no ``ml_dtypes`` or torch is needed).
 
 Safetensors format: an 8-byte little-endian header length, a JSON header naming each tensor's dtype, shape and
@@ -24,11 +26,12 @@ from math import prod
 from pathlib import Path
 from typing import Any, BinaryIO
 
-from meshgate.backends.base import ModelCard
+from meshgate.backends.base import ModelCard, ModelDescription, basic_model_info
 from meshgate.backends.placement import ModelSpec
 
 __all__ = ["MESHGATE_FILE", "CheckpointSource", "SafetensorsWriter", "card_from_checkpoint", "checkpoint_itemsize",
-           "is_checkpoint", "read_safetensors_header", "spec_from_checkpoint"]
+           "describe_checkpoint", "is_checkpoint", "read_checkpoint", "read_safetensors_header",
+           "spec_from_checkpoint"]
 
 MESHGATE_FILE = "meshgate.json"
 _ITEM_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1}
@@ -127,6 +130,69 @@ def card_from_checkpoint(path: str | os.PathLike, *, name: str | None = None, so
         context_length=int(text.get("max_position_embeddings", 0)),
         source=source,
     )
+
+
+def read_checkpoint(path: str) -> ModelCard | None:
+    """The card of the checkpoint directory at ``path``, or ``None`` when it is none (a ``RegistrySource`` reader)."""
+    return card_from_checkpoint(path) if is_checkpoint(path) else None
+
+
+# config.json (its ``text_config`` for multimodal models) -> the GGUF key under the architecture, as Ollama's
+# ``model_info`` names them (llama.cpp's convert_hf_to_gguf.py maps them the same way).
+_MODEL_INFO_KEYS = (
+    ("hidden_size", "embedding_length"),
+    ("num_hidden_layers", "block_count"),
+    ("intermediate_size", "feed_forward_length"),
+    ("num_attention_heads", "attention.head_count"),
+    ("num_key_value_heads", "attention.head_count_kv"),
+    ("head_dim", "attention.key_length"),
+    ("head_dim", "attention.value_length"),
+    ("rms_norm_eps", "attention.layer_norm_rms_epsilon"),
+    ("sliding_window", "attention.sliding_window"),
+    ("rope_theta", "rope.freq_base"),
+    ("vocab_size", "vocab_size"),
+)
+
+
+def _chat_template(path: Path) -> str:
+    """The checkpoint's own chat template: ``chat_template.jinja``, else ``tokenizer_config.json``'s (the default
+    one of a named list); empty when it has none."""
+    jinja = path / "chat_template.jinja"
+    if jinja.is_file():
+        return jinja.read_text()
+    config_file = path / "tokenizer_config.json"
+    template = json.loads(config_file.read_text()).get("chat_template") if config_file.is_file() else None
+    if isinstance(template, list):  # [{"name": "default", "template": ...}, {"name": "tool_use", ...}]
+        template = next((t.get("template") for t in template if t.get("name") == "default"), None)
+    return template if isinstance(template, str) else ""
+
+
+def describe_checkpoint(card: ModelCard, context: int) -> ModelDescription:
+    """What ``/api/show`` shows of the checkpoint ``card`` names (``Backend.describe`` for MLX and vLLM).
+
+    ``model_info``: ``config.json`` under GGUF's key names (``general.architecture`` is its ``model_type``, the
+    card's family; ``general.parameter_count`` is counted from the safetensors headers), with ``context`` (the
+    context a runner gets; 0: the model's own) as ``<arch>.context_length``. ``template``: the checkpoint's own
+    chat template (Jinja, as the runtimes apply it). A checkpoint that has gone or changed gives the card's basics.
+    """
+    p = Path(card.path)
+    try:
+        config = json.loads((p / "config.json").read_text())
+        template = _chat_template(p)
+        parameters = sum(prod(t["shape"]) for t in _tensors(p).values())
+    except (OSError, ValueError, KeyError, TypeError):
+        return ModelDescription(model_info=basic_model_info(card, context))
+    text = config.get("text_config", config)
+    arch = str(text.get("model_type") or card.family)
+    info: dict[str, Any] = {"general.architecture": arch, "general.parameter_count": parameters}
+    if card.parameter_size:
+        info["general.size_label"] = card.parameter_size
+    for key, name in _MODEL_INFO_KEYS:
+        value = text.get(key)
+        if isinstance(value, (int, float, str)) and not isinstance(value, bool):
+            info[f"{arch}.{name}"] = value
+    info[f"{arch}.context_length"] = context or int(text.get("max_position_embeddings", 0))
+    return ModelDescription(model_info=info, template=template)
 
 
 class CheckpointSource:

@@ -17,6 +17,7 @@ import pluggy
 from litestar import Litestar, Request, Response
 from litestar.exceptions import HTTPException
 from litestar.openapi import OpenAPIConfig
+from litestar.types import Message, Scope
 
 from meshgate.gateway.auth import KeyRing, authorize
 from meshgate.gateway.cluster.accounts import MemoryAccounts, RedisAccounts
@@ -63,7 +64,7 @@ def _render_for_path(request: Request, exc: Exception) -> Response[bytes]:
     return error_response(err, status, body)
 
 
-async def _request_id(message: dict, scope: dict) -> None:
+async def _request_id(message: Message, scope: Scope) -> None:
     """Every response carries a request id, as ``x-request-id`` (OpenAI SDKs) and ``request-id`` (Anthropic)."""
     if message["type"] == "http.response.start":
         rid = f"req_{uuid.uuid4().hex[:24]}".encode()

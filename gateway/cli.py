@@ -7,6 +7,9 @@
     meshgate place MODEL [--preview] [--nodes a,b] [--url U]
     meshgate convert MODEL [--dtype D] [--name NAME] [--out DIR]   a GGUF as a Hugging Face checkpoint (MLX, vLLM)
     meshgate keys create NAME [--scope S] [--model M ...] [--rpm N] [--tpm N] | keys list | keys revoke ID
+
+Plugins add commands through ``meshgate_register_commands`` (``convert`` is the llama.cpp plugin's), on a plugin
+manager built from the environment; this module imports no backend.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ import argparse
 import logging
 import os
 import sys
+from collections.abc import Callable
 
 from meshgate.plugins.manager import build_plugin_manager
 from meshgate.plugins.settings import Settings
@@ -86,41 +90,6 @@ def _models(settings: Settings, args: argparse.Namespace) -> int:
     pm.hook.meshgate_register_model_sources(register=sources.append, settings=settings)
     for card in Catalog(sources).refresh():
         print(f"{card.name:30} {card.family:10} {card.parameter_size:8} {card.quantization:8} {card.path}")
-    return 0
-
-
-def _convert(settings: Settings, args: argparse.Namespace) -> int:
-    import time
-    from pathlib import Path
-
-    from meshgate.backends.llama_cpp.convert import convert, default_name
-    from meshgate.gateway.dispatch import Catalog
-    from meshgate.protocols.model import UnknownModel
-
-    if args.data_dir:
-        settings = settings.replace(data_dir=args.data_dir)
-    if args.model_name.endswith(".gguf") and os.path.isfile(args.model_name):
-        path, model = args.model_name, Path(args.model_name).stem
-    else:
-        sources: list = []
-        build_plugin_manager(settings).hook.meshgate_register_model_sources(register=sources.append, settings=settings)
-        catalog = Catalog(sources)
-        catalog.refresh()
-        try:
-            card = catalog.resolve(args.model_name)
-        except UnknownModel:
-            print(f"unknown model {args.model_name!r} (not in `meshgate models`, not a .gguf file)", file=sys.stderr)
-            return 1
-        if card.format != "gguf":
-            print(f"{card.name} is {card.format}, not a GGUF", file=sys.stderr)
-            return 1
-        path, model = card.path, card.name
-    name = args.name or default_name(model, args.dtype)
-    out = Path(args.out) if args.out else settings.models_dir / "hf" / name.replace(":", "-")
-    started = time.monotonic()
-    convert(path, out, dtype=args.dtype, name=name)
-    print(f"{out}\n{name}")
-    print(f"converted {path} in {time.monotonic() - started:.1f}s", file=sys.stderr)
     return 0
 
 
@@ -268,12 +237,18 @@ def main(argv: list[str] | None = None) -> int:
             p.add_argument("model_name", metavar="MODEL")
             p.add_argument("--preview", action="store_true", help="list candidates instead of creating")
             p.add_argument("--nodes", help="comma-separated node names to place on")
-    p = sub.add_parser("convert", help="write a GGUF model as a Hugging Face checkpoint (for MLX and vLLM)")
-    p.add_argument("model_name", metavar="MODEL", help="a model name from `meshgate models`, or a .gguf path")
-    p.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], default="bfloat16")
-    p.add_argument("--name", help="the name to list it under (default MODEL-bf16, -f16 or -f32)")
-    p.add_argument("--out", help="the directory to write (default DATA_DIR/models/hf/NAME)")
-    p.add_argument("--data-dir", help="where models and state live (default $XDG_DATA_HOME/meshgate)")
+    commands: dict[str, Callable[[Settings, argparse.Namespace], int]] = {
+        "serve": _serve, "node": _node, "models": _models, "ps": _ps, "place": _place, "keys": _keys}
+
+    def register(name: str, run: Callable[[Settings, argparse.Namespace], int], *,
+                 help: str) -> argparse.ArgumentParser:
+        if name in commands:
+            raise ValueError(f"a plugin registers the command {name!r}, which is taken")
+        commands[name] = run
+        return sub.add_parser(name, help=help)
+
+    environment = Settings.from_env(os.environ)
+    build_plugin_manager(environment).hook.meshgate_register_commands(register=register)
     p = sub.add_parser("keys", help="make, list and revoke API keys of a running gateway (admin key needed)")
     p.add_argument("--url", default="http://127.0.0.1:11434", help="the gateway (default %(default)s)")
     p.add_argument("--api-key", help="an admin key (default: $MESHGATE_ADMIN_KEY, else $MESHGATE_API_KEYS)")
@@ -287,9 +262,7 @@ def main(argv: list[str] | None = None) -> int:
     actions.add_parser("list", help="list keys (never the keys themselves)")
     actions.add_parser("revoke", help="revoke a key").add_argument("key_id", metavar="ID")
     args = parser.parse_args(argv)
-    settings = _settings(args) if args.command in ("serve", "node", "models") else Settings.from_env(os.environ)
-    commands = {"serve": _serve, "node": _node, "models": _models, "ps": _ps, "place": _place, "convert": _convert,
-                "keys": _keys}
+    settings = _settings(args) if args.command in ("serve", "node", "models") else environment
     return commands[args.command](settings, args)
 
 

@@ -22,7 +22,7 @@ import logging
 import weakref
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from meshgate.backends.base import Backend, ModelCard, ModelSource, Runner, check_capabilities, check_embeddings
 from meshgate.gateway.admission import Admission, Ticket
@@ -49,6 +49,7 @@ __all__ = ["Dispatcher", "normalize_model_name"]
 
 log = logging.getLogger("meshgate.dispatch")
 T = TypeVar("T")
+_Stream = TypeVar("_Stream", bound=AsyncIterator[Any])
 
 
 def normalize_model_name(name: str) -> str:
@@ -196,7 +197,7 @@ class Dispatcher:
             ticket.release()
             raise
         if isinstance(first, Failed):
-            await events.aclose()
+            await aclose(events)
             ticket.release()
             error = error_from_info(first.error)
             if retry and isinstance(error, BackendUnavailable):
@@ -270,7 +271,7 @@ class Dispatcher:
             except GatewayError as exc:
                 yield Failed(error=exc.info())
                 return
-            async with contextlib.aclosing(events):
+            async with closing(events):
                 async for event in events:
                     yield event
         finally:
@@ -295,7 +296,7 @@ def _on_drop(stream: AsyncIterator[Event], release: Callable[[], None]) -> None:
 async def _relay(first: Event, rest: AsyncIterator[Event], release: Callable[[], None]) -> AsyncIterator[Event]:
     """``first`` then ``rest``; an unexpected exception becomes a ``Failed`` event, never a crash."""
     try:
-        async with contextlib.aclosing(rest):
+        async with closing(rest):
             yield first
             try:
                 async for event in rest:
@@ -314,7 +315,7 @@ async def _metered(events: AsyncIterator[Event], on_usage: Callable[[Usage], Non
     reader may stop there), or when the stream is closed early."""
     usage: Usage | None = None
     try:
-        async with contextlib.aclosing(events):
+        async with closing(events):
             async for event in events:
                 if isinstance(event, Usage):
                     usage = event
@@ -325,3 +326,19 @@ async def _metered(events: AsyncIterator[Event], on_usage: Callable[[Usage], Non
     finally:
         if usage is not None:
             on_usage(usage)
+
+
+async def aclose(stream: AsyncIterator[Any]) -> None:
+    """Close ``stream`` if it can be closed (an async generator can; an iterator object may not)."""
+    close = getattr(stream, "aclose", None)
+    if close is not None:
+        await close()
+
+
+@contextlib.asynccontextmanager
+async def closing(stream: _Stream) -> AsyncIterator[_Stream]:
+    """``contextlib.aclosing`` for any async iterator, as ``Runner.generate`` promises only iteration."""
+    try:
+        yield stream
+    finally:
+        await aclose(stream)

@@ -1,6 +1,9 @@
 """Model management behind Ollama's ``/api/show``, ``/api/ps``, ``/api/copy``, ``/api/delete``, ``/api/create``,
-``/api/pull`` and ``keep_alive``: the facts (cards, GGUF headers, instances, the user-model registry) gathered
-for the pure codecs in ``protocols.ollama_models``.
+``/api/pull`` and ``keep_alive``: the facts (cards, the backends' descriptions, instances, the user-model registry)
+gathered for the pure codecs in ``protocols.ollama_models``. It reads no model file and knows no backend by name:
+what ``/api/show`` shows of a model (``model_info``, template, parameters, license) and the context a runner gets
+come through the ``Backend`` contract (``describe``, ``context``), and a file given to ``/api/create`` is a model
+when a user-model source of an enabled plugin reads it (``backends.registry.RegistrySource``).
 
 Decisions (PROTOCOLS.md OLL-15, OLL-41..47):
 
@@ -10,11 +13,11 @@ Decisions (PROTOCOLS.md OLL-15, OLL-41..47):
   value clears the expiry, a positive one sets it that far ahead; a request without ``keep_alive`` puts an
   instance that had an expiry back to "never" (the default, as each Ollama request resets the timer to its own
   value). A client that disconnects mid-stream leaves the expiry as it was.
-- **The registry** (``backends.llama_cpp.registry``, ``<data_dir>/registry.json``) holds copies and created
-  models: names for GGUF files with a stored system prompt, template and parameters, which ``/api/show``
-  reports (generation does not apply them yet). Deleting a copy or a created model removes its entry (the GGUF
-  stays); deleting a model another source lists (the packaged ``gemma3:270m``) hides it until it is pulled,
-  copied or created again. Names get ``:latest`` when they have no tag (OLL-47).
+- **The registry** (``backends.registry``, ``<data_dir>/registry.json``) holds copies and created models: names
+  for model files (GGUF files, checkpoint directories) with a stored system prompt, template and parameters, which
+  ``/api/show`` reports over the backend's own (generation does not apply them yet). Deleting a copy or a created
+  model removes its entry (the file stays); deleting a model another source lists (the packaged ``gemma3:270m``)
+  hides it until it is pulled, copied or created again. Names get ``:latest`` when they have no tag (OLL-47).
 - **No hub.** ``/api/pull`` succeeds, with progress objects, for models meshgate already has (including a hidden
   packaged model, which it shows again); any other name fails like Ollama's missing manifest. ``/api/push``
   answers 501.
@@ -26,7 +29,7 @@ Decisions (PROTOCOLS.md OLL-15, OLL-41..47):
   file elsewhere needs that place in ``MESHGATE_MODEL_DIRS``. Outside the roots the answer is one message whether
   or not the path exists; only inside them does "names no file" appear. Names given to create, copy (destination)
   and delete must be Ollama model names (``protocols.ollama_models.parse_model_name``).
-- **A bounded registry** (``backends.llama_cpp.registry``: 1,000 user models, 16 MiB). Past it create and copy
+- **A bounded registry** (``backends.registry``: 1,000 user models, 16 MiB). Past it create and copy
   answer 400 with ``{"error": "too many models: ..."}``: Ollama clients (ollama-python, ollama-js, Open WebUI)
   surface any error status with its ``error`` text, and a 4xx says "do not retry as is", which is right, since
   only deleting models helps. A 503 would invite retry loops, and 507 is neither a status Ollama answers nor in
@@ -44,34 +47,26 @@ from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
 from typing import Any
 
-from meshgate.backends.base import ModelCard
-from meshgate.backends.llama_cpp.gguf import read_metadata
-from meshgate.backends.llama_cpp.registry import ModelRegistry, RegistryFull, UserModel, sha256_file
+from meshgate.backends.base import Backend, ModelCard
+from meshgate.backends.registry import ModelRegistry, RegistryFull, RegistrySource, UserModel, sha256_file
 from meshgate.gateway.cluster.records import Ready
 from meshgate.gateway.dispatch import Dispatcher, normalize_model_name
 from meshgate.plugins.settings import Settings
 from meshgate.protocols import ollama_models
-from meshgate.protocols.model import InvalidRequest, ModelInfo, NotFound, UnknownModel, UnsupportedFeature
+from meshgate.protocols.model import (
+    GatewayError,
+    InvalidRequest,
+    ModelInfo,
+    NotFound,
+    UnknownModel,
+    UnsupportedFeature,
+)
 
 __all__ = ["apply_keep_alive", "copy", "create", "delete", "model_roots", "ps", "pull", "registry_of", "show"]
 
-# The Gemma turn format backends.llama_cpp.prompt renders, written as the Go template Ollama shows for gemma3.
-GEMMA_TEMPLATE = (
-    "{{- range $i, $_ := .Messages }}\n"
-    "{{- $last := eq (len (slice $.Messages $i)) 1 }}\n"
-    "{{- if or (eq .Role \"user\") (eq .Role \"system\") }}<start_of_turn>user\n"
-    "{{ .Content }}<end_of_turn>\n"
-    "{{ if $last }}<start_of_turn>model\n{{ end }}\n"
-    "{{- else if eq .Role \"assistant\" }}<start_of_turn>model\n"
-    "{{ .Content }}{{ if not $last }}<end_of_turn>\n{{ end }}\n"
-    "{{- end }}\n"
-    "{{- end }}"
-)
-_ARRAY_KEYS = ("tokenizer.ggml.tokens", "tokenizer.ggml.scores", "tokenizer.ggml.token_type", "tokenizer.ggml.merges")
-
 
 def registry_of(data_dir: str) -> ModelRegistry:
-    return ModelRegistry(Path(data_dir) / "registry.json")
+    return ModelRegistry.in_data_dir(data_dir)
 
 
 def model_roots(settings: Settings) -> tuple[Path, ...]:
@@ -90,46 +85,33 @@ def effective_context(dispatcher: Dispatcher, card: ModelCard) -> int:
     """The context a runner gets for ``card`` (the backend's ``context``, else the model's own)."""
     try:
         backend = dispatcher.backend_for(card)
-    except Exception:
+    except GatewayError:  # no backend serves it (its plugin is disabled): the model's own
         return card.context_length
-    context = getattr(backend, "context", None)
-    return (context(card) if context else 0) or card.context_length
+    return backend.context(card) or card.context_length
 
 
-def _model_info(card: ModelCard, context: int) -> dict[str, Any]:
-    """``model_info`` from the GGUF header: arrays (token tables) as null, the context as the effective one."""
-    meta: dict[str, Any] = {}
-    if card.format == "gguf":  # a checkpoint directory or a plugin's model has no GGUF header to read (issue 16
-        try:                   # moves this behind the backend contract)
-            meta = read_metadata(card.path)
-        except (OSError, ValueError):  # the file went away or changed since the catalog read it
-            meta = {}
-    arch = str(meta.get("general.architecture", card.family))
-    info: dict[str, Any] = {k: (None if k in _ARRAY_KEYS else v) for k, v in meta.items()}
-    if context:
-        info[f"{arch}.context_length"] = context
-    return info
-
-
-def _capabilities(dispatcher: Dispatcher, card: ModelCard) -> list[str]:
-    caps = dispatcher.backend_for(card).capabilities(card)
+def _capabilities(backend: Backend, card: ModelCard) -> list[str]:
+    caps = backend.capabilities(card)
     flags = [("completion", True), ("tools", caps.tools), ("vision", caps.vision),
              ("embedding", caps.embeddings), ("thinking", caps.reasoning)]
     return [name for name, present in flags if present]
 
 
 async def show(dispatcher: Dispatcher, registry: ModelRegistry, name: str) -> bytes:
-    """``/api/show`` for ``name``; ``UnknownModel`` if there is none."""
+    """``/api/show`` for ``name``: the card, the backend's description, and a user model's stored system prompt,
+    template (over the backend's) and parameters (over the backend's); ``UnknownModel`` if there is none,
+    ``NoCapacity`` when no backend serves it."""
     card = dispatcher.resolve(name)
-    context = effective_context(dispatcher, card)
-    model_info = await asyncio.to_thread(_model_info, card, context)
+    backend = dispatcher.backend_for(card)
+    context = backend.context(card) or card.context_length
+    described = await asyncio.to_thread(backend.describe, card)
     user = registry.get(card.name)
-    template = user.template if user and user.template else GEMMA_TEMPLATE if card.family.startswith("gemma") else ""
-    license = str(model_info.get("general.license") or "")
+    template = user.template if user and user.template else described.template
+    parameters = {**described.parameters, **(user.parameters if user else {})}
     return ollama_models.encode_show(
-        info_of(card, context), path=card.path, model_info=model_info, capabilities=_capabilities(dispatcher, card),
-        template=template, system=user.system if user else "", parameters=user.parameters if user else {},
-        license=license)
+        info_of(card, context), path=card.path, model_info=described.model_info,
+        capabilities=_capabilities(backend, card), template=template, system=user.system if user else "",
+        parameters=parameters, license=described.license)
 
 
 async def ps(dispatcher: Dispatcher, instances: list) -> bytes:
@@ -168,8 +150,9 @@ async def _refresh(dispatcher: Dispatcher) -> None:
 
 def _derived(card: ModelCard, parent: UserModel | None, **overrides: Any) -> UserModel:
     """A registry entry for ``card``'s file, inheriting a parent entry's stored fields unless overridden."""
-    fields = {"system": parent.system if parent else "", "template": parent.template if parent else "",
-              "parameters": dict(parent.parameters) if parent else {}}
+    fields: dict[str, Any] = {"system": parent.system if parent else "",
+                              "template": parent.template if parent else "",
+                              "parameters": dict(parent.parameters) if parent else {}}
     fields.update({k: v for k, v in overrides.items() if v is not None})
     return UserModel(path=card.path, digest=card.digest, created=time.time(), parent=card.name, **fields)
 
@@ -208,6 +191,15 @@ async def delete(dispatcher: Dispatcher, registry: ModelRegistry, name: str) -> 
     await _refresh(dispatcher)
 
 
+def _user_card(dispatcher: Dispatcher, name: str, entry: UserModel) -> ModelCard | None:
+    """The card the catalog's user-model sources give ``entry`` (each reads the files of one format), or ``None``
+    when none reads its file."""
+    for source in dispatcher.catalog.sources:
+        if isinstance(source, RegistrySource) and (card := source.card(name, entry)) is not None:
+            return card
+    return None
+
+
 def _is_path(from_: str) -> bool:
     """Whether ``from`` names a file rather than a model, by its text alone (absolute, ``~``, ``./``, ``../``, or
     ending in ``.gguf``), so the answer never depends on which files exist."""
@@ -236,8 +228,9 @@ def _allowed_file(from_: str, roots: Sequence[Path]) -> str:
 
 async def create(dispatcher: Dispatcher, registry: ModelRegistry, wire: ollama_models.CreateRequest,
                  roots: Sequence[Path]) -> AsyncIterator[bytes]:
-    """``/api/create`` from a GGUF path under ``roots`` (``model_roots``) or a model name; validates and registers
-    before the first status line, so errors are real statuses."""
+    """``/api/create`` from a model file under ``roots`` (``model_roots``) or a model name; validates and registers
+    before the first status line, so errors are real statuses. A file is a model when a user-model source of an
+    enabled plugin reads it (``_user_card``; a GGUF needs the llama.cpp plugin)."""
     name = normalize_model_name(ollama_models.parse_model_name(wire.target, "model"))
     for field in ("files", "adapters", "quantize", "messages"):
         if getattr(wire, field):
@@ -249,10 +242,9 @@ async def create(dispatcher: Dispatcher, registry: ModelRegistry, wire: ollama_m
     lines = [ollama_models.progress_line("parsing modelfile")]
     if _is_path(wire.from_):
         path = _allowed_file(wire.from_, roots)
-        try:
-            await asyncio.to_thread(read_metadata, path)
-        except (OSError, ValueError) as exc:
-            raise InvalidRequest(f"'from' is not a GGUF file: {exc}", param="from") from exc
+        probe = UserModel(path=path, digest="", created=time.time())
+        if await asyncio.to_thread(_user_card, dispatcher, name, probe) is None:
+            raise InvalidRequest(f"'from' is not a model file meshgate can read: {wire.from_}", param="from")
         digest = await asyncio.to_thread(sha256_file, path)
         entry = _derived(ModelCard(name="", path=path, digest=digest), None, **overrides)
     else:

@@ -1,40 +1,125 @@
-"""The built-in llama.cpp plugin: the llama.cpp backend, the packaged and configured GGUF sources, the Hugging Face
-checkpoints (``meshgate convert`` output and configured checkpoint directories), and
-the registry of user models (Ollama ``/api/copy``, ``/api/create``; ``/api/delete`` hides the others).
+"""The built-in llama.cpp plugin: the llama.cpp backend, the packaged and configured GGUF sources, the user models
+(Ollama ``/api/copy``, ``/api/create``) that are GGUF files, and the ``meshgate convert`` command (a GGUF as a
+Hugging Face checkpoint, for MLX and vLLM).
+
+Its own settings (``LlamaCppSettings``) are read here, not by the core ``Settings``. The registry of user models and
+the Hugging Face checkpoints are the neutral ``models`` plugin's (``plugins.models``), so disabling this one
+(``MESHGATE_DISABLED_PLUGINS=llama_cpp``) leaves MLX and vLLM models listed.
 
 Published as the ``llama_cpp`` entry point in meshgate's own ``pyproject.toml``.
 """
 
 from __future__ import annotations
 
+import argparse
+import logging
+import os
+import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 
 import httpx
 
-from meshgate.backends.base import Backend, ModelSource
-from meshgate.backends.checkpoints import CheckpointSource
+from meshgate.backends.base import Backend, ModelCard, ModelSource
 from meshgate.backends.llama_cpp import LlamaCppBackend
-from meshgate.backends.llama_cpp.registry import HidingSource, ModelRegistry, RegistrySource
-from meshgate.backends.llama_cpp.sources import GGUFPathSource, PackagedGGUFSource
-from meshgate.plugins.hookspecs import hookimpl
-from meshgate.plugins.settings import Settings
+from meshgate.backends.llama_cpp.sources import GGUFPathSource, PackagedGGUFSource, card_from_gguf
+from meshgate.backends.registry import HidingSource, ModelRegistry, RegistrySource
+from meshgate.plugins.hookspecs import RegisterCommand, hookimpl
+from meshgate.plugins.settings import PluginSettings, Settings
+
+__all__ = ["LlamaCppSettings"]
+
+log = logging.getLogger("meshgate.plugins.llama_cpp")
+
+
+class LlamaCppSettings(PluginSettings, frozen=True):
+    """The llama.cpp plugin's own settings, each from ``MESHGATE_<NAME>``.
+
+    Attributes:
+        llama_repack: Let llama.cpp repack CPU weights (faster on some CPUs; a split model then no longer gives
+            exactly the tokens of a single process, so it is off by default).
+        exact_batches: llama.cpp runners decode at most 7 sequences per call, so a request's greedy text is the
+            same alone and under load (``MESHGATE_EXACT_BATCHES=0``: every sequence in one call, ~1.3x the
+            throughput at 8 streams on a CPU, but about a quarter of greedy texts then differ under load).
+    """
+
+    llama_repack: bool = False
+    exact_batches: bool = True
+
+
+def _gguf_card(path: str) -> ModelCard | None:
+    """A user model's card when its file is a GGUF (the registry reader for this format)."""
+    return card_from_gguf("", path, digest="", source="") if os.path.isfile(path) else None
 
 
 @hookimpl
 def meshgate_register_backends(register: Callable[[Backend], None], settings: Settings,
                                http: httpx.AsyncClient) -> None:
+    own = LlamaCppSettings.from_settings(settings)
     register(LlamaCppBackend(http, python=settings.runner_python, n_ctx=settings.n_ctx, threads=settings.threads,
-                             cache_dir=str(Path(settings.data_dir) / "rpc-cache"), repack=settings.llama_repack,
-                             parallel=settings.parallel, exact=settings.exact_batches))
+                             cache_dir=str(Path(settings.data_dir) / "rpc-cache"), repack=own.llama_repack,
+                             parallel=settings.parallel, exact=own.exact_batches))
 
 
 @hookimpl
 def meshgate_register_model_sources(register: Callable[[ModelSource], None], settings: Settings) -> None:
-    registry = ModelRegistry(Path(settings.data_dir) / "registry.json")  # user models (Ollama copy/create/delete)
-    register(RegistrySource(registry))
+    registry = ModelRegistry.in_data_dir(settings.data_dir)  # user models (Ollama copy/create/delete)
+    register(RegistrySource(registry, _gguf_card))
     register(HidingSource(PackagedGGUFSource(settings.models_dir), registry))
     if settings.models:
         register(HidingSource(GGUFPathSource(settings.model_paths(), Path(settings.data_dir)), registry))
-    register(HidingSource(CheckpointSource(settings.models_dir / "hf", settings.model_paths()), registry))
 
+
+@hookimpl
+def meshgate_register_commands(register: RegisterCommand) -> None:
+    p = register("convert", _convert, help="write a GGUF model as a Hugging Face checkpoint (for MLX and vLLM)")
+    p.add_argument("model_name", metavar="MODEL", help="a model name from `meshgate models`, or a .gguf path")
+    p.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], default="bfloat16")
+    p.add_argument("--name", help="the name to list it under (default MODEL-bf16, -f16 or -f32)")
+    p.add_argument("--out", help="the directory to write (default DATA_DIR/models/hf/NAME)")
+    p.add_argument("--data-dir", help="where models and state live (default $XDG_DATA_HOME/meshgate)")
+
+
+def _find(settings: Settings, name: str) -> ModelCard | None:
+    """The model ``name`` names among every enabled plugin's sources, as the gateway's catalog resolves it (the
+    first source to list a name wins; ``name`` and ``name:latest`` are one model)."""
+    from meshgate.plugins.manager import build_plugin_manager
+
+    sources: list[ModelSource] = []
+    build_plugin_manager(settings).hook.meshgate_register_model_sources(register=sources.append, settings=settings)
+    cards: dict[str, ModelCard] = {}
+    for source in sources:
+        try:
+            for card in source.models():
+                cards.setdefault(card.name, card)
+        except Exception:
+            log.exception("model source %r failed; its models are not listed", source.name)
+    tagged = name if ":" in name.rsplit("/", 1)[-1] else f"{name}:latest"
+    return cards.get(name) or cards.get(tagged) or cards.get(name.removesuffix(":latest"))
+
+
+def _convert(settings: Settings, args: argparse.Namespace) -> int:
+    """``meshgate convert``: write a GGUF (a model name or a ``.gguf`` path) as a Hugging Face checkpoint."""
+    from meshgate.backends.llama_cpp.convert import convert, default_name
+
+    if args.data_dir:
+        settings = settings.replace(data_dir=args.data_dir)
+    if args.model_name.endswith(".gguf") and os.path.isfile(args.model_name):
+        path, model = args.model_name, Path(args.model_name).stem
+    else:
+        card = _find(settings, args.model_name)
+        if card is None:
+            print(f"unknown model {args.model_name!r} (not in `meshgate models`, not a .gguf file)", file=sys.stderr)
+            return 1
+        if card.format != "gguf":
+            print(f"{card.name} is {card.format}, not a GGUF", file=sys.stderr)
+            return 1
+        path, model = card.path, card.name
+    name = args.name or default_name(model, args.dtype)
+    out = Path(args.out) if args.out else settings.models_dir / "hf" / name.replace(":", "-")
+    started = time.monotonic()
+    convert(path, out, dtype=args.dtype, name=name)
+    print(f"{out}\n{name}")
+    print(f"converted {path} in {time.monotonic() - started:.1f}s", file=sys.stderr)
+    return 0

@@ -15,24 +15,26 @@ published in the ``meshgate`` entry-point group::
         register(MyBackend(http))
 
 Hooks are synchronous (pluggy cannot await): they return objects whose methods are async. They are called
-when the gateway starts, never at import.
+when the gateway starts (``meshgate_register_commands``: when the ``meshgate`` command starts), never at import.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import pluggy
 
 if TYPE_CHECKING:
+    import argparse
+
     import httpx
 
     from meshgate.backends.base import Backend, ModelCard, ModelSource
     from meshgate.backends.placement import Candidate, Topology
     from meshgate.plugins.settings import Settings
 
-__all__ = ["PROJECT", "hookimpl", "hookspec"]
+__all__ = ["PROJECT", "RegisterCommand", "hookimpl", "hookspec"]
 
 PROJECT = "meshgate"
 hookspec = pluggy.HookspecMarker(PROJECT)
@@ -59,6 +61,44 @@ def meshgate_register_model_sources(register: Callable[[ModelSource], None], set
 
     :param register: Call with each ``backends.base.ModelSource`` this plugin provides.
     :param settings: The gateway's settings.
+
+    .. versionadded:: 0.1
+    """
+
+
+class RegisterCommand(Protocol):
+    """The ``register`` callback of ``meshgate_register_commands``."""
+
+    def __call__(self, name: str, run: Callable[[Settings, argparse.Namespace], int], *,
+                 help: str) -> argparse.ArgumentParser:
+        """Add ``meshgate NAME`` and return its parser, for the plugin to add arguments to.
+
+        :param name: The subcommand; one that is taken already (a built-in or another plugin's) raises
+            ``ValueError``.
+        :param run: Runs the command: ``run(settings, args)`` with the settings from the environment
+            (``MESHGATE_*``) and the parsed arguments; returns the exit status.
+        :param help: One line for ``meshgate --help``.
+        """
+        ...
+
+
+@hookspec
+def meshgate_register_commands(register: RegisterCommand) -> None:
+    """Add subcommands to the ``meshgate`` command line (the llama.cpp plugin adds ``meshgate convert``).
+
+    Called once each time ``meshgate`` starts, before its arguments are parsed, on a manager built from the
+    environment: commands come from the entry points and ``MESHGATE_PLUGINS`` (not from ``--plugin``, which is
+    itself one of the arguments), less ``MESHGATE_DISABLED_PLUGINS``.
+
+    Example::
+
+        @hookimpl
+        def meshgate_register_commands(register):
+            parser = register("hello", lambda settings, args: print(f"hello {args.who}") or 0, help="say hello")
+            parser.add_argument("who")
+
+    :param register: Call once per command (``RegisterCommand``): ``register(name, run, help=...)`` returns the
+        command's ``argparse.ArgumentParser``.
 
     .. versionadded:: 0.1
     """

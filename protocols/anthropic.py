@@ -3,8 +3,8 @@
 Covers ``POST /v1/messages`` (plain and streamed), ``POST /v1/messages/count_tokens``, ``GET /v1/models`` and
 ``GET /v1/models/{id}`` and the error envelope (PROTOCOLS.md section 2, items ANT-11 to ANT-53).
 
-Imports only ``protocols.model`` and ``protocols.sse`` (SSE framing) of ours, plus msgspec and the standard
-library. No I/O, no web framework, no HTTP client.
+Imports only ``protocols.model``, ``protocols.sse`` (SSE framing) and ``protocols.formats`` (base64, timestamps) of
+ours, plus msgspec and the standard library. No I/O, no web framework, no HTTP client.
 
 Decisions worth knowing:
 
@@ -29,16 +29,14 @@ Decisions worth knowing:
 
 from __future__ import annotations
 
-import base64
-import binascii
 from collections.abc import AsyncIterable, AsyncIterator, Iterable
-from datetime import UTC, datetime
 from typing import Annotated, Any, Literal
 
 import msgspec
 from msgspec import UNSET, UnsetType
 
 from meshgate.protocols import sse
+from meshgate.protocols.formats import decode_base64, rfc3339
 from meshgate.protocols.model import (
     BackendProtocolError,
     ContextLengthExceeded,
@@ -300,8 +298,8 @@ def _image(source: Base64Source | URLSource, where: str) -> ImagePart:
     if isinstance(source, URLSource):
         return ImagePart(url=source.url)
     try:
-        data = base64.b64decode(source.data, validate=True)
-    except binascii.Error as exc:
+        data = decode_base64(source.data)
+    except ValueError as exc:
         raise InvalidRequest(f"image data is not valid base64: {exc}", param=where) from exc
     return ImagePart(data=data, media_type=source.media_type)
 
@@ -516,12 +514,11 @@ async def encode_message_stream(events: AsyncIterable[Event], meta: Meta) -> Asy
 
 
 def _model_info(model: ModelInfo) -> dict[str, Any]:
-    created = datetime.fromtimestamp(model.created, tz=UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
     info: dict[str, Any] = {
         "type": "model",
         "id": model.name,
         "display_name": model.name,
-        "created_at": created,
+        "created_at": rfc3339(model.created, fraction=False),
         "lifecycle": "active",
     }
     if model.context_length:

@@ -2,7 +2,8 @@
 
 Translates Ollama request bodies into ``protocols.model.Request`` and renders the internal event stream as
 Ollama's NDJSON (one JSON object per line, each ending in ``\\n``, never a blank line; PROTOCOLS.md OLL-29..31).
-Imports only ``protocols.model``, ``msgspec`` and the standard library; no I/O, no web framework.
+Imports only ``protocols.model``, ``protocols.formats`` (base64, timestamps), ``msgspec`` and the standard library;
+no I/O, no web framework.
 
 Ollama-specific choices, each pinned by a test named after its checklist item:
 
@@ -24,16 +25,13 @@ Ollama-specific choices, each pinned by a test named after its checklist item:
 
 from __future__ import annotations
 
-import base64
-import binascii
-import functools
 import re
 from collections.abc import AsyncIterable, AsyncIterator, Sequence
-from datetime import UTC, datetime
 from typing import Annotated, Any
 
 import msgspec
 
+from meshgate.protocols.formats import decode_base64, parse_data_uri, rfc3339
 from meshgate.protocols.model import (
     UNSET, ContextLengthExceeded, Event, Failed, Finished, GatewayError, ImagePart, InvalidRequest, Message, Meta,
     ModelInfo, Overloaded, ReasoningDelta, ReasoningPart, Request, Response, ResponseFormat, Sampling, TextDelta,
@@ -311,12 +309,11 @@ def _answer(unanswered: list[ToolCallPart], call_id: str | None, name: str | Non
 def _image(data: str, param: str) -> ImagePart:
     """Decode one raw base64 image (OLL-12); a ``data:`` URI is tolerated."""
     media_type = None
-    if data.startswith("data:"):
-        header, _, data = data.partition(",")
-        media_type = header[len("data:"):].split(";")[0] or None
+    if (uri := parse_data_uri(data)) is not None:
+        media_type, data = uri.media_type, uri.payload
     try:
-        raw = base64.b64decode(data, validate=True)
-    except (binascii.Error, ValueError) as exc:
+        raw = decode_base64(data)
+    except ValueError as exc:
         raise InvalidRequest(f"{param} is not valid base64 image data", param=param) from exc
     return ImagePart(data=raw, media_type=media_type or _sniff(raw))
 
@@ -401,7 +398,7 @@ async def _encode_stream(events: AsyncIterable[Event], meta: Meta, *, chat: bool
 def _chunk(meta: Meta, *, chat: bool, text: str = "", thinking: str = "",
            tool_calls: list[dict[str, Any]] | None = None) -> dict[str, Any]:
     """One response object, ``done: false``; chat objects always carry ``message`` (OLL-21)."""
-    chunk: dict[str, Any] = {"model": meta.model, "created_at": _rfc3339(meta.created)}
+    chunk: dict[str, Any] = {"model": meta.model, "created_at": rfc3339(meta.created)}
     if chat:
         message: dict[str, Any] = {"role": "assistant", "content": text}
         if thinking:
@@ -444,12 +441,6 @@ def _line(obj: dict[str, Any]) -> bytes:
     return msgspec.json.encode(obj) + b"\n"
 
 
-@functools.lru_cache(maxsize=256)  # every line of a stream carries its one timestamp: format it once
-def _rfc3339(timestamp: float) -> str:
-    """RFC 3339 in UTC with exactly 6 fractional digits, which ``datetime.fromisoformat`` reads everywhere."""
-    return datetime.fromtimestamp(timestamp, UTC).isoformat(timespec="microseconds")
-
-
 # ---------------------------------------------------------------------------------------------------- listings, errors
 
 
@@ -459,7 +450,7 @@ def encode_tags(models: Sequence[ModelInfo]) -> bytes:
         {
             "name": m.name,
             "model": m.name,
-            "modified_at": _rfc3339(m.created),
+            "modified_at": rfc3339(m.created),
             "size": m.size,
             "digest": m.digest,
             "details": {

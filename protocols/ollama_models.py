@@ -1,8 +1,9 @@
 """The Ollama model-management wire protocol (``/api/show``, ``/api/ps``, ``/api/copy``, ``/api/delete``,
 ``/api/create``, ``/api/pull``, ``/api/push``) and ``keep_alive`` durations: pure codecs.
 
-Imports only ``protocols.model``, ``msgspec`` and the standard library; no I/O. The gateway gathers the facts
-(cards, GGUF metadata, instances, the registry of user models) and these functions only shape them.
+Imports only ``protocols.model``, ``protocols.formats`` (timestamps), ``msgspec`` and the standard library; no
+I/O. The gateway gathers the facts (cards, GGUF metadata, instances, the registry of user models) and these
+functions only shape them.
 
 - ``keep_alive`` (OLL-15) is seconds (a number) or a Go duration (``"5m"``, ``"1h30m"``, ``"0"``, ``"-1s"``);
   a bare number in a string is read as seconds too. ``parse_keep_alive`` returns ``None`` when none was given,
@@ -28,6 +29,7 @@ from typing import Any
 
 import msgspec
 
+from meshgate.protocols.formats import rfc3339
 from meshgate.protocols.model import InvalidRequest, ModelInfo
 
 __all__ = [
@@ -186,10 +188,6 @@ def parse_keep_alive(value: float | str | None) -> float | None:
 # ---------------------------------------------------------------------------------------------------- show, ps
 
 
-def _rfc3339(timestamp: float) -> str:
-    return datetime.fromtimestamp(timestamp, UTC).isoformat(timespec="microseconds")
-
-
 def _details(info: ModelInfo) -> dict[str, Any]:
     return {"parent_model": "", "format": info.format, "family": info.family,
             "families": [info.family] if info.family else [], "parameter_size": info.parameter_size,
@@ -235,7 +233,7 @@ def encode_show(info: ModelInfo, *, path: str, model_info: Mapping[str, Any], ca
     if license:
         body["license"] = license
     body.update({"details": _details(info), "model_info": dict(model_info), "capabilities": list(capabilities),
-                 "modified_at": _rfc3339(info.created)})
+                 "modified_at": rfc3339(info.created)})
     return msgspec.json.encode(body)
 
 
@@ -243,7 +241,7 @@ def encode_ps(loaded: Iterable[tuple[ModelInfo, float | None]]) -> bytes:
     """``GET /api/ps`` (OLL-41): each loaded model with its expiry (``None``: never, shown as 2318)."""
     return msgspec.json.encode({"models": [
         {"name": info.name, "model": info.name, "size": info.size, "digest": info.digest, "details": _details(info),
-         "expires_at": _rfc3339(FOREVER if expires is None or math.isinf(expires) else expires),
+         "expires_at": rfc3339(FOREVER if expires is None or math.isinf(expires) else expires),
          "size_vram": 0, "context_length": info.context_length}
         for info, expires in loaded
     ]})

@@ -1,12 +1,13 @@
-"""The OpenAI wire protocol: chat completions, model listings and errors (legacy completions, embeddings and the
-Responses API live in sibling modules that share these wire types).
+"""The OpenAI wire protocol: chat completions and model listings (legacy completions, embeddings and the Responses
+API live in sibling modules; what chat shares with them, the error envelope included, is in ``protocols.openai_wire``
+and re-exported here: ``error_body``, ``stream_error_frame``, ``wants_usage``).
 
 Pure translation between OpenAI's JSON and ``protocols.model``: request Structs and ``*_to_internal`` going
 in; ``encode_*`` functions that turn a ``Response`` or an event stream into response bytes going out. The
 checklist items it implements are PROTOCOLS.md section 1 (OAI-n, cited where they decide something).
 
-Imports only ``protocols.model``, ``protocols.sse`` and sse-starlette's ``ServerSentEvent`` (SSE framing), msgspec
-and the standard library. No I/O, no web framework, no HTTP client.
+Imports only ``protocols.model``, ``protocols.openai_wire`` (the shared OpenAI pieces), ``protocols.sse`` and
+``protocols.formats`` (data URIs), msgspec and the standard library. No I/O, no web framework, no HTTP client.
 
 Decisions worth knowing:
 
@@ -27,45 +28,30 @@ Decisions worth knowing:
 
 from __future__ import annotations
 
-import base64
-import binascii
-import re
 from collections.abc import AsyncIterable, AsyncIterator, Sequence
-from typing import TYPE_CHECKING, Annotated, Any, Literal, TypeAlias
+from typing import Any, Literal, TypeAlias
 
 import msgspec
 from msgspec import UNSET, UnsetType
-from sse_starlette.event import ServerSentEvent
 
-if TYPE_CHECKING:
-    from meshgate.protocols.openai_completions import CompletionRequest
-
-from meshgate.protocols import sse
+from meshgate.protocols.formats import decode_base64, parse_data_uri
 from meshgate.protocols.model import (
-    AuthenticationFailed,
     BackendProtocolError,
-    ContextLengthExceeded,
     Event,
     Failed,
     Finished,
-    GatewayError,
     ImagePart,
     InvalidRequest,
     KeepAlive,
     Message,
     Meta,
     ModelInfo,
-    NotFound,
-    OutputTooLarge,
-    Overloaded,
     Part,
-    RateLimited,
     ReasoningDelta,
     ReasoningPart,
     Request,
     Response,
     ResponseFormat,
-    Sampling,
     TextDelta,
     TextPart,
     TokenLogprob,
@@ -78,43 +64,64 @@ from meshgate.protocols.model import (
     Usage,
     error_from_info,
 )
+from meshgate.protocols.openai_wire import (
+    DONE,
+    Penalty,
+    Probability,
+    StreamOptions,
+    Temperature,
+    TokenLimit,
+    TopLogprobs,
+    Wire,
+    error_body,
+    frame,
+    only_one,
+    sampling,
+    stop_sequences,
+    stream_error_frame,
+    usage_body,
+    wants_usage,
+)
+from meshgate.protocols.sse import KEEPALIVE
 
-Temperature = Annotated[float, msgspec.Meta(ge=0, le=2)]
-Probability = Annotated[float, msgspec.Meta(ge=0, le=1)]
-Penalty = Annotated[float, msgspec.Meta(ge=-2, le=2)]
-TokenLimit = Annotated[int, msgspec.Meta(ge=1)]
-TopLogprobs = Annotated[int, msgspec.Meta(ge=0, le=20)]
-
-
-class _Wire(msgspec.Struct, kw_only=True):
-    """Base of the request Structs: keyword-only, unknown fields ignored."""
+__all__ = [
+    "ChatRequest",
+    "chat_to_internal",
+    "encode_chat_response",
+    "encode_chat_stream",
+    "encode_model",
+    "encode_models",
+    "error_body",
+    "stream_error_frame",
+    "wants_usage",
+]
 
 
 # ---------------------------------------------------------------------------------------------------- content
 
 
-class TextContent(_Wire, tag_field="type", tag="text"):
+class TextContent(Wire, tag_field="type", tag="text"):
     text: str
 
 
-class RefusalContent(_Wire, tag_field="type", tag="refusal"):
+class RefusalContent(Wire, tag_field="type", tag="refusal"):
     refusal: str
 
 
-class ImageURL(_Wire):
+class ImageURL(Wire):
     url: str
     detail: str | None = None
 
 
-class ImageContent(_Wire, tag_field="type", tag="image_url"):
+class ImageContent(Wire, tag_field="type", tag="image_url"):
     image_url: ImageURL
 
 
-class AudioContent(_Wire, tag_field="type", tag="input_audio"):
+class AudioContent(Wire, tag_field="type", tag="input_audio"):
     """Read only to refuse it by name; its fields are not kept."""
 
 
-class FileContent(_Wire, tag_field="type", tag="file"):
+class FileContent(Wire, tag_field="type", tag="file"):
     """Read only to refuse it by name; its fields are not kept."""
 
 
@@ -123,33 +130,33 @@ UserContent: TypeAlias = TextContent | ImageContent | AudioContent | FileContent
 # ---------------------------------------------------------------------------------------------------- messages
 
 
-class DeveloperMessage(_Wire, tag_field="role", tag="developer"):
+class DeveloperMessage(Wire, tag_field="role", tag="developer"):
     content: str | list[TextContent]
     name: str | None = None
 
 
-class SystemMessage(_Wire, tag_field="role", tag="system"):
+class SystemMessage(Wire, tag_field="role", tag="system"):
     content: str | list[TextContent]
     name: str | None = None
 
 
-class UserMessage(_Wire, tag_field="role", tag="user"):
+class UserMessage(Wire, tag_field="role", tag="user"):
     content: str | list[UserContent]
     name: str | None = None
 
 
-class FunctionCall(_Wire):
+class FunctionCall(Wire):
     arguments: str
     name: str
 
 
-class ToolCall(_Wire):
+class ToolCall(Wire):
     id: str
     function: FunctionCall
     type: Literal["function"] = "function"
 
 
-class AssistantMessage(_Wire, tag_field="role", tag="assistant"):
+class AssistantMessage(Wire, tag_field="role", tag="assistant"):
     content: str | list[TextContent | RefusalContent] | None = None
     function_call: FunctionCall | None = None
     name: str | None = None
@@ -159,12 +166,12 @@ class AssistantMessage(_Wire, tag_field="role", tag="assistant"):
     reasoning: str | None = None  # not OpenAI's: vLLM's and Ollama's spelling
 
 
-class ToolMessage(_Wire, tag_field="role", tag="tool"):
+class ToolMessage(Wire, tag_field="role", tag="tool"):
     content: str | list[TextContent]
     tool_call_id: str
 
 
-class FunctionMessage(_Wire, tag_field="role", tag="function"):
+class FunctionMessage(Wire, tag_field="role", tag="function"):
     content: str | None
     name: str
 
@@ -176,23 +183,23 @@ ChatMessage: TypeAlias = (
 # ---------------------------------------------------------------------------------------------------- options
 
 
-class FunctionDefinition(_Wire):
+class FunctionDefinition(Wire):
     name: str
     description: str | None = None
     parameters: dict[str, Any] | None = None
     strict: bool | None = None
 
 
-class ToolParam(_Wire):
+class ToolParam(Wire):
     function: FunctionDefinition
     type: Literal["function"] = "function"
 
 
-class FunctionName(_Wire):
+class FunctionName(Wire):
     name: str
 
 
-class NamedToolChoice(_Wire):
+class NamedToolChoice(Wire):
     function: FunctionName
     type: Literal["function"] = "function"
 
@@ -200,34 +207,29 @@ class NamedToolChoice(_Wire):
 ToolChoiceOption: TypeAlias = Literal["none", "auto", "required"] | NamedToolChoice
 
 
-class JSONSchema(_Wire):
+class JSONSchema(Wire):
     name: str
     description: str | None = None
     schema: dict[str, Any] | None = None
     strict: bool | None = None
 
 
-class TextFormat(_Wire, tag_field="type", tag="text"):
+class TextFormat(Wire, tag_field="type", tag="text"):
     pass
 
 
-class JSONObjectFormat(_Wire, tag_field="type", tag="json_object"):
+class JSONObjectFormat(Wire, tag_field="type", tag="json_object"):
     pass
 
 
-class JSONSchemaFormat(_Wire, tag_field="type", tag="json_schema"):
+class JSONSchemaFormat(Wire, tag_field="type", tag="json_schema"):
     json_schema: JSONSchema
-
-
-class StreamOptions(_Wire):
-    include_obfuscation: bool | None = None
-    include_usage: bool | None = None
 
 
 # ---------------------------------------------------------------------------------------------------- requests
 
 
-class ChatRequest(_Wire):
+class ChatRequest(Wire):
     """The body of ``POST /v1/chat/completions`` (OAI-14..OAI-26)."""
 
     messages: list[ChatMessage]
@@ -272,7 +274,7 @@ def chat_to_internal(wire: ChatRequest) -> Request:
     """
     if not wire.messages:
         raise InvalidRequest("messages must contain at least one message", param="messages")
-    _only_one(wire.n, "n")
+    only_one(wire.n, "n")
     if wire.top_logprobs and not wire.logprobs:
         raise InvalidRequest("top_logprobs requires logprobs to be true", param="top_logprobs")
     tools = tuple(_tool(t.function) for t in wire.tools or ())
@@ -282,43 +284,14 @@ def chat_to_internal(wire: ChatRequest) -> Request:
         tools=tools,
         tool_choice=_tool_choice(wire.tool_choice, wire.parallel_tool_calls, tools),
         response_format=_response_format(wire.response_format),
-        sampling=_sampling(wire),
-        stop=_stop(wire.stop),
+        sampling=sampling(wire),
+        stop=stop_sequences(wire.stop),
         max_tokens=wire.max_completion_tokens if wire.max_completion_tokens is not None else wire.max_tokens,
         stream=bool(wire.stream),
         reasoning=UNSET if wire.reasoning_effort is None else wire.reasoning_effort != "none",
         logprobs=bool(wire.logprobs),
         top_logprobs=(wire.top_logprobs or 0) if wire.logprobs else 0,
     )
-
-
-def wants_usage(wire: ChatRequest | CompletionRequest) -> bool:
-    """Whether the client asked for the final usage chunk (``stream_options.include_usage``, OAI-52)."""
-    return bool(wire.stream_options and wire.stream_options.include_usage)
-
-
-def _only_one(value: int | None, param: str) -> None:
-    if value is not None and value != 1:
-        raise InvalidRequest(f"{param}={value} is not supported: only {param}=1 is served; omit it", param=param)
-
-
-def _sampling(wire: ChatRequest | CompletionRequest) -> Sampling:
-    return Sampling(
-        temperature=wire.temperature,
-        top_p=wire.top_p,
-        top_k=wire.top_k,
-        min_p=wire.min_p,
-        seed=wire.seed,
-        presence_penalty=wire.presence_penalty,
-        frequency_penalty=wire.frequency_penalty,
-        repeat_penalty=wire.repeat_penalty,
-    )
-
-
-def _stop(stop: str | list[str] | None) -> tuple[str, ...]:
-    if stop is None:
-        return ()
-    return (stop,) if isinstance(stop, str) else tuple(stop)
 
 
 def _tool(function: FunctionDefinition) -> Tool:
@@ -398,18 +371,17 @@ def _user_parts(content: str | list[UserContent], at: str) -> tuple[Part, ...]:
 
 
 def _image(url: str, at: str) -> ImagePart:
-    """An http(s) URL stays a URL; a ``data:<media type>;base64,<data>`` URI is decoded (OAI-17)."""
+    """An http(s) URL stays a URL; a ``data:<media type>;base64,<data>`` URI is decoded, whitespace in its data
+    ignored (OAI-17)."""
     if url.startswith(("http://", "https://")):
         return ImagePart(url=url)
-    header, comma, payload = url.partition(",")
-    if url.startswith("data:") and comma:
-        media_type, *params = header.removeprefix("data:").split(";")
-        if "base64" in params:
-            try:
-                data = base64.b64decode("".join(payload.split()), validate=True)
-            except binascii.Error:
-                raise InvalidRequest("image data URI does not hold valid base64", param=at) from None
-            return ImagePart(data=data, media_type=media_type or None)
+    uri = parse_data_uri(url)
+    if uri is not None and uri.base64:
+        try:
+            data = decode_base64(uri.payload, wrapped=True)
+        except ValueError:
+            raise InvalidRequest("image data URI does not hold valid base64", param=at) from None
+        return ImagePart(data=data, media_type=uri.media_type)
     raise InvalidRequest("image_url.url must be an http(s) URL or a data:<media type>;base64,<data> URI", param=at)
 
 
@@ -445,17 +417,6 @@ def _finish_reason(finish: Finished, has_tool_calls: bool) -> str:
     if finish.reason == "stop" and has_tool_calls:
         return "tool_calls"
     return _FINISH[finish.reason]
-
-
-def _usage(usage: Usage) -> dict[str, Any]:
-    body: dict[str, Any] = {
-        "prompt_tokens": usage.prompt_tokens,
-        "completion_tokens": usage.completion_tokens,
-        "total_tokens": usage.prompt_tokens + usage.completion_tokens,
-    }
-    if usage.cached_tokens:
-        body["prompt_tokens_details"] = {"cached_tokens": usage.cached_tokens}
-    return body
 
 
 def _logprob_entry(entry: TokenLogprob) -> dict[str, Any]:
@@ -494,21 +455,12 @@ def encode_chat_response(response: Response, meta: Meta) -> bytes:
             "created": int(meta.created),
             "model": meta.model,
             "choices": [choice],
-            "usage": _usage(response.usage),
+            "usage": usage_body(response.usage),
         }
     )
 
 
 # ---------------------------------------------------------------------------------------------------- streams
-
-_DONE = ServerSentEvent(data="[DONE]").encode()
-_KEEPALIVE = ServerSentEvent(comment="keep-alive").encode()
-
-
-def _frame(payload: dict[str, Any]) -> bytes:
-    """One ``data:`` frame and no ``event:`` line (OAI-40, OAI-41)."""
-    return sse.frame(msgspec.json.encode(payload))
-
 
 class _ChatChunks:
     """Encoder state for one chat stream: the role goes out once (OAI-47), a tool call's head once (OAI-48)."""
@@ -529,7 +481,7 @@ class _ChatChunks:
             delta = {"role": "assistant", **delta}
             self.role_sent = True
         choice = {"index": 0, "delta": delta, "logprobs": _logprobs(logprobs), "finish_reason": finish_reason}
-        return _frame({**self.head, "choices": [choice]})
+        return frame({**self.head, "choices": [choice]})
 
     def tool_call(self, event: ToolCallDelta) -> bytes:
         if event.index in self.tool_indexes:
@@ -544,7 +496,7 @@ class _ChatChunks:
         return self.delta({"tool_calls": [call]})
 
     def usage(self, usage: Usage) -> bytes:
-        return _frame({**self.head, "choices": [], "usage": _usage(usage)})
+        return frame({**self.head, "choices": [], "usage": usage_body(usage)})
 
 
 async def encode_chat_stream(
@@ -570,21 +522,21 @@ async def encode_chat_stream(
             case Usage():
                 usage = event
             case KeepAlive():
-                yield _KEEPALIVE
+                yield KEEPALIVE
             case Finished():
                 if not chunks.role_sent:
                     yield chunks.delta({"content": ""})
                 yield chunks.delta({}, _finish_reason(event, bool(chunks.tool_indexes)))
                 if include_usage:
                     yield chunks.usage(usage)
-                yield _DONE
+                yield DONE
                 return
             case Failed(error=info):
                 yield stream_error_frame(error_from_info(info))
-                yield _DONE
+                yield DONE
                 return
     yield stream_error_frame(BackendProtocolError("the backend's stream ended without finishing"))
-    yield _DONE
+    yield DONE
 
 
 # ---------------------------------------------------------------------------------------------------- models
@@ -602,73 +554,3 @@ def encode_models(models: Sequence[ModelInfo]) -> bytes:
 def encode_model(model: ModelInfo) -> bytes:
     """One model object for ``GET /v1/models/{model}`` (OAI-4, OAI-39)."""
     return msgspec.json.encode(_model(model))
-
-
-# ---------------------------------------------------------------------------------------------------- errors
-
-_CODES: dict[type[GatewayError], str] = {
-    AuthenticationFailed: "invalid_api_key",
-    RateLimited: "rate_limit_exceeded",
-    ContextLengthExceeded: "context_length_exceeded",
-}
-
-
-def _error_type(status: int) -> str:
-    if status == 401:
-        return "authentication_error"
-    if status == 404:
-        return "not_found_error"
-    if status == 429:
-        return "rate_limit_error"
-    return "invalid_request_error" if 400 <= status < 500 else "api_error"
-
-
-def _error_code(err: GatewayError) -> str | None:
-    """OpenAI's own code where one exists, else the error class in snake_case; ``None`` for the base class."""
-    if isinstance(err, NotFound) and err.param == "model":
-        return "model_not_found"
-    for cls, code in _CODES.items():
-        if isinstance(err, cls):
-            return code
-    if type(err) is GatewayError:
-        return None
-    return re.sub(r"(?<!^)(?=[A-Z])", "_", type(err).__name__).lower()
-
-
-def _message(err: GatewayError) -> str:
-    """OpenAI's own wording for a context overflow (clients match on it) and for too large a ``max_tokens``;
-    the error's message otherwise."""
-    if isinstance(err, OutputTooLarge) and err.limit:
-        return (f"max_tokens is too large: {err.asked}. This model supports at most {err.limit} completion tokens, "
-                f"whereas you provided {err.asked}.")
-    if not isinstance(err, ContextLengthExceeded) or not err.context:
-        return err.message
-    limit = f"This model's maximum context length is {err.context} tokens."
-    if err.completion_tokens is None:
-        return (f"{limit} However, your messages resulted in {err.prompt_tokens} tokens. Please reduce the length "
-                "of the messages.")
-    return (f"{limit} However, you requested {err.prompt_tokens + err.completion_tokens} tokens ({err.prompt_tokens} "
-            f"in the messages, {err.completion_tokens} in the completion). Please reduce the length of the messages "
-            "or completion.")
-
-
-def _status(err: GatewayError) -> int:
-    """A full queue is 429 (with ``retry-after``), which the SDK retries after waiting (OAI-61)."""
-    return 429 if isinstance(err, Overloaded) else err.status
-
-
-def _envelope(err: GatewayError) -> dict[str, Any]:
-    """OAI-57: ``{"error": {message, type, param, code}}``."""
-    error = {"message": _message(err), "type": _error_type(_status(err)), "param": err.param,
-             "code": _error_code(err)}
-    return {"error": error}
-
-
-def error_body(err: GatewayError) -> tuple[int, bytes]:
-    """The HTTP status and JSON body for an error found before the response started (OAI-57, OAI-63)."""
-    return _status(err), msgspec.json.encode(_envelope(err))
-
-
-def stream_error_frame(err: GatewayError) -> bytes:
-    """The ``data: {"error": {...}}`` frame for an error after the stream started (OAI-62)."""
-    return _frame(_envelope(err))

@@ -6,8 +6,9 @@ Pure translation, the reverse pair of ``protocols.openai``: ``encode_request(req
 raw prompt); ``StreamDecoder`` turns the server's SSE bytes back into internal events, ending in exactly one
 ``Finished`` or ``Failed``; ``error_from_response`` maps a non-200 answer to a ``GatewayError``.
 
-Imports only ``protocols.model``, msgspec and the standard library, so it stays independent of the server-side
-protocol modules (it keeps its own small response Structs instead of importing ``protocols.openai``). No I/O.
+Imports only ``protocols.model``, ``protocols.formats`` (data URIs), msgspec and the standard library, so it stays
+independent of the server-side protocol modules (it keeps its own small response Structs instead of importing
+``protocols.openai`` or ``protocols.openai_wire``: they describe the other direction). No I/O.
 
 Decisions worth knowing:
 
@@ -28,12 +29,12 @@ Decisions worth knowing:
 
 from __future__ import annotations
 
-import base64
 from typing import Any
 
 import msgspec
 from msgspec import UNSET
 
+from meshgate.protocols.formats import encode_data_uri
 from meshgate.protocols.model import (
     AuthenticationFailed,
     BackendProtocolError,
@@ -147,7 +148,7 @@ def chat_messages(messages: tuple[Message, ...]) -> list[dict[str, Any]]:
 def _content_part(part: TextPart | ImagePart) -> dict[str, Any]:
     if isinstance(part, TextPart):
         return {"type": "text", "text": part.text}
-    url = part.url or f"data:{part.media_type or 'image/png'};base64,{base64.b64encode(part.data or b'').decode()}"
+    url = part.url or encode_data_uri(part.data or b"", part.media_type or "image/png")
     return {"type": "image_url", "image_url": {"url": url}}
 
 

@@ -1,8 +1,9 @@
 """The legacy OpenAI completions endpoint (``POST /v1/completions``, OAI-27, OAI-38, OAI-56).
 
-Pure translation like ``protocols.openai``, whose wire types and framing helpers it shares: a plain prompt in
-(``Request.raw_prompt``, no chat template), ``text_completion`` objects and chunks out. Imports
-``protocols.openai`` and ``protocols.model`` only.
+Pure translation like ``protocols.openai``, with which it shares the wire types and framing helpers of
+``protocols.openai_wire``: a plain prompt in (``Request.raw_prompt``, no chat template), ``text_completion`` objects
+and chunks out. Imports ``protocols.openai_wire``, ``protocols.sse``, ``protocols.model``, msgspec and the standard
+library only; never ``protocols.openai``.
 
 Refused with a 400: token-id prompts, several prompts, ``echo``, ``suffix``, ``n``/``best_of`` other than 1.
 There is no 16-token default: an absent ``max_tokens`` means no limit. ``logprobs`` is accepted and ignored.
@@ -30,27 +31,27 @@ from meshgate.protocols.model import (
     Usage,
     error_from_info,
 )
-from meshgate.protocols.openai import (
-    _DONE,
-    _KEEPALIVE,
+from meshgate.protocols.openai_wire import (
+    DONE,
     Penalty,
     Probability,
     StreamOptions,
     Temperature,
     TokenLimit,
-    _frame,
-    _only_one,
-    _sampling,
-    _stop,
-    _usage,
-    _Wire,
+    Wire,
+    frame,
+    only_one,
+    sampling,
+    stop_sequences,
     stream_error_frame,
+    usage_body,
 )
+from meshgate.protocols.sse import KEEPALIVE
 
 __all__ = ["CompletionRequest", "completion_to_internal", "encode_completion_response", "encode_completion_stream"]
 
 
-class CompletionRequest(_Wire):
+class CompletionRequest(Wire):
     """The body of the legacy ``POST /v1/completions`` (OAI-27)."""
 
     model: str
@@ -84,8 +85,8 @@ def completion_to_internal(wire: CompletionRequest) -> Request:
         InvalidRequest: a prompt that is not one string, or ``n``/``best_of`` other than 1.
         UnsupportedFeature: token-id prompts, ``echo`` or ``suffix``.
     """
-    _only_one(wire.n, "n")
-    _only_one(wire.best_of, "best_of")
+    only_one(wire.n, "n")
+    only_one(wire.best_of, "best_of")
     if wire.echo:
         raise UnsupportedFeature("echo is not supported; omit it or set it to false", param="echo")
     if wire.suffix:
@@ -100,8 +101,8 @@ def completion_to_internal(wire: CompletionRequest) -> Request:
     return Request(
         model=wire.model,
         raw_prompt=prompt,
-        sampling=_sampling(wire),
-        stop=_stop(wire.stop),
+        sampling=sampling(wire),
+        stop=stop_sequences(wire.stop),
         max_tokens=wire.max_tokens,
         stream=bool(wire.stream),
     )
@@ -122,7 +123,7 @@ def encode_completion_response(response: Response, meta: Meta) -> bytes:
             "created": int(meta.created),
             "model": meta.model,
             "choices": [choice],
-            "usage": _usage(response.usage),
+            "usage": usage_body(response.usage),
         }
     )
 
@@ -141,7 +142,7 @@ async def encode_completion_stream(
 
     def chunk(text: str, finish_reason: str | None = None) -> bytes:
         choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
-        return _frame({**head, "choices": [choice]})
+        return frame({**head, "choices": [choice]})
 
     usage = Usage()
     async for event in events:
@@ -151,16 +152,16 @@ async def encode_completion_stream(
             case Usage():
                 usage = event
             case KeepAlive():
-                yield _KEEPALIVE
+                yield KEEPALIVE
             case Finished():
                 yield chunk("", _completion_finish_reason(event))
                 if include_usage:
-                    yield _frame({**head, "choices": [], "usage": _usage(usage)})
-                yield _DONE
+                    yield frame({**head, "choices": [], "usage": usage_body(usage)})
+                yield DONE
                 return
             case Failed(error=info):
                 yield stream_error_frame(error_from_info(info))
-                yield _DONE
+                yield DONE
                 return
     yield stream_error_frame(BackendProtocolError("the backend's stream ended without finishing"))
-    yield _DONE
+    yield DONE

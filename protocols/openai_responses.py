@@ -2,12 +2,12 @@
 
 Pure translation between the Responses API's JSON and ``protocols.model``: ``ResponsesRequest`` and
 ``responses_to_internal`` going in; ``encode_response`` (a whole Response object) and ``encode_response_stream``
-(SSE frames) going out. Errors before the stream starts use the chat API's envelope (``protocols.openai.error_body``,
-applied by the route), which is the same for both APIs.
+(SSE frames) going out. Errors before the stream starts use the OpenAI error envelope
+(``protocols.openai_wire.error_body``, applied by the route), which is the same for both APIs.
 
-Imports only ``protocols.model``, ``protocols.sse`` (SSE framing), msgspec, the standard library and
-``sse_starlette.event.ServerSentEvent``.
-Must not import the other protocol modules (it is listed in the independence contract). No I/O.
+Imports only ``protocols.model``, ``protocols.openai_wire`` (value ranges, the Structs' base), ``protocols.sse``
+(SSE framing), msgspec and the standard library. Must not import the other protocol modules (it is listed in the
+independence contract). No I/O.
 
 Decisions worth knowing:
 
@@ -37,11 +37,10 @@ Decisions worth knowing:
 from __future__ import annotations
 
 from collections.abc import AsyncIterable, AsyncIterator
-from typing import Annotated, Any, Literal, TypeAlias
+from typing import Any, Literal, TypeAlias
 
 import msgspec
 from msgspec import UNSET, UnsetType
-from sse_starlette.event import ServerSentEvent
 
 from meshgate.protocols import sse
 from meshgate.protocols.model import (
@@ -66,22 +65,14 @@ from meshgate.protocols.model import (
     Usage,
     error_from_info,
 )
+from meshgate.protocols.openai_wire import Probability, Temperature, TokenLimit, Wire
 
 __all__ = ["ResponsesRequest", "encode_response", "encode_response_stream", "responses_to_internal"]
-
-Temperature = Annotated[float, msgspec.Meta(ge=0, le=2)]
-Probability = Annotated[float, msgspec.Meta(ge=0, le=1)]
-TokenLimit = Annotated[int, msgspec.Meta(ge=1)]
-
-
-class _Wire(msgspec.Struct, kw_only=True):
-    """Base of the request Structs: keyword-only, unknown fields ignored."""
-
 
 # ---------------------------------------------------------------------------------------------------- requests
 
 
-class ContentPart(_Wire):
+class ContentPart(Wire):
     """One input content part. Kept loose (``type`` is any string) so unsupported kinds are refused by name."""
 
     type: str
@@ -89,7 +80,7 @@ class ContentPart(_Wire):
     refusal: str | None = None
 
 
-class InputItem(_Wire):
+class InputItem(Wire):
     """One ``input`` item. A message may omit ``type`` (``EasyInputMessageParam``); other kinds are refused."""
 
     type: str = "message"
@@ -97,15 +88,15 @@ class InputItem(_Wire):
     content: str | list[ContentPart] | None = None
 
 
-class TextFormat(_Wire, tag_field="type", tag="text"):
+class TextFormat(Wire, tag_field="type", tag="text"):
     pass
 
 
-class JSONObjectFormat(_Wire, tag_field="type", tag="json_object"):
+class JSONObjectFormat(Wire, tag_field="type", tag="json_object"):
     pass
 
 
-class JSONSchemaFormat(_Wire, tag_field="type", tag="json_schema"):
+class JSONSchemaFormat(Wire, tag_field="type", tag="json_schema"):
     """Flat, unlike the chat API's ``response_format``: ``name`` and ``schema`` sit beside ``type``."""
 
     name: str | None = None
@@ -114,17 +105,17 @@ class JSONSchemaFormat(_Wire, tag_field="type", tag="json_schema"):
     strict: bool | None = None
 
 
-class TextConfig(_Wire):
+class TextConfig(Wire):
     format: TextFormat | JSONObjectFormat | JSONSchemaFormat | None = None
     verbosity: str | None = None
 
 
-class ReasoningConfig(_Wire):
+class ReasoningConfig(Wire):
     effort: str | None = None
     summary: str | None = None
 
 
-class ResponsesRequest(_Wire):
+class ResponsesRequest(Wire):
     """The body of ``POST /v1/responses`` (the SDK's ``response_create_params``), the fields acted on."""
 
     model: str
@@ -340,7 +331,6 @@ def encode_response(response: Response, meta: Meta) -> bytes:
 
 # ---------------------------------------------------------------------------------------------------- streams
 
-_KEEPALIVE = ServerSentEvent(comment="keep-alive").encode()
 _DELTA = {"message": "response.output_text.delta", "reasoning": "response.reasoning_text.delta"}
 _DONE = {"message": "response.output_text.done", "reasoning": "response.reasoning_text.done"}
 
@@ -453,7 +443,7 @@ async def encode_response_stream(events: AsyncIterable[Event], meta: Meta) -> As
             case Usage():
                 frames.usage = event
             case KeepAlive():
-                yield _KEEPALIVE
+                yield sse.KEEPALIVE
             case Finished():
                 for frame in frames.finish(event):
                     yield frame

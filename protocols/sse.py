@@ -6,6 +6,8 @@ msgspec's JSON never holds a line break (it escapes them in strings), so its fra
 a fixed head and tail around the payload, both taken from ``ServerSentEvent`` itself once. A payload that does
 hold a line break (never one of ours) is framed by ``ServerSentEvent`` as before.
 
+``KEEPALIVE`` is the comment line sent while a request waits, the same bytes for every endpoint that sends one.
+
 Imports sse-starlette only; shared by the SSE protocol modules, which stay independent of one another.
 """
 
@@ -13,7 +15,10 @@ from __future__ import annotations
 
 from sse_starlette.event import ServerSentEvent
 
-__all__ = ["frame"]
+__all__ = ["KEEPALIVE", "frame"]
+
+KEEPALIVE = ServerSentEvent(comment="keep-alive").encode()
+"""A keep-alive: an SSE comment, which clients skip (the OpenAI endpoints send it while a request waits)."""
 
 _MARK = "\x00"
 _DATA_HEAD, _DATA_TAIL = ServerSentEvent(data=_MARK).encode().split(_MARK.encode())

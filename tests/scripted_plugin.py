@@ -116,7 +116,9 @@ def scripted_vector(item: str | tuple[int, ...], dimensions: int | None = None) 
     return struct.unpack(f"<{len(raw)}f", struct.pack(f"<{len(raw)}f", *(x / norm for x in raw)))
 
 
-class ScriptedBackend:
+class ScriptedBackend(Backend):
+    """``context`` and ``describe`` are ``Backend``'s defaults: the card's context length and family."""
+
     name = "scripted"
 
     def supports(self, card: ModelCard) -> bool:

@@ -4,6 +4,7 @@
 ``LlamaCppBackend.connect`` (in the gateway) gives a ``LlamaCppRunner`` that speaks the internal streaming protocol
 to the head runner. llama-cpp-python itself is
 only ever imported inside the runner process, so a crash in the runtime cannot take the gateway down.
+``LlamaCppBackend.describe`` shows a model's GGUF header (``describe_gguf``), so the gateway never reads GGUF.
 """
 
 from __future__ import annotations
@@ -11,10 +12,11 @@ from __future__ import annotations
 import json
 import sys
 from collections.abc import AsyncIterator, Mapping
+from typing import Any
 
 import httpx
 
-from meshgate.backends.base import Capabilities, ModelCard, Peers
+from meshgate.backends.base import Backend, Capabilities, ModelCard, ModelDescription, Peers
 from meshgate.backends.llama_cpp.gguf import read_metadata, tensor_sizes
 from meshgate.backends.placement import Candidate, ModelSpec, Shard, ShardCosts, Strategy
 from meshgate.backends.runner.client import RunnerClient
@@ -22,7 +24,21 @@ from meshgate.backends.runner.net import url_host
 from meshgate.backends.runner.process import RunnerProcess
 from meshgate.protocols.model import EmbedRequest, Embeddings, Event, Request
 
-__all__ = ["LaunchedRunner", "LlamaCppBackend", "LlamaCppRunner", "spec_from_gguf"]
+__all__ = ["GEMMA_TEMPLATE", "LaunchedRunner", "LlamaCppBackend", "LlamaCppRunner", "describe_gguf", "spec_from_gguf"]
+
+# The Gemma turn format backends.llama_cpp.prompt renders, written as the Go template Ollama shows for gemma3.
+GEMMA_TEMPLATE = (
+    "{{- range $i, $_ := .Messages }}\n"
+    "{{- $last := eq (len (slice $.Messages $i)) 1 }}\n"
+    "{{- if or (eq .Role \"user\") (eq .Role \"system\") }}<start_of_turn>user\n"
+    "{{ .Content }}<end_of_turn>\n"
+    "{{ if $last }}<start_of_turn>model\n{{ end }}\n"
+    "{{- else if eq .Role \"assistant\" }}<start_of_turn>model\n"
+    "{{ .Content }}{{ if not $last }}<end_of_turn>\n{{ end }}\n"
+    "{{- end }}\n"
+    "{{- end }}"
+)
+_ARRAY_KEYS = ("tokenizer.ggml.tokens", "tokenizer.ggml.scores", "tokenizer.ggml.token_type", "tokenizer.ggml.merges")
 
 
 class LlamaCppRunner:
@@ -60,7 +76,7 @@ class LaunchedRunner:
 MiB = 1 << 20
 
 
-class LlamaCppBackend:
+class LlamaCppBackend(Backend):
     """Serves GGUF models with llama-cpp-python in runner processes, split over llama.cpp RPC workers.
 
     A single-node placement is one runner process. A pipeline places the first layer range in the head runner
@@ -105,6 +121,9 @@ class LlamaCppBackend:
     def context(self, card: ModelCard) -> int:
         return min(self.n_ctx, card.context_length or self.n_ctx)
 
+    def describe(self, card: ModelCard) -> ModelDescription:
+        return describe_gguf(card, self.context(card))
+
     def spec(self, card: ModelCard) -> ModelSpec:
         return spec_from_gguf(card.name, card.path)
 
@@ -136,6 +155,26 @@ class LlamaCppBackend:
     def connect(self, card: ModelCard, placement: Candidate, urls: Mapping[str, str]) -> LlamaCppRunner:
         head = next(s.node_id for s in placement.shards if s.layer_start == 0)
         return LlamaCppRunner(RunnerClient(urls[head], self.http))
+
+
+def describe_gguf(card: ModelCard, context: int) -> ModelDescription:
+    """What ``/api/show`` shows of the GGUF ``card`` names, from its header (read again: the file may have changed).
+
+    ``model_info`` is the header with the token tables as ``None`` (as Ollama shows them without ``verbose``) and
+    ``context`` (the context a runner gets; 0 keeps the header's) as ``<arch>.context_length``. ``template`` is the
+    Gemma turn format as Ollama's Go template for Gemma models (what the runner renders), else the GGUF's own
+    ``tokenizer.chat_template`` (which llama-cpp-python applies). A file that went away gives the card's basics.
+    """
+    try:
+        meta = read_metadata(card.path)
+    except (OSError, ValueError):  # the file went away or changed since the catalog read it
+        meta = {}
+    arch = str(meta.get("general.architecture", card.family))
+    info: dict[str, Any] = {k: (None if k in _ARRAY_KEYS else v) for k, v in meta.items()}
+    if context:
+        info[f"{arch}.context_length"] = context
+    template = GEMMA_TEMPLATE if card.family.startswith("gemma") else str(meta.get("tokenizer.chat_template") or "")
+    return ModelDescription(model_info=info, template=template, license=str(meta.get("general.license") or ""))
 
 
 def spec_from_gguf(name: str, path: str) -> ModelSpec:

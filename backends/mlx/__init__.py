@@ -24,8 +24,8 @@ from typing import TYPE_CHECKING
 import httpx
 import msgspec
 
-from meshgate.backends.base import Capabilities, ModelCard, Peers
-from meshgate.backends.checkpoints import checkpoint_itemsize, spec_from_checkpoint
+from meshgate.backends.base import Backend, Capabilities, ModelCard, ModelDescription, Peers
+from meshgate.backends.checkpoints import checkpoint_itemsize, describe_checkpoint, spec_from_checkpoint
 from meshgate.backends.mlx import rendezvous
 from meshgate.backends.placement import Candidate, ModelSpec, Shard, ShardCosts, Strategy
 from meshgate.backends.runner.net import free_port, host_port
@@ -85,7 +85,7 @@ class LaunchedRank:
             os.unlink(self.hostfile)
 
 
-class MlxBackend:
+class MlxBackend(Backend):
     """Serves Hugging Face checkpoints (``format="safetensors"``) with mlx-lm, whole or sharded over ranks.
 
     ``python`` is an interpreter with ``mlx`` and ``mlx-lm`` (and msgspec, uvicorn); meshgate's own ``backends``
@@ -134,6 +134,9 @@ class MlxBackend:
 
     def context(self, card: ModelCard) -> int:
         return min(self.n_ctx, card.context_length or self.n_ctx)
+
+    def describe(self, card: ModelCard) -> ModelDescription:
+        return describe_checkpoint(card, self.context(card))
 
     async def launch(self, card: ModelCard, placement: Candidate, shard: Shard, *, host: str,
                      peers: Peers) -> LaunchedRank:
@@ -189,7 +192,7 @@ class MlxBackend:
         tmp, code = self.runtime_dir / "tmp", self.runtime_dir / "code"
         tmp.mkdir(parents=True, exist_ok=True)
         code.mkdir(exist_ok=True)
-        root = Path(sys.modules["meshgate"].__file__).resolve().parent.parent
+        root = Path(sys.modules["meshgate"].__path__[0]).resolve().parent
         for name in _PACKAGES:
             link = code / name
             if not link.is_symlink() or link.resolve() != root / name:

@@ -268,7 +268,7 @@ class Scheduler:
             if self._closing:
                 self._fail(BackendUnavailable("this MLX runner is shutting down"), [*self._rows, *self._waiting])
                 return None
-            new = []
+            new: list[Sequence] = []
             while self._waiting and len(self._rows) + len(new) < self.parallel:
                 if not (seq := self._waiting.popleft()).over:
                     new.append(seq)

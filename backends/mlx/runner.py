@@ -150,7 +150,10 @@ def _load(args: argparse.Namespace, *, own_hostfile: bool):
         if group.size() != args.ranks or group.rank() != args.rank:
             raise RuntimeError(f"joined as rank {group.rank()} of {group.size()}, expected {args.rank} of "
                                f"{args.ranks}")
-    layers = tuple(int(x) for x in args.layers.split(":")) if args.layers else None
+    layers = None
+    if args.layers:
+        start, end = args.layers.split(":")
+        layers = (int(start), int(end))
     return MlxEngine(args.model, group=group, mode=args.sharding, layers=layers, n_ctx=args.n_ctx, dtype=args.dtype,
                      parallel=args.parallel)
 

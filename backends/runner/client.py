@@ -5,11 +5,12 @@ calls with the shared httpx client. Transport failures become ``Failed`` events 
 connection or a runner that dies mid-stream is ``BackendUnavailable``, a stalled one ``BackendTimeout``, garbage
 ``BackendProtocolError``. Closing the iterator closes the connection, which cancels the generation.
 ``embed`` is a plain request: the same failures are raised, and a runner's ``{"error": ErrorInfo}`` answer is
-raised as the ``GatewayError`` it names. Every call presents the cluster secret (``backends.runner.secret``); a
-runner that refuses it (401: the two ended up with different secrets) is a ``BackendProtocolError``, never the
-client's own authentication error.
+raised as the ``GatewayError`` it names. Transport failures are mapped by ``backends.runner.errors``, once for
+every runner client. Every call presents the cluster secret (``backends.runner.secret``); a runner that refuses it
+(401: the two ended up with different secrets) is a ``BackendProtocolError``, never the client's own
+authentication error.
 
-Imports protocols only.
+Imports protocols and ``backends.runner`` only.
 """
 
 from __future__ import annotations
@@ -21,14 +22,14 @@ import httpx
 import msgspec
 
 from meshgate.backends.runner import secret as cluster_secret
+from meshgate.backends.runner.errors import mapped_transport_errors, secret_refused
 from meshgate.backends.runner.http_stream import post_stream
 from meshgate.protocols.model import (
     TERMINAL,
     BackendProtocolError,
-    BackendTimeout,
     BackendUnavailable,
-    EmbedRequest,
     Embeddings,
+    EmbedRequest,
     ErrorInfo,
     Event,
     Failed,
@@ -110,17 +111,12 @@ class RunnerClient:
         return (await self._unary("/tokenize", request, _count_decoder, "token count")).count
 
     async def _unary(self, path: str, request: object, decoder: msgspec.json.Decoder, what: str):
-        try:
+        with mapped_transport_errors():
             response = await self.http.post(f"{self.base_url}{path}", content=_encoder.encode(request),
                                              headers={"content-type": "application/json", **self.headers},
                                              timeout=self.timeout)
-        except httpx.TimeoutException as exc:
-            raise BackendTimeout(f"the model runner did not answer in time ({type(exc).__name__})") from exc
-        except (httpx.ConnectError, httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError) as exc:
-            raise BackendUnavailable(f"lost the connection to the model runner: {exc or type(exc).__name__}") from exc
         if response.status_code == 401:
-            raise BackendProtocolError("the model runner refused this process's cluster secret (the gateway and the "
-                                       "runner's agent disagree on MESHGATE_CLUSTER_SECRET)")
+            raise secret_refused()
         if response.status_code != 200:
             try:
                 info = _error_decoder.decode(response.content).error

@@ -14,10 +14,11 @@ because that is what an HTTP client does; the response is parsed by httptools, n
 
 Failures are raised as ``GatewayError``: a refused or lost connection ``BackendUnavailable``, no connection or
 no data in time ``BackendTimeout``, a malformed response ``BackendProtocolError``, a status other than 200
-``BackendProtocolError`` with the start of its body. Closing the iterator closes the connection, which the
-runner sees as a disconnect (and cancels the generation).
+``BackendProtocolError`` with the start of its body; the connect's failures are mapped by
+``backends.runner.errors.mapped_transport_errors``, as every runner client's are. Closing the iterator closes the
+connection, which the runner sees as a disconnect (and cancels the generation).
 
-Imports protocols only (and httptools).
+Imports protocols and ``backends.runner.errors`` only (and httptools).
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from urllib.parse import urlsplit
 
 import httptools
 
+from meshgate.backends.runner.errors import mapped_transport_errors
 from meshgate.protocols.model import BackendProtocolError, BackendTimeout, BackendUnavailable
 
 __all__ = ["post_stream"]
@@ -135,13 +137,9 @@ async def post_stream(url: str, body: bytes, *, headers: bytes = b"", connect_ti
     parts = urlsplit(url)
     host, port = parts.hostname or "", parts.port or 80
     loop = asyncio.get_running_loop()
-    try:
+    with mapped_transport_errors(connect_timeout=connect_timeout):
         transport, response = await asyncio.wait_for(loop.create_connection(_Response, host, port),
                                                      connect_timeout)
-    except TimeoutError:
-        raise BackendTimeout(f"no connection to the model runner within {connect_timeout:g}s") from None
-    except OSError as exc:
-        raise BackendUnavailable(f"lost the connection to the model runner: {exc}") from exc
     response.heard = time.monotonic()
     timeout = _ReadTimeout(loop, response, read_timeout)
     try:

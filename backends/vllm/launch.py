@@ -240,7 +240,7 @@ class VllmServer:
 
     async def _wait_healthy(self, health: str, http: httpx.AsyncClient | None, name: str) -> None:
         async with contextlib.AsyncExitStack() as stack:
-            client = http or await stack.enter_async_context(httpx.AsyncClient(trust_env=False))
+            client = http if http is not None else await stack.enter_async_context(httpx.AsyncClient(trust_env=False))
             while True:
                 if self.proc.returncode is not None:
                     raise BackendUnavailable(f"vLLM for {name} exited with code {self.proc.returncode} before it "

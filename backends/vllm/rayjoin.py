@@ -96,7 +96,7 @@ def _workers() -> set[int]:
 
 def _ray_env() -> dict[str, str]:
     """Our environment without meshgate's own root on ``PYTHONPATH`` (Ray and vLLM need only the plugin there)."""
-    root = str(Path(sys.modules["meshgate"].__file__).resolve().parent.parent)
+    root = str(Path(sys.modules["meshgate"].__path__[0]).resolve().parent)
     path = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p and os.path.abspath(p) != root]
     return {**os.environ, "PYTHONPATH": os.pathsep.join(path)}
 

@@ -181,7 +181,7 @@ async def start_node(folder: RuntimeFolder, *, host: str, python: str, slots: in
     url = f"http://{url_host(host)}:{port}"
     argv = [sys.executable, "-m", "meshgate.backends.vllm.rayjoin", "--host", host, "--port", str(port), "--python", python,
             "--temp-dir", str(folder.path / "ray"), "--slots", str(slots), "--join-timeout", str(timeout)]
-    root = str(Path(sys.modules["meshgate"].__file__).resolve().parent.parent)  # the keeper imports meshgate's ``backends``
+    root = str(Path(sys.modules["meshgate"].__path__[0]).resolve().parent)  # the keeper imports meshgate's ``backends``
     path = os.pathsep.join(p for p in (root, env.get("PYTHONPATH", "")) if p)
     return await VllmServer.start([*argv, "--head"] if head else argv, env={**env, "PYTHONPATH": path},
                                   folder=folder, url=url, ready_timeout=60.0, name=f"{name} (Ray node)",

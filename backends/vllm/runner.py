@@ -1,14 +1,15 @@
 """The gateway's client for a vLLM head: vLLM's own OpenAI server, spoken to through ``protocols.openai_client``.
 
 ``generate`` posts the client-direction OpenAI request and streams the SSE body back as internal events; transport
-failures are mapped here, once, into ``Failed`` events (never raised): a refused connection or a server that dies
-mid-stream is ``BackendUnavailable``, a stalled one ``BackendTimeout``. Closing the iterator closes the HTTP
+failures are mapped by ``backends.runner.errors.mapped_transport_errors`` (once for every runner client) and end
+the stream as ``Failed`` events (never raised): a refused connection or a server that dies mid-stream is
+``BackendUnavailable``, a stalled one ``BackendTimeout``. Closing the iterator closes the HTTP
 response, which makes vLLM abort the request. ``count_tokens`` uses vLLM's ``/tokenize`` (the chat template
 applied, as the model reads it); there are no embeddings. Every call presents the cluster secret, which the
 backend gave vLLM as its API key (``VLLM_API_KEY``); a 401 from vLLM (the two disagree) is a
 ``BackendProtocolError``, never the client's own authentication error.
 
-Imports protocols, httpx and ``backends.runner.secret`` only.
+Imports protocols, httpx, ``backends.runner.secret`` and ``backends.runner.errors`` only.
 """
 
 from __future__ import annotations
@@ -19,12 +20,11 @@ import httpx
 import msgspec
 
 from meshgate.backends.runner import secret as cluster_secret
+from meshgate.backends.runner.errors import mapped_transport_errors, secret_refused
 from meshgate.protocols.model import (
     BackendProtocolError,
-    BackendTimeout,
-    BackendUnavailable,
-    EmbedRequest,
     Embeddings,
+    EmbedRequest,
     Event,
     Failed,
     GatewayError,
@@ -35,7 +35,7 @@ from meshgate.protocols.openai_client import StreamDecoder, chat_messages, encod
 
 __all__ = ["VllmRunner"]
 
-_TRANSPORT = (httpx.ConnectError, httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError)
+_PEER = "vLLM"
 
 
 class _Count(msgspec.Struct):
@@ -58,22 +58,20 @@ class VllmRunner:
         path, body = encode_request(request, self.served_name)
         decoder = StreamDecoder()
         try:
-            async with self.http.stream("POST", f"{self.base_url}{path}", content=body, timeout=self.timeout,
-                                        headers=self.headers) as response:
-                if response.status_code != 200:
-                    yield _failed(_refused() if response.status_code == 401 else
-                                  error_from_response(response.status_code, await response.aread()))
-                    return
-                async for chunk in response.aiter_raw():
-                    for event in decoder.feed(chunk):
-                        yield event
-                    if decoder.done:
+            with mapped_transport_errors(_PEER):
+                async with self.http.stream("POST", f"{self.base_url}{path}", content=body, timeout=self.timeout,
+                                            headers=self.headers) as response:
+                    if response.status_code != 200:
+                        yield _failed(secret_refused(_PEER) if response.status_code == 401 else
+                                      error_from_response(response.status_code, await response.aread()))
                         return
-        except httpx.TimeoutException as exc:
-            yield _failed(BackendTimeout(f"vLLM did not answer in time ({type(exc).__name__})"))
-            return
-        except _TRANSPORT as exc:
-            yield _failed(BackendUnavailable(f"lost the connection to vLLM: {exc or type(exc).__name__}"))
+                    async for chunk in response.aiter_raw():
+                        for event in decoder.feed(chunk):
+                            yield event
+                        if decoder.done:
+                            return
+        except GatewayError as exc:
+            yield _failed(exc)
             return
         for event in decoder.close():
             yield event
@@ -89,15 +87,11 @@ class VllmRunner:
             if request.tools:
                 body["tools"] = [{"type": "function", "function": {"name": t.name, "parameters": t.parameters}}
                                  for t in request.tools]
-        try:
+        with mapped_transport_errors(_PEER):
             response = await self.http.post(f"{self.base_url}/tokenize", content=msgspec.json.encode(body),
                                              headers=self.headers, timeout=self.timeout)
-        except httpx.TimeoutException as exc:
-            raise BackendTimeout(f"vLLM did not answer in time ({type(exc).__name__})") from exc
-        except _TRANSPORT as exc:
-            raise BackendUnavailable(f"lost the connection to vLLM: {exc or type(exc).__name__}") from exc
         if response.status_code == 401:
-            raise _refused()
+            raise secret_refused(_PEER)
         if response.status_code != 200:
             raise error_from_response(response.status_code, response.content)
         try:
@@ -112,8 +106,3 @@ class VllmRunner:
 
 def _failed(err: GatewayError) -> Failed:
     return Failed(error=err.info())
-
-
-def _refused() -> GatewayError:
-    return BackendProtocolError("vLLM refused this process's cluster secret (the gateway and the runner's agent "
-                                "disagree on MESHGATE_CLUSTER_SECRET)")

@@ -38,7 +38,7 @@ class InstanceManager:
 
     def __init__(self, store: StateStore, backends: Sequence[Backend], *, resolve: Callable[[str], ModelCard],
                  choose: Callable[..., Backend | None], rank: Callable | None = None, auto_place: bool = True,
-                 context: Callable[[Backend, ModelCard], int] | None = None, reconcile_every: float = 0.5) -> None:
+                 context: Callable[[Backend, ModelCard], int | None] | None = None, reconcile_every: float = 0.5) -> None:
         self.store = store
         self.backends = list(backends)
         self.resolve = resolve

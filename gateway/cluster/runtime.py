@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 import httpx
 import pluggy
 
-from meshgate.backends.base import Backend, ModelSource
+from meshgate.backends.base import Backend, ModelCard, ModelSource
 from meshgate.backends.runner import secret as cluster_secret
 from meshgate.gateway.admission import Admission
 from meshgate.gateway.cluster.agent import NodeAgent
@@ -76,8 +76,8 @@ async def control_plane(settings: Settings, plugins: pluggy.PluginManager, *, ga
                                         flops=settings.node_flops, secret=secret)
                 await plane.agent.start()
             if gateway:
-                def context(backend: Backend, card) -> int | None:
-                    return getattr(backend, "context", lambda c: None)(card)
+                def context(backend: Backend, card: ModelCard) -> int | None:
+                    return backend.context(card) or None  # 0: the model's own (the planner reads its spec)
 
                 plane.instances = InstanceManager(
                     store, backends, resolve=catalog.resolve, choose=choose,

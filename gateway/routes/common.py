@@ -15,7 +15,7 @@ from litestar.exceptions import HTTPException
 from litestar.response import Stream
 
 from meshgate.gateway.auth import caller_of
-from meshgate.gateway.dispatch import Dispatcher
+from meshgate.gateway.dispatch import Dispatcher, aclose
 from meshgate.gateway.routes.stream import CoalescedStream
 from meshgate.protocols import model
 from meshgate.protocols.model import Event, GatewayError, Meta, ModelInfo
@@ -80,8 +80,7 @@ async def collect_or_cancel(request: HttpRequest, opening: Awaitable[AsyncIterat
         try:
             return await model.collect(events)
         finally:
-            if hasattr(events, "aclose"):
-                await events.aclose()  # releases the runner's stream (a no-op once it ended)
+            await aclose(events)  # releases the runner's stream (a no-op once it ended)
 
     collecting = asyncio.ensure_future(answer())
     watching = asyncio.ensure_future(_disconnect(request))

@@ -9,12 +9,12 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
-from contextlib import aclosing
 
 from litestar import Request as HttpRequest
 from litestar import Response, Router, get, head, post
 
 from meshgate.gateway.context_fit import Fit
+from meshgate.gateway.dispatch import closing
 from meshgate.gateway.routes.common import (
     collect_or_cancel,
     dispatcher_of,
@@ -119,7 +119,7 @@ async def _run(request: HttpRequest, wire: ollama.ChatRequest | ollama.GenerateR
 
 async def _then(lines: AsyncIterator[bytes], after: Callable[[], Awaitable[None]]) -> AsyncIterator[bytes]:
     """``lines``, then ``after()`` when they all went out (not when the client left early)."""
-    async with aclosing(lines):
+    async with closing(lines):
         async for line in lines:
             yield line
     try:

@@ -105,7 +105,7 @@ class CoalescedStream(Stream):
             encoding=self.encoding,
             headers={**headers, **self.headers} if headers is not None else self.headers,
             is_head_response=is_head_response,
-            iterator=self.iterator,
+            iterator=self.iterator() if callable(self.iterator) else self.iterator,
             media_type=get_enum_string_value(media_type or self.media_type or MediaType.JSON),
             status_code=self.status_code or status_code,
         )

@@ -29,6 +29,9 @@ class EchoRunner:
 
 
 class EchoBackend(meshgate.Backend):
+    """Inherits ``context`` (the card's context length) and ``describe`` (what ``/api/show`` shows: the card's
+    family and context) from ``meshgate.Backend``; a runtime that knows more about its models overrides them."""
+
     name = "echo"
 
     def supports(self, card: meshgate.ModelCard) -> bool:

@@ -1,0 +1,83 @@
+"""Small formats that several protocol modules need alike: base64, ``data:`` URIs and RFC 3339 timestamps.
+
+A helper used by two protocol codecs lives here, once, rather than in one of them (the protocol modules stay
+independent of one another). Only the mechanics are shared: each protocol still decides what it accepts and
+words its own errors, so the functions raise plain ``ValueError`` and the caller turns it into its
+``InvalidRequest``.
+
+- ``decode_base64``: strict standard base64 (RFC 4648 section 4, padding checked). Anything else is a
+  ``ValueError``, non-ASCII text included (``base64.b64decode`` raises a bare ``ValueError`` for that, not
+  ``binascii.Error``). ``wrapped=True`` first drops whitespace, as in a line-wrapped ``data:`` URI.
+- ``parse_data_uri`` splits ``data:[<media type>][;<parameter>]*,<data>`` (RFC 2397) without decoding;
+  ``encode_data_uri`` builds the base64 form.
+- ``rfc3339``: a Unix time as an RFC 3339 UTC timestamp, either with six fractional digits and ``+00:00``
+  (Ollama's ``created_at``/``modified_at``; every ``datetime.fromisoformat`` reads it) or in whole seconds with
+  ``Z`` (Anthropic's ``created_at``). Cached: a stream stamps every line with the same time.
+
+Imports only the standard library. No I/O.
+"""
+
+from __future__ import annotations
+
+import base64
+import functools
+from datetime import UTC, datetime
+from typing import NamedTuple
+
+__all__ = ["DataURI", "decode_base64", "encode_data_uri", "parse_data_uri", "rfc3339"]
+
+
+def decode_base64(text: str, *, wrapped: bool = False) -> bytes:
+    """The bytes that ``text`` (standard base64, padded) encodes.
+
+    Args:
+        text: the base64 text.
+        wrapped: ignore whitespace (line breaks of wrapped base64) instead of refusing it.
+
+    Raises:
+        ValueError: ``text`` is not valid base64 (``binascii.Error``), or holds non-ASCII characters.
+    """
+    if wrapped:
+        text = "".join(text.split())
+    return base64.b64decode(text, validate=True)
+
+
+class DataURI(NamedTuple):
+    """A ``data:`` URI split into its parts; ``payload`` is not decoded."""
+
+    media_type: str | None
+    """The media type it names; ``None`` when it names none (``data:,...`` or ``data:;base64,...``)."""
+    base64: bool
+    """Whether ``base64`` is among its parameters (the payload is base64, not percent-encoded text)."""
+    payload: str
+    """Everything after the first comma."""
+
+
+def parse_data_uri(uri: str) -> DataURI | None:
+    """``uri`` split as ``data:[<media type>][;<parameter>]*,<data>``; ``None`` when it does not start with
+    ``data:`` or has no comma."""
+    header, comma, payload = uri.partition(",")
+    if not uri.startswith("data:") or not comma:
+        return None
+    media_type, *params = header.removeprefix("data:").split(";")
+    return DataURI(media_type=media_type or None, base64="base64" in params, payload=payload)
+
+
+def encode_data_uri(data: bytes, media_type: str) -> str:
+    """``data:<media type>;base64,<data>``."""
+    return f"data:{media_type};base64,{base64.b64encode(data).decode()}"
+
+
+@functools.lru_cache(maxsize=256)
+def rfc3339(timestamp: float, *, fraction: bool = True) -> str:
+    """``timestamp`` (Unix seconds) as RFC 3339 in UTC.
+
+    Args:
+        timestamp: seconds since the epoch.
+        fraction: six fractional digits and ``+00:00`` (``2025-03-10T01:32:32.700000+00:00``); when false,
+            whole seconds and ``Z`` (``2025-03-10T01:32:32Z``).
+    """
+    moment = datetime.fromtimestamp(timestamp, UTC)
+    if fraction:
+        return moment.isoformat(timespec="microseconds")
+    return moment.strftime("%Y-%m-%dT%H:%M:%SZ")

@@ -23,10 +23,22 @@ from typing import Any, Protocol, runtime_checkable
 import msgspec
 
 from meshgate.backends.placement import Candidate, ModelSpec, Shard, ShardCosts, Strategy
-from meshgate.protocols.model import EmbedRequest, Embeddings, Event, ImagePart, Request, UnsupportedFeature
+from meshgate.protocols.model import Embeddings, EmbedRequest, Event, ImagePart, Request, UnsupportedFeature
 
-__all__ = ["Backend", "Capabilities", "InProcess", "Launched", "ModelCard", "ModelDescription", "ModelSource", "Peers",
-           "Runner", "basic_model_info", "check_capabilities", "check_embeddings"]
+__all__ = [
+    "Backend",
+    "Capabilities",
+    "InProcess",
+    "Launched",
+    "ModelCard",
+    "ModelDescription",
+    "ModelSource",
+    "Peers",
+    "Runner",
+    "basic_model_info",
+    "check_capabilities",
+    "check_embeddings",
+]
 
 
 class ModelCard(msgspec.Struct, frozen=True, kw_only=True):

@@ -29,9 +29,18 @@ from typing import Any, BinaryIO
 from meshgate.backends.base import ModelCard, ModelDescription, basic_model_info
 from meshgate.backends.placement import ModelSpec
 
-__all__ = ["MESHGATE_FILE", "CheckpointSource", "SafetensorsWriter", "card_from_checkpoint", "checkpoint_itemsize",
-           "describe_checkpoint", "is_checkpoint", "read_checkpoint", "read_safetensors_header",
-           "spec_from_checkpoint"]
+__all__ = [
+    "MESHGATE_FILE",
+    "CheckpointSource",
+    "SafetensorsWriter",
+    "card_from_checkpoint",
+    "checkpoint_itemsize",
+    "describe_checkpoint",
+    "is_checkpoint",
+    "read_checkpoint",
+    "read_safetensors_header",
+    "spec_from_checkpoint",
+]
 
 MESHGATE_FILE = "meshgate.json"
 _ITEM_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1}
@@ -238,7 +247,11 @@ class SafetensorsWriter:
         offset = 0
         for name in sorted(self.shapes):
             size = prod(self.shapes[name]) * self.item
-            header[name] = {"dtype": self.code, "shape": list(self.shapes[name]), "data_offsets": [offset, offset + size]}
+            header[name] = {
+                "dtype": self.code,
+                "shape": list(self.shapes[name]),
+                "data_offsets": [offset, offset + size],
+            }
             offset += size
         self.total_bytes = offset
         raw = json.dumps(header, separators=(",", ":")).encode()
@@ -267,8 +280,10 @@ class SafetensorsWriter:
 
     def _check_done(self) -> None:
         if self._current is not None and self.written[self._current] != prod(self.shapes[self._current]) * self.item:
-            raise ValueError(f"tensor {self._current}: wrote {self.written[self._current]} bytes, expected "
-                             f"{prod(self.shapes[self._current]) * self.item}")
+            raise ValueError(
+                f"tensor {self._current}: wrote {self.written[self._current]} bytes, expected "
+                f"{prod(self.shapes[self._current]) * self.item}"
+            )
 
     def finish(self, f: BinaryIO) -> None:
         self._check_done()

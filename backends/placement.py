@@ -14,8 +14,18 @@ from typing import Literal, NewType
 
 import msgspec
 
-__all__ = ["Candidate", "InstanceId", "Link", "ModelSpec", "Node", "NodeId", "Shard", "ShardCosts", "Strategy",
-           "Topology"]
+__all__ = [
+    "Candidate",
+    "InstanceId",
+    "Link",
+    "ModelSpec",
+    "Node",
+    "NodeId",
+    "Shard",
+    "ShardCosts",
+    "Strategy",
+    "Topology",
+]
 
 NodeId = NewType("NodeId", str)
 InstanceId = NewType("InstanceId", str)

@@ -32,8 +32,18 @@ import msgspec
 
 from meshgate.backends.base import ModelCard, ModelSource
 
-__all__ = ["MAX_REGISTRY_BYTES", "MAX_USER_MODELS", "REGISTRY_FILE", "CardReader", "HidingSource", "ModelRegistry",
-           "RegistryFull", "RegistrySource", "UserModel", "sha256_file"]
+__all__ = [
+    "MAX_REGISTRY_BYTES",
+    "MAX_USER_MODELS",
+    "REGISTRY_FILE",
+    "CardReader",
+    "HidingSource",
+    "ModelRegistry",
+    "RegistryFull",
+    "RegistrySource",
+    "UserModel",
+    "sha256_file",
+]
 
 MAX_USER_MODELS = 1000
 MAX_REGISTRY_BYTES = 16 << 20
@@ -121,15 +131,19 @@ class ModelRegistry:
         """
         registry = self._load()
         if name not in registry.models and len(registry.models) >= self.max_models:
-            raise RegistryFull(f"too many models: meshgate keeps at most {self.max_models} copied or created models; "
-                               "delete one (/api/delete) before adding another")
+            raise RegistryFull(
+                f"too many models: meshgate keeps at most {self.max_models} copied or created models; "
+                "delete one (/api/delete) before adding another"
+            )
         registry.models[name] = model
         registry.hidden = [h for h in registry.hidden if h != name]
         data = msgspec.json.encode(registry)
         if len(data) > self.max_bytes:
-            raise RegistryFull(f"the model registry would exceed {self.max_bytes >> 20} MiB (the system prompts, "
-                               "templates and parameters of all copied and created models); store less, or delete "
-                               "models (/api/delete) first")
+            raise RegistryFull(
+                f"the model registry would exceed {self.max_bytes >> 20} MiB (the system prompts, "
+                "templates and parameters of all copied and created models); store less, or delete "
+                "models (/api/delete) first"
+            )
         self._write(data)
 
     def unhide(self, name: str) -> None:
@@ -186,8 +200,7 @@ class RegistrySource:
         return msgspec.structs.replace(card, name=name, digest=model.digest, created=model.created, source=self.name)
 
     def models(self) -> Sequence[ModelCard]:
-        return [card for name, model in self.registry.models().items()
-                if (card := self.card(name, model)) is not None]
+        return [card for name, model in self.registry.models().items() if (card := self.card(name, model)) is not None]
 
 
 class HidingSource:

@@ -132,8 +132,14 @@ class Level:
 
 async def one_stream(client: httpx.AsyncClient, model: str, prompt: str, tokens: int) -> Stream:
     """One streamed chat completion, read to its end."""
-    body = {"model": model, "messages": [{"role": "system", "content": SYSTEM}, {"role": "user", "content": prompt}],
-            "max_tokens": tokens, "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}
+    body = {
+        "model": model,
+        "messages": [{"role": "system", "content": SYSTEM}, {"role": "user", "content": prompt}],
+        "max_tokens": tokens,
+        "temperature": 0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
     started = time.perf_counter()
     stamps: list[float] = []
     count = 0
@@ -152,12 +158,14 @@ async def one_stream(client: httpx.AsyncClient, model: str, prompt: str, tokens:
                 count = chunk["usage"]["completion_tokens"]
     if not stamps:
         raise RuntimeError("the stream had no content")
-    return Stream(ttft=stamps[0] - started, gaps=[b - a for a, b in itertools.pairwise(stamps)],
-                  tokens=count or len(stamps))
+    return Stream(
+        ttft=stamps[0] - started, gaps=[b - a for a, b in itertools.pairwise(stamps)], tokens=count or len(stamps)
+    )
 
 
-async def run_level(url: str, model: str, n: int, rounds: int, tokens: int, pid: int | None,
-                    timeout: float, idle: float = 0.0) -> Level:
+async def run_level(
+    url: str, model: str, n: int, rounds: int, tokens: int, pid: int | None, timeout: float, idle: float = 0.0
+) -> Level:
     """``n`` clients, each sending ``rounds`` requests one after another."""
     level = Level(concurrency=n)
     streams: list[Stream] = []
@@ -291,17 +299,22 @@ def idle_rate(pid: int, seconds: float = 3.0) -> float:
 
 
 def table(levels: list[Level]) -> str:
-    head = (f"{'streams':>7} {'tok/s':>8} {'TTFT p50':>9} {'TTFT p99':>9} {'ITL p50':>8} {'ITL p99':>8} "
-            f"{'raw tok/s':>9} {'ratio':>6} {'gw CPU ms/tok':>13} {'net of idle':>11} {'failed':>6}")
+    head = (
+        f"{'streams':>7} {'tok/s':>8} {'TTFT p50':>9} {'TTFT p99':>9} {'ITL p50':>8} {'ITL p99':>8} "
+        f"{'raw tok/s':>9} {'ratio':>6} {'gw CPU ms/tok':>13} {'net of idle':>11} {'failed':>6}"
+    )
     rows = [head, "-" * len(head)]
     for lv in levels:
         raw = f"{lv.raw_tok_s:9.1f}" if lv.raw_tok_s else f"{'-':>9}"
         ratio = f"{lv.ratio:6.2f}" if lv.ratio else f"{'-':>6}"
         cpu = f"{lv.gateway_cpu_ms_per_token:13.3f}" if lv.gateway_cpu_ms_per_token is not None else f"{'-':>13}"
-        net = (f"{lv.gateway_cpu_ms_per_token_net:11.3f}" if lv.gateway_cpu_ms_per_token_net is not None
-               else f"{'-':>11}")
-        rows.append(f"{lv.concurrency:>7} {lv.tok_s:8.1f} {lv.ttft_p50:8.3f}s {lv.ttft_p99:8.3f}s "
-                    f"{lv.itl_p50 * 1000:6.1f}ms {lv.itl_p99 * 1000:6.1f}ms {raw} {ratio} {cpu} {net} {lv.failed:>6}")
+        net = (
+            f"{lv.gateway_cpu_ms_per_token_net:11.3f}" if lv.gateway_cpu_ms_per_token_net is not None else f"{'-':>11}"
+        )
+        rows.append(
+            f"{lv.concurrency:>7} {lv.tok_s:8.1f} {lv.ttft_p50:8.3f}s {lv.ttft_p99:8.3f}s "
+            f"{lv.itl_p50 * 1000:6.1f}ms {lv.itl_p99 * 1000:6.1f}ms {raw} {ratio} {cpu} {net} {lv.failed:>6}"
+        )
     return "\n".join(rows)
 
 
@@ -313,8 +326,11 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2, help="llama.cpp threads, for the runner and the raw loop")
     parser.add_argument("--n-ctx", type=int, default=2048, help="context per sequence, for the runner and raw loop")
     parser.add_argument("--parallel", type=int, help="MESHGATE_PARALLEL for the started gateway (the top level)")
-    parser.add_argument("--inexact", action="store_true",
-                        help="MESHGATE_EXACT_BATCHES=0 for the started gateway: every sequence in one decode")
+    parser.add_argument(
+        "--inexact",
+        action="store_true",
+        help="MESHGATE_EXACT_BATCHES=0 for the started gateway: every sequence in one decode",
+    )
     parser.add_argument("--url", help="use this running gateway instead of starting one")
     parser.add_argument("--gateway-pid", type=int, help="the --url gateway's pid (found by its port if local)")
     parser.add_argument("--model", default=MODEL)
@@ -337,8 +353,10 @@ def main() -> None:
     else:
         from tests.conftest import Server
 
-        env = {"MESHGATE_PARALLEL": str(args.parallel or max(levels)),
-               "MESHGATE_EXACT_BATCHES": "0" if args.inexact else "1"}
+        env = {
+            "MESHGATE_PARALLEL": str(args.parallel or max(levels)),
+            "MESHGATE_EXACT_BATCHES": "0" if args.inexact else "1",
+        }
         server = Server(data_dir, "--threads", str(args.threads), "--n-ctx", str(args.n_ctx), env=env)
         url, pid = server.url, server.proc.pid
     results: list[Level] = []
@@ -360,19 +378,30 @@ def main() -> None:
     finally:
         if server is not None:
             server.stop()
-    summary = {"url": url, "model": args.model, "tokens": args.tokens, "rounds": args.rounds, "threads": args.threads,
-               "gateway_idle_cpu": idle, "levels": [asdict(lv) for lv in results]}
+    summary = {
+        "url": url,
+        "model": args.model,
+        "tokens": args.tokens,
+        "rounds": args.rounds,
+        "threads": args.threads,
+        "gateway_idle_cpu": idle,
+        "levels": [asdict(lv) for lv in results],
+    }
     if args.json:
         print(json.dumps(summary, default=str).replace("NaN", "null"))
         return
     print()
-    print(f"{args.model}: {args.rounds} chat request(s) per client, max_tokens {args.tokens}, greedy, "
-          f"{args.threads} llama.cpp threads")
+    print(
+        f"{args.model}: {args.rounds} chat request(s) per client, max_tokens {args.tokens}, greedy, "
+        f"{args.threads} llama.cpp threads"
+    )
     print(table(results))
     cpus = [lv.gateway_cpu_ms_per_token for lv in results if lv.gateway_cpu_ms_per_token is not None]
     if cpus:
-        print(f"gateway CPU per streamed token: {statistics.mean(cpus):.3f} ms mean over the levels; idle, the "
-              f"gateway spends {idle * 1000:.1f} ms of CPU per second ('net of idle' leaves that out)")
+        print(
+            f"gateway CPU per streamed token: {statistics.mean(cpus):.3f} ms mean over the levels; idle, the "
+            f"gateway spends {idle * 1000:.1f} ms of CPU per second ('net of idle' leaves that out)"
+        )
     for lv in results:
         for error in lv.errors[:3]:
             print(f"  {lv.concurrency} streams, failed: {error}")

@@ -22,8 +22,24 @@ from meshgate.backends.llama_cpp.engine import LlamaEngine  # noqa: E402
 from meshgate.backends.llama_cpp.sources import PackagedGGUFSource  # noqa: E402
 from meshgate.protocols.model import Message, Request, Sampling, TextDelta, TextPart  # noqa: E402
 
-SUBJECTS = ["the sea", "a mountain", "bread", "the moon", "a violin", "winter", "a red bicycle", "the library",
-            "coffee", "a lighthouse", "rain", "an old clock", "the desert", "a garden", "trains", "the city at night"]
+SUBJECTS = [
+    "the sea",
+    "a mountain",
+    "bread",
+    "the moon",
+    "a violin",
+    "winter",
+    "a red bicycle",
+    "the library",
+    "coffee",
+    "a lighthouse",
+    "rain",
+    "an old clock",
+    "the desert",
+    "a garden",
+    "trains",
+    "the city at night",
+]
 ASKS = ["Write about {}.", "Describe {} in two sentences.", "What do you think of {}?", "Tell a story about {}."]
 
 
@@ -32,8 +48,14 @@ def prompts(n: int) -> list[str]:
 
 
 def run(engine: LlamaEngine, text: str, tokens: int) -> list[tuple[str, float, tuple[tuple[str, float], ...]]]:
-    request = Request(model="m", messages=(Message(role="user", parts=(TextPart(text=text),)),),
-                      max_tokens=tokens, sampling=Sampling(temperature=0.0), logprobs=True, top_logprobs=2)
+    request = Request(
+        model="m",
+        messages=(Message(role="user", parts=(TextPart(text=text),)),),
+        max_tokens=tokens,
+        sampling=Sampling(temperature=0.0),
+        logprobs=True,
+        top_logprobs=2,
+    )
     out = []
     for event in engine.generate(request, threading.Event()):
         if isinstance(event, TextDelta):
@@ -60,10 +82,12 @@ def main() -> None:
         if [x[0] for x in a] == [x[0] for x in b]:
             continue
         differ += 1
-        i = next(i for i, (x, y) in enumerate(zip(a, b)) if x[0] != y[0])
+        i = next(i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x[0] != y[0])
         print(f"differs: {text!r} at token {i}: alone {a[i][2]}, loaded {b[i][2]}")
-    print(f"{differ} of {len(texts)} prompts differ under load ({100 * differ / len(texts):.1f}%), "
-          f"{args.tokens} greedy tokens each, {args.parallel} at a time; widest batch {engine.scheduler.widest}")
+    print(
+        f"{differ} of {len(texts)} prompts differ under load ({100 * differ / len(texts):.1f}%), "
+        f"{args.tokens} greedy tokens each, {args.parallel} at a time; widest batch {engine.scheduler.widest}"
+    )
 
 
 if __name__ == "__main__":

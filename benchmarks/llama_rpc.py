@@ -27,8 +27,10 @@ from meshgate.backends.runner.client import RunnerClient  # noqa: E402
 from meshgate.backends.runner.process import RunnerProcess  # noqa: E402
 from meshgate.protocols.model import Request, Sampling, collect  # noqa: E402
 
-PROMPT = ("Run {n}. The history of the printing press begins in the fifteenth century, when movable type changed "
-          "how books were made. ") * 6
+PROMPT = (
+    "Run {n}. The history of the printing press begins in the fifteenth century, when movable type changed "
+    "how books were made. "
+) * 6
 
 
 def rss_mib(pid: int) -> float:
@@ -37,24 +39,56 @@ def rss_mib(pid: int) -> float:
 
 
 async def worker(threads: int) -> RunnerProcess:
-    return await RunnerProcess.start([sys.executable, "-m", "meshgate.backends.llama_cpp.rpc", "--host", "127.0.0.1",
-                                      "--port", "0", "--threads", str(threads)], name="worker")
+    return await RunnerProcess.start(
+        [
+            sys.executable,
+            "-m",
+            "meshgate.backends.llama_cpp.rpc",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            "0",
+            "--threads",
+            str(threads),
+        ],
+        name="worker",
+    )
 
 
-async def configuration(gguf: str, layout: list[tuple[int | None, int, int]], head_threads: int,
-                        worker_threads: list[int], tokens: int, runs: int) -> dict:
+async def configuration(
+    gguf: str,
+    layout: list[tuple[int | None, int, int]],
+    head_threads: int,
+    worker_threads: list[int],
+    tokens: int,
+    runs: int,
+) -> dict:
     workers = [await worker(t) for t in worker_threads]
     shards = [(None if w is None else f"127.0.0.1:{workers[w].port}", a, b) for w, a, b in layout]
-    head = await RunnerProcess.start([sys.executable, "-m", "meshgate.backends.llama_cpp.runner", "--model", gguf,
-                                      "--n-ctx", "1024", "--threads", str(head_threads),
-                                      "--shards", json.dumps(shards)], name="head")
+    head = await RunnerProcess.start(
+        [
+            sys.executable,
+            "-m",
+            "meshgate.backends.llama_cpp.runner",
+            "--model",
+            gguf,
+            "--n-ctx",
+            "1024",
+            "--threads",
+            str(head_threads),
+            "--shards",
+            json.dumps(shards),
+        ],
+        name="head",
+    )
     try:
         async with httpx.AsyncClient() as http:
             client = RunnerClient(f"http://127.0.0.1:{head.port}", http)
             prompt_rates, decode_rates, texts = [], [], []
             for n in range(runs + 1):
-                request = Request(model="m", raw_prompt=PROMPT.format(n=n), max_tokens=tokens,
-                                  sampling=Sampling(temperature=0.0))
+                request = Request(
+                    model="m", raw_prompt=PROMPT.format(n=n), max_tokens=tokens, sampling=Sampling(temperature=0.0)
+                )
                 response = await collect(client.generate(request))
                 if n == 0:
                     continue  # warm-up
@@ -67,8 +101,12 @@ async def configuration(gguf: str, layout: list[tuple[int | None, int, int]], he
         await head.stop()
         for w in workers:
             await w.stop()
-    return {"prompt": statistics.median(prompt_rates), "decode": statistics.median(decode_rates),
-            "memory": memory, "text": texts[0]}
+    return {
+        "prompt": statistics.median(prompt_rates),
+        "decode": statistics.median(decode_rates),
+        "memory": memory,
+        "text": texts[0],
+    }
 
 
 async def main() -> None:
@@ -90,15 +128,21 @@ async def main() -> None:
         results[name] = await configuration(gguf, layout, head_threads, worker_threads, args.tokens, args.runs)
     base, single = results["one process, 2 threads"], results["one process, 1 thread"]
     print(f"Gemma 3 270M Q4_K_M, {args.tokens} tokens at temperature 0, median of {args.runs}; repacking off")
-    print(f"{'configuration':50} {'prompt tok/s':>12} {'decode tok/s':>12} {'/2-thr':>7} {'/1-thr':>7}  same text"
-          "  memory (MiB)")
+    print(
+        f"{'configuration':50} {'prompt tok/s':>12} {'decode tok/s':>12} {'/2-thr':>7} {'/1-thr':>7}  same text"
+        "  memory (MiB)"
+    )
     for name, r in results.items():
         memory = ", ".join(f"{k} {v:.0f}" for k, v in r["memory"].items())
-        print(f"{name:50} {r['prompt']:12.1f} {r['decode']:12.1f} {r['decode'] / base['decode']:7.3f} "
-              f"{r['decode'] / single['decode']:7.3f}  {str(r['text'] == base['text']):9}  {memory}")
-    print("ratios: decode tok/s over one process with 2 threads (/2-thr) and with 1 thread (/1-thr); a layer split "
-          "runs its stages one after another, so each 1-thread stage compares with a 1-thread process. "
-          "Target: >= 0.85 at equal threads.")
+        print(
+            f"{name:50} {r['prompt']:12.1f} {r['decode']:12.1f} {r['decode'] / base['decode']:7.3f} "
+            f"{r['decode'] / single['decode']:7.3f}  {str(r['text'] == base['text']):9}  {memory}"
+        )
+    print(
+        "ratios: decode tok/s over one process with 2 threads (/2-thr) and with 1 thread (/1-thr); a layer split "
+        "runs its stages one after another, so each 1-thread stage compares with a 1-thread process. "
+        "Target: >= 0.85 at equal threads."
+    )
 
 
 if __name__ == "__main__":

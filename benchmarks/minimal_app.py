@@ -24,9 +24,18 @@ class Chat(msgspec.Struct):
     stream: bool = False
 
 
-ANSWER = {"object": "chat.completion", "choices": [{"index": 0, "message": {"role": "assistant",
-          "content": "Hello, world"}, "finish_reason": "stop", "logprobs": None}],
-          "usage": {"prompt_tokens": 7, "completion_tokens": 2, "total_tokens": 9}}
+ANSWER = {
+    "object": "chat.completion",
+    "choices": [
+        {
+            "index": 0,
+            "message": {"role": "assistant", "content": "Hello, world"},
+            "finish_reason": "stop",
+            "logprobs": None,
+        }
+    ],
+    "usage": {"prompt_tokens": 7, "completion_tokens": 2, "total_tokens": 9},
+}
 
 
 @post("/v1/chat/completions", status_code=200)

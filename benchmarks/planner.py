@@ -26,19 +26,38 @@ from meshgate.gateway.cluster.planner import BackendOffer, plan  # noqa: E402
 
 GiB = 1 << 30
 RACK = 10
-SPEC = ModelSpec(name="llama3.1:405b-q4", n_layers=126, hidden_size=16384, n_heads=128, n_kv_heads=8,
-                 head_dim=128, context_length=8192, layer_bytes=int(1.75 * GiB), embedding_bytes=2 * GiB,
-                 output_bytes=2 * GiB, tied_output=False)
-OFFERS = [BackendOffer(backend="llama_cpp", strategies=frozenset({"single", "pipeline"}), required_runtime="llama_cpp"),
-          BackendOffer(backend="vllm", strategies=frozenset({"single", "pipeline", "tensor"}), required_runtime="vllm")]
+SPEC = ModelSpec(
+    name="llama3.1:405b-q4",
+    n_layers=126,
+    hidden_size=16384,
+    n_heads=128,
+    n_kv_heads=8,
+    head_dim=128,
+    context_length=8192,
+    layer_bytes=int(1.75 * GiB),
+    embedding_bytes=2 * GiB,
+    output_bytes=2 * GiB,
+    tied_output=False,
+)
+OFFERS = [
+    BackendOffer(backend="llama_cpp", strategies=frozenset({"single", "pipeline"}), required_runtime="llama_cpp"),
+    BackendOffer(backend="vllm", strategies=frozenset({"single", "pipeline", "tensor"}), required_runtime="vllm"),
+]
 
 
 def cluster(n: int) -> Topology:
     rng = random.Random(n)
-    nodes = tuple(Node(id=NodeId(f"n{i:04d}"), name=f"n{i:04d}", memory_total=192 * GiB,
-                       memory_available=rng.choice([16, 24, 32, 48, 64, 96, 128, 192]) * GiB,
-                       flops=rng.uniform(0.5e13, 2e13),
-                       runtimes={"llama_cpp": "0.3.36", **({"vllm": "0.11"} if i % 2 else {})}) for i in range(n))
+    nodes = tuple(
+        Node(
+            id=NodeId(f"n{i:04d}"),
+            name=f"n{i:04d}",
+            memory_total=192 * GiB,
+            memory_available=rng.choice([16, 24, 32, 48, 64, 96, 128, 192]) * GiB,
+            flops=rng.uniform(0.5e13, 2e13),
+            runtimes={"llama_cpp": "0.3.36", **({"vllm": "0.11"} if i % 2 else {})},
+        )
+        for i in range(n)
+    )
     pairs: set[tuple[int, int, float]] = set()
     if n <= 100:
         pairs = {(a, b, 1e-4) for a in range(n) for b in range(a + 1, n)}
@@ -47,8 +66,11 @@ def cluster(n: int) -> Topology:
             rack = a - a % RACK
             pairs |= {(a, b, 1e-4) for b in range(a + 1, min(rack + RACK, n))}
             pairs.add((a, (a + RACK) % n, 1e-3))
-    links = tuple(Link(src=nodes[x].id, dst=nodes[y].id, latency=lat, bandwidth=rng.uniform(1e9, 1e10))
-                  for a, b, lat in sorted(pairs) for x, y in ((a, b), (b, a)))
+    links = tuple(
+        Link(src=nodes[x].id, dst=nodes[y].id, latency=lat, bandwidth=rng.uniform(1e9, 1e10))
+        for a, b, lat in sorted(pairs)
+        for x, y in ((a, b), (b, a))
+    )
     return Topology(nodes=nodes, links=links)
 
 
@@ -66,10 +88,18 @@ def main() -> None:
             plan(SPEC, topology, OFFERS)
             times.append(time.perf_counter() - start)
         fitting = [c for c in candidates if c.fits]
-        best = (f"best: {fitting[0].backend} {fitting[0].strategy} over {len(fitting[0].shards)} nodes, "
-                f"{fitting[0].tok_s:.2f} tok/s") if fitting else "nothing fits"
-        print(f"{n:>5,} nodes, {len(topology.links):>6,} links: {statistics.median(times) * 1e3:7.2f} ms, "
-              f"{len(candidates)} candidates ({len(fitting)} fit), {best}")
+        best = (
+            (
+                f"best: {fitting[0].backend} {fitting[0].strategy} over {len(fitting[0].shards)} nodes, "
+                f"{fitting[0].tok_s:.2f} tok/s"
+            )
+            if fitting
+            else "nothing fits"
+        )
+        print(
+            f"{n:>5,} nodes, {len(topology.links):>6,} links: {statistics.median(times) * 1e3:7.2f} ms, "
+            f"{len(candidates)} candidates ({len(fitting)} fit), {best}"
+        )
     print("target: 1,000 nodes < 100 ms")
 
 

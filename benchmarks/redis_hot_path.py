@@ -40,9 +40,26 @@ def main() -> None:
     data_dir = Path(os.environ.get("MESHGATE_TEST_DATA", ROOT / ".cache" / "test-data"))
     with tempfile.TemporaryDirectory() as tmp, RedisServer(Path(tmp)) as server:
         env = {**os.environ, "PYTHONPATH": str(ROOT)}
-        agent = subprocess.Popen([sys.executable, "-m", "meshgate.gateway.cli", "node", "--redis", server.url, "--name", "n1",
-                                  "--data-dir", str(data_dir), "--plugin", "tests.scripted_plugin",
-                                  "--log-level", "warning"], env=env, cwd=ROOT)
+        agent = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "meshgate.gateway.cli",
+                "node",
+                "--redis",
+                server.url,
+                "--name",
+                "n1",
+                "--data-dir",
+                str(data_dir),
+                "--plugin",
+                "tests.scripted_plugin",
+                "--log-level",
+                "warning",
+            ],
+            env=env,
+            cwd=ROOT,
+        )
         gateway = Server(data_dir, "--redis", server.url, "--plugin", "tests.scripted_plugin")
         try:
             body = {"model": "scripted", "messages": [{"role": "user", "content": "hello"}]}

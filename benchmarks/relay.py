@@ -46,18 +46,42 @@ def requests(prompt: str, tokens: int) -> dict[str, tuple[str, dict, dict]]:
     """Protocol -> (path, headers, streaming body) asking for ``tokens`` tokens."""
     chat = [{"role": "user", "content": prompt}]
     return {
-        "openai chat": ("/v1/chat/completions", {}, {"model": MODEL, "messages": chat, "max_tokens": tokens,
-                                                      "stream": True, "stream_options": {"include_usage": True}}),
-        "openai completions": ("/v1/completions", {}, {"model": MODEL, "prompt": prompt, "max_tokens": tokens,
-                                                        "stream": True}),
-        "openai responses": ("/v1/responses", {}, {"model": MODEL, "input": prompt, "max_output_tokens": tokens,
-                                                    "stream": True}),
-        "anthropic": ("/v1/messages", {"anthropic-version": "2023-06-01"},
-                      {"model": MODEL, "messages": chat, "max_tokens": tokens, "stream": True}),
-        "ollama chat": ("/api/chat", {}, {"model": MODEL, "messages": chat, "stream": True,
-                                          "options": {"num_predict": tokens}}),
-        "ollama generate": ("/api/generate", {}, {"model": MODEL, "prompt": prompt, "stream": True,
-                                                  "options": {"num_predict": tokens}}),
+        "openai chat": (
+            "/v1/chat/completions",
+            {},
+            {
+                "model": MODEL,
+                "messages": chat,
+                "max_tokens": tokens,
+                "stream": True,
+                "stream_options": {"include_usage": True},
+            },
+        ),
+        "openai completions": (
+            "/v1/completions",
+            {},
+            {"model": MODEL, "prompt": prompt, "max_tokens": tokens, "stream": True},
+        ),
+        "openai responses": (
+            "/v1/responses",
+            {},
+            {"model": MODEL, "input": prompt, "max_output_tokens": tokens, "stream": True},
+        ),
+        "anthropic": (
+            "/v1/messages",
+            {"anthropic-version": "2023-06-01"},
+            {"model": MODEL, "messages": chat, "max_tokens": tokens, "stream": True},
+        ),
+        "ollama chat": (
+            "/api/chat",
+            {},
+            {"model": MODEL, "messages": chat, "stream": True, "options": {"num_predict": tokens}},
+        ),
+        "ollama generate": (
+            "/api/generate",
+            {},
+            {"model": MODEL, "prompt": prompt, "stream": True, "options": {"num_predict": tokens}},
+        ),
     }
 
 
@@ -93,14 +117,19 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tokens", type=int, default=200)
     parser.add_argument("--streams", type=int, default=20)
-    parser.add_argument("--pacing", action="append", choices=list(PACINGS),
-                        help=f"runner pacing(s) to measure (default: {', '.join(DEFAULT_PACINGS)})")
+    parser.add_argument(
+        "--pacing",
+        action="append",
+        choices=list(PACINGS),
+        help=f"runner pacing(s) to measure (default: {', '.join(DEFAULT_PACINGS)})",
+    )
     parser.add_argument("--json", action="store_true", help="print the results as one JSON object")
     args = parser.parse_args()
     data_dir = Path(os.environ.get("MESHGATE_TEST_DATA", ROOT / ".cache" / "test-data"))
     data_dir.mkdir(parents=True, exist_ok=True)
-    server = Server(data_dir, "--plugin", "benchmarks.relay_plugin",
-                    env={"MESHGATE_DISABLED_PLUGINS": "llama_cpp,mlx,vllm"})
+    server = Server(
+        data_dir, "--plugin", "benchmarks.relay_plugin", env={"MESHGATE_DISABLED_PLUGINS": "llama_cpp,mlx,vllm"}
+    )
     try:
         httpx.post(f"{server.url}/api/generate", json={"model": MODEL}, timeout=60).raise_for_status()  # load
         started = time.perf_counter()
@@ -111,8 +140,10 @@ def main() -> None:
         print(json.dumps({"tokens": args.tokens, "streams": args.streams, "ms_per_token": results}))
         return
     protocols = list(next(iter(results.values())))
-    print(f"gateway CPU per relayed token (ms), {args.streams} streams x {args.tokens} tokens each "
-          f"({time.perf_counter() - started:.0f} s)")
+    print(
+        f"gateway CPU per relayed token (ms), {args.streams} streams x {args.tokens} tokens each "
+        f"({time.perf_counter() - started:.0f} s)"
+    )
     print(f"{'protocol':<20}" + "".join(f"{p:>16}" for p in results))
     for protocol in protocols:
         print(f"{protocol:<20}" + "".join(f"{results[p][protocol]:>16.3f}" for p in results))

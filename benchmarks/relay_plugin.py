@@ -31,10 +31,28 @@ from meshgate.backends.runner.client import RunnerClient
 from meshgate.backends.runner.process import RunnerProcess
 from meshgate.backends.runner.server import READY_LINE, exit_when_parent_goes
 from meshgate.plugins.hookspecs import hookimpl
-from meshgate.protocols.model import Embeddings, EmbedRequest, Event, Finished, Request, TextDelta, UnsupportedFeature, Usage
+from meshgate.protocols.model import (
+    Embeddings,
+    EmbedRequest,
+    Event,
+    Finished,
+    Request,
+    TextDelta,
+    UnsupportedFeature,
+    Usage,
+)
 
-CARD = ModelCard(name="relay:latest", path="", format="relay", family="relay", parameter_size="0", size=1,
-                 digest="2" * 64, created=1_700_000_000.0, context_length=8192)
+CARD = ModelCard(
+    name="relay:latest",
+    path="",
+    format="relay",
+    family="relay",
+    parameter_size="0",
+    size=1,
+    digest="2" * 64,
+    created=1_700_000_000.0,
+    context_length=8192,
+)
 WORDS = (" the", " quick", " brown", " fox", " jumps", " over", " a", " lazy", " dog", ".")
 _encoder = msgspec.json.Encoder()
 _request_decoder = msgspec.json.Decoder(Request)
@@ -68,16 +86,17 @@ async def app(scope: dict[str, Any], receive: Callable[..., Any], send: Callable
             break
     if scope["path"] != "/generate":
         status = 200 if scope["path"] == "/health" else 404
-        await send({"type": "http.response.start", "status": status, "headers": [(b"content-type", b"application/json")]})
+        await send(
+            {"type": "http.response.start", "status": status, "headers": [(b"content-type", b"application/json")]}
+        )
         await send({"type": "http.response.body", "body": b"{}"})
         return
     lines, burst, interval = script(_request_decoder.decode(body))
-    await send({"type": "http.response.start", "status": 200,
-                "headers": [(b"content-type", b"application/x-ndjson")]})
+    await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"application/x-ndjson")]})
     for start in range(0, len(lines), burst):
         if start and interval:
             await asyncio.sleep(interval)
-        await send({"type": "http.response.body", "body": b"".join(lines[start:start + burst]), "more_body": True})
+        await send({"type": "http.response.body", "body": b"".join(lines[start : start + burst]), "more_body": True})
     await send({"type": "http.response.body", "body": b"", "more_body": False})
 
 
@@ -125,14 +144,21 @@ class RelayBackend:
         return frozenset({"single"})
 
     def spec(self, card: ModelCard) -> ModelSpec:
-        return ModelSpec(name=card.name, n_layers=1, hidden_size=8, n_heads=1, n_kv_heads=1, head_dim=8,
-                         context_length=card.context_length, layer_bytes=1 << 20)
+        return ModelSpec(
+            name=card.name,
+            n_layers=1,
+            hidden_size=8,
+            n_heads=1,
+            n_kv_heads=1,
+            head_dim=8,
+            context_length=card.context_length,
+            layer_bytes=1 << 20,
+        )
 
     def costs(self, card: ModelCard) -> ShardCosts:
         return ShardCosts()
 
-    async def launch(self, card: ModelCard, placement: Candidate, shard: Shard, *, host: str,
-                     peers: Peers) -> Launched:
+    async def launch(self, card: ModelCard, placement: Candidate, shard: Shard, *, host: str, peers: Peers) -> Launched:
         argv = [sys.executable, "-m", "benchmarks.relay_plugin", "--host", host]
         return Launched(await RunnerProcess.start(argv, name=card.name, ready_timeout=30.0), host)
 

@@ -44,8 +44,7 @@ class Direct:
         from meshgate.backends.llama_cpp.rpc import weight_repacking
 
         with weight_repacking(False):  # the setting meshgate's runners load with (MESHGATE_LLAMA_REPACK)
-            self.llm = Llama(model_path=path, n_ctx=2048, n_threads=threads, n_threads_batch=threads,
-                             verbose=False)
+            self.llm = Llama(model_path=path, n_ctx=2048, n_threads=threads, n_threads_batch=threads, verbose=False)
         self.prompt = self.llm.tokenize(PROMPT.encode(), add_bos=True)
 
     def decode_rate(self, tokens: int) -> float:
@@ -62,8 +61,13 @@ class Direct:
 
 def gateway_decode_rate(server: Server, tokens: int) -> float:
     """Client-side: from the first to the last streamed token of a raw /api/generate."""
-    body = {"model": "gemma3:270m", "prompt": PROMPT, "raw": True, "stream": True,
-            "options": {"num_predict": tokens, "temperature": 0}}
+    body = {
+        "model": "gemma3:270m",
+        "prompt": PROMPT,
+        "raw": True,
+        "stream": True,
+        "options": {"num_predict": tokens, "temperature": 0},
+    }
     stamps = []
     with httpx.stream("POST", f"{server.url}/api/generate", json=body, timeout=120) as r:
         for line in r.iter_lines():

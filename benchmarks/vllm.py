@@ -31,21 +31,34 @@ from meshgate.backends.placement import Candidate, NodeId, Shard  # noqa: E402
 from meshgate.backends.vllm import VllmBackend  # noqa: E402
 from meshgate.protocols.model import Finished, Request, Sampling, TextDelta, Usage  # noqa: E402
 
-PROMPT = ("The history of the printing press begins in the fifteenth century, when movable type changed how books "
-          "were made. ")
+PROMPT = (
+    "The history of the printing press begins in the fifteenth century, when movable type changed how books were made. "
+)
 MODES = {"TP=1": "single", "TP=2": "tensor", "PP=2": "pipeline"}
 
 
 def placement(strategy: str, n_layers: int, name: str) -> Candidate:
     a = NodeId("a")
     half = n_layers // 2
-    shards = {"single": (Shard(node_id=a, layer_start=0, layer_end=n_layers),),
-              "tensor": tuple(Shard(node_id=a, layer_start=0, layer_end=n_layers, tensor_rank=r, tensor_size=2)
-                              for r in (0, 1)),
-              "pipeline": (Shard(node_id=a, layer_start=0, layer_end=half),
-                           Shard(node_id=a, layer_start=half, layer_end=n_layers))}[strategy]
-    return Candidate(id=f"bench-{strategy}", model=name, backend="vllm", strategy=strategy,  # type: ignore[arg-type]
-                     context=1024, shards=shards, memory_per_node={})
+    shards = {
+        "single": (Shard(node_id=a, layer_start=0, layer_end=n_layers),),
+        "tensor": tuple(
+            Shard(node_id=a, layer_start=0, layer_end=n_layers, tensor_rank=r, tensor_size=2) for r in (0, 1)
+        ),
+        "pipeline": (
+            Shard(node_id=a, layer_start=0, layer_end=half),
+            Shard(node_id=a, layer_start=half, layer_end=n_layers),
+        ),
+    }[strategy]
+    return Candidate(
+        id=f"bench-{strategy}",
+        model=name,
+        backend="vllm",
+        strategy=strategy,  # type: ignore[arg-type]
+        context=1024,
+        shards=shards,
+        memory_per_node={},
+    )
 
 
 async def one(runner, name: str, tokens: int) -> tuple[str, int, float]:
@@ -66,8 +79,9 @@ async def measure(args: argparse.Namespace, mode: str, runtime: Path) -> dict:
     card = card_from_checkpoint(args.model)
     plan = placement(MODES[mode], spec_from_checkpoint(card.name, card.path).n_layers, card.name)
     async with httpx.AsyncClient(trust_env=False, limits=httpx.Limits(max_connections=64)) as http:
-        backend = VllmBackend(http, python=args.python, runtime_dir=str(runtime), eager=args.eager,
-                              n_ctx=1024, ready_timeout=900)
+        backend = VllmBackend(
+            http, python=args.python, runtime_dir=str(runtime), eager=args.eager, n_ctx=1024, ready_timeout=900
+        )
         started = time.monotonic()
         launched = await backend.launch(card, plan, plan.shards[0], host="127.0.0.1", peers=None)  # type: ignore
         startup = time.monotonic() - started
@@ -78,8 +92,13 @@ async def measure(args: argparse.Namespace, mode: str, runtime: Path) -> dict:
             began = time.monotonic()
             many = await asyncio.gather(*(one(runner, card.name, args.tokens) for _ in range(args.streams)))
             wall = time.monotonic() - began
-            return {"startup": startup, "single": n / seconds, "many": sum(m[1] for m in many) / wall,
-                    "text": text, "same": all(m[0] == text for m in many)}
+            return {
+                "startup": startup,
+                "single": n / seconds,
+                "many": sum(m[1] for m in many) / wall,
+                "text": text,
+                "same": all(m[0] == text for m in many),
+            }
         finally:
             await launched.stop()
 
@@ -99,16 +118,21 @@ def main() -> None:
         for mode in args.modes.split(","):
             results[mode] = asyncio.run(measure(args, mode, runtime))
             r = results[mode]
-            print(f"{mode}: ready in {r['startup']:.1f}s, 1 stream {r['single']:.1f} tok/s, {args.streams} streams "
-                  f"{r['many']:.1f} tok/s", flush=True)
+            print(
+                f"{mode}: ready in {r['startup']:.1f}s, 1 stream {r['single']:.1f} tok/s, {args.streams} streams "
+                f"{r['many']:.1f} tok/s",
+                flush=True,
+            )
     finally:
         shutil.rmtree(runtime, ignore_errors=True)
     print(f"\nGemma 3 270M bf16, vLLM {'eager' if args.eager else 'compiled'}, {args.tokens} tokens per request")
     print(f"{'mode':6} {'startup s':>10} {'1-stream tok/s':>15} {f'{args.streams}-stream tok/s':>15}  same text")
     reference = next(iter(results.values()))["text"]
     for mode, r in results.items():
-        print(f"{mode:6} {r['startup']:10.1f} {r['single']:15.1f} {r['many']:15.1f}  "
-              f"{r['same'] and r['text'] == reference}")
+        print(
+            f"{mode:6} {r['startup']:10.1f} {r['single']:15.1f} {r['many']:15.1f}  "
+            f"{r['same'] and r['text'] == reference}"
+        )
 
 
 if __name__ == "__main__":

@@ -89,8 +89,11 @@ class _Gate:
         if self.active < self.parallel and not self.queued:
             self._grant(ticket)
         elif self.queued >= self.max_queue:
-            raise Overloaded(f"the model is busy: {self.active} requests running and {self.queued} waiting (at most "
-                             f"{self.max_queue}); retry shortly", retry_after=self.retry_after())
+            raise Overloaded(
+                f"the model is busy: {self.active} requests running and {self.queued} waiting (at most "
+                f"{self.max_queue}); retry shortly",
+                retry_after=self.retry_after(),
+            )
         else:
             self.lines.setdefault(caller, deque()).append(ticket)
             self.queued += 1

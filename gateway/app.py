@@ -23,12 +23,12 @@ from meshgate.gateway.auth import KeyRing, authorize
 from meshgate.gateway.cluster.accounts import MemoryAccounts, RedisAccounts
 from meshgate.gateway.cluster.runtime import control_plane
 from meshgate.gateway.openapi_bodies import describe_request_bodies
-from meshgate.gateway.routes.common import error_response
 from meshgate.gateway.routes import anthropic as anthropic_routes
 from meshgate.gateway.routes import cluster as cluster_routes
 from meshgate.gateway.routes import keys as key_routes
 from meshgate.gateway.routes import ollama as ollama_routes
 from meshgate.gateway.routes import openai as openai_routes
+from meshgate.gateway.routes.common import error_response
 from meshgate.plugins.settings import Settings
 from meshgate.protocols import anthropic, ollama, openai
 from meshgate.protocols.model import MAX_JSON_DEPTH, GatewayError, InvalidRequest, NotFound, RequestTooLarge
@@ -45,8 +45,9 @@ def _render_for_path(request: Request, exc: Exception) -> Response[bytes]:
             err: GatewayError = NotFound(f"no such endpoint: {request.method} {request.url.path}")
         elif exc.status_code == 413:
             limit = request.app.state.settings.max_body_bytes
-            err = RequestTooLarge(f"the request body is larger than {limit:,} bytes; send less (or raise "
-                                  "MESHGATE_MAX_BODY_BYTES)")
+            err = RequestTooLarge(
+                f"the request body is larger than {limit:,} bytes; send less (or raise MESHGATE_MAX_BODY_BYTES)"
+            )
         else:
             err = InvalidRequest(str(exc.detail))
     elif isinstance(exc, GatewayError):
@@ -79,13 +80,19 @@ def create_app(settings: Settings, plugins: pluggy.PluginManager) -> Litestar:
     async def lifespan(app: Litestar) -> AsyncIterator[None]:
         embedded_agent = not settings.redis
         async with control_plane(settings, plugins, gateway=True, agent=embedded_agent) as plane:
-            log.info("meshgate: %d backend(s), models: %s; state in %s", len(plane.backends),
-                     ", ".join(c.name for c in plane.catalog.models()) or "-",
-                     "redis" if settings.redis else "memory (embedded agent)")
+            log.info(
+                "meshgate: %d backend(s), models: %s; state in %s",
+                len(plane.backends),
+                ", ".join(c.name for c in plane.catalog.models()) or "-",
+                "redis" if settings.redis else "memory (embedded agent)",
+            )
             app.state.dispatcher = plane.dispatcher
             app.state.plane = plane
-            accounts = RedisAccounts(settings.redis) if settings.redis else \
-                MemoryAccounts(Path(settings.data_dir) / "keys.json")
+            accounts = (
+                RedisAccounts(settings.redis)
+                if settings.redis
+                else MemoryAccounts(Path(settings.data_dir) / "keys.json")
+            )
             app.state.keyring = KeyRing(accounts, settings.api_keys, settings.rate_limit)
             try:
                 yield
@@ -93,8 +100,13 @@ def create_app(settings: Settings, plugins: pluggy.PluginManager) -> Litestar:
                 await accounts.close()
 
     app = Litestar(
-        route_handlers=[openai_routes.router, anthropic_routes.router, ollama_routes.router, cluster_routes.router,
-                        key_routes.router],
+        route_handlers=[
+            openai_routes.router,
+            anthropic_routes.router,
+            ollama_routes.router,
+            cluster_routes.router,
+            key_routes.router,
+        ],
         guards=[authorize],  # every route: its scope (admin unless it says otherwise) and limits (gateway.auth)
         lifespan=[lifespan],
         exception_handlers={Exception: _render_for_path},

@@ -63,13 +63,15 @@ def digest(key: str) -> str:
     return hashlib.sha256(key.encode()).hexdigest()
 
 
-def mint(name: str, scope: Scope = "inference", models: tuple[str, ...] = (), rpm: int = 0,
-         tpm: int = 0) -> tuple[str, ApiKey]:
+def mint(
+    name: str, scope: Scope = "inference", models: tuple[str, ...] = (), rpm: int = 0, tpm: int = 0
+) -> tuple[str, ApiKey]:
     """A new key (``mg_<id>_<secret>``, shown once) and the record to store (its digest, not the key)."""
     key_id = secrets.token_hex(6)
     key = f"{KEY_PREFIX}_{key_id}_{secrets.token_urlsafe(24)}"
-    return key, ApiKey(id=key_id, name=name, scope=scope, models=models, rpm=rpm, tpm=tpm, created=time.time(),
-                       digest=digest(key))
+    return key, ApiKey(
+        id=key_id, name=name, scope=scope, models=models, rpm=rpm, tpm=tpm, created=time.time(), digest=digest(key)
+    )
 
 
 class KeyRing:
@@ -115,21 +117,31 @@ class KeyRing:
         key = await self.accounts.get_key(parts[1])
         if key is None or not hmac.compare_digest(hashed, key.digest):
             return None
-        return Caller(bucket=f"key:{key.id}", scope=key.scope, key_id=key.id, models=frozenset(key.models),
-                      rpm=key.rpm or self.rate_limit, tpm=key.tpm)
+        return Caller(
+            bucket=f"key:{key.id}",
+            scope=key.scope,
+            key_id=key.id,
+            models=frozenset(key.models),
+            rpm=key.rpm or self.rate_limit,
+            tpm=key.tpm,
+        )
 
     async def admit(self, caller: Caller) -> None:
         """Count one request against the caller's windows; ``RateLimited`` when a window is full."""
         if caller.tpm:
             _, spent = await self.accounts.window(f"tokens:{caller.bucket}", 0, 0)
             if spent >= caller.tpm:
-                raise RateLimited(f"token limit reached: {caller.tpm} tokens per minute; retry later",
-                                  retry_after=retry_after(spent, 1, caller.tpm))
+                raise RateLimited(
+                    f"token limit reached: {caller.tpm} tokens per minute; retry later",
+                    retry_after=retry_after(spent, 1, caller.tpm),
+                )
         if caller.rpm:
             counted, count = await self.accounts.window(f"requests:{caller.bucket}", 1, caller.rpm)
             if not counted:
-                raise RateLimited(f"rate limit reached: {caller.rpm} requests per minute; retry later",
-                                  retry_after=retry_after(count, 1, caller.rpm))
+                raise RateLimited(
+                    f"rate limit reached: {caller.rpm} requests per minute; retry later",
+                    retry_after=retry_after(count, 1, caller.rpm),
+                )
 
     def meter(self, caller: Caller) -> Callable[[Usage], None]:
         """A callback that adds a finished stream's usage to the caller's token window (in the background)."""
@@ -169,8 +181,9 @@ async def authorize(connection: ASGIConnection, handler: BaseRouteHandler) -> No
     connection.state.caller = caller
     if await ring.enabled():
         if caller.scope is None:
-            raise AuthenticationFailed("invalid or missing API key: pass it as 'Authorization: Bearer <key>' "
-                                       "or 'x-api-key: <key>'")
+            raise AuthenticationFailed(
+                "invalid or missing API key: pass it as 'Authorization: Bearer <key>' or 'x-api-key: <key>'"
+            )
         if needs == "admin" and caller.scope != "admin":
             raise PermissionDenied("this endpoint needs an admin key; this key's scope is 'inference'")
     if handler.opt.get("limited"):

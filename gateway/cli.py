@@ -27,9 +27,17 @@ from meshgate.plugins.settings import Settings
 def _settings(args: argparse.Namespace) -> Settings:
     base = Settings.from_env(os.environ)
     overrides = {
-        "host": args.host, "port": args.port, "data_dir": args.data_dir, "log_level": args.log_level,
-        "n_ctx": args.n_ctx, "threads": args.threads, "redis": args.redis, "node_name": args.name,
-        "cluster_address": args.address, "placement": args.placement, "node_memory": args.memory,
+        "host": args.host,
+        "port": args.port,
+        "data_dir": args.data_dir,
+        "log_level": args.log_level,
+        "n_ctx": args.n_ctx,
+        "threads": args.threads,
+        "redis": args.redis,
+        "node_name": args.name,
+        "cluster_address": args.address,
+        "placement": args.placement,
+        "node_memory": args.memory,
         "models": base.models + tuple(args.model) if args.model else None,
         "plugins": base.plugins + tuple(args.plugin) if args.plugin else None,
         "api_keys": base.api_keys + tuple(args.api_key) if args.api_key else None,
@@ -45,16 +53,27 @@ def _serve(settings: Settings, args: argparse.Namespace) -> int:
     _logging(settings)
     if not _loopback(settings.host) and not settings.api_keys and not _stored_keys(settings):
         if not args.insecure_no_auth:
-            print(f"refusing to serve on {settings.host} without API keys: anyone who can reach it could use and "
-                  "administer it. Set MESHGATE_API_KEYS (or --api-key), make keys with `meshgate keys create`, "
-                  "or pass --insecure-no-auth if this network is trusted.", file=sys.stderr)
+            print(
+                f"refusing to serve on {settings.host} without API keys: anyone who can reach it could use and "
+                "administer it. Set MESHGATE_API_KEYS (or --api-key), make keys with `meshgate keys create`, "
+                "or pass --insecure-no-auth if this network is trusted.",
+                file=sys.stderr,
+            )
             return 2
-        logging.getLogger("meshgate").warning("serving on %s WITHOUT authentication (--insecure-no-auth): "
-                                              "anyone who can reach this port can use and administer it",
-                                              settings.host)
+        logging.getLogger("meshgate").warning(
+            "serving on %s WITHOUT authentication (--insecure-no-auth): "
+            "anyone who can reach this port can use and administer it",
+            settings.host,
+        )
     app = create_app(settings, build_plugin_manager(settings))
-    uvicorn.run(app, host=settings.host, port=settings.port, log_level=settings.log_level,
-                access_log=settings.log_level == "debug", timeout_graceful_shutdown=5)
+    uvicorn.run(
+        app,
+        host=settings.host,
+        port=settings.port,
+        log_level=settings.log_level,
+        access_log=settings.log_level == "debug",
+        timeout_graceful_shutdown=5,
+    )
     return 0
 
 
@@ -75,7 +94,9 @@ def _node(settings: Settings, args: argparse.Namespace) -> int:
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, stop.set)
         async with control_plane(settings, build_plugin_manager(settings), gateway=False, agent=True) as plane:
-            logging.getLogger("meshgate").info("node %s up; probes at %s", plane.agent.name, plane.agent.agent_url)
+            agent = plane.agent
+            assert agent is not None  # control_plane(agent=True) starts one
+            logging.getLogger("meshgate").info("node %s up; probes at %s", agent.name, agent.agent_url)
             await stop.wait()
 
     asyncio.run(run())
@@ -118,8 +139,9 @@ def _stored_keys(settings: Settings) -> bool:
 def _client(args: argparse.Namespace):
     import httpx
 
-    key = args.api_key or os.environ.get("MESHGATE_ADMIN_KEY") or \
-        next(iter(Settings.from_env(os.environ).api_keys), None)
+    key = (
+        args.api_key or os.environ.get("MESHGATE_ADMIN_KEY") or next(iter(Settings.from_env(os.environ).api_keys), None)
+    )
     headers = {"authorization": f"Bearer {key}"} if key else {}
     return httpx.Client(base_url=args.url, timeout=300, trust_env=False, headers=headers)
 
@@ -136,8 +158,13 @@ def _fail(response) -> int:
 def _keys(settings: Settings, args: argparse.Namespace) -> int:
     with _client(args) as http:
         if args.action == "create":
-            payload = {"name": args.key_name, "scope": args.scope, "models": args.model, "rpm": args.rpm,
-                       "tpm": args.tpm}
+            payload = {
+                "name": args.key_name,
+                "scope": args.scope,
+                "models": args.model,
+                "rpm": args.rpm,
+                "tpm": args.tpm,
+            }
             response = http.post("/keys", json=payload)
             if response.status_code != 201:
                 return _fail(response)
@@ -150,8 +177,10 @@ def _keys(settings: Settings, args: argparse.Namespace) -> int:
                 return _fail(response)
             print(f"{'ID':14} {'NAME':20} {'SCOPE':10} {'RPM':>6} {'TPM':>8} MODELS")
             for k in response.json()["keys"]:
-                print(f"{k['id']:14} {k['name']:20} {k['scope']:10} {k['rpm'] or '-':>6} {k['tpm'] or '-':>8} "
-                      f"{', '.join(k['models']) or 'all'}")
+                print(
+                    f"{k['id']:14} {k['name']:20} {k['scope']:10} {k['rpm'] or '-':>6} {k['tpm'] or '-':>8} "
+                    f"{', '.join(k['models']) or 'all'}"
+                )
         else:
             response = http.delete(f"/keys/{args.key_id}")
             if response.status_code != 204:
@@ -165,13 +194,17 @@ def _ps(settings: Settings, args: argparse.Namespace) -> int:
         cluster = http.get("/cluster").raise_for_status().json()
     print(f"{'NODE':20} {'ADDRESS':16} {'MEMORY FREE':>12} {'CPUS':>5} RUNTIMES")
     for n in cluster["nodes"]:
-        print(f"{n['name']:20} {n['address']:16} {n['memory_available'] / 2**30:10.1f}Gi {n['cpu_count']:5} "
-              f"{', '.join(f'{k} {v}' for k, v in n['runtimes'].items())}")
+        print(
+            f"{n['name']:20} {n['address']:16} {n['memory_available'] / 2**30:10.1f}Gi {n['cpu_count']:5} "
+            f"{', '.join(f'{k} {v}' for k, v in n['runtimes'].items())}"
+        )
     print(f"\n{'INSTANCE':14} {'MODEL':24} {'STATE':10} {'BACKEND':10} {'STRATEGY':9} NODES")
     for i in cluster["instances"]:
         nodes = ", ".join(f"{s['node_id']}[{s['layer_start']}:{s['layer_end']}]" for s in i["placement"]["shards"])
-        print(f"{i['id']:14} {i['model']:24} {i['state']['state']:10} {i['placement']['backend']:10} "
-              f"{i['placement']['strategy']:9} {nodes}")
+        print(
+            f"{i['id']:14} {i['model']:24} {i['state']['state']:10} {i['placement']['backend']:10} "
+            f"{i['placement']['strategy']:9} {nodes}"
+        )
     return 0
 
 
@@ -206,11 +239,16 @@ def _logging(settings: Settings) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="meshgate", description="An inference gateway for OpenAI, Anthropic "
-                                     "and Ollama clients, over models split across machines.")
+    parser = argparse.ArgumentParser(
+        prog="meshgate",
+        description="An inference gateway for OpenAI, Anthropic and Ollama clients, over models split across machines.",
+    )
     sub = parser.add_subparsers(dest="command", required=True)
-    for name, text in (("serve", "run the gateway"), ("node", "run a node agent"),
-                       ("models", "list the models this machine can serve")):
+    for name, text in (
+        ("serve", "run the gateway"),
+        ("node", "run a node agent"),
+        ("models", "list the models this machine can serve"),
+    ):
         p = sub.add_parser(name, help=text)
         p.add_argument("--redis", help="Redis URL for cluster state (default: in memory, one machine)")
         p.add_argument("--host", help="address to bind (default 127.0.0.1)")
@@ -226,10 +264,15 @@ def main(argv: list[str] | None = None) -> int:
         p.add_argument("--placement", choices=["auto", "never"], help="place models on first request (auto)")
         p.add_argument("--memory", type=int, help="bytes of memory this node offers for models")
         p.add_argument("--log-level", help="debug, info, warning or error")
-        p.add_argument("--insecure-no-auth", action="store_true",
-                       help="serve on a non-loopback address without API keys (otherwise refused)")
-    for name, text in (("ps", "show nodes and instances of a running gateway"),
-                       ("place", "preview or create a placement")):
+        p.add_argument(
+            "--insecure-no-auth",
+            action="store_true",
+            help="serve on a non-loopback address without API keys (otherwise refused)",
+        )
+    for name, text in (
+        ("ps", "show nodes and instances of a running gateway"),
+        ("place", "preview or create a placement"),
+    ):
         p = sub.add_parser(name, help=text)
         p.add_argument("--url", default="http://127.0.0.1:11434", help="the gateway (default %(default)s)")
         p.add_argument("--api-key", help="an admin key (default: $MESHGATE_ADMIN_KEY, else $MESHGATE_API_KEYS)")
@@ -238,10 +281,17 @@ def main(argv: list[str] | None = None) -> int:
             p.add_argument("--preview", action="store_true", help="list candidates instead of creating")
             p.add_argument("--nodes", help="comma-separated node names to place on")
     commands: dict[str, Callable[[Settings, argparse.Namespace], int]] = {
-        "serve": _serve, "node": _node, "models": _models, "ps": _ps, "place": _place, "keys": _keys}
+        "serve": _serve,
+        "node": _node,
+        "models": _models,
+        "ps": _ps,
+        "place": _place,
+        "keys": _keys,
+    }
 
-    def register(name: str, run: Callable[[Settings, argparse.Namespace], int], *,
-                 help: str) -> argparse.ArgumentParser:
+    def register(
+        name: str, run: Callable[[Settings, argparse.Namespace], int], *, help: str
+    ) -> argparse.ArgumentParser:
         if name in commands:
             raise ValueError(f"a plugin registers the command {name!r}, which is taken")
         commands[name] = run

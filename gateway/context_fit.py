@@ -180,6 +180,9 @@ def _turn_start(messages: Sequence[Message], i: int) -> int:
     start = i
     while start > 0 and messages[start - 1].role == "tool":
         start -= 1
-    calls = start > 0 and messages[start - 1].role == "assistant" and any(
-        isinstance(p, ToolCallPart) for p in messages[start - 1].parts)
+    calls = (
+        start > 0
+        and messages[start - 1].role == "assistant"
+        and any(isinstance(p, ToolCallPart) for p in messages[start - 1].parts)
+    )
     return start - 1 if calls else i

@@ -31,8 +31,8 @@ from meshgate.gateway.cluster.records import Instance, Ready
 from meshgate.gateway.context_fit import Fit, cap_output, fit_context
 from meshgate.protocols.model import (
     BackendUnavailable,
-    EmbedRequest,
     Embeddings,
+    EmbedRequest,
     Event,
     Failed,
     Finished,
@@ -104,8 +104,17 @@ class _Job:
 class Dispatcher:
     """Resolves models, finds or places their instances, opens event streams."""
 
-    def __init__(self, catalog: Catalog, backends: Sequence[Backend], choose, instances: InstanceManager, *,
-                 keepalive: float = 2.0, admission: Admission | None = None, max_tokens: int = 65536) -> None:
+    def __init__(
+        self,
+        catalog: Catalog,
+        backends: Sequence[Backend],
+        choose,
+        instances: InstanceManager,
+        *,
+        keepalive: float = 2.0,
+        admission: Admission | None = None,
+        max_tokens: int = 65536,
+    ) -> None:
         self.catalog = catalog
         self.max_tokens = max_tokens
         self.keepalive = keepalive
@@ -145,9 +154,16 @@ class Dispatcher:
                 await self.instances.delete(instance.id)
         return card
 
-    async def open_stream(self, request: Request, *, caller: str = "-", fit: Fit = Fit.PROMPT_AND_OUTPUT,
-                          clamp_output: bool = False, may_use: Callable[[str], bool] | None = None,
-                          on_usage: Callable[[Usage], None] | None = None) -> AsyncIterator[Event]:
+    async def open_stream(
+        self,
+        request: Request,
+        *,
+        caller: str = "-",
+        fit: Fit = Fit.PROMPT_AND_OUTPUT,
+        clamp_output: bool = False,
+        may_use: Callable[[str], bool] | None = None,
+        on_usage: Callable[[Usage], None] | None = None,
+    ) -> AsyncIterator[Event]:
         """Start ``request``; raise its ``GatewayError`` if it fails before the first event.
 
         ``caller`` (an API key or a client address) is the line it waits in; ``fit`` the protocol's context rule;
@@ -186,8 +202,9 @@ class Dispatcher:
             return stream
         return await self._generate(instance, job, runner, request, ticket, retry)
 
-    async def _generate(self, instance: Instance, job: _Job, runner: Runner, request: Request, ticket: Ticket,
-                        retry: bool) -> AsyncIterator[Event]:
+    async def _generate(
+        self, instance: Instance, job: _Job, runner: Runner, request: Request, ticket: Ticket, retry: bool
+    ) -> AsyncIterator[Event]:
         """Wait for ``ticket``'s turn, then start the generation, which frees the slot when its stream ends."""
         try:
             await ticket.wait()
@@ -233,16 +250,21 @@ class Dispatcher:
         instance = await self.instances.acquire(card)
         return await self._on_ready(instance, card, backend, lambda runner: runner.count_tokens(request))
 
-    async def _embed(self, instance: Instance, card: ModelCard, backend: Backend,
-                     request: EmbedRequest) -> Embeddings:
+    async def _embed(self, instance: Instance, card: ModelCard, backend: Backend, request: EmbedRequest) -> Embeddings:
         if not request.inputs:
             if not isinstance(instance.state, Ready):
                 await self.instances.wait_ready(instance.id)
             return Embeddings()
         return await self._on_ready(instance, card, backend, lambda runner: runner.embed(request))
 
-    async def _on_ready(self, instance: Instance, card: ModelCard, backend: Backend,
-                        call: Callable[[Runner], Awaitable[T]], retry: bool = True) -> T:
+    async def _on_ready(
+        self,
+        instance: Instance,
+        card: ModelCard,
+        backend: Backend,
+        call: Callable[[Runner], Awaitable[T]],
+        retry: bool = True,
+    ) -> T:
         """``call`` on the instance's runner once it is ready; an unreachable runner fails the instance (so it is
         re-placed) and the call is tried once more on the replacement."""
         if not isinstance(instance.state, Ready):
@@ -279,8 +301,12 @@ class Dispatcher:
                 waiting.cancel()
 
 
-def _chain(first: Event, rest: AsyncIterator[Event], release: Callable[[], None],
-           on_usage: Callable[[Usage], None] | None = None) -> AsyncIterator[Event]:
+def _chain(
+    first: Event,
+    rest: AsyncIterator[Event],
+    release: Callable[[], None],
+    on_usage: Callable[[Usage], None] | None = None,
+) -> AsyncIterator[Event]:
     """``first`` then ``rest``; ``release`` (the queue slot) when it ends, is closed, or is dropped unstarted;
     ``on_usage`` with the last ``Usage`` seen when it ends or is closed."""
     stream = _relay(first, rest, release) if on_usage is None else _metered(_relay(first, rest, release), on_usage)

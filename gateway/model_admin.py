@@ -72,13 +72,21 @@ def registry_of(data_dir: str) -> ModelRegistry:
 def model_roots(settings: Settings) -> tuple[Path, ...]:
     """The directories ``/api/create`` may read GGUF files from, resolved: ``<data_dir>/models`` first, then
     ``MESHGATE_MODEL_DIRS``."""
-    return tuple(Path(d).expanduser().resolve() for d in (settings.models_dir, *settings.model_dirs))
+    return tuple(Path(d).expanduser().resolve() for d in (str(settings.models_dir), *settings.model_dirs))
 
 
 def info_of(card: ModelCard, context_length: int = 0) -> ModelInfo:
-    return ModelInfo(name=card.name, created=card.created, size=card.size, digest=card.digest, format=card.format,
-                     family=card.family, parameter_size=card.parameter_size, quantization=card.quantization,
-                     context_length=context_length or card.context_length)
+    return ModelInfo(
+        name=card.name,
+        created=card.created,
+        size=card.size,
+        digest=card.digest,
+        format=card.format,
+        family=card.family,
+        parameter_size=card.parameter_size,
+        quantization=card.quantization,
+        context_length=context_length or card.context_length,
+    )
 
 
 def effective_context(dispatcher: Dispatcher, card: ModelCard) -> int:
@@ -92,8 +100,13 @@ def effective_context(dispatcher: Dispatcher, card: ModelCard) -> int:
 
 def _capabilities(backend: Backend, card: ModelCard) -> list[str]:
     caps = backend.capabilities(card)
-    flags = [("completion", True), ("tools", caps.tools), ("vision", caps.vision),
-             ("embedding", caps.embeddings), ("thinking", caps.reasoning)]
+    flags = [
+        ("completion", True),
+        ("tools", caps.tools),
+        ("vision", caps.vision),
+        ("embedding", caps.embeddings),
+        ("thinking", caps.reasoning),
+    ]
     return [name for name, present in flags if present]
 
 
@@ -109,9 +122,15 @@ async def show(dispatcher: Dispatcher, registry: ModelRegistry, name: str) -> by
     template = user.template if user and user.template else described.template
     parameters = {**described.parameters, **(user.parameters if user else {})}
     return ollama_models.encode_show(
-        info_of(card, context), path=card.path, model_info=described.model_info,
-        capabilities=_capabilities(backend, card), template=template, system=user.system if user else "",
-        parameters=parameters, license=described.license)
+        info_of(card, context),
+        path=card.path,
+        model_info=described.model_info,
+        capabilities=_capabilities(backend, card),
+        template=template,
+        system=user.system if user else "",
+        parameters=parameters,
+        license=described.license,
+    )
 
 
 async def ps(dispatcher: Dispatcher, instances: list) -> bytes:
@@ -123,8 +142,9 @@ async def ps(dispatcher: Dispatcher, instances: list) -> bytes:
         try:
             card = dispatcher.resolve(instance.model)
         except UnknownModel:
-            loaded.append((ModelInfo(name=instance.model, context_length=instance.placement.context or 0),
-                           instance.expires_at))
+            loaded.append(
+                (ModelInfo(name=instance.model, context_length=instance.placement.context or 0), instance.expires_at)
+            )
             continue
         context = instance.placement.context or effective_context(dispatcher, card)
         loaded.append((info_of(card, context), instance.expires_at))
@@ -150,9 +170,11 @@ async def _refresh(dispatcher: Dispatcher) -> None:
 
 def _derived(card: ModelCard, parent: UserModel | None, **overrides: Any) -> UserModel:
     """A registry entry for ``card``'s file, inheriting a parent entry's stored fields unless overridden."""
-    fields: dict[str, Any] = {"system": parent.system if parent else "",
-                              "template": parent.template if parent else "",
-                              "parameters": dict(parent.parameters) if parent else {}}
+    fields: dict[str, Any] = {
+        "system": parent.system if parent else "",
+        "template": parent.template if parent else "",
+        "parameters": dict(parent.parameters) if parent else {},
+    }
     fields.update({k: v for k, v in overrides.items() if v is not None})
     return UserModel(path=card.path, digest=card.digest, created=time.time(), parent=card.name, **fields)
 
@@ -213,8 +235,9 @@ def _allowed_file(from_: str, roots: Sequence[Path]) -> str:
         InvalidRequest: outside every root, with one message whether or not the path exists; inside, when it
             names no file.
     """
-    outside = InvalidRequest(f"'from' must be a GGUF file under the data directory ({roots[0]}) or "
-                             "MESHGATE_MODEL_DIRS", param="from")
+    outside = InvalidRequest(
+        f"'from' must be a GGUF file under the data directory ({roots[0]}) or MESHGATE_MODEL_DIRS", param="from"
+    )
     try:
         path = (roots[0] / os.path.expanduser(from_)).resolve()
     except (OSError, RuntimeError, ValueError):  # a symlink loop, an unreadable directory, a NUL byte
@@ -226,16 +249,18 @@ def _allowed_file(from_: str, roots: Sequence[Path]) -> str:
     return str(path)
 
 
-async def create(dispatcher: Dispatcher, registry: ModelRegistry, wire: ollama_models.CreateRequest,
-                 roots: Sequence[Path]) -> AsyncIterator[bytes]:
+async def create(
+    dispatcher: Dispatcher, registry: ModelRegistry, wire: ollama_models.CreateRequest, roots: Sequence[Path]
+) -> AsyncIterator[bytes]:
     """``/api/create`` from a model file under ``roots`` (``model_roots``) or a model name; validates and registers
     before the first status line, so errors are real statuses. A file is a model when a user-model source of an
     enabled plugin reads it (``_user_card``; a GGUF needs the llama.cpp plugin)."""
     name = normalize_model_name(ollama_models.parse_model_name(wire.target, "model"))
     for field in ("files", "adapters", "quantize", "messages"):
         if getattr(wire, field):
-            raise UnsupportedFeature(f"create with '{field}' is not supported; use 'from' with a GGUF path or "
-                                     "a model name", param=field)
+            raise UnsupportedFeature(
+                f"create with '{field}' is not supported; use 'from' with a GGUF path or a model name", param=field
+            )
     if not wire.from_:
         raise InvalidRequest("neither 'from' nor 'files' was specified", param="from")
     overrides = {"system": wire.system, "template": wire.template, "parameters": wire.parameters}
@@ -268,15 +293,18 @@ async def pull(dispatcher: Dispatcher, registry: ModelRegistry, name: str) -> As
     except UnknownModel:
         raise NotFound("pull model manifest: file does not exist", param="model") from None
     digest = f"sha256:{card.digest}"
-    return _lines([
-        ollama_models.progress_line("pulling manifest"),
-        ollama_models.progress_line(f"pulling {card.digest[:12]}", digest=digest, total=card.size, completed=0),
-        ollama_models.progress_line(f"pulling {card.digest[:12]}", digest=digest, total=card.size,
-                                    completed=card.size),
-        ollama_models.progress_line("verifying sha256 digest"),
-        ollama_models.progress_line("writing manifest"),
-        ollama_models.progress_line("success"),
-    ])
+    return _lines(
+        [
+            ollama_models.progress_line("pulling manifest"),
+            ollama_models.progress_line(f"pulling {card.digest[:12]}", digest=digest, total=card.size, completed=0),
+            ollama_models.progress_line(
+                f"pulling {card.digest[:12]}", digest=digest, total=card.size, completed=card.size
+            ),
+            ollama_models.progress_line("verifying sha256 digest"),
+            ollama_models.progress_line("writing manifest"),
+            ollama_models.progress_line("success"),
+        ]
+    )
 
 
 async def _lines(lines: list[bytes]) -> AsyncIterator[bytes]:

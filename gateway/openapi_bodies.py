@@ -81,12 +81,13 @@ def describe_request_bodies(openapi: OpenAPI, bodies: dict[tuple[str, str], type
     keys = list(bodies)
     refs, components = msgspec.json.schema_components([bodies[k] for k in keys], ref_template=_REF)
     paths = openapi.paths or {}
-    for (method, path), ref in zip(keys, refs):
+    for (method, path), ref in zip(keys, refs, strict=True):
         operation = getattr(paths[path], method)
         if operation is None:
             raise KeyError(f"{method.upper()} {path} is not in the OpenAPI schema")
-        operation.request_body = RequestBody(content={"application/json": OpenAPIMediaType(schema=_schema(ref))},
-                                             required=True)
+        operation.request_body = RequestBody(
+            content={"application/json": OpenAPIMediaType(schema=_schema(ref))}, required=True
+        )
     schemas = openapi.components.schemas
     for name, schema in components.items():
         if name in schemas:
@@ -104,8 +105,18 @@ def _camel(name: str) -> str:
 
 _FIELDS = {f.metadata.get("alias", _camel(f.name)): f.name for f in fields(Schema)}
 """JSON Schema keyword -> ``Schema`` attribute (``anyOf`` -> ``any_of``, ``not`` -> ``schema_not``)."""
-_ONE = {"items", "not", "contains", "propertyNames", "if", "then", "else", "contentSchema", "unevaluatedItems",
-        "unevaluatedProperties"}
+_ONE = {
+    "items",
+    "not",
+    "contains",
+    "propertyNames",
+    "if",
+    "then",
+    "else",
+    "contentSchema",
+    "unevaluatedItems",
+    "unevaluatedProperties",
+}
 _MANY = {"anyOf", "oneOf", "allOf", "prefixItems"}
 _NAMED = {"properties", "patternProperties", "dependentSchemas"}
 

@@ -29,11 +29,38 @@ API_VERSION = 1
 
 _HOME = {  # public name -> the module that defines it; loaded on first use, so a runner process that imports
     # ``meshgate.backends.x`` (perhaps in another interpreter, without the gateway's dependencies) loads only that
-    **dict.fromkeys(["Backend", "Capabilities", "InProcess", "Launched", "ModelCard", "ModelDescription",
-                     "ModelSource", "Peers", "Runner", "basic_model_info", "check_capabilities",
-                     "check_embeddings"], "meshgate.backends.base"),
-    **dict.fromkeys(["Candidate", "InstanceId", "Link", "ModelSpec", "Node", "NodeId", "Shard", "ShardCosts",
-                     "Strategy", "Topology"], "meshgate.backends.placement"),
+    **dict.fromkeys(
+        [
+            "Backend",
+            "Capabilities",
+            "InProcess",
+            "Launched",
+            "ModelCard",
+            "ModelDescription",
+            "ModelSource",
+            "Peers",
+            "Runner",
+            "basic_model_info",
+            "check_capabilities",
+            "check_embeddings",
+        ],
+        "meshgate.backends.base",
+    ),
+    **dict.fromkeys(
+        [
+            "Candidate",
+            "InstanceId",
+            "Link",
+            "ModelSpec",
+            "Node",
+            "NodeId",
+            "Shard",
+            "ShardCosts",
+            "Strategy",
+            "Topology",
+        ],
+        "meshgate.backends.placement",
+    ),
     **dict.fromkeys(["hookimpl", "hookspec"], "meshgate.plugins.hookspecs"),
     **dict.fromkeys(["Settings", "PluginSettings"], "meshgate.plugins.settings"),
     # the runner seam, for out-of-process backends (examples/meshgate-subprocess)
@@ -45,11 +72,11 @@ _HOME = {  # public name -> the module that defines it; loaded on first use, so 
 if TYPE_CHECKING:
     from meshgate.backends.base import *  # noqa: F403
     from meshgate.backends.placement import *  # noqa: F403
-    from meshgate.plugins.hookspecs import hookimpl, hookspec
-    from meshgate.backends.runner.client import RunnerClient
-    from meshgate.backends.runner.process import RunnerProcess
-    from meshgate.backends.runner.server import serve
-    from meshgate.plugins.settings import PluginSettings, Settings
+    from meshgate.backends.runner.client import RunnerClient  # noqa: F401  # for type checkers
+    from meshgate.backends.runner.process import RunnerProcess  # noqa: F401  # for type checkers
+    from meshgate.backends.runner.server import serve  # noqa: F401  # for type checkers
+    from meshgate.plugins.hookspecs import hookimpl, hookspec  # noqa: F401  # for type checkers
+    from meshgate.plugins.settings import PluginSettings, Settings  # noqa: F401  # for type checkers
     from meshgate.protocols.model import *  # noqa: F403
 
 

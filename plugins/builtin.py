@@ -54,12 +54,22 @@ def _gguf_card(path: str) -> ModelCard | None:
 
 
 @hookimpl
-def meshgate_register_backends(register: Callable[[Backend], None], settings: Settings,
-                               http: httpx.AsyncClient) -> None:
+def meshgate_register_backends(
+    register: Callable[[Backend], None], settings: Settings, http: httpx.AsyncClient
+) -> None:
     own = LlamaCppSettings.from_settings(settings)
-    register(LlamaCppBackend(http, python=settings.runner_python, n_ctx=settings.n_ctx, threads=settings.threads,
-                             cache_dir=str(Path(settings.data_dir) / "rpc-cache"), repack=own.llama_repack,
-                             parallel=settings.parallel, exact=own.exact_batches))
+    register(
+        LlamaCppBackend(
+            http,
+            python=settings.runner_python,
+            n_ctx=settings.n_ctx,
+            threads=settings.threads,
+            cache_dir=str(Path(settings.data_dir) / "rpc-cache"),
+            repack=own.llama_repack,
+            parallel=settings.parallel,
+            exact=own.exact_batches,
+        )
+    )
 
 
 @hookimpl

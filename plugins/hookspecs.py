@@ -69,8 +69,9 @@ def meshgate_register_model_sources(register: Callable[[ModelSource], None], set
 class RegisterCommand(Protocol):
     """The ``register`` callback of ``meshgate_register_commands``."""
 
-    def __call__(self, name: str, run: Callable[[Settings, argparse.Namespace], int], *,
-                 help: str) -> argparse.ArgumentParser:
+    def __call__(
+        self, name: str, run: Callable[[Settings, argparse.Namespace], int], *, help: str
+    ) -> argparse.ArgumentParser:
         """Add ``meshgate NAME`` and return its parser, for the plugin to add arguments to.
 
         :param name: The subcommand; one that is taken already (a built-in or another plugin's) raises

@@ -43,11 +43,15 @@ def mlx_python(settings: Settings) -> str | None:
 
 
 @hookimpl
-def meshgate_register_backends(register: Callable[[Backend], None], settings: Settings,
-                               http: httpx.AsyncClient) -> None:
+def meshgate_register_backends(
+    register: Callable[[Backend], None], settings: Settings, http: httpx.AsyncClient
+) -> None:
     python = mlx_python(settings)
     if python is None:
         log.debug("no interpreter with mlx-lm (set MESHGATE_MLX_PYTHON): the MLX backend is off")
         return
-    register(MlxBackend(http, python=python, n_ctx=settings.n_ctx, runtime_dir=str(settings.run_dir),
-                        parallel=settings.parallel))
+    register(
+        MlxBackend(
+            http, python=python, n_ctx=settings.n_ctx, runtime_dir=str(settings.run_dir), parallel=settings.parallel
+        )
+    )

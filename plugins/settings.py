@@ -176,8 +176,9 @@ class PluginSettings(msgspec.Struct, frozen=True, kw_only=True):
         return msgspec.convert(_read_env(cls, settings.environ, lists), cls, strict=False)
 
 
-def _read_env(cls: type[msgspec.Struct], environ: Mapping[str, str], lists: Collection[str],
-              skip: Collection[str] = ()) -> dict[str, Any]:
+def _read_env(
+    cls: type[msgspec.Struct], environ: Mapping[str, str], lists: Collection[str], skip: Collection[str] = ()
+) -> dict[str, Any]:
     """``cls``'s fields that ``environ`` sets (``MESHGATE_<FIELD>``), as raw strings (``lists`` split on commas)."""
     values: dict[str, Any] = {}
     for field in msgspec.structs.fields(cls):

@@ -53,13 +53,23 @@ def vllm_python(settings: Settings) -> str | None:
 
 
 @hookimpl
-def meshgate_register_backends(register: Callable[[Backend], None], settings: Settings,
-                               http: httpx.AsyncClient) -> None:
+def meshgate_register_backends(
+    register: Callable[[Backend], None], settings: Settings, http: httpx.AsyncClient
+) -> None:
     python = vllm_python(settings)
     if python is None:
         log.debug("no interpreter with vLLM (set MESHGATE_VLLM_PYTHON): the vLLM backend is off")
         return
     own = VllmSettings.from_settings(settings)
-    register(VllmBackend(http, python=python, runtime_dir=str(settings.run_dir), n_ctx=settings.n_ctx,
-                         tensor_per_node=own.vllm_tensor_parallel, pipeline_per_node=own.vllm_pipeline_parallel,
-                         kv_cache_gib=own.vllm_kv_cache_gib, eager=own.vllm_eager))
+    register(
+        VllmBackend(
+            http,
+            python=python,
+            runtime_dir=str(settings.run_dir),
+            n_ctx=settings.n_ctx,
+            tensor_per_node=own.vllm_tensor_parallel,
+            pipeline_per_node=own.vllm_pipeline_parallel,
+            kv_cache_gib=own.vllm_kv_cache_gib,
+            eager=own.vllm_eager,
+        )
+    )

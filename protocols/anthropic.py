@@ -317,7 +317,13 @@ def _tool_choice(choice: WireToolChoice | None) -> ToolChoice:
         return ToolChoice()
     if choice.type == "tool" and not choice.name:
         raise InvalidRequest("tool_choice of type 'tool' needs a name", param="tool_choice.name")
-    mode = {"auto": "auto", "any": "required", "tool": "tool", "none": "none"}[choice.type]
+    modes: dict[str, Literal["auto", "none", "required", "tool"]] = {
+        "auto": "auto",
+        "any": "required",
+        "tool": "tool",
+        "none": "none",
+    }
+    mode = modes[choice.type]
     parallel = UNSET if choice.disable_parallel_tool_use is None else not choice.disable_parallel_tool_use
     return ToolChoice(mode=mode, name=choice.name if mode == "tool" else None, parallel=parallel)
 
@@ -567,6 +573,8 @@ def error_body(err: GatewayError) -> tuple[int, bytes]:
         # Anthropic's wording; the most prompt that fits leaves one token of the context for the answer
         message = f"prompt is too long: {err.prompt_tokens} tokens > {err.context - 1} maximum"
     elif isinstance(err, OutputTooLarge) and err.limit:
-        message = (f"max_tokens: {err.asked} > {err.limit}, which is the maximum allowed number of output tokens "
-                   f"for {err.model}")
+        message = (
+            f"max_tokens: {err.asked} > {err.limit}, which is the maximum allowed number of output tokens "
+            f"for {err.model}"
+        )
     return status, msgspec.json.encode({"type": "error", "error": {"type": kind, "message": message}})

@@ -118,11 +118,11 @@ class _Frozen(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
 # ---------------------------------------------------------------------------------------------------- parts
 
 
-class TextPart(_Frozen, tag="text"):
+class TextPart(_Frozen, frozen=True, tag="text"):
     text: str
 
 
-class ImagePart(_Frozen, tag="image"):
+class ImagePart(_Frozen, frozen=True, tag="image"):
     """An image, either inline bytes (``data`` + ``media_type``) or a URL the client gave."""
 
     data: bytes | None = None
@@ -130,7 +130,7 @@ class ImagePart(_Frozen, tag="image"):
     url: str | None = None
 
 
-class ToolCallPart(_Frozen, tag="tool_call"):
+class ToolCallPart(_Frozen, frozen=True, tag="tool_call"):
     """A tool call the assistant made. ``arguments`` is the JSON text of the arguments object."""
 
     id: str
@@ -138,14 +138,14 @@ class ToolCallPart(_Frozen, tag="tool_call"):
     arguments: str = "{}"
 
 
-class ToolResultPart(_Frozen, tag="tool_result"):
+class ToolResultPart(_Frozen, frozen=True, tag="tool_result"):
     call_id: str | None = None
     name: str | None = None
     content: tuple[TextPart | ImagePart, ...] = ()
     is_error: bool = False
 
 
-class ReasoningPart(_Frozen, tag="reasoning"):
+class ReasoningPart(_Frozen, frozen=True, tag="reasoning"):
     """Model reasoning. ``provider_metadata`` round-trips opaque data such as a thinking signature."""
 
     text: str
@@ -155,7 +155,7 @@ class ReasoningPart(_Frozen, tag="reasoning"):
 Part: TypeAlias = TextPart | ImagePart | ToolCallPart | ToolResultPart | ReasoningPart
 
 
-class Message(_Frozen):
+class Message(_Frozen, frozen=True):
     role: Role
     parts: tuple[Part, ...] = ()
 
@@ -168,13 +168,13 @@ class Message(_Frozen):
 # ---------------------------------------------------------------------------------------------------- request
 
 
-class Tool(_Frozen):
+class Tool(_Frozen, frozen=True):
     name: str
     description: str | None = None
     parameters: JsonSchema = msgspec.field(default_factory=lambda: {"type": "object", "properties": {}})
 
 
-class ToolChoice(_Frozen):
+class ToolChoice(_Frozen, frozen=True):
     """``auto``: the model decides; ``none``: no tool calls; ``required``: at least one; ``tool``: ``name``."""
 
     mode: Literal["auto", "none", "required", "tool"] = "auto"
@@ -182,13 +182,13 @@ class ToolChoice(_Frozen):
     parallel: bool | UnsetType = UNSET
 
 
-class ResponseFormat(_Frozen):
+class ResponseFormat(_Frozen, frozen=True):
     kind: Literal["text", "json_object", "json_schema"] = "text"
     schema: JsonSchema | None = None
     name: str | None = None
 
 
-class Sampling(_Frozen):
+class Sampling(_Frozen, frozen=True):
     """Sampling values. ``UNSET`` means "backend default"; ``None`` means the client explicitly sent null."""
 
     temperature: float | None | UnsetType = UNSET
@@ -201,7 +201,7 @@ class Sampling(_Frozen):
     repeat_penalty: float | None | UnsetType = UNSET
 
 
-class Request(_Frozen):
+class Request(_Frozen, frozen=True):
     """One generation request, whatever protocol it arrived in.
 
     ``raw_prompt`` is set for plain completions (no chat template); ``messages`` is then empty.
@@ -227,7 +227,7 @@ class Request(_Frozen):
     top_logprobs: int = 0
 
 
-class EmbedRequest(_Frozen):
+class EmbedRequest(_Frozen, frozen=True):
     """Embed each input: a text, or token ids the client already tokenized (used as given, no BOS added).
 
     ``dimensions`` ``None`` means the model's full size; a smaller value keeps the first ``dimensions``
@@ -241,7 +241,7 @@ class EmbedRequest(_Frozen):
     truncate: bool = True
 
 
-class Embeddings(_Frozen):
+class Embeddings(_Frozen, frozen=True):
     """One unit-length (L2-normalized) vector per input, in input order, with float32 precision.
 
     ``prompt_tokens`` counts the tokens embedded (after truncation); ``load_ns`` is time spent loading for
@@ -256,7 +256,7 @@ class Embeddings(_Frozen):
 # ---------------------------------------------------------------------------------------------------- events
 
 
-class TopLogprob(_Frozen):
+class TopLogprob(_Frozen, frozen=True):
     """One candidate token at an output position: its text, natural-log probability and UTF-8 bytes."""
 
     token: str
@@ -264,7 +264,7 @@ class TopLogprob(_Frozen):
     bytes: tuple[int, ...] = ()
 
 
-class TokenLogprob(_Frozen):
+class TokenLogprob(_Frozen, frozen=True):
     """The log probability of one output token, with the ``top`` most likely tokens at its position."""
 
     token: str
@@ -273,19 +273,19 @@ class TokenLogprob(_Frozen):
     top: tuple[TopLogprob, ...] = ()
 
 
-class TextDelta(_Frozen, tag="text"):
+class TextDelta(_Frozen, frozen=True, tag="text"):
     """Output text. ``logprobs`` (only when asked for) covers the tokens whose text starts in this delta."""
 
     text: str
     logprobs: tuple[TokenLogprob, ...] | None = None
 
 
-class ReasoningDelta(_Frozen, tag="reasoning"):
+class ReasoningDelta(_Frozen, frozen=True, tag="reasoning"):
     text: str
     provider_metadata: dict[str, str] | None = None
 
 
-class ToolCallDelta(_Frozen, tag="tool_call"):
+class ToolCallDelta(_Frozen, frozen=True, tag="tool_call"):
     """A fragment of tool call ``index``. ``id`` and ``name`` come once, on its first fragment."""
 
     index: int
@@ -294,7 +294,7 @@ class ToolCallDelta(_Frozen, tag="tool_call"):
     arguments: str = ""
 
 
-class Usage(_Frozen, tag="usage"):
+class Usage(_Frozen, frozen=True, tag="usage"):
     """Cumulative token counts and timings (nanoseconds); a later ``Usage`` replaces an earlier one."""
 
     prompt_tokens: int = 0
@@ -305,16 +305,16 @@ class Usage(_Frozen, tag="usage"):
     eval_ns: int = 0
 
 
-class KeepAlive(_Frozen, tag="keepalive"):
+class KeepAlive(_Frozen, frozen=True, tag="keepalive"):
     """Nothing happened yet (loading, placing); lets a protocol send its heartbeat."""
 
 
-class Finished(_Frozen, tag="finished"):
+class Finished(_Frozen, frozen=True, tag="finished"):
     reason: FinishReason = "stop"
     stop_sequence: str | None = None
 
 
-class ErrorInfo(_Frozen):
+class ErrorInfo(_Frozen, frozen=True):
     """A serializable error: ``kind`` is a ``GatewayError`` subclass name; ``param`` the field it is about."""
 
     kind: str
@@ -322,7 +322,7 @@ class ErrorInfo(_Frozen):
     param: str | None = None
 
 
-class Failed(_Frozen, tag="failed"):
+class Failed(_Frozen, frozen=True, tag="failed"):
     error: ErrorInfo
 
 
@@ -365,12 +365,21 @@ class ContextLengthExceeded(InvalidRequest):
 
     status = 400
 
-    def __init__(self, message: str | None = None, *, prompt_tokens: int = 0, completion_tokens: int | None = None,
-                 context: int = 0, param: str | None = "messages") -> None:
+    def __init__(
+        self,
+        message: str | None = None,
+        *,
+        prompt_tokens: int = 0,
+        completion_tokens: int | None = None,
+        context: int = 0,
+        param: str | None = "messages",
+    ) -> None:
         if message is None:
             asked = "" if completion_tokens is None else f" and {completion_tokens} asked for the output"
-            message = (f"the prompt has {prompt_tokens} tokens{asked}, but the model's context holds {context}; "
-                       f"shorten the prompt{'' if completion_tokens is None else ' or ask for less output'}")
+            message = (
+                f"the prompt has {prompt_tokens} tokens{asked}, but the model's context holds {context}; "
+                f"shorten the prompt{'' if completion_tokens is None else ' or ask for less output'}"
+            )
         super().__init__(message, param=param)
         self.prompt_tokens = prompt_tokens
         self.completion_tokens = completion_tokens
@@ -386,11 +395,20 @@ class OutputTooLarge(InvalidRequest):
 
     status = 400
 
-    def __init__(self, message: str | None = None, *, asked: int = 0, limit: int = 0, model: str = "",
-                 param: str | None = "max_tokens") -> None:
+    def __init__(
+        self,
+        message: str | None = None,
+        *,
+        asked: int = 0,
+        limit: int = 0,
+        model: str = "",
+        param: str | None = "max_tokens",
+    ) -> None:
         if message is None:
-            message = (f"max_tokens is {asked}, more than the {limit} output tokens one request may ask of "
-                       f"{model or 'this model'}; ask for fewer")
+            message = (
+                f"max_tokens is {asked}, more than the {limit} output tokens one request may ask of "
+                f"{model or 'this model'}; ask for fewer"
+            )
         super().__init__(message, param=param)
         self.asked = asked
         self.limit = limit
@@ -480,7 +498,7 @@ def error_from_info(info: ErrorInfo) -> GatewayError:
 # ---------------------------------------------------------------------------------------------------- context
 
 
-class Meta(_Frozen):
+class Meta(_Frozen, frozen=True):
     """What a protocol needs to frame an answer besides the events: an id, the model name, a timestamp.
 
     ``id`` is bare (protocols add their own prefix such as ``chatcmpl-``); ``created`` is unix seconds.
@@ -491,7 +509,7 @@ class Meta(_Frozen):
     created: float
 
 
-class ModelInfo(_Frozen):
+class ModelInfo(_Frozen, frozen=True):
     """A model as the listing endpoints show it."""
 
     name: str
@@ -538,8 +556,9 @@ def decode_body(body: bytes, into: type[T]) -> T:
     except msgspec.DecodeError as exc:
         raise InvalidRequest(f"request body is not valid JSON: {exc}") from exc
     except RecursionError as exc:  # deeper than the decoder's stack allows
-        raise InvalidRequest(f"request body nests JSON too deeply; at most {MAX_JSON_DEPTH} levels are allowed") \
-            from exc
+        raise InvalidRequest(
+            f"request body nests JSON too deeply; at most {MAX_JSON_DEPTH} levels are allowed"
+        ) from exc
     # Measured on valid JSON only (every string closed, so the scan is linear). A body with fewer opening brackets
     # than the limit cannot nest deeper than it and is not scanned.
     if body.count(b"[") + body.count(b"{") > MAX_JSON_DEPTH and (depth := json_depth(body)) > MAX_JSON_DEPTH:
@@ -561,13 +580,13 @@ def _param_of(message: str) -> str | None:
 # ---------------------------------------------------------------------------------------------------- collect
 
 
-class ToolCall(_Frozen):
+class ToolCall(_Frozen, frozen=True):
     id: str
     name: str
     arguments: str = ""
 
 
-class Response(_Frozen):
+class Response(_Frozen, frozen=True):
     """A whole answer: the collected event stream. ``logprobs`` is ``None`` when the backend sent none."""
 
     text: str = ""

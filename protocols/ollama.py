@@ -33,15 +33,50 @@ import msgspec
 
 from meshgate.protocols.formats import decode_base64, parse_data_uri, rfc3339
 from meshgate.protocols.model import (
-    UNSET, ContextLengthExceeded, Event, Failed, Finished, GatewayError, ImagePart, InvalidRequest, Message, Meta,
-    ModelInfo, Overloaded, ReasoningDelta, ReasoningPart, Request, Response, ResponseFormat, Sampling, TextDelta,
-    TextPart, Tool, ToolCallDelta, ToolCallPart, ToolResultPart, UnsupportedFeature, Usage, error_from_info,
+    UNSET,
+    ContextLengthExceeded,
+    Event,
+    Failed,
+    Finished,
+    GatewayError,
+    ImagePart,
+    InvalidRequest,
+    Message,
+    Meta,
+    ModelInfo,
+    Overloaded,
+    ReasoningDelta,
+    ReasoningPart,
+    Request,
+    Response,
+    ResponseFormat,
+    Sampling,
+    TextDelta,
+    TextPart,
+    Tool,
+    ToolCallDelta,
+    ToolCallPart,
+    ToolResultPart,
+    UnsupportedFeature,
+    Usage,
+    error_from_info,
 )
 
 __all__ = [
-    "ChatRequest", "GenerateRequest", "chat_to_internal", "encode_chat_response", "encode_chat_stream",
-    "encode_generate_response", "encode_generate_stream", "encode_load_response", "encode_tags", "encode_version",
-    "error_body", "generate_to_internal", "is_load_request", "is_unload_request",
+    "ChatRequest",
+    "GenerateRequest",
+    "chat_to_internal",
+    "encode_chat_response",
+    "encode_chat_stream",
+    "encode_generate_response",
+    "encode_generate_stream",
+    "encode_load_response",
+    "encode_tags",
+    "encode_version",
+    "error_body",
+    "generate_to_internal",
+    "is_load_request",
+    "is_unload_request",
 ]
 
 # ---------------------------------------------------------------------------------------------------- wire types
@@ -148,8 +183,12 @@ class GenerateRequest(msgspec.Struct, kw_only=True):
 
 _ROLES = ("system", "user", "assistant", "tool")
 _THINK_LEVELS = ("low", "medium", "high", "max")
-_MAGIC = ((b"\x89PNG\r\n\x1a\n", "image/png"), (b"\xff\xd8\xff", "image/jpeg"), (b"GIF87a", "image/gif"),
-          (b"GIF89a", "image/gif"))
+_MAGIC = (
+    (b"\x89PNG\r\n\x1a\n", "image/png"),
+    (b"\xff\xd8\xff", "image/jpeg"),
+    (b"GIF87a", "image/gif"),
+    (b"GIF89a", "image/gif"),
+)
 _ZERO_DURATION = re.compile(r"(?:0+(?:\.0*)?(?:ns|us|µs|ms|s|m|h)?)+")  # "0", "0s", "0m0s", ...
 
 
@@ -183,13 +222,11 @@ def generate_to_internal(wire: GenerateRequest) -> Request:
     """
     _check_common(wire)
     if wire.suffix:
-        raise UnsupportedFeature("suffix (fill-in-the-middle) is not supported; send the prompt only",
-                                 param="suffix")
+        raise UnsupportedFeature("suffix (fill-in-the-middle) is not supported; send the prompt only", param="suffix")
     images = tuple(_image(data, f"images[{j}]") for j, data in enumerate(wire.images or ()))
     if wire.raw:
         if images:
-            raise UnsupportedFeature("images cannot be combined with raw=true; drop raw or the images",
-                                     param="images")
+            raise UnsupportedFeature("images cannot be combined with raw=true; drop raw or the images", param="images")
         return _request(wire, raw_prompt=wire.prompt)
     messages = [Message(role="system", parts=(TextPart(text=wire.system),))] if wire.system else []
     messages.append(Message(role="user", parts=(TextPart(text=wire.prompt), *images)))
@@ -224,12 +261,22 @@ def _check_common(wire: ChatRequest | GenerateRequest) -> None:
 
 def _request(wire: ChatRequest | GenerateRequest, **fields: Any) -> Request:
     options = wire.options or Options()
-    sampling = Sampling(**{
-        name: value
-        for name in ("temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty", "frequency_penalty",
-                     "repeat_penalty")
-        if (value := getattr(options, name)) is not None
-    })
+    sampling = Sampling(
+        **{
+            name: value
+            for name in (
+                "temperature",
+                "top_p",
+                "top_k",
+                "min_p",
+                "seed",
+                "presence_penalty",
+                "frequency_penalty",
+                "repeat_penalty",
+            )
+            if (value := getattr(options, name)) is not None
+        }
+    )
     return Request(
         model=wire.model,
         response_format=_response_format(wire.format),
@@ -260,8 +307,9 @@ def _reasoning(think: bool | str | None) -> bool | msgspec.UnsetType:
         return think
     if think in _THINK_LEVELS:
         return True
-    raise InvalidRequest(f"think must be true, false or one of {', '.join(_THINK_LEVELS)}; got {think!r}",
-                         param="think")
+    raise InvalidRequest(
+        f"think must be true, false or one of {', '.join(_THINK_LEVELS)}; got {think!r}", param="think"
+    )
 
 
 def _messages(wire_messages: Sequence[WireMessage]) -> tuple[Message, ...]:
@@ -271,8 +319,9 @@ def _messages(wire_messages: Sequence[WireMessage]) -> tuple[Message, ...]:
     for i, m in enumerate(wire_messages):
         role = m.role.lower()
         if role not in _ROLES:
-            raise InvalidRequest(f"messages[{i}].role must be one of {', '.join(_ROLES)}; got {m.role!r}",
-                                 param=f"messages[{i}].role")
+            raise InvalidRequest(
+                f"messages[{i}].role must be one of {', '.join(_ROLES)}; got {m.role!r}", param=f"messages[{i}].role"
+            )
         images = tuple(_image(data, f"messages[{i}].images[{j}]") for j, data in enumerate(m.images or ()))
         text = (TextPart(text=m.content),) if m.content else ()
         if role == "tool":
@@ -284,15 +333,17 @@ def _messages(wire_messages: Sequence[WireMessage]) -> tuple[Message, ...]:
         if role == "assistant":
             for call in m.tool_calls or ():
                 arguments = call.function.arguments
-                calls.append(ToolCallPart(
-                    id=call.id or f"call_{n_calls}",
-                    name=call.function.name,
-                    arguments=arguments if isinstance(arguments, str) else msgspec.json.encode(arguments).decode(),
-                ))
+                calls.append(
+                    ToolCallPart(
+                        id=call.id or f"call_{n_calls}",
+                        name=call.function.name,
+                        arguments=arguments if isinstance(arguments, str) else msgspec.json.encode(arguments).decode(),
+                    )
+                )
                 n_calls += 1
             unanswered = list(calls)
         reasoning = (ReasoningPart(text=m.thinking),) if m.thinking and role == "assistant" else ()
-        messages.append(Message(role=role, parts=(*reasoning, *text, *images, *calls)))
+        messages.append(Message(role=role, parts=(*reasoning, *text, *images, *calls)))  # type: ignore[arg-type]  # in _ROLES
     return tuple(messages)
 
 
@@ -365,8 +416,10 @@ async def _encode_stream(events: AsyncIterable[Event], meta: Meta, *, chat: bool
     pending: dict[int, tuple[str, str, list[str]]] = {}  # tool call index -> (id, name, argument fragments)
 
     def flush() -> list[bytes]:
-        lines = [_line(_chunk(meta, chat=True, tool_calls=[_tool_call(i, cid, name, "".join(args))]))
-                 for i, (cid, name, args) in sorted(pending.items())]
+        lines = [
+            _line(_chunk(meta, chat=True, tool_calls=[_tool_call(i, cid, name, "".join(args))]))
+            for i, (cid, name, args) in sorted(pending.items())
+        ]
         pending.clear()
         return lines
 
@@ -395,8 +448,9 @@ async def _encode_stream(events: AsyncIterable[Event], meta: Meta, *, chat: bool
     yield _line({"error": "the backend's stream ended without a finish or failure event"})
 
 
-def _chunk(meta: Meta, *, chat: bool, text: str = "", thinking: str = "",
-           tool_calls: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+def _chunk(
+    meta: Meta, *, chat: bool, text: str = "", thinking: str = "", tool_calls: list[dict[str, Any]] | None = None
+) -> dict[str, Any]:
     """One response object, ``done: false``; chat objects always carry ``message`` (OLL-21)."""
     chunk: dict[str, Any] = {"model": meta.model, "created_at": rfc3339(meta.created)}
     if chat:
@@ -433,8 +487,10 @@ def _tool_call(index: int, call_id: str, name: str, arguments: str) -> dict[str,
         parsed = msgspec.json.decode(arguments or "{}")
     except msgspec.DecodeError:
         parsed = {}
-    return {"id": call_id, "function": {"index": index, "name": name,
-                                        "arguments": parsed if isinstance(parsed, dict) else {}}}
+    return {
+        "id": call_id,
+        "function": {"index": index, "name": name, "arguments": parsed if isinstance(parsed, dict) else {}},
+    }
 
 
 def _line(obj: dict[str, Any]) -> bytes:
@@ -446,24 +502,28 @@ def _line(obj: dict[str, Any]) -> bytes:
 
 def encode_tags(models: Sequence[ModelInfo]) -> bytes:
     """``GET /api/tags`` (OLL-38..40)."""
-    return msgspec.json.encode({"models": [
+    return msgspec.json.encode(
         {
-            "name": m.name,
-            "model": m.name,
-            "modified_at": rfc3339(m.created),
-            "size": m.size,
-            "digest": m.digest,
-            "details": {
-                "parent_model": "",
-                "format": m.format,
-                "family": m.family,
-                "families": [m.family] if m.family else [],
-                "parameter_size": m.parameter_size,
-                "quantization_level": m.quantization,
-            },
+            "models": [
+                {
+                    "name": m.name,
+                    "model": m.name,
+                    "modified_at": rfc3339(m.created),
+                    "size": m.size,
+                    "digest": m.digest,
+                    "details": {
+                        "parent_model": "",
+                        "format": m.format,
+                        "family": m.family,
+                        "families": [m.family] if m.family else [],
+                        "parameter_size": m.parameter_size,
+                        "quantization_level": m.quantization,
+                    },
+                }
+                for m in models
+            ]
         }
-        for m in models
-    ]})
+    )
 
 
 def encode_version(version: str) -> bytes:

@@ -29,10 +29,16 @@ from typing import Any
 
 import msgspec
 
-from meshgate.protocols.model import EmbedRequest, Embeddings
+from meshgate.protocols.model import Embeddings, EmbedRequest
 
-__all__ = ["EmbedBody", "EmbeddingsBody", "embed_to_internal", "embeddings_to_internal", "encode_embed",
-           "encode_embeddings"]
+__all__ = [
+    "EmbedBody",
+    "EmbeddingsBody",
+    "embed_to_internal",
+    "embeddings_to_internal",
+    "encode_embed",
+    "encode_embeddings",
+]
 
 
 class EmbedBody(msgspec.Struct, kw_only=True):
@@ -71,13 +77,15 @@ def embeddings_to_internal(wire: EmbeddingsBody) -> EmbedRequest:
 
 def encode_embed(result: Embeddings, model: str, total_ns: int) -> bytes:
     """OLL-43: ``{model, embeddings, total_duration, load_duration, prompt_eval_count}``."""
-    return msgspec.json.encode({
-        "model": model,
-        "embeddings": result.vectors,
-        "total_duration": total_ns,
-        "load_duration": result.load_ns,
-        "prompt_eval_count": result.prompt_tokens,
-    })
+    return msgspec.json.encode(
+        {
+            "model": model,
+            "embeddings": result.vectors,
+            "total_duration": total_ns,
+            "load_duration": result.load_ns,
+            "prompt_eval_count": result.prompt_tokens,
+        }
+    )
 
 
 def encode_embeddings(result: Embeddings) -> bytes:

@@ -33,8 +33,18 @@ from meshgate.protocols.formats import rfc3339
 from meshgate.protocols.model import InvalidRequest, ModelInfo
 
 __all__ = [
-    "CopyRequest", "CreateRequest", "DeleteRequest", "PullRequest", "ShowRequest", "encode_ps", "encode_show",
-    "error_line", "format_parameters", "parse_keep_alive", "parse_model_name", "progress_line",
+    "CopyRequest",
+    "CreateRequest",
+    "DeleteRequest",
+    "PullRequest",
+    "ShowRequest",
+    "encode_ps",
+    "encode_show",
+    "error_line",
+    "format_parameters",
+    "parse_keep_alive",
+    "parse_model_name",
+    "progress_line",
 ]
 
 FOREVER = datetime(2318, 1, 1, tzinfo=UTC).timestamp()  # what /api/ps says for "never expires"
@@ -114,9 +124,11 @@ def _required(value: str | None, param: str) -> str:
 
 MAX_PART_LEN = 80
 MAX_HOST_LEN = 350
-NAME_RULE = ("a model name is [host/][namespace/]model[:tag]: each part starts with a letter, digit or '_' and "
-             "continues with letters, digits, '_', '-' or '.' (no '.' in the namespace; the host may add ':port'), "
-             f"at most {MAX_PART_LEN} characters a part ({MAX_HOST_LEN} for the host)")
+NAME_RULE = (
+    "a model name is [host/][namespace/]model[:tag]: each part starts with a letter, digit or '_' and "
+    "continues with letters, digits, '_', '-' or '.' (no '.' in the namespace; the host may add ':port'), "
+    f"at most {MAX_PART_LEN} characters a part ({MAX_HOST_LEN} for the host)"
+)
 _MODEL_OR_TAG = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]*")
 _NAMESPACE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_-]*")
 _HOST = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.:-]*")
@@ -142,13 +154,23 @@ def parse_model_name(name: str, param: str = "model") -> str:
         if slash:
             scheme, sep, host = head.partition("://")
             host = host if sep else scheme
-    parts = [(model, _MODEL_OR_TAG, MAX_PART_LEN), (tag, _MODEL_OR_TAG, MAX_PART_LEN),
-             (namespace, _NAMESPACE, MAX_PART_LEN), (host, _HOST, MAX_HOST_LEN)]
+    parts = [
+        (model, _MODEL_OR_TAG, MAX_PART_LEN),
+        (tag, _MODEL_OR_TAG, MAX_PART_LEN),
+        (namespace, _NAMESPACE, MAX_PART_LEN),
+        (host, _HOST, MAX_HOST_LEN),
+    ]
     if not all(part is None or (len(part) <= limit and pattern.fullmatch(part)) for part, pattern, limit in parts):
         shown = name if len(name) <= 100 else name[:100] + "..."
         raise InvalidRequest(f"{param} {msgspec.json.encode(shown).decode()} is invalid: {NAME_RULE}", param=param)
-    return "".join([f"{host}/" if host is not None else "", f"{namespace}/" if namespace is not None else "", model,
-                    f":{tag}" if tag is not None else ""])
+    return "".join(
+        [
+            f"{host}/" if host is not None else "",
+            f"{namespace}/" if namespace is not None else "",
+            model,
+            f":{tag}" if tag is not None else "",
+        ]
+    )
 
 
 # ---------------------------------------------------------------------------------------------------- keep_alive
@@ -174,8 +196,9 @@ def parse_keep_alive(value: float | str | None) -> float | None:
             seconds = float(body)
         except ValueError:
             if not body or _DURATION.sub("", body):
-                raise InvalidRequest(f'keep_alive must be seconds or a duration like "5m" or "1h"; got {value!r}',
-                                     param="keep_alive") from None
+                raise InvalidRequest(
+                    f'keep_alive must be seconds or a duration like "5m" or "1h"; got {value!r}', param="keep_alive"
+                ) from None
             seconds = sum(float(n) * _UNITS[unit] for n, unit in _DURATION.findall(body))
         seconds *= sign
     else:
@@ -189,9 +212,14 @@ def parse_keep_alive(value: float | str | None) -> float | None:
 
 
 def _details(info: ModelInfo) -> dict[str, Any]:
-    return {"parent_model": "", "format": info.format, "family": info.family,
-            "families": [info.family] if info.family else [], "parameter_size": info.parameter_size,
-            "quantization_level": info.quantization}
+    return {
+        "parent_model": "",
+        "format": info.format,
+        "family": info.family,
+        "families": [info.family] if info.family else [],
+        "parameter_size": info.parameter_size,
+        "quantization_level": info.quantization,
+    }
 
 
 def format_parameters(parameters: Mapping[str, Any]) -> str:
@@ -199,15 +227,25 @@ def format_parameters(parameters: Mapping[str, Any]) -> str:
     lines = []
     for name, value in parameters.items():
         for item in value if isinstance(value, list) else [value]:
-            rendered = msgspec.json.encode(item).decode() if isinstance(item, str) else str(item).lower() \
-                if isinstance(item, bool) else str(item)
+            rendered = (
+                msgspec.json.encode(item).decode()
+                if isinstance(item, str)
+                else str(item).lower()
+                if isinstance(item, bool)
+                else str(item)
+            )
             lines.append(f"{name:<30} {rendered}")
     return "\n".join(lines)
 
 
 def _modelfile(info: ModelInfo, path: str, template: str, system: str, parameters: Mapping[str, Any]) -> str:
-    lines = ['# Modelfile generated by "ollama show"', "# To build a new Modelfile based on this, replace FROM with:",
-             f"# FROM {info.name}", "", f"FROM {path}"]
+    lines = [
+        '# Modelfile generated by "ollama show"',
+        "# To build a new Modelfile based on this, replace FROM with:",
+        f"# FROM {info.name}",
+        "",
+        f"FROM {path}",
+    ]
     if template:
         lines.append(f'TEMPLATE """{template}"""')
     if system:
@@ -218,9 +256,17 @@ def _modelfile(info: ModelInfo, path: str, template: str, system: str, parameter
     return "\n".join(lines) + "\n"
 
 
-def encode_show(info: ModelInfo, *, path: str, model_info: Mapping[str, Any], capabilities: Sequence[str],
-                template: str = "", system: str = "", parameters: Mapping[str, Any] | None = None,
-                license: str = "") -> bytes:
+def encode_show(
+    info: ModelInfo,
+    *,
+    path: str,
+    model_info: Mapping[str, Any],
+    capabilities: Sequence[str],
+    template: str = "",
+    system: str = "",
+    parameters: Mapping[str, Any] | None = None,
+    license: str = "",
+) -> bytes:
     """``POST /api/show`` (OLL-42). ``model_info`` is always present (ollama-python requires the key)."""
     parameters = parameters or {}
     body: dict[str, Any] = {
@@ -232,26 +278,44 @@ def encode_show(info: ModelInfo, *, path: str, model_info: Mapping[str, Any], ca
         body["system"] = system
     if license:
         body["license"] = license
-    body.update({"details": _details(info), "model_info": dict(model_info), "capabilities": list(capabilities),
-                 "modified_at": rfc3339(info.created)})
+    body.update(
+        {
+            "details": _details(info),
+            "model_info": dict(model_info),
+            "capabilities": list(capabilities),
+            "modified_at": rfc3339(info.created),
+        }
+    )
     return msgspec.json.encode(body)
 
 
 def encode_ps(loaded: Iterable[tuple[ModelInfo, float | None]]) -> bytes:
     """``GET /api/ps`` (OLL-41): each loaded model with its expiry (``None``: never, shown as 2318)."""
-    return msgspec.json.encode({"models": [
-        {"name": info.name, "model": info.name, "size": info.size, "digest": info.digest, "details": _details(info),
-         "expires_at": rfc3339(FOREVER if expires is None or math.isinf(expires) else expires),
-         "size_vram": 0, "context_length": info.context_length}
-        for info, expires in loaded
-    ]})
+    return msgspec.json.encode(
+        {
+            "models": [
+                {
+                    "name": info.name,
+                    "model": info.name,
+                    "size": info.size,
+                    "digest": info.digest,
+                    "details": _details(info),
+                    "expires_at": rfc3339(FOREVER if expires is None or math.isinf(expires) else expires),
+                    "size_vram": 0,
+                    "context_length": info.context_length,
+                }
+                for info, expires in loaded
+            ]
+        }
+    )
 
 
 # ---------------------------------------------------------------------------------------------------- progress
 
 
-def progress_line(status: str, *, digest: str | None = None, total: int | None = None,
-                  completed: int | None = None) -> bytes:
+def progress_line(
+    status: str, *, digest: str | None = None, total: int | None = None, completed: int | None = None
+) -> bytes:
     """One NDJSON progress object (OLL-45); absent fields are left out."""
     obj: dict[str, Any] = {"status": status}
     if digest is not None:

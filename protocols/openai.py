@@ -462,6 +462,7 @@ def encode_chat_response(response: Response, meta: Meta) -> bytes:
 
 # ---------------------------------------------------------------------------------------------------- streams
 
+
 class _ChatChunks:
     """Encoder state for one chat stream: the role goes out once (OAI-47), a tool call's head once (OAI-48)."""
 
@@ -475,8 +476,9 @@ class _ChatChunks:
         self.role_sent = False
         self.tool_indexes: set[int] = set()
 
-    def delta(self, delta: dict[str, Any], finish_reason: str | None = None,
-              logprobs: Sequence[TokenLogprob] | None = None) -> bytes:
+    def delta(
+        self, delta: dict[str, Any], finish_reason: str | None = None, logprobs: Sequence[TokenLogprob] | None = None
+    ) -> bytes:
         if not self.role_sent:
             delta = {"role": "assistant", **delta}
             self.role_sent = True
@@ -499,9 +501,7 @@ class _ChatChunks:
         return frame({**self.head, "choices": [], "usage": usage_body(usage)})
 
 
-async def encode_chat_stream(
-    events: AsyncIterable[Event], meta: Meta, *, include_usage: bool
-) -> AsyncIterator[bytes]:
+async def encode_chat_stream(events: AsyncIterable[Event], meta: Meta, *, include_usage: bool) -> AsyncIterator[bytes]:
     """SSE frames of ``chat.completion.chunk`` objects, ending in ``data: [DONE]`` (OAI-40..OAI-53, OAI-62).
 
     Args:

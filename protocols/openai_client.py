@@ -89,27 +89,41 @@ def request_body(request: Request, model: str) -> dict[str, Any]:
             body["continue_final_message"] = True
             body["add_generation_prompt"] = False
         if request.tools:
-            body["tools"] = [{"type": "function", "function": {"name": t.name, "parameters": t.parameters,
-                                                               **_given(description=t.description)}}
-                             for t in request.tools]
+            body["tools"] = [
+                {
+                    "type": "function",
+                    "function": {"name": t.name, "parameters": t.parameters, **_given(description=t.description)},
+                }
+                for t in request.tools
+            ]
             choice = request.tool_choice
-            body["tool_choice"] = ({"type": "function", "function": {"name": choice.name}}
-                                   if choice.mode == "tool" else choice.mode)
+            body["tool_choice"] = (
+                {"type": "function", "function": {"name": choice.name}} if choice.mode == "tool" else choice.mode
+            )
             if choice.parallel is not UNSET:
                 body["parallel_tool_calls"] = choice.parallel
         fmt = request.response_format
         if fmt.kind == "json_object":
             body["response_format"] = {"type": "json_object"}
         elif fmt.kind == "json_schema":
-            body["response_format"] = {"type": "json_schema",
-                                       "json_schema": {"name": fmt.name or "response", "schema": fmt.schema or {}}}
+            body["response_format"] = {
+                "type": "json_schema",
+                "json_schema": {"name": fmt.name or "response", "schema": fmt.schema or {}},
+            }
         if request.logprobs:
             body["logprobs"] = True
             body["top_logprobs"] = request.top_logprobs
     sampling = request.sampling
-    for ours, theirs in (("temperature", "temperature"), ("top_p", "top_p"), ("top_k", "top_k"),
-                         ("min_p", "min_p"), ("seed", "seed"), ("presence_penalty", "presence_penalty"),
-                         ("frequency_penalty", "frequency_penalty"), ("repeat_penalty", "repetition_penalty")):
+    for ours, theirs in (
+        ("temperature", "temperature"),
+        ("top_p", "top_p"),
+        ("top_k", "top_k"),
+        ("min_p", "min_p"),
+        ("seed", "seed"),
+        ("presence_penalty", "presence_penalty"),
+        ("frequency_penalty", "frequency_penalty"),
+        ("repeat_penalty", "repetition_penalty"),
+    ):
         value = getattr(sampling, ours)
         if value is not UNSET:
             body[theirs] = value
@@ -127,19 +141,32 @@ def chat_messages(messages: tuple[Message, ...]) -> list[dict[str, Any]]:
     out: list[dict[str, Any]] = []
     for message in messages:
         if message.role == "tool":
-            out += [{"role": "tool", "tool_call_id": p.call_id or p.name or "",
-                     "content": "".join(c.text for c in p.content if isinstance(c, TextPart))}
-                    for p in message.parts if isinstance(p, ToolResultPart)]
+            out += [
+                {
+                    "role": "tool",
+                    "tool_call_id": p.call_id or p.name or "",
+                    "content": "".join(c.text for c in p.content if isinstance(c, TextPart)),
+                }
+                for p in message.parts
+                if isinstance(p, ToolResultPart)
+            ]
         elif message.role == "assistant":
             entry: dict[str, Any] = {"role": "assistant", "content": message.text}
-            calls = [{"id": p.id, "type": "function", "function": {"name": p.name, "arguments": p.arguments}}
-                     for p in message.parts if isinstance(p, ToolCallPart)]
+            calls = [
+                {"id": p.id, "type": "function", "function": {"name": p.name, "arguments": p.arguments}}
+                for p in message.parts
+                if isinstance(p, ToolCallPart)
+            ]
             if calls:
                 entry["tool_calls"] = calls
             out.append(entry)
         elif message.role == "user" and any(isinstance(p, ImagePart) for p in message.parts):
-            out.append({"role": "user", "content": [_content_part(p) for p in message.parts
-                                                    if isinstance(p, TextPart | ImagePart)]})
+            out.append(
+                {
+                    "role": "user",
+                    "content": [_content_part(p) for p in message.parts if isinstance(p, TextPart | ImagePart)],
+                }
+            )
         else:
             out.append({"role": message.role, "content": message.text})
     return out
@@ -233,11 +260,25 @@ class _Chunk(_Wire):
 
 
 _chunk_decoder = msgspec.json.Decoder(_Chunk)
-_FINISH: dict[str, FinishReason] = {"stop": "stop", "length": "length", "tool_calls": "tool_calls",
-                                    "function_call": "tool_calls", "content_filter": "content_filter"}
-_BY_STATUS: dict[int, type[GatewayError]] = {400: InvalidRequest, 401: AuthenticationFailed, 403: AuthenticationFailed,
-                                             404: NotFound, 413: RequestTooLarge, 422: Unprocessable, 429: RateLimited,
-                                             502: BackendProtocolError, 503: BackendUnavailable, 504: BackendTimeout}
+_FINISH: dict[str, FinishReason] = {
+    "stop": "stop",
+    "length": "length",
+    "tool_calls": "tool_calls",
+    "function_call": "tool_calls",
+    "content_filter": "content_filter",
+}
+_BY_STATUS: dict[int, type[GatewayError]] = {
+    400: InvalidRequest,
+    401: AuthenticationFailed,
+    403: AuthenticationFailed,
+    404: NotFound,
+    413: RequestTooLarge,
+    422: Unprocessable,
+    429: RateLimited,
+    502: BackendProtocolError,
+    503: BackendUnavailable,
+    504: BackendTimeout,
+}
 
 
 def error_from_response(status: int, body: bytes) -> GatewayError:
@@ -325,9 +366,11 @@ class StreamDecoder:
                 self._finish = _finished(choice)
         if chunk.usage is not None:
             details = chunk.usage.prompt_tokens_details
-            self._usage = Usage(prompt_tokens=chunk.usage.prompt_tokens,
-                                completion_tokens=chunk.usage.completion_tokens,
-                                cached_tokens=(details.cached_tokens or 0) if details else 0)
+            self._usage = Usage(
+                prompt_tokens=chunk.usage.prompt_tokens,
+                completion_tokens=chunk.usage.completion_tokens,
+                cached_tokens=(details.cached_tokens or 0) if details else 0,
+            )
         return events
 
     def _end(self, otherwise: GatewayError) -> list[Event]:
@@ -348,18 +391,26 @@ def _choice_events(choice: _Choice) -> list[Event]:
         events.append(TextDelta(text=text or "", logprobs=logprobs))
     for call in (delta.tool_calls if delta is not None else None) or ():
         function = call.function or _Function()
-        events.append(ToolCallDelta(index=call.index, id=call.id, name=function.name,
-                                    arguments=function.arguments or ""))
+        events.append(
+            ToolCallDelta(index=call.index, id=call.id, name=function.name, arguments=function.arguments or "")
+        )
     return events
 
 
 def _logprobs(logprobs: _Logprobs | None) -> tuple[TokenLogprob, ...] | None:
     if logprobs is None or not logprobs.content:
         return None
-    return tuple(TokenLogprob(token=e.token, logprob=e.logprob, bytes=tuple(e.bytes or ()),
-                              top=tuple(TopLogprob(token=t.token, logprob=t.logprob, bytes=tuple(t.bytes or ()))
-                                        for t in e.top_logprobs or ()))
-                 for e in logprobs.content)
+    return tuple(
+        TokenLogprob(
+            token=e.token,
+            logprob=e.logprob,
+            bytes=tuple(e.bytes or ()),
+            top=tuple(
+                TopLogprob(token=t.token, logprob=t.logprob, bytes=tuple(t.bytes or ())) for t in e.top_logprobs or ()
+            ),
+        )
+        for e in logprobs.content
+    )
 
 
 def _finished(choice: _Choice) -> Finished:

@@ -29,7 +29,7 @@ from typing import Annotated, Any, Literal
 
 import msgspec
 
-from meshgate.protocols.model import EmbedRequest, Embeddings, InvalidRequest
+from meshgate.protocols.model import Embeddings, EmbedRequest, InvalidRequest
 
 __all__ = ["MAX_INPUTS", "EmbeddingRequest", "embeddings_to_internal", "encode_embeddings"]
 
@@ -65,13 +65,13 @@ def _inputs(value: str | list[str | int | list[int]]) -> tuple[str | tuple[int, 
     if len(value) > MAX_INPUTS:
         raise InvalidRequest(f"'input' holds {len(value)} items; at most {MAX_INPUTS} are allowed", param="input")
     if all(isinstance(item, int) for item in value):
-        return (tuple(value),)  # type: ignore[arg-type]
+        return (tuple(value),)  # type: ignore[arg-type]  # kind checked above: a list of ints
     for kind in (str, list):
         if all(isinstance(item, kind) for item in value):
-            if any(len(item) == 0 for item in value):  # type: ignore[arg-type]
+            if any(len(item) == 0 for item in value):  # type: ignore[arg-type]  # kind checked above: a list
                 what = "an empty string" if kind is str else "an empty token array"
                 raise InvalidRequest(f"'input' must not contain {what}", param="input")
-            return tuple(item if kind is str else tuple(item) for item in value)  # type: ignore[misc]
+            return tuple(item if kind is str else tuple(item) for item in value)  # type: ignore[misc,arg-type]  # kind checked above
     raise InvalidRequest(f"'input' must be {_KINDS}, not a mix of them", param="input")
 
 

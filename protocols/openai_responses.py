@@ -375,9 +375,10 @@ class _Frames:
             frames += self.start(kind)
         item = self.items[-1]
         item.texts.append(text)
-        extra = {"logprobs": []} if kind == "message" else {}
-        frames.append(self.frame(_DELTA[kind], item_id=item.id, output_index=item.index, content_index=0,
-                                 delta=text, **extra))
+        extra: dict[str, list] = {"logprobs": []} if kind == "message" else {}
+        frames.append(
+            self.frame(_DELTA[kind], item_id=item.id, output_index=item.index, content_index=0, delta=text, **extra)
+        )
         return frames
 
     def start(self, kind: Literal["message", "reasoning"]) -> list[bytes]:
@@ -385,8 +386,13 @@ class _Frames:
         self.items.append(item)
         return [
             self.frame("response.output_item.added", output_index=item.index, item=item.body(with_content=False)),
-            self.frame("response.content_part.added", item_id=item.id, output_index=item.index, content_index=0,
-                       part=item.part("")),
+            self.frame(
+                "response.content_part.added",
+                item_id=item.id,
+                output_index=item.index,
+                content_index=0,
+                part=item.part(""),
+            ),
         ]
 
     def close(self, status: Status) -> list[bytes]:
@@ -395,7 +401,7 @@ class _Frames:
             return []
         item.status = status
         at = {"item_id": item.id, "output_index": item.index, "content_index": 0}
-        extra = {"logprobs": []} if item.kind == "message" else {}
+        extra: dict[str, list] = {"logprobs": []} if item.kind == "message" else {}
         return [
             self.frame(_DONE[item.kind], **at, text=item.text, **extra),
             self.frame("response.content_part.done", **at, part=item.part(item.text)),

@@ -190,17 +190,23 @@ def _message(err: GatewayError) -> str:
     """OpenAI's own wording for a context overflow (clients match on it) and for too large a ``max_tokens``;
     the error's message otherwise."""
     if isinstance(err, OutputTooLarge) and err.limit:
-        return (f"max_tokens is too large: {err.asked}. This model supports at most {err.limit} completion tokens, "
-                f"whereas you provided {err.asked}.")
+        return (
+            f"max_tokens is too large: {err.asked}. This model supports at most {err.limit} completion tokens, "
+            f"whereas you provided {err.asked}."
+        )
     if not isinstance(err, ContextLengthExceeded) or not err.context:
         return err.message
     limit = f"This model's maximum context length is {err.context} tokens."
     if err.completion_tokens is None:
-        return (f"{limit} However, your messages resulted in {err.prompt_tokens} tokens. Please reduce the length "
-                "of the messages.")
-    return (f"{limit} However, you requested {err.prompt_tokens + err.completion_tokens} tokens ({err.prompt_tokens} "
-            f"in the messages, {err.completion_tokens} in the completion). Please reduce the length of the messages "
-            "or completion.")
+        return (
+            f"{limit} However, your messages resulted in {err.prompt_tokens} tokens. Please reduce the length "
+            "of the messages."
+        )
+    return (
+        f"{limit} However, you requested {err.prompt_tokens + err.completion_tokens} tokens ({err.prompt_tokens} "
+        f"in the messages, {err.completion_tokens} in the completion). Please reduce the length of the messages "
+        "or completion."
+    )
 
 
 def _status(err: GatewayError) -> int:
@@ -210,8 +216,7 @@ def _status(err: GatewayError) -> int:
 
 def _envelope(err: GatewayError) -> dict[str, Any]:
     """OAI-57: ``{"error": {message, type, param, code}}``."""
-    error = {"message": _message(err), "type": _error_type(_status(err)), "param": err.param,
-             "code": _error_code(err)}
+    error = {"message": _message(err), "type": _error_type(_status(err)), "param": err.param, "code": _error_code(err)}
     return {"error": error}
 
 

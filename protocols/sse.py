@@ -35,4 +35,3 @@ def frame(payload: bytes, event: str | None = None) -> bytes:
     if head is None:
         head = _heads[event] = ServerSentEvent(data=_MARK, event=event).encode().split(_MARK.encode())[0]
     return head + payload + _DATA_TAIL
-

@@ -38,9 +38,24 @@ class Server:
         full_env.pop("MESHGATE_API_KEYS", None)
         with open(self.log, "wb") as log:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "meshgate.gateway.cli", "serve", "--port", str(self.port), "--data-dir", str(data_dir),
-                 "--log-level", "warning", *args],
-                stdout=log, stderr=subprocess.STDOUT, env=full_env, cwd=ROOT)
+                [
+                    sys.executable,
+                    "-m",
+                    "meshgate.gateway.cli",
+                    "serve",
+                    "--port",
+                    str(self.port),
+                    "--data-dir",
+                    str(data_dir),
+                    "--log-level",
+                    "warning",
+                    *args,
+                ],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=full_env,
+                cwd=ROOT,
+            )
         self._wait_ready()
 
     def _wait_ready(self, timeout: float = 60.0) -> None:
@@ -125,16 +140,26 @@ def scripted_server(data_dir: Path) -> Iterator[Server]:
 
 # ------------------------------------------------------------------ the "runtime" marker
 
-_RUNTIME_FIXTURES = {"data_dir", "packaged_gguf", "converted_gemma", "real_server", "scripted_server", "redis_server",
-                     "store_kind"}
+_RUNTIME_FIXTURES = {
+    "data_dir",
+    "packaged_gguf",
+    "converted_gemma",
+    "real_server",
+    "scripted_server",
+    "redis_server",
+    "store_kind",
+}
 """Fixtures that start processes (gateways, runners, redis-server) or build models: a test using one is slow."""
 
 _RUNTIME_DIRS = {"e2e", "llama", "mlx", "vllm", "convert", "compat"}
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    config.addinivalue_line("markers", "runtime: starts real processes (gateways, runtimes, Redis); "
-                            "`pytest -m 'not runtime'` runs the fast in-process tests")
+    config.addinivalue_line(
+        "markers",
+        "runtime: starts real processes (gateways, runtimes, Redis); "
+        "`pytest -m 'not runtime'` runs the fast in-process tests",
+    )
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

@@ -13,21 +13,21 @@ import asyncio
 import hashlib
 import math
 import struct
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 
 import msgspec
-from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 
 from meshgate.backends.base import Backend, Capabilities, InProcess, ModelCard, ModelSource, Peers
 from meshgate.backends.placement import Candidate, ModelSpec, Shard, ShardCosts
 from meshgate.plugins.hookspecs import hookimpl
 from meshgate.protocols.model import (
-    EmbedRequest,
     Embeddings,
+    EmbedRequest,
     ErrorInfo,
     Event,
-    InvalidRequest,
     Failed,
     Finished,
+    InvalidRequest,
     KeepAlive,
     ReasoningDelta,
     Request,
@@ -36,11 +36,29 @@ from meshgate.protocols.model import (
     Usage,
 )
 
-CARD = ModelCard(name="scripted", path="", format="scripted", family="script", parameter_size="0", size=1,
-                 digest="0" * 64, created=1_700_000_000.0, context_length=1024)
+CARD = ModelCard(
+    name="scripted",
+    path="",
+    format="scripted",
+    family="script",
+    parameter_size="0",
+    size=1,
+    digest="0" * 64,
+    created=1_700_000_000.0,
+    context_length=1024,
+)
 
-BIG = ModelCard(name="scripted-big:latest", path="", format="scripted", family="script", parameter_size="1B",
-                size=2 << 30, digest="1" * 64, created=1_700_000_000.0, context_length=1024)
+BIG = ModelCard(
+    name="scripted-big:latest",
+    path="",
+    format="scripted",
+    family="script",
+    parameter_size="1B",
+    size=2 << 30,
+    digest="1" * 64,
+    created=1_700_000_000.0,
+    context_length=1024,
+)
 """A 2 GiB model (16 x 128 MiB layers) that may be split into a pipeline: for placement tests."""
 
 SLASHED = msgspec.structs.replace(CARD, name="acme/scripted:v1")
@@ -50,21 +68,51 @@ HUGE = msgspec.structs.replace(BIG, name="scripted-huge:latest", size=64 << 30)
 """A 64 GiB model that fits on no test node."""
 
 SCRIPTS: dict[str, list[Event]] = {
-    "hello": [Usage(prompt_tokens=7), TextDelta(text="Hello"), TextDelta(text=", world"),
-              Usage(prompt_tokens=7, completion_tokens=2), Finished(reason="stop")],
-    "length": [Usage(prompt_tokens=3), TextDelta(text="cut"), Usage(prompt_tokens=3, completion_tokens=1),
-               Finished(reason="length")],
-    "stopseq": [Usage(prompt_tokens=3), TextDelta(text="one two"), Usage(prompt_tokens=3, completion_tokens=2),
-                Finished(reason="stop_sequence", stop_sequence="three")],
-    "tool": [Usage(prompt_tokens=11), ToolCallDelta(index=0, id="call_abc", name="get_weather", arguments='{"ci'),
-             ToolCallDelta(index=0, arguments='ty": "Paris"}'), Usage(prompt_tokens=11, completion_tokens=9),
-             Finished(reason="tool_calls")],
-    "think": [Usage(prompt_tokens=4), ReasoningDelta(text="Let me see."), TextDelta(text="Yes."),
-              Usage(prompt_tokens=4, completion_tokens=5), Finished(reason="stop")],
-    "keepalive": [KeepAlive(), Usage(prompt_tokens=2), TextDelta(text="ok"),
-                  Usage(prompt_tokens=2, completion_tokens=1), Finished(reason="stop")],
-    "fail": [Usage(prompt_tokens=5), TextDelta(text="partial"),
-             Failed(error=ErrorInfo(kind="BackendUnavailable", message="runner lost"))],
+    "hello": [
+        Usage(prompt_tokens=7),
+        TextDelta(text="Hello"),
+        TextDelta(text=", world"),
+        Usage(prompt_tokens=7, completion_tokens=2),
+        Finished(reason="stop"),
+    ],
+    "length": [
+        Usage(prompt_tokens=3),
+        TextDelta(text="cut"),
+        Usage(prompt_tokens=3, completion_tokens=1),
+        Finished(reason="length"),
+    ],
+    "stopseq": [
+        Usage(prompt_tokens=3),
+        TextDelta(text="one two"),
+        Usage(prompt_tokens=3, completion_tokens=2),
+        Finished(reason="stop_sequence", stop_sequence="three"),
+    ],
+    "tool": [
+        Usage(prompt_tokens=11),
+        ToolCallDelta(index=0, id="call_abc", name="get_weather", arguments='{"ci'),
+        ToolCallDelta(index=0, arguments='ty": "Paris"}'),
+        Usage(prompt_tokens=11, completion_tokens=9),
+        Finished(reason="tool_calls"),
+    ],
+    "think": [
+        Usage(prompt_tokens=4),
+        ReasoningDelta(text="Let me see."),
+        TextDelta(text="Yes."),
+        Usage(prompt_tokens=4, completion_tokens=5),
+        Finished(reason="stop"),
+    ],
+    "keepalive": [
+        KeepAlive(),
+        Usage(prompt_tokens=2),
+        TextDelta(text="ok"),
+        Usage(prompt_tokens=2, completion_tokens=1),
+        Finished(reason="stop"),
+    ],
+    "fail": [
+        Usage(prompt_tokens=5),
+        TextDelta(text="partial"),
+        Failed(error=ErrorInfo(kind="BackendUnavailable", message="runner lost")),
+    ],
     "failfirst": [Failed(error=ErrorInfo(kind="NoCapacity", message="no node has room for this model"))],
     "unprocessable": [Failed(error=ErrorInfo(kind="Unprocessable", message="this schema cannot be enforced"))],
 }
@@ -78,20 +126,31 @@ class ScriptedRunner:
         script = SCRIPTS.get(last)
         if last.startswith("sleep "):
             await asyncio.sleep(float(last.split()[1]))
-            script = [Usage(prompt_tokens=2), TextDelta(text="slept"), Usage(prompt_tokens=2, completion_tokens=1),
-                      Finished(reason="stop")]
+            script = [
+                Usage(prompt_tokens=2),
+                TextDelta(text="slept"),
+                Usage(prompt_tokens=2, completion_tokens=1),
+                Finished(reason="stop"),
+            ]
         elif last == "how long":
             words = await self.count_tokens(request)
-            script = [Usage(prompt_tokens=words), TextDelta(text=f"{len(request.messages)} messages, {words} words"),
-                      Usage(prompt_tokens=words, completion_tokens=4), Finished(reason="stop")]
+            script = [
+                Usage(prompt_tokens=words),
+                TextDelta(text=f"{len(request.messages)} messages, {words} words"),
+                Usage(prompt_tokens=words, completion_tokens=4),
+                Finished(reason="stop"),
+            ]
         if script is None:
             words = last.split()
-            script = [Usage(prompt_tokens=len(words)), *(TextDelta(text=w + " ") for w in words),
-                      Usage(prompt_tokens=len(words), completion_tokens=len(words)), Finished(reason="stop")]
+            script = [
+                Usage(prompt_tokens=len(words)),
+                *(TextDelta(text=w + " ") for w in words),
+                Usage(prompt_tokens=len(words), completion_tokens=len(words)),
+                Finished(reason="stop"),
+            ]
         for event in script:
             await asyncio.sleep(0)
             yield event
-
 
     async def count_tokens(self, request: Request) -> int:
         text = " ".join([m.text for m in request.messages] + [t.name for t in request.tools])
@@ -132,16 +191,33 @@ class ScriptedBackend(Backend):
 
     def spec(self, card: ModelCard) -> ModelSpec:
         if card.size > 1 << 30:
-            return ModelSpec(name=card.name, n_layers=16, hidden_size=2048, n_heads=16, n_kv_heads=4, head_dim=128,
-                             context_length=card.context_length, layer_bytes=card.size // 16)
-        return ModelSpec(name=card.name, n_layers=1, hidden_size=8, n_heads=1, n_kv_heads=1, head_dim=8,
-                         context_length=card.context_length, layer_bytes=1 << 20)
+            return ModelSpec(
+                name=card.name,
+                n_layers=16,
+                hidden_size=2048,
+                n_heads=16,
+                n_kv_heads=4,
+                head_dim=128,
+                context_length=card.context_length,
+                layer_bytes=card.size // 16,
+            )
+        return ModelSpec(
+            name=card.name,
+            n_layers=1,
+            hidden_size=8,
+            n_heads=1,
+            n_kv_heads=1,
+            head_dim=8,
+            context_length=card.context_length,
+            layer_bytes=1 << 20,
+        )
 
     def costs(self, card: ModelCard) -> ShardCosts:
         return ShardCosts()
 
-    async def launch(self, card: ModelCard, placement: Candidate, shard: Shard, *, host: str,
-                     peers: Peers) -> InProcess:
+    async def launch(
+        self, card: ModelCard, placement: Candidate, shard: Shard, *, host: str, peers: Peers
+    ) -> InProcess:
         return InProcess()
 
     def connect(self, card: ModelCard, placement: Candidate, urls: Mapping[str, str]) -> ScriptedRunner:

@@ -184,10 +184,11 @@ async def test_prompt_rule_ignores_max_tokens():
 
 async def test_drop_oldest_keeps_system_and_the_latest_turn():
     count, calls = _counter()
-    messages = (Message(role="system", parts=(TextPart(text="be brief"),)),
-                *(Message(role="user" if n % 2 == 0 else "assistant", parts=(TextPart(text=_big(300)),))
-                  for n in range(10)),
-                Message(role="user", parts=(TextPart(text="and now?"),)))
+    messages = (
+        Message(role="system", parts=(TextPart(text="be brief"),)),
+        *(Message(role="user" if n % 2 == 0 else "assistant", parts=(TextPart(text=_big(300)),)) for n in range(10)),
+        Message(role="user", parts=(TextPart(text="and now?"),)),
+    )
     request = Request(model="m", messages=messages)
     fitted = await fit_context(request, 1000, count, Fit.DROP_OLDEST)
     assert fitted.messages[0].role == "system" and fitted.messages[-1].text == "and now?"
@@ -198,10 +199,18 @@ async def test_drop_oldest_keeps_system_and_the_latest_turn():
 async def test_drop_oldest_keeps_a_tool_result_with_its_call():
     count, _ = _counter()
     call = Message(role="assistant", parts=(ToolCallPart(id="c1", name="f", arguments="{}"), TextPart(text="x")))
-    result = Message(role="tool", parts=(ToolResultPart(call_id="c1", content=(TextPart(text="out"),)),
-                                         TextPart(text="out")))
-    request = Request(model="m", messages=(Message(role="user", parts=(TextPart(text=_big(900)),)), call, result,
-                                           Message(role="tool", parts=(TextPart(text="more"),))))
+    result = Message(
+        role="tool", parts=(ToolResultPart(call_id="c1", content=(TextPart(text="out"),)), TextPart(text="out"))
+    )
+    request = Request(
+        model="m",
+        messages=(
+            Message(role="user", parts=(TextPart(text=_big(900)),)),
+            call,
+            result,
+            Message(role="tool", parts=(TextPart(text="more"),)),
+        ),
+    )
     fitted = await fit_context(request, 100, count, Fit.DROP_OLDEST)
     assert fitted.messages == (call, result, request.messages[-1])
 

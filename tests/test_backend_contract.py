@@ -30,9 +30,19 @@ from meshgate.plugins.settings import Settings
 from meshgate.plugins.vllm import VllmSettings
 from meshgate.protocols.model import InvalidRequest, UnknownModel
 
-TINY_CONFIG = {"model_type": "tinyllama", "hidden_size": 8, "intermediate_size": 16, "num_hidden_layers": 2,
-               "num_attention_heads": 2, "num_key_value_heads": 1, "max_position_embeddings": 256,
-               "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "vocab_size": 32, "torch_dtype": "bfloat16"}
+TINY_CONFIG = {
+    "model_type": "tinyllama",
+    "hidden_size": 8,
+    "intermediate_size": 16,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 2,
+    "num_key_value_heads": 1,
+    "max_position_embeddings": 256,
+    "rms_norm_eps": 1e-5,
+    "rope_theta": 10000.0,
+    "vocab_size": 32,
+    "torch_dtype": "bfloat16",
+}
 
 
 def tiny_checkpoint(path: Path, name: str = "tiny:bf16") -> Path:
@@ -64,7 +74,8 @@ def test_describe_and_context_have_defaults_for_backends_that_do_not_care():
     card = ModelCard(name="m", path="", format="x", family="fam", context_length=2048)
     assert Plain().context(card) == 2048
     assert Plain().describe(card) == ModelDescription(
-        model_info={"general.architecture": "fam", "fam.context_length": 2048})
+        model_info={"general.architecture": "fam", "fam.context_length": 2048}
+    )
     assert Plain().describe(ModelCard(name="m", path="", format="x")) == ModelDescription()
 
 
@@ -92,8 +103,10 @@ def test_a_checkpoint_is_described_from_its_config(tmp_path):
     assert info["tinyllama.feed_forward_length"] == 16 and info["tinyllama.rope.freq_base"] == 10000.0
     assert described.template == "{{ messages[0]['content'] }}"
     gone = msgspec.structs.replace(card, path=str(tmp_path / "gone"))
-    assert describe_checkpoint(gone, 128).model_info == {"general.architecture": "tinyllama",
-                                                         "tinyllama.context_length": 128}
+    assert describe_checkpoint(gone, 128).model_info == {
+        "general.architecture": "tinyllama",
+        "tinyllama.context_length": 128,
+    }
 
 
 # ------------------------------------------------------------------------------------------- the registry
@@ -110,8 +123,13 @@ def test_the_registry_is_neutral_and_keeps_its_bounds(tmp_path):
     registry.put("gone:latest", UserModel(path=str(tmp_path / "gone"), digest="0" * 64, created=1.0))
     registry.put("text:latest", UserModel(path=str(tmp_path / "registry.json"), digest="1" * 64, created=1.0))
     [card] = RegistrySource(registry, read_checkpoint).models()  # only what the reader reads, and still there
-    assert (card.name, card.format, card.digest, card.created, card.source) == ("mine:latest", "safetensors",
-                                                                              "d" * 64, 1.0, "registry")
+    assert (card.name, card.format, card.digest, card.created, card.source) == (
+        "mine:latest",
+        "safetensors",
+        "d" * 64,
+        1.0,
+        "registry",
+    )
 
     class Other:
         name = "other"
@@ -128,30 +146,58 @@ def test_the_registry_is_neutral_and_keeps_its_bounds(tmp_path):
 
 def test_each_runtime_reads_its_own_settings_with_the_same_names():
     core = {f.name for f in msgspec.structs.fields(Settings)}
-    assert not core & {"llama_repack", "exact_batches", "mlx_python", "vllm_python", "vllm_tensor_parallel",
-                       "vllm_pipeline_parallel", "vllm_kv_cache_gib", "vllm_eager"}
-    settings = Settings.from_env({"MESHGATE_LLAMA_REPACK": "1", "MESHGATE_EXACT_BATCHES": "0", "MESHGATE_PORT": "80",
-                                  "MESHGATE_MLX_PYTHON": "/mlx/bin/python", "MESHGATE_VLLM_PYTHON": "/v/bin/python",
-                                  "MESHGATE_VLLM_TENSOR_PARALLEL": "2", "MESHGATE_VLLM_PIPELINE_PARALLEL": "3",
-                                  "MESHGATE_VLLM_KV_CACHE_GIB": "4", "MESHGATE_VLLM_EAGER": "true", "HOME": "/root"})
+    assert not core & {
+        "llama_repack",
+        "exact_batches",
+        "mlx_python",
+        "vllm_python",
+        "vllm_tensor_parallel",
+        "vllm_pipeline_parallel",
+        "vllm_kv_cache_gib",
+        "vllm_eager",
+    }
+    settings = Settings.from_env(
+        {
+            "MESHGATE_LLAMA_REPACK": "1",
+            "MESHGATE_EXACT_BATCHES": "0",
+            "MESHGATE_PORT": "80",
+            "MESHGATE_MLX_PYTHON": "/mlx/bin/python",
+            "MESHGATE_VLLM_PYTHON": "/v/bin/python",
+            "MESHGATE_VLLM_TENSOR_PARALLEL": "2",
+            "MESHGATE_VLLM_PIPELINE_PARALLEL": "3",
+            "MESHGATE_VLLM_KV_CACHE_GIB": "4",
+            "MESHGATE_VLLM_EAGER": "true",
+            "HOME": "/root",
+        }
+    )
     assert settings.port == 80 and "MESHGATE_PORT" not in settings.environ and "HOME" not in settings.environ
     assert LlamaCppSettings.from_settings(settings) == LlamaCppSettings(llama_repack=True, exact_batches=False)
     assert MlxSettings.from_settings(settings).mlx_python == "/mlx/bin/python"
     assert VllmSettings.from_settings(settings) == VllmSettings(
-        vllm_python="/v/bin/python", vllm_tensor_parallel=2, vllm_pipeline_parallel=3, vllm_kv_cache_gib=4,
-        vllm_eager=True)
+        vllm_python="/v/bin/python",
+        vllm_tensor_parallel=2,
+        vllm_pipeline_parallel=3,
+        vllm_kv_cache_gib=4,
+        vllm_eager=True,
+    )
     # unset: the defaults of before; the CLI's overrides keep what the environment gave the plugins
     assert LlamaCppSettings.from_settings(Settings()) == LlamaCppSettings(llama_repack=False, exact_batches=True)
-    assert VllmSettings.from_settings(Settings()) == VllmSettings(vllm_python=None, vllm_tensor_parallel=1,
-                                                                  vllm_pipeline_parallel=1, vllm_kv_cache_gib=1,
-                                                                  vllm_eager=False)
+    assert VllmSettings.from_settings(Settings()) == VllmSettings(
+        vllm_python=None, vllm_tensor_parallel=1, vllm_pipeline_parallel=1, vllm_kv_cache_gib=1, vllm_eager=False
+    )
     assert MlxSettings.from_settings(settings.replace(port=1)).mlx_python == "/mlx/bin/python"
 
 
 async def test_the_vllm_plugin_passes_its_settings_to_its_backend(tmp_path):
-    settings = Settings.from_env({"MESHGATE_VLLM_PYTHON": sys.executable, "MESHGATE_VLLM_TENSOR_PARALLEL": "2",
-                                  "MESHGATE_VLLM_KV_CACHE_GIB": "3", "MESHGATE_LLAMA_REPACK": "1"},
-                                 data_dir=str(tmp_path))
+    settings = Settings.from_env(
+        {
+            "MESHGATE_VLLM_PYTHON": sys.executable,
+            "MESHGATE_VLLM_TENSOR_PARALLEL": "2",
+            "MESHGATE_VLLM_KV_CACHE_GIB": "3",
+            "MESHGATE_LLAMA_REPACK": "1",
+        },
+        data_dir=str(tmp_path),
+    )
     backends: list = []
     pm = build_plugin_manager(settings)
     pm.hook.meshgate_register_backends(register=backends.append, settings=settings, http=None)
@@ -168,8 +214,9 @@ async def plane(tmp_path):
     """A gateway's control plane with the llama.cpp plugin disabled and MLX registered (never launched here)."""
     data = tmp_path / "data"
     tiny_checkpoint(data / "models" / "hf" / "tiny-bf16")
-    settings = Settings.from_env({"MESHGATE_MLX_PYTHON": sys.executable}, data_dir=str(data),
-                                 disabled_plugins=("llama_cpp", "vllm"))
+    settings = Settings.from_env(
+        {"MESHGATE_MLX_PYTHON": sys.executable}, data_dir=str(data), disabled_plugins=("llama_cpp", "vllm")
+    )
     async with control_plane(settings, build_plugin_manager(settings), gateway=True, agent=False) as plane:
         plane.extra["data"] = data
         yield plane
@@ -249,7 +296,6 @@ def test_a_plugin_adds_a_command_and_cannot_take_a_built_in_one(monkeypatch, cap
         def meshgate_register_commands(self, register):
             register("serve", lambda settings, args: 0, help="mine now")
 
-    monkeypatch.setattr(cli, "build_plugin_manager", lambda settings: build_plugin_manager(settings,
-                                                                                           extra=[Greedy()]))
+    monkeypatch.setattr(cli, "build_plugin_manager", lambda settings: build_plugin_manager(settings, extra=[Greedy()]))
     with pytest.raises(ValueError, match="'serve', which is taken"):
         cli.main(["ps"])

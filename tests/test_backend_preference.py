@@ -45,8 +45,11 @@ def _chosen(environ: dict[str, str]) -> tuple[list[str], str, str]:
     async def run() -> tuple[list[str], str, str]:
         async with control_plane(settings, pm, gateway=False, agent=False) as plane:
             choose = pm.hook.meshgate_choose_backend
-            return ([b.name for b in plane.backends], choose(card=SAFETENSORS, backends=plane.backends).name,
-                    choose(card=GGUF, backends=plane.backends).name)
+            return (
+                [b.name for b in plane.backends],
+                choose(card=SAFETENSORS, backends=plane.backends).name,
+                choose(card=GGUF, backends=plane.backends).name,
+            )
 
     return asyncio.run(run())
 

@@ -28,9 +28,17 @@ def test_a_public_bind_without_keys_is_refused(served, host, capsys):
     assert "without API keys" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("args", [["--host", "0.0.0.0", "--api-key", "k"],
-                                  ["--host", "0.0.0.0", "--insecure-no-auth"],
-                                  ["--host", "127.0.0.1"], ["--host", "::1"], ["--host", "localhost"], []])
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["--host", "0.0.0.0", "--api-key", "k"],
+        ["--host", "0.0.0.0", "--insecure-no-auth"],
+        ["--host", "127.0.0.1"],
+        ["--host", "::1"],
+        ["--host", "localhost"],
+        [],
+    ],
+)
 def test_keys_loopback_or_an_explicit_opt_out_serve(served, args):
     assert cli.main(["serve", *args]) == 0
     assert len(served) == 1

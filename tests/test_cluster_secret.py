@@ -77,8 +77,13 @@ CALLS = [("GET", "/health"), ("POST", "/generate"), ("POST", "/tokenize"), ("POS
 
 async def test_a_runner_refuses_every_call_without_the_secret_and_runs_nothing(runner: RunnerProcess) -> None:
     async with httpx.AsyncClient(base_url=url(runner), trust_env=False) as http:
-        for headers in ({}, {"authorization": "Bearer wrong"}, {"authorization": f"Basic {SECRET}"},
-                        {"x-meshgate-secret": SECRET[:-1]}, {"authorization": "Bearer"}):
+        for headers in (
+            {},
+            {"authorization": "Bearer wrong"},
+            {"authorization": f"Basic {SECRET}"},
+            {"x-meshgate-secret": SECRET[:-1]},
+            {"authorization": "Bearer"},
+        ):
             for method, path in CALLS:
                 reply = await http.request(method, path, content=BODY if method == "POST" else None, headers=headers)
                 assert reply.status_code == 401, (method, path, headers, reply.text)
@@ -131,16 +136,18 @@ def test_control_endpoints_demand_the_secret_of_their_environment(monkeypatch: p
             assert http.get("/ring").status_code == 401
             assert http.post("/join", json={"rank": 1}, headers={"authorization": "Bearer no"}).status_code == 401
             assert http.get("/ring", headers={"authorization": f"Bearer {SECRET}"}).json() == {"ok": True}
-            assert http.post("/join", json={"rank": 1}, headers={"x-meshgate-secret": SECRET}).json() == \
-                {"joined": {"rank": 1}}
+            assert http.post("/join", json={"rank": 1}, headers={"x-meshgate-secret": SECRET}).json() == {
+                "joined": {"rank": 1}
+            }
     finally:
         server.shutdown()
         server.server_close()
 
 
 async def _agent(store: StateStore, name: str, secret: str | None) -> NodeAgent:
-    agent = NodeAgent(store, [], lambda model: None, choose=lambda **_: None, name=name, flops=1e9,
-                      probe_bytes=1 << 20, secret=secret)  # type: ignore[arg-type]
+    agent = NodeAgent(
+        store, [], lambda model: None, choose=lambda **_: None, name=name, flops=1e9, probe_bytes=1 << 20, secret=secret
+    )  # type: ignore[arg-type]
     await agent.start()
     return agent
 

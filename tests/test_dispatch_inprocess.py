@@ -28,10 +28,12 @@ def _request(text: str, **extra) -> Request:
 
 @pytest.fixture
 async def plane(tmp_path):
-    settings = Settings(data_dir=str(tmp_path), disabled_plugins=("llama_cpp", "mlx", "vllm"), parallel=1,
-                        max_queue=1, agent_port=0)
-    async with control_plane(settings, build_plugin_manager(settings, extra=[scripted_plugin]),
-                             gateway=True, agent=True) as plane:
+    settings = Settings(
+        data_dir=str(tmp_path), disabled_plugins=("llama_cpp", "mlx", "vllm"), parallel=1, max_queue=1, agent_port=0
+    )
+    async with control_plane(
+        settings, build_plugin_manager(settings, extra=[scripted_plugin]), gateway=True, agent=True
+    ) as plane:
         yield plane
 
 

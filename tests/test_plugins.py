@@ -58,8 +58,20 @@ def test_choose_backend_policy_is_a_hook_with_a_default():
 def echo_site(tmp_path_factory):
     """The example plugin, pip-installed into its own target directory (its entry point included)."""
     target = tmp_path_factory.mktemp("echo-site")
-    subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--no-deps",
-                    "--target", str(target), str(ROOT / "examples" / "meshgate-echo")], check=True)
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "install",
+            "--quiet",
+            "--no-deps",
+            "--target",
+            str(target),
+            str(ROOT / "examples" / "meshgate-echo"),
+        ],
+        check=True,
+    )
     return target
 
 
@@ -71,8 +83,9 @@ def test_pip_installed_example_plugin_is_found_and_serves(echo_site, data_dir):
         assert "echo:latest" in [m.id for m in client.models.list()]
         reply = client.chat.completions.create(model="echo", messages=[{"role": "user", "content": "one two three"}])
         assert reply.choices[0].message.content == "one two three"
-        short = client.chat.completions.create(model="echo:latest", max_tokens=2,
-                                               messages=[{"role": "user", "content": "one two three"}])
+        short = client.chat.completions.create(
+            model="echo:latest", max_tokens=2, messages=[{"role": "user", "content": "one two three"}]
+        )
         assert (short.choices[0].message.content, short.choices[0].finish_reason) == ("one two", "length")
         with pytest.raises(openai.BadRequestError, match="does not support embeddings"):  # no embeddings capability
             client.embeddings.create(model="echo", input="one two three")

@@ -16,8 +16,8 @@ from meshgate.backends.runner.server import RunnerApp
 from meshgate.protocols.model import (
     BackendProtocolError,
     BackendUnavailable,
-    EmbedRequest,
     Embeddings,
+    EmbedRequest,
     GatewayError,
     InvalidRequest,
     UnsupportedFeature,
@@ -68,11 +68,14 @@ def test_embeddings_cross_the_runner_hop():
     assert engine.seen == [REQUEST]
 
 
-@pytest.mark.parametrize(("raised", "expected", "param"), [
-    (InvalidRequest("dimensions too large", param="dimensions"), InvalidRequest, "dimensions"),
-    (ValueError("tokenizer said no"), InvalidRequest, None),
-    (RuntimeError("llama_decode returned -1"), GatewayError, None),
-])
+@pytest.mark.parametrize(
+    ("raised", "expected", "param"),
+    [
+        (InvalidRequest("dimensions too large", param="dimensions"), InvalidRequest, "dimensions"),
+        (ValueError("tokenizer said no"), InvalidRequest, None),
+        (RuntimeError("llama_decode returned -1"), GatewayError, None),
+    ],
+)
 def test_engine_errors_become_the_same_gateway_error(raised, expected, param):
     with pytest.raises(expected) as exc:
         embed_through(RunnerApp(Engine(raised)))

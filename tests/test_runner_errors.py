@@ -29,17 +29,26 @@ REQUEST = Request(model="m", raw_prompt="hi", stream=True)
 _URL = httpx.Request("POST", "http://runner/x")
 
 
-@pytest.mark.parametrize(("raised", "mapped", "message"), [
-    (httpx.ReadTimeout("timed out", request=_URL), BackendTimeout, "vLLM did not answer in time (ReadTimeout)"),
-    (httpx.ConnectTimeout("", request=_URL), BackendTimeout, "vLLM did not answer in time (ConnectTimeout)"),
-    (httpx.ConnectError("refused", request=_URL), BackendUnavailable, "lost the connection to vLLM: refused"),
-    (httpx.ReadError("", request=_URL), BackendUnavailable, "lost the connection to vLLM: ReadError"),
-    (httpx.RemoteProtocolError("peer closed", request=_URL), BackendUnavailable,
-     "lost the connection to vLLM: peer closed"),
-    (ConnectionRefusedError(111, "Connection refused"), BackendUnavailable,
-     "lost the connection to vLLM: [Errno 111] Connection refused"),
-    (TimeoutError(), BackendTimeout, "no connection to vLLM within 2.5s"),
-])
+@pytest.mark.parametrize(
+    ("raised", "mapped", "message"),
+    [
+        (httpx.ReadTimeout("timed out", request=_URL), BackendTimeout, "vLLM did not answer in time (ReadTimeout)"),
+        (httpx.ConnectTimeout("", request=_URL), BackendTimeout, "vLLM did not answer in time (ConnectTimeout)"),
+        (httpx.ConnectError("refused", request=_URL), BackendUnavailable, "lost the connection to vLLM: refused"),
+        (httpx.ReadError("", request=_URL), BackendUnavailable, "lost the connection to vLLM: ReadError"),
+        (
+            httpx.RemoteProtocolError("peer closed", request=_URL),
+            BackendUnavailable,
+            "lost the connection to vLLM: peer closed",
+        ),
+        (
+            ConnectionRefusedError(111, "Connection refused"),
+            BackendUnavailable,
+            "lost the connection to vLLM: [Errno 111] Connection refused",
+        ),
+        (TimeoutError(), BackendTimeout, "no connection to vLLM within 2.5s"),
+    ],
+)
 def test_each_transport_failure_maps_to_one_gateway_error(raised, mapped, message) -> None:
     with pytest.raises(mapped) as exc, mapped_transport_errors("vLLM", connect_timeout=2.5):
         raise raised
@@ -70,6 +79,7 @@ def _http(failure: Exception | int) -> httpx.AsyncClient:
         if isinstance(failure, Exception):
             raise failure
         return httpx.Response(failure, content=b"{}")
+
     return httpx.AsyncClient(transport=httpx.MockTransport(handle))
 
 
@@ -91,11 +101,14 @@ async def test_vllm_count_tokens_raises_the_mapped_error() -> None:
             await VllmRunner("http://vllm", "m", http).count_tokens(REQUEST)
 
 
-@pytest.mark.parametrize(("failure", "mapped"), [
-    (httpx.WriteError("broken pipe", request=_URL), BackendUnavailable),
-    (httpx.PoolTimeout("", request=_URL), BackendTimeout),
-    (401, BackendProtocolError),
-])
+@pytest.mark.parametrize(
+    ("failure", "mapped"),
+    [
+        (httpx.WriteError("broken pipe", request=_URL), BackendUnavailable),
+        (httpx.PoolTimeout("", request=_URL), BackendTimeout),
+        (401, BackendProtocolError),
+    ],
+)
 async def test_runner_client_unary_calls_raise_the_mapped_error(failure, mapped) -> None:
     async with _http(failure) as http:
         client = RunnerClient("http://runner", http, secret="s")

@@ -30,8 +30,13 @@ from tests.conftest import free_port
 
 REQUEST = Request(model="m", raw_prompt="hi", stream=True)
 HEAD = b"HTTP/1.1 200 OK\r\ncontent-type: application/x-ndjson\r\ntransfer-encoding: chunked\r\n\r\n"
-EVENTS: list[Event] = [Usage(prompt_tokens=2), TextDelta(text="Hel"), TextDelta(text="lo\n"),
-                       Usage(prompt_tokens=2, completion_tokens=2), Finished(reason="stop")]
+EVENTS: list[Event] = [
+    Usage(prompt_tokens=2),
+    TextDelta(text="Hel"),
+    TextDelta(text="lo\n"),
+    Usage(prompt_tokens=2, completion_tokens=2),
+    Finished(reason="stop"),
+]
 LINES = [msgspec.json.encode(e) + b"\n" for e in EVENTS]
 
 Script = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
@@ -43,7 +48,9 @@ def chunk(data: bytes) -> bytes:
 
 async def read_request(reader: asyncio.StreamReader) -> bytes:
     head = await reader.readuntil(b"\r\n\r\n")
-    length = next(int(line.split(b":")[1]) for line in head.split(b"\r\n") if line.lower().startswith(b"content-length"))
+    length = next(
+        int(line.split(b":")[1]) for line in head.split(b"\r\n") if line.lower().startswith(b"content-length")
+    )
     return head + await reader.readexactly(length)
 
 
@@ -88,7 +95,7 @@ async def test_events_arrive_whole_however_the_bytes_are_cut():
     async def byte_by_byte(reader, writer):
         await writes(writer, HEAD)
         for i in range(0, len(body), 7):  # lines, chunk headers and CRLFs all cut mid-way
-            await writes(writer, body[i:i + 7])
+            await writes(writer, body[i : i + 7])
         await writes(writer, b"0\r\n\r\n")
 
     runner = Runner(byte_by_byte)
@@ -112,6 +119,7 @@ async def test_lines_split_across_chunks_and_many_in_one():
 
 async def test_what_arrived_together_is_read_in_one_step():
     """A batched runner's lines, written at once, come out of ``post_stream`` as one item."""
+
     async def together(reader, writer):
         await writes(writer, HEAD + chunk(LINES[0]))
         await writes(writer, chunk(LINES[1]) + chunk(LINES[2]) + chunk(LINES[3]))
@@ -124,7 +132,7 @@ async def test_what_arrived_together_is_read_in_one_step():
 
 async def test_a_status_other_than_200_is_a_protocol_error_with_the_body():
     async def refuse(reader, writer):
-        await writes(writer, b"HTTP/1.1 400 Bad Request\r\ncontent-length: 21\r\n\r\n{\"error\":\"bad input\"}")
+        await writes(writer, b'HTTP/1.1 400 Bad Request\r\ncontent-length: 21\r\n\r\n{"error":"bad input"}')
 
     async with Runner(refuse) as url:
         [failed] = await events_from(url)

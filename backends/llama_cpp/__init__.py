@@ -22,7 +22,7 @@ from meshgate.backends.placement import Candidate, ModelSpec, Shard, ShardCosts,
 from meshgate.backends.runner.client import RunnerClient
 from meshgate.backends.runner.net import url_host
 from meshgate.backends.runner.process import RunnerProcess
-from meshgate.protocols.model import EmbedRequest, Embeddings, Event, Request
+from meshgate.protocols.model import Embeddings, EmbedRequest, Event, Request
 
 __all__ = ["GEMMA_TEMPLATE", "LaunchedRunner", "LlamaCppBackend", "LlamaCppRunner", "describe_gguf", "spec_from_gguf"]
 
@@ -30,10 +30,10 @@ __all__ = ["GEMMA_TEMPLATE", "LaunchedRunner", "LlamaCppBackend", "LlamaCppRunne
 GEMMA_TEMPLATE = (
     "{{- range $i, $_ := .Messages }}\n"
     "{{- $last := eq (len (slice $.Messages $i)) 1 }}\n"
-    "{{- if or (eq .Role \"user\") (eq .Role \"system\") }}<start_of_turn>user\n"
+    '{{- if or (eq .Role "user") (eq .Role "system") }}<start_of_turn>user\n'
     "{{ .Content }}<end_of_turn>\n"
     "{{ if $last }}<start_of_turn>model\n{{ end }}\n"
-    "{{- else if eq .Role \"assistant\" }}<start_of_turn>model\n"
+    '{{- else if eq .Role "assistant" }}<start_of_turn>model\n'
     "{{ .Content }}{{ if not $last }}<end_of_turn>\n{{ end }}\n"
     "{{- end }}\n"
     "{{- end }}"
@@ -88,9 +88,19 @@ class LlamaCppBackend(Backend):
 
     name = "llama_cpp"
 
-    def __init__(self, http: httpx.AsyncClient, *, python: str | None = None, n_ctx: int = 4096,
-                 threads: int | None = None, ready_timeout: float = 120.0, cache_dir: str | None = None,
-                 repack: bool = False, parallel: int = 4, exact: bool = True) -> None:
+    def __init__(
+        self,
+        http: httpx.AsyncClient,
+        *,
+        python: str | None = None,
+        n_ctx: int = 4096,
+        threads: int | None = None,
+        ready_timeout: float = 120.0,
+        cache_dir: str | None = None,
+        repack: bool = False,
+        parallel: int = 4,
+        exact: bool = True,
+    ) -> None:
         self.http = http
         self.python = python or sys.executable
         self.n_ctx = n_ctx
@@ -115,8 +125,13 @@ class LlamaCppBackend(Backend):
         # ~55 MiB resident, the head runner (Python, its HTTP server, CPU buffers) ~70 MiB more; compute grows ~23 KiB
         # per context token; a split holds a second copy of a tied embedding as the output layer on its last
         # worker, while the head keeps the input embedding (file-backed pages of the GGUF).
-        return ShardCosts(base_bytes=55 * MiB, head_bytes=70 * MiB, per_token_bytes=23 << 10,
-                          tied_output_copy=True, sequences=self.parallel)
+        return ShardCosts(
+            base_bytes=55 * MiB,
+            head_bytes=70 * MiB,
+            per_token_bytes=23 << 10,
+            tied_output_copy=True,
+            sequences=self.parallel,
+        )
 
     def context(self, card: ModelCard) -> int:
         return min(self.n_ctx, card.context_length or self.n_ctx)
@@ -127,22 +142,38 @@ class LlamaCppBackend(Backend):
     def spec(self, card: ModelCard) -> ModelSpec:
         return spec_from_gguf(card.name, card.path)
 
-    async def launch(self, card: ModelCard, placement: Candidate, shard: Shard, *, host: str,
-                     peers: Peers) -> LaunchedRunner:
+    async def launch(
+        self, card: ModelCard, placement: Candidate, shard: Shard, *, host: str, peers: Peers
+    ) -> LaunchedRunner:
         if shard.layer_start != 0:
             return await self._worker(card, host)
         shards: list[tuple[str | None, int, int]] = [(None, shard.layer_start, shard.layer_end)]
         if len(placement.shards) > 1:
             urls = await peers()
-            shards += [(urls[s.node_id].removeprefix("rpc://"), s.layer_start, s.layer_end)
-                       for s in placement.shards if s.layer_start != 0]
-        argv = [self.python, "-m", "meshgate.backends.llama_cpp.runner", "--model", card.path, "--host", host,
-                "--n-ctx", str(placement.context or self.context(card)), "--shards", json.dumps(shards)]
+            shards += [
+                (urls[s.node_id].removeprefix("rpc://"), s.layer_start, s.layer_end)
+                for s in placement.shards
+                if s.layer_start != 0
+            ]
+        argv = [
+            self.python,
+            "-m",
+            "meshgate.backends.llama_cpp.runner",
+            "--model",
+            card.path,
+            "--host",
+            host,
+            "--n-ctx",
+            str(placement.context or self.context(card)),
+            "--shards",
+            json.dumps(shards),
+        ]
         argv += ["--threads", str(self.threads)] if self.threads else []
         argv += ["--repack"] if self.repack else []
         argv += ["--parallel", str(self.parallel)] + ([] if self.exact else ["--inexact"])
-        process = await RunnerProcess.start(argv, name=card.name, ready_timeout=self.ready_timeout,
-                                            env={"GGML_NO_BACKTRACE": "1"})
+        process = await RunnerProcess.start(
+            argv, name=card.name, ready_timeout=self.ready_timeout, env={"GGML_NO_BACKTRACE": "1"}
+        )
         return LaunchedRunner(process, host)
 
     async def _worker(self, card: ModelCard, host: str) -> LaunchedRunner:
@@ -188,7 +219,10 @@ def spec_from_gguf(name: str, path: str) -> ModelSpec:
     layer_total = sum(v for k, v in sizes.items() if k.startswith("blk."))
     output = sizes.get("output.weight", 0)
     return ModelSpec(
-        name=name, n_layers=n_layers, hidden_size=hidden, n_heads=n_heads,
+        name=name,
+        n_layers=n_layers,
+        hidden_size=hidden,
+        n_heads=n_heads,
         n_kv_heads=int(meta.get(f"{arch}.attention.head_count_kv", n_heads)),
         head_dim=int(meta.get(f"{arch}.attention.key_length", hidden // max(n_heads, 1))),
         context_length=int(meta.get(f"{arch}.context_length", 2048)),

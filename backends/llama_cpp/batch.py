@@ -92,8 +92,16 @@ class _Slot:
 class Scheduler:
     """Runs jobs in ``parallel`` slots of one context; ``submit`` from any thread, ``run`` on its own."""
 
-    def __init__(self, model: Any, *, n_ctx: int, parallel: int, n_threads: int,
-                 is_eog: Callable[[int], bool], group: int = DECODE_GROUP) -> None:
+    def __init__(
+        self,
+        model: Any,
+        *,
+        n_ctx: int,
+        parallel: int,
+        n_threads: int,
+        is_eog: Callable[[int], bool],
+        group: int = DECODE_GROUP,
+    ) -> None:
         import llama_cpp as lib
 
         self._lib = lib
@@ -132,8 +140,14 @@ class Scheduler:
 
     def stats(self) -> dict[str, int]:
         active = sum(slot.job is not None for slot in self.slots)
-        return {"slots": self.parallel, "active_sequences": active, "waiting": len(self.waiting),
-                "steps": self.steps, "widest_batch": self.widest, "reused_tokens": self.reused}
+        return {
+            "slots": self.parallel,
+            "active_sequences": active,
+            "waiting": len(self.waiting),
+            "steps": self.steps,
+            "widest_batch": self.widest,
+            "reused_tokens": self.reused,
+        }
 
     def close(self) -> None:
         with self._wake:
@@ -292,4 +306,3 @@ def _common(a: list[int], b: list[int]) -> int:
     while i < n and a[i] == b[i]:
         i += 1
     return i
-

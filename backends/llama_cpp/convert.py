@@ -39,11 +39,19 @@ CONVERTER_VERSION = 1  # in meshgate.json; bump when the output changes, so cach
 DTYPES = {"bfloat16": "bf16", "float16": "f16", "float32": "f32"}
 
 _BLOCK = {
-    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj", "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
-    "attn_norm": "input_layernorm", "post_attention_norm": "post_attention_layernorm",
-    "ffn_norm": "pre_feedforward_layernorm", "post_ffw_norm": "post_feedforward_layernorm",
-    "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "attn_norm": "input_layernorm",
+    "post_attention_norm": "post_attention_layernorm",
+    "ffn_norm": "pre_feedforward_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
 }
 _TOP = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 _BLOCK_NAME = re.compile(r"blk\.(\d+)\.(\w+)\.weight")
@@ -144,7 +152,7 @@ def _dequantized(tensor: Any, shift: float):
         return
     rows = max(1, _CHUNK_BYTES // max(1, data[0].nbytes))
     for start in range(0, data.shape[0], rows):
-        block = dequantize(np.ascontiguousarray(data[start:start + rows]), tensor.tensor_type)
+        block = dequantize(np.ascontiguousarray(data[start : start + rows]), tensor.tensor_type)
         yield (block - np.float32(shift)) if shift else block
 
 
@@ -156,8 +164,9 @@ def _special_ids(tokens: list[str], eos_id: int | None) -> list[int]:
     return ids
 
 
-def convert(gguf_path: str | os.PathLike, out_dir: str | os.PathLike, *, dtype: str = "bfloat16",
-            name: str | None = None) -> Path:
+def convert(
+    gguf_path: str | os.PathLike, out_dir: str | os.PathLike, *, dtype: str = "bfloat16", name: str | None = None
+) -> Path:
     """Write the Hugging Face checkpoint of ``gguf_path`` to ``out_dir`` (replacing one there); returns it."""
     from gguf import GGUFReader
 
@@ -190,27 +199,56 @@ def convert(gguf_path: str | os.PathLike, out_dir: str | os.PathLike, *, dtype: 
                 for block in _dequantized(tensor, shift):
                     writer.write(f, hname, block)
             writer.finish(f)
-        _dump(partial / "model.safetensors.index.json",
-              {"metadata": {"total_size": writer.total_bytes},
-               "weight_map": {hname: "model.safetensors" for hname, _, _ in sorted(plan)}})
+        _dump(
+            partial / "model.safetensors.index.json",
+            {
+                "metadata": {"total_size": writer.total_bytes},
+                "weight_map": {hname: "model.safetensors" for hname, _, _ in sorted(plan)},
+            },
+        )
         _dump(partial / "config.json", config)
         eos = config["eos_token_id"]
-        _dump(partial / "generation_config.json",
-              {"bos_token_id": config["bos_token_id"], "eos_token_id": _special_ids(tokens, eos),
-               "pad_token_id": config["pad_token_id"], "do_sample": False})
+        _dump(
+            partial / "generation_config.json",
+            {
+                "bos_token_id": config["bos_token_id"],
+                "eos_token_id": _special_ids(tokens, eos),
+                "pad_token_id": config["pad_token_id"],
+                "do_sample": False,
+            },
+        )
         scores = [float(s) for s in fields["tokenizer.ggml.scores"].contents()]
         types = [int(t) for t in fields["tokenizer.ggml.token_type"].contents()]
         bos_id, unk_id = meta.get("tokenizer.ggml.bos_token_id"), meta.get("tokenizer.ggml.unknown_token_id")
-        _dump(partial / "tokenizer.json",
-              tokenizer_json(tokens, scores, types, bos_id=bos_id, unk_id=unk_id,
-                             add_bos=bool(meta.get("tokenizer.ggml.add_bos_token", True))), indent=None)
-        _dump(partial / "tokenizer_config.json",
-              tokenizer_config(tokens, meta, context=config["max_position_embeddings"],
-                               chat_template=GEMMA_CHAT_TEMPLATE))  # what the llama.cpp runner renders
-        _dump(partial / MESHGATE_FILE,
-              {"name": name or out.name, "source": str(Path(gguf_path).resolve()), "dtype": dtype,
-               "parameter_size": str(meta.get("general.size_label", "")), "converted_at": time.time(),
-               "converter": CONVERTER_VERSION})
+        _dump(
+            partial / "tokenizer.json",
+            tokenizer_json(
+                tokens,
+                scores,
+                types,
+                bos_id=bos_id,
+                unk_id=unk_id,
+                add_bos=bool(meta.get("tokenizer.ggml.add_bos_token", True)),
+            ),
+            indent=None,
+        )
+        _dump(
+            partial / "tokenizer_config.json",
+            tokenizer_config(
+                tokens, meta, context=config["max_position_embeddings"], chat_template=GEMMA_CHAT_TEMPLATE
+            ),
+        )  # what the llama.cpp runner renders
+        _dump(
+            partial / MESHGATE_FILE,
+            {
+                "name": name or out.name,
+                "source": str(Path(gguf_path).resolve()),
+                "dtype": dtype,
+                "parameter_size": str(meta.get("general.size_label", "")),
+                "converted_at": time.time(),
+                "converter": CONVERTER_VERSION,
+            },
+        )
         if out.exists():
             shutil.rmtree(out)
         partial.rename(out)

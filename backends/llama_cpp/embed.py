@@ -37,7 +37,7 @@ from typing import Any
 
 import numpy as np
 
-from meshgate.protocols.model import EmbedRequest, Embeddings, GatewayError, InvalidRequest
+from meshgate.protocols.model import Embeddings, EmbedRequest, GatewayError, InvalidRequest
 
 __all__ = ["LOGITS_BUDGET", "Embedder", "finish_vector"]
 
@@ -90,8 +90,10 @@ class Embedder:
     def embed(self, request: EmbedRequest, cancel: threading.Event | None = None) -> Embeddings:
         """The request's vectors; stops between two decodes once ``cancel`` is set (raising ``GatewayError``)."""
         if request.dimensions is not None and not 0 < request.dimensions <= self.n_embd:
-            raise InvalidRequest(f"dimensions must be between 1 and the model's embedding size {self.n_embd}, "
-                                 f"got {request.dimensions}", param="dimensions")
+            raise InvalidRequest(
+                f"dimensions must be between 1 and the model's embedding size {self.n_embd}, got {request.dimensions}",
+                param="dimensions",
+            )
         token_lists = [self._tokens(item, i, request.truncate) for i, item in enumerate(request.inputs)]
         vectors = tuple(finish_vector(self._pooled(tokens, cancel), request.dimensions) for tokens in token_lists)
         return Embeddings(vectors=vectors, prompt_tokens=sum(map(len, token_lists)))
@@ -103,14 +105,16 @@ class Embedder:
             tokens = list(item)
             bad = next((t for t in tokens if not 0 <= t < self.n_vocab), None)
             if bad is not None:
-                raise InvalidRequest(f"input {index} has token id {bad}, outside the vocabulary "
-                                     f"(0..{self.n_vocab - 1})", param="input")
+                raise InvalidRequest(
+                    f"input {index} has token id {bad}, outside the vocabulary (0..{self.n_vocab - 1})", param="input"
+                )
         if not tokens:
             raise InvalidRequest(f"input {index} is empty", param="input")
         if len(tokens) > self.n_ctx:
             if not truncate:
-                raise InvalidRequest(f"input {index} has {len(tokens)} tokens but the context holds {self.n_ctx}",
-                                     param="input")
+                raise InvalidRequest(
+                    f"input {index} has {len(tokens)} tokens but the context holds {self.n_ctx}", param="input"
+                )
             tokens = tokens[: self.n_ctx]
         return tokens
 

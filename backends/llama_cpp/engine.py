@@ -26,10 +26,18 @@ from typing import Any
 import msgspec
 import numpy as np
 
+from meshgate.backends.llama_cpp.batch import DECODE_GROUP, Job, Scheduler
+from meshgate.backends.llama_cpp.embed import Embedder
+from meshgate.backends.llama_cpp.grammar import schema_grammar
+from meshgate.backends.llama_cpp.logprobs import LogprobAligner, token_logprob
+from meshgate.backends.llama_cpp.prompt import render_prompt
+from meshgate.backends.llama_cpp.sampling import GrammarStuck, Sampler
+from meshgate.backends.llama_cpp.tools import CallGate, call_mode, call_schema
+from meshgate.backends.runner.stops import StopMatcher
 from meshgate.protocols.model import (
     UNSET,
-    EmbedRequest,
     Embeddings,
+    EmbedRequest,
     Event,
     Finished,
     GatewayError,
@@ -39,19 +47,18 @@ from meshgate.protocols.model import (
     Unprocessable,
     Usage,
 )
-from meshgate.backends.llama_cpp.batch import DECODE_GROUP, Job, Scheduler
-from meshgate.backends.llama_cpp.embed import Embedder
-from meshgate.backends.llama_cpp.logprobs import LogprobAligner, token_logprob
-from meshgate.backends.llama_cpp.grammar import schema_grammar
-from meshgate.backends.llama_cpp.sampling import GrammarStuck, Sampler
-from meshgate.backends.llama_cpp.prompt import render_prompt
-from meshgate.backends.runner.stops import StopMatcher
-from meshgate.backends.llama_cpp.tools import CallGate, call_mode, call_schema
 
 __all__ = ["LlamaEngine", "StopMatcher"]  # StopMatcher re-exported from backends.runner.stops
 
-_DEFAULTS = {"temperature": 0.8, "top_p": 0.95, "top_k": 40, "min_p": 0.05, "repeat_penalty": 1.0,
-             "presence_penalty": 0.0, "frequency_penalty": 0.0}
+_DEFAULTS = {
+    "temperature": 0.8,
+    "top_p": 0.95,
+    "top_k": 40,
+    "min_p": 0.05,
+    "repeat_penalty": 1.0,
+    "presence_penalty": 0.0,
+    "frequency_penalty": 0.0,
+}
 
 
 def _value(sampling: Any, name: str) -> Any:
@@ -72,9 +79,17 @@ PARALLEL = 4
 class LlamaEngine:
     """One GGUF loaded with llama-cpp-python, generating for up to ``parallel`` requests at once."""
 
-    def __init__(self, path: str, *, n_ctx: int = 4096, n_threads: int | None = None,
-                 shards: Sequence[tuple[str | None, int, int]] = (), repack: bool = False,
-                 parallel: int = PARALLEL, exact: bool = True) -> None:
+    def __init__(
+        self,
+        path: str,
+        *,
+        n_ctx: int = 4096,
+        n_threads: int | None = None,
+        shards: Sequence[tuple[str | None, int, int]] = (),
+        repack: bool = False,
+        parallel: int = PARALLEL,
+        exact: bool = True,
+    ) -> None:
         """Load ``path``; with ``shards`` (``(endpoint or None for local, layer_start, layer_end)`` in pipeline
         order) the blocks are split over llama.cpp RPC workers. ``repack`` lets llama.cpp repack CPU weights
         (faster on some CPUs, but different numerics from a split run). Each of the ``parallel`` sequences holds
@@ -96,12 +111,25 @@ class LlamaEngine:
         threads = n_threads or os.cpu_count() or 1
         with weight_repacking(repack):
             # The model, its tokenizer and metadata; its own context is a token one: the scheduler's decodes.
-            self.llm = llama_cpp.Llama(model_path=path, n_ctx=64, n_batch=64, n_threads=threads,
-                                       n_threads_batch=threads, verbose=False, **split)
+            self.llm = llama_cpp.Llama(
+                model_path=path,
+                n_ctx=64,
+                n_batch=64,
+                n_threads=threads,
+                n_threads_batch=threads,
+                verbose=False,
+                **split,
+            )
         self.n_ctx = n_ctx
         self.parallel = max(1, parallel)
-        self.scheduler = Scheduler(self.llm._model.model, n_ctx=n_ctx, parallel=self.parallel, n_threads=threads,
-                                   is_eog=self._is_eog, group=DECODE_GROUP if exact else self.parallel)
+        self.scheduler = Scheduler(
+            self.llm._model.model,
+            n_ctx=n_ctx,
+            parallel=self.parallel,
+            n_threads=threads,
+            is_eog=self._is_eog,
+            group=DECODE_GROUP if exact else self.parallel,
+        )
         threading.Thread(target=self.scheduler.run, name="llama-scheduler", daemon=True).start()
         self.load_ns = time.perf_counter_ns() - started
         self.path = path
@@ -113,8 +141,13 @@ class LlamaEngine:
         self._embed_lock = threading.Lock()
 
     def health(self) -> dict[str, Any]:
-        return {"status": "ok", "model": self.path, "n_ctx": self.n_ctx, "family": self.family,
-                **self.scheduler.stats()}
+        return {
+            "status": "ok",
+            "model": self.path,
+            "n_ctx": self.n_ctx,
+            "family": self.family,
+            **self.scheduler.stats(),
+        }
 
     def embed(self, request: EmbedRequest, cancel: threading.Event) -> Embeddings:
         """Mean-pooled unit vectors from a second, embedding-mode context made on the first call (``embed.py``);
@@ -145,8 +178,9 @@ class LlamaEngine:
         tokens = self.tokenize(request)
         n_ctx = self.n_ctx
         if len(tokens) >= n_ctx:
-            raise RequestTooLarge(f"the prompt has {len(tokens)} tokens but the context holds {n_ctx}; "
-                                  "shorten the conversation")
+            raise RequestTooLarge(
+                f"the prompt has {len(tokens)} tokens but the context holds {n_ctx}; shorten the conversation"
+            )
         room = n_ctx - len(tokens)
         limit = room if request.max_tokens is None else min(request.max_tokens, room)
         if limit < 1:
@@ -156,7 +190,8 @@ class LlamaEngine:
         if request.logprobs:
             top_n, n_vocab = request.top_logprobs, self.llm.n_vocab()
             job.logprob = lambda row, token: token_logprob(
-                self.llm, np.ctypeslib.as_array(row, shape=(n_vocab,)), token, top_n)
+                self.llm, np.ctypeslib.as_array(row, shape=(n_vocab,)), token, top_n
+            )
         yield Usage(prompt_tokens=len(tokens), load_ns=load_ns)
         started = time.perf_counter_ns()
         self.scheduler.submit(job)
@@ -165,8 +200,9 @@ class LlamaEngine:
         finally:
             job.done.set()
 
-    def _events(self, job: Job, request: Request, n_prompt: int, load_ns: int, started: int,
-                cancel: threading.Event) -> Iterator[Event]:
+    def _events(
+        self, job: Job, request: Request, n_prompt: int, load_ns: int, started: int, cancel: threading.Event
+    ) -> Iterator[Event]:
         """The job's tokens as events, on the request's thread."""
         stopper = StopMatcher(request.stop)
         gate = CallGate(request)
@@ -216,8 +252,13 @@ class LlamaEngine:
         yield from held
         ended = time.perf_counter_ns()
         first = first_token_at or ended
-        yield Usage(prompt_tokens=n_prompt, completion_tokens=count, load_ns=load_ns,
-                    prompt_ns=first - started, eval_ns=ended - first)
+        yield Usage(
+            prompt_tokens=n_prompt,
+            completion_tokens=count,
+            load_ns=load_ns,
+            prompt_ns=first - started,
+            eval_ns=ended - first,
+        )
         yield finish
 
     def _sampler(self, request: Request) -> Sampler:
@@ -226,12 +267,19 @@ class LlamaEngine:
         if _value(s, "repeat_penalty") <= 0:  # llama.cpp divides logits by it: inf, then NaN probabilities
             raise InvalidRequest("repeat_penalty must be greater than 0 (1 is no penalty)", param="repeat_penalty")
         try:
-            return Sampler(self.llm._model.vocab, self.llm.n_vocab(), temp=_value(s, "temperature"),
-                           top_k=_value(s, "top_k"), top_p=_value(s, "top_p"), min_p=_value(s, "min_p"),
-                           repeat_penalty=_value(s, "repeat_penalty"),
-                           presence_penalty=_value(s, "presence_penalty"),
-                           frequency_penalty=_value(s, "frequency_penalty"), seed=seed,
-                           grammar=self._grammar(request))
+            return Sampler(
+                self.llm._model.vocab,
+                self.llm.n_vocab(),
+                temp=_value(s, "temperature"),
+                top_k=_value(s, "top_k"),
+                top_p=_value(s, "top_p"),
+                min_p=_value(s, "min_p"),
+                repeat_penalty=_value(s, "repeat_penalty"),
+                presence_penalty=_value(s, "presence_penalty"),
+                frequency_penalty=_value(s, "frequency_penalty"),
+                seed=seed,
+                grammar=self._grammar(request),
+            )
         except ValueError as exc:
             raise InvalidRequest(str(exc)) from exc
 
@@ -245,6 +293,7 @@ class LlamaEngine:
 
         if forced or (fmt.kind == "json_schema" and fmt.schema):
             schema = call_schema(request) if forced else fmt.schema
+            assert schema is not None  # tested just above
             what = "the tools' parameter schemas" if forced else "the response format's JSON schema"
             return schema_grammar(schema, what), LLAMA_GRAMMAR_DEFAULT_ROOT  # checked and escaped (grammar.py)
         return JSON_GBNF, LLAMA_GRAMMAR_DEFAULT_ROOT

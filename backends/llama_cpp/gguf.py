@@ -15,9 +15,25 @@ _SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<
 _STRING, _ARRAY = 8, 9
 
 # general.file_type values (llama_ftype) for the quantizations people meet.
-FILE_TYPES = {0: "F32", 1: "F16", 2: "Q4_0", 3: "Q4_1", 7: "Q8_0", 8: "Q5_0", 9: "Q5_1", 10: "Q2_K",
-              11: "Q3_K_S", 12: "Q3_K_M", 13: "Q3_K_L", 14: "Q4_K_S", 15: "Q4_K_M", 16: "Q5_K_S",
-              17: "Q5_K_M", 18: "Q6_K", 32: "BF16"}
+FILE_TYPES = {
+    0: "F32",
+    1: "F16",
+    2: "Q4_0",
+    3: "Q4_1",
+    7: "Q8_0",
+    8: "Q5_0",
+    9: "Q5_1",
+    10: "Q2_K",
+    11: "Q3_K_S",
+    12: "Q3_K_M",
+    13: "Q3_K_L",
+    14: "Q4_K_S",
+    15: "Q4_K_M",
+    16: "Q5_K_S",
+    17: "Q5_K_M",
+    18: "Q6_K",
+    32: "BF16",
+}
 
 
 def _read(f: BinaryIO, fmt: str) -> Any:
@@ -83,4 +99,4 @@ def tensor_sizes(path: str) -> dict[str, int]:
         data_size = f.tell() - data_start
     offsets.sort()
     ends = [o for o, _ in offsets[1:]] + [data_size]
-    return {name: end - start for (start, name), end in zip(offsets, ends)}
+    return {name: end - start for (start, name), end in zip(offsets, ends, strict=True)}

@@ -102,11 +102,15 @@ def schema_grammar(schema: dict[str, Any], what: str) -> str:
         raise Unprocessable(f"{what} cannot be turned into a grammar: {exc!r}") from exc
     gbnf = gbnf.replace("\x00", "\\x00")
     if len(gbnf) > MAX_GBNF_BYTES:
-        raise Unprocessable(f"{what} makes a grammar of {len(gbnf):,} characters; at most {MAX_GBNF_BYTES:,} "
-                            "are allowed: simplify the schema")
+        raise Unprocessable(
+            f"{what} makes a grammar of {len(gbnf):,} characters; at most {MAX_GBNF_BYTES:,} "
+            "are allowed: simplify the schema"
+        )
     if (deep := nesting(gbnf)) > MAX_NESTING:
-        raise Unprocessable(f"{what} makes a grammar nested {deep} levels deep; at most {MAX_NESTING} are allowed: "
-                            "lower its repetition bounds")
+        raise Unprocessable(
+            f"{what} makes a grammar nested {deep} levels deep; at most {MAX_NESTING} are allowed: "
+            "lower its repetition bounds"
+        )
     try:
         gbnf.encode()
     except UnicodeEncodeError as exc:
@@ -127,12 +131,15 @@ def _check(schema: Any, what: str) -> None:
         for key in _REPEAT_KEYS:
             value = node.get(key)
             if isinstance(value, int | float) and not isinstance(value, bool) and value > MAX_REPEAT:
-                raise Unprocessable(f"{what}: {key} {value} at {at or 'the top'} is more than a grammar can hold "
-                                    f"(at most {MAX_REPEAT})")
+                raise Unprocessable(
+                    f"{what}: {key} {value} at {at or 'the top'} is more than a grammar can hold (at most {MAX_REPEAT})"
+                )
         pattern = node.get("pattern")
         if isinstance(pattern, str):
             for low, high in _QUANTIFIER.findall(pattern):
                 if max(int(low or 0), int(high or 0)) > MAX_REPEAT:
-                    raise Unprocessable(f"{what}: the pattern at {at or 'the top'} repeats more than a grammar can "
-                                        f"hold (at most {MAX_REPEAT} times)")
+                    raise Unprocessable(
+                        f"{what}: the pattern at {at or 'the top'} repeats more than a grammar can "
+                        f"hold (at most {MAX_REPEAT} times)"
+                    )
         stack.extend((value, f"{at}.{key}" if at else str(key)) for key, value in node.items())

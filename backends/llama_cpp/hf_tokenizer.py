@@ -88,37 +88,72 @@ def _merges(tokens: Sequence[str], scores: Sequence[float], types: Sequence[int]
     return [[left, right] for _, _, left, right in ranked]
 
 
-def tokenizer_json(tokens: Sequence[str], scores: Sequence[float], types: Sequence[int], *, bos_id: int | None,
-                   unk_id: int | None, add_bos: bool) -> dict[str, Any]:
+def tokenizer_json(
+    tokens: Sequence[str],
+    scores: Sequence[float],
+    types: Sequence[int],
+    *,
+    bos_id: int | None,
+    unk_id: int | None,
+    add_bos: bool,
+) -> dict[str, Any]:
     """The ``tokenizer.json`` document for a SentencePiece GGUF vocabulary without a dummy prefix."""
-    added = [{"id": i, "content": tok, "single_word": False, "lstrip": False, "rstrip": False, "normalized": False,
-              "special": types[i] != USER_DEFINED}
-             for i, tok in enumerate(tokens) if types[i] in (CONTROL, USER_DEFINED, UNKNOWN, UNUSED)]
+    added = [
+        {
+            "id": i,
+            "content": tok,
+            "single_word": False,
+            "lstrip": False,
+            "rstrip": False,
+            "normalized": False,
+            "special": types[i] != USER_DEFINED,
+        }
+        for i, tok in enumerate(tokens)
+        if types[i] in (CONTROL, USER_DEFINED, UNKNOWN, UNUSED)
+    ]
     post = None
     if add_bos and bos_id is not None:
         bos = tokens[bos_id]
-        post = {"type": "TemplateProcessing",
-                "single": [{"SpecialToken": {"id": bos, "type_id": 0}}, {"Sequence": {"id": "A", "type_id": 0}}],
-                "pair": [{"SpecialToken": {"id": bos, "type_id": 0}}, {"Sequence": {"id": "A", "type_id": 0}},
-                         {"SpecialToken": {"id": bos, "type_id": 1}}, {"Sequence": {"id": "B", "type_id": 1}}],
-                "special_tokens": {bos: {"id": bos, "ids": [bos_id], "tokens": [bos]}}}
+        post = {
+            "type": "TemplateProcessing",
+            "single": [{"SpecialToken": {"id": bos, "type_id": 0}}, {"Sequence": {"id": "A", "type_id": 0}}],
+            "pair": [
+                {"SpecialToken": {"id": bos, "type_id": 0}},
+                {"Sequence": {"id": "A", "type_id": 0}},
+                {"SpecialToken": {"id": bos, "type_id": 1}},
+                {"Sequence": {"id": "B", "type_id": 1}},
+            ],
+            "special_tokens": {bos: {"id": bos, "ids": [bos_id], "tokens": [bos]}},
+        }
     return {
         "version": "1.0",
         "truncation": None,
         "padding": None,
         "added_tokens": added,
         "normalizer": {"type": "Replace", "pattern": {"String": " "}, "content": "\u2581"},
-        "pre_tokenizer": {"type": "Split", "pattern": {"String": " "}, "behavior": "MergedWithPrevious",
-                          "invert": False},
+        "pre_tokenizer": {
+            "type": "Split",
+            "pattern": {"String": " "},
+            "behavior": "MergedWithPrevious",
+            "invert": False,
+        },
         "post_processor": post,
-        "decoder": {"type": "Sequence", "decoders": [
-            {"type": "Replace", "pattern": {"String": "\u2581"}, "content": " "},
-            {"type": "ByteFallback"},
-            {"type": "Fuse"},
-        ]},
+        "decoder": {
+            "type": "Sequence",
+            "decoders": [
+                {"type": "Replace", "pattern": {"String": "\u2581"}, "content": " "},
+                {"type": "ByteFallback"},
+                {"type": "Fuse"},
+            ],
+        },
         "model": {
-            "type": "BPE", "dropout": None, "unk_token": tokens[unk_id] if unk_id is not None else None,
-            "continuing_subword_prefix": None, "end_of_word_suffix": None, "fuse_unk": True, "byte_fallback": True,
+            "type": "BPE",
+            "dropout": None,
+            "unk_token": tokens[unk_id] if unk_id is not None else None,
+            "continuing_subword_prefix": None,
+            "end_of_word_suffix": None,
+            "fuse_unk": True,
+            "byte_fallback": True,
             "ignore_merges": False,
             "vocab": {tok: i for i, tok in enumerate(tokens)},
             "merges": _merges(tokens, scores, types),
@@ -126,9 +161,11 @@ def tokenizer_json(tokens: Sequence[str], scores: Sequence[float], types: Sequen
     }
 
 
-def tokenizer_config(tokens: Sequence[str], meta: dict[str, Any], *, context: int,
-                     chat_template: str | None) -> dict[str, Any]:
+def tokenizer_config(
+    tokens: Sequence[str], meta: dict[str, Any], *, context: int, chat_template: str | None
+) -> dict[str, Any]:
     """``tokenizer_config.json``: special tokens by text, BOS/EOS behaviour, the chat template."""
+
     def token(key: str) -> str | None:
         i = meta.get(f"tokenizer.ggml.{key}_token_id")
         return tokens[int(i)] if i is not None and 0 <= int(i) < len(tokens) else None
@@ -137,7 +174,9 @@ def tokenizer_config(tokens: Sequence[str], meta: dict[str, Any], *, context: in
         "tokenizer_class": "GemmaTokenizer",
         "add_bos_token": bool(meta.get("tokenizer.ggml.add_bos_token", True)),
         "add_eos_token": bool(meta.get("tokenizer.ggml.add_eos_token", False)),
-        "bos_token": token("bos"), "eos_token": token("eos"), "unk_token": token("unknown"),
+        "bos_token": token("bos"),
+        "eos_token": token("eos"),
+        "unk_token": token("unknown"),
         "pad_token": token("padding"),
         "clean_up_tokenization_spaces": False,
         "spaces_between_special_tokens": False,

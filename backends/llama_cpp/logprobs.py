@@ -39,8 +39,7 @@ def token_logprob(llm: Any, logits: np.ndarray, token: int, top_n: int) -> Token
         best = np.argpartition(logits, -top_n)[-top_n:]
         best = best[np.argsort(-logits[best], kind="stable")]
         top = tuple(_top(llm, int(i), float(logits[i]) - norm) for i in best)
-    return TokenLogprob(token=_text(piece), logprob=min(float(logits[token]) - norm, 0.0), bytes=tuple(piece),
-                        top=top)
+    return TokenLogprob(token=_text(piece), logprob=min(float(logits[token]) - norm, 0.0), bytes=tuple(piece), top=top)
 
 
 def _top(llm: Any, token: int, logprob: float) -> TopLogprob:

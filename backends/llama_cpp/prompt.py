@@ -93,4 +93,4 @@ def render_prompt(request: Request, family: str, chat_template: str | None, bos:
 
     formatter = Jinja2ChatFormatter(template=chat_template, bos_token=bos, eos_token=eos)
     messages = [{"role": role, "content": text} for role, text in flatten(request.messages, tools_block(request))]
-    return formatter(messages=messages).prompt
+    return formatter(messages=messages).prompt  # type: ignore[arg-type]  # plain role/content dicts: what its TypedDicts describe

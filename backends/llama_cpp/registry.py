@@ -16,5 +16,13 @@ from meshgate.backends.registry import (
     sha256_file,
 )
 
-__all__ = ["MAX_REGISTRY_BYTES", "MAX_USER_MODELS", "HidingSource", "ModelRegistry", "RegistryFull", "RegistrySource",
-           "UserModel", "sha256_file"]
+__all__ = [
+    "MAX_REGISTRY_BYTES",
+    "MAX_USER_MODELS",
+    "HidingSource",
+    "ModelRegistry",
+    "RegistryFull",
+    "RegistrySource",
+    "UserModel",
+    "sha256_file",
+]

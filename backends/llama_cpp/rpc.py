@@ -90,8 +90,9 @@ class _Ggml:
         self.dev_backend_reg = fn("ggml_backend_dev_backend_reg", p, p)
         self.rpc_reg = self.reg_by_name(b"RPC")
         if not self.rpc_reg:
-            raise BackendUnavailable("this llama-cpp-python was built without ggml's RPC backend "
-                                     "(rebuild with CMAKE_ARGS=-DGGML_RPC=ON)")
+            raise BackendUnavailable(
+                "this llama-cpp-python was built without ggml's RPC backend (rebuild with CMAKE_ARGS=-DGGML_RPC=ON)"
+            )
 
     def rpc_proc(self, name: str, restype: Any, *argtypes: Any) -> Any:
         address = self.reg_get_proc_address(self.rpc_reg, name.encode())
@@ -171,15 +172,18 @@ def probe(endpoint: str, timeout: float = 5.0) -> None:
             hello = _call(sock, _CMD_HELLO, bytes(_CONN_CAPS), 4 + _CONN_CAPS)
             major, minor, patch = hello[0], hello[1], hello[2]
             if major != _PROTO_MAJOR or minor > _PROTO_MINOR:
-                raise BackendUnavailable(f"RPC worker {endpoint} speaks protocol {major}.{minor}.{patch}; this "
-                                         f"llama.cpp needs {_PROTO_MAJOR}.x up to {_PROTO_MAJOR}.{_PROTO_MINOR}")
+                raise BackendUnavailable(
+                    f"RPC worker {endpoint} speaks protocol {major}.{minor}.{patch}; this "
+                    f"llama.cpp needs {_PROTO_MAJOR}.x up to {_PROTO_MAJOR}.{_PROTO_MINOR}"
+                )
             sock.settimeout(max(0.05, deadline - time.monotonic()))
             (count,) = struct.unpack("<I", _call(sock, _CMD_DEVICE_COUNT, b"", 4))
             if count == 0:
                 raise BackendUnavailable(f"RPC worker {endpoint} serves no devices")
     except TimeoutError:
-        raise BackendUnavailable(f"RPC worker {endpoint} did not answer within {timeout:g}s "
-                                 "(unreachable, or busy serving another client)") from None
+        raise BackendUnavailable(
+            f"RPC worker {endpoint} did not answer within {timeout:g}s (unreachable, or busy serving another client)"
+        ) from None
     except (OSError, ConnectionError) as exc:
         raise BackendUnavailable(f"RPC worker {endpoint} is unreachable: {exc}") from None
 
@@ -214,7 +218,9 @@ def rpc_devices() -> list[RpcDevice]:
     whose device id repeats another's), integrated GPUs only when there is no other GPU. The CPU is not in
     the list: it holds whatever is not offloaded."""
     g = _ggml()
-    rpc, gpus, igpus = [], [], []
+    rpc: list[Any] = []  # ggml device handles
+    gpus: list[Any] = []
+    igpus: list[Any] = []
     for i in range(g.dev_count()):
         dev = g.dev_get(i)
         kind = g.dev_type(dev)
@@ -228,14 +234,22 @@ def rpc_devices() -> list[RpcDevice]:
         free, total = ctypes.c_size_t(0), ctypes.c_size_t(0)
         g.dev_memory(dev, ctypes.byref(free), ctypes.byref(total))
         description = g.dev_description(dev).decode()
-        devices.append(RpcDevice(index=index, name=g.dev_name(dev).decode(), description=description,
-                                 endpoint=description if index < len(rpc) else None,
-                                 memory_free=free.value, memory_total=total.value))
+        devices.append(
+            RpcDevice(
+                index=index,
+                name=g.dev_name(dev).decode(),
+                description=description,
+                endpoint=description if index < len(rpc) else None,
+                memory_free=free.value,
+                memory_total=total.value,
+            )
+        )
     return devices
 
 
-def split_kwargs(shards: Sequence[tuple[str | None, int, int]], n_layers: int,
-                 devices: Sequence[RpcDevice]) -> dict[str, Any]:
+def split_kwargs(
+    shards: Sequence[tuple[str | None, int, int]], n_layers: int, devices: Sequence[RpcDevice]
+) -> dict[str, Any]:
     """``Llama`` keyword arguments that put exactly each shard's blocks on its device.
 
     ``shards`` are ``(endpoint, layer_start, layer_end)`` in pipeline order, ``layer_end`` exclusive, covering
@@ -250,7 +264,7 @@ def split_kwargs(shards: Sequence[tuple[str | None, int, int]], n_layers: int,
     if not shards:
         raise ValueError("a placement needs at least one shard")
     expected = 0
-    for endpoint, start, end in shards:
+    for _endpoint, start, end in shards:
         if start != expected or end < start:
             raise ValueError(f"shards must cover 0..{n_layers} contiguously in order; got {list(shards)}")
         expected = end
@@ -260,13 +274,14 @@ def split_kwargs(shards: Sequence[tuple[str | None, int, int]], n_layers: int,
     remote = shards[1:] if local else shards
     if any(endpoint is None for endpoint, _, _ in remote):
         raise ValueError("only the first shard can run in the head process")
+    endpoints = [endpoint for endpoint, _, _ in remote if endpoint is not None]
     if not remote:
         return {"n_gpu_layers": 0, "split_mode": llama_cpp.LLAMA_SPLIT_MODE_LAYER, "main_gpu": 0}
     index_of = {d.endpoint: d.index for d in devices if d.endpoint is not None}
-    missing = [endpoint for endpoint, _, _ in remote if endpoint not in index_of]
+    missing = [endpoint for endpoint in endpoints if endpoint not in index_of]
     if missing:
         raise ValueError(f"RPC workers not registered (call add_rpc_servers first): {missing}")
-    indices = [index_of[endpoint] for endpoint, _, _ in remote]
+    indices = [index_of[endpoint] for endpoint in endpoints]
     if indices != sorted(set(indices)):
         raise ValueError("register the workers in pipeline order: llama.cpp fills devices in registry order")
     if len(devices) > llama_cpp.LLAMA_MAX_DEVICES:
@@ -280,8 +295,12 @@ def split_kwargs(shards: Sequence[tuple[str | None, int, int]], n_layers: int,
     for index, bound in zip(indices, cumulative, strict=True):
         split[index] = bound - previous
         previous = bound
-    return {"n_gpu_layers": positions if local else -1, "split_mode": llama_cpp.LLAMA_SPLIT_MODE_LAYER,
-            "main_gpu": 0, "tensor_split": split}  # main_gpu matters only without a layer split
+    return {
+        "n_gpu_layers": positions if local else -1,
+        "split_mode": llama_cpp.LLAMA_SPLIT_MODE_LAYER,
+        "main_gpu": 0,
+        "tensor_split": split,
+    }  # main_gpu matters only without a layer split
 
 
 @contextlib.contextmanager
@@ -370,8 +389,10 @@ def main(argv: list[str] | None = None) -> None:
     except ValueError:
         parser.error(f"--host must be an IP address, not {args.host!r}")
     if address.is_unspecified and not args.allow_public:
-        parser.error("refusing to bind every interface: the RPC protocol has no authentication; bind loopback "
-                     "or a private cluster address, or pass --allow-public")
+        parser.error(
+            "refusing to bind every interface: the RPC protocol has no authentication; bind loopback "
+            "or a private cluster address, or pass --allow-public"
+        )
     if address.version != 4:
         parser.error("ggml's RPC server binds IPv4 addresses only")
     if not 0 <= args.port < 65536:
@@ -395,15 +416,23 @@ def main(argv: list[str] | None = None) -> None:
         g = _ggml()
     except BackendUnavailable as exc:
         sys.exit(f"meshgate-rpc-worker: {exc}")
-    start_server = g.rpc_proc("ggml_backend_rpc_start_server", None, ctypes.c_char_p, ctypes.c_char_p,
-                              ctypes.c_size_t, ctypes.c_size_t, ctypes.POINTER(ctypes.c_void_p))
+    start_server = g.rpc_proc(
+        "ggml_backend_rpc_start_server",
+        None,
+        ctypes.c_char_p,
+        ctypes.c_char_p,
+        ctypes.c_size_t,
+        ctypes.c_size_t,
+        ctypes.POINTER(ctypes.c_void_p),
+    )
     cpu = g.dev_by_type(_DEV_CPU)
     if not cpu:
         sys.exit("ggml has no CPU device")
     devices = (ctypes.c_void_p * 1)(cpu)
     threading.Thread(target=_exit_on_stdin_eof, name="parent-watch", daemon=True).start()
-    threading.Thread(target=_announce_when_listening, args=(args.host, port, ready_out), name="ready",
-                     daemon=True).start()
+    threading.Thread(
+        target=_announce_when_listening, args=(args.host, port, ready_out), name="ready", daemon=True
+    ).start()
     cache = os.fsencode(args.cache_dir) if args.cache_dir else None
     # Serves clients one after another until the process ends; it returns only when it cannot listen.
     start_server(f"{args.host}:{port}".encode(), cache, threads, 1, devices)

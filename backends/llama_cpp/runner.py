@@ -21,19 +21,34 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--port", type=int, default=0)
     parser.add_argument("--n-ctx", type=int, default=4096)
     parser.add_argument("--threads", type=int, default=None)
-    parser.add_argument("--shards", default="[]", help='JSON [[endpoint or null, layer_start, layer_end], ...]: '
-                        "split the blocks over llama.cpp RPC workers (null: held by this process)")
+    parser.add_argument(
+        "--shards",
+        default="[]",
+        help="JSON [[endpoint or null, layer_start, layer_end], ...]: "
+        "split the blocks over llama.cpp RPC workers (null: held by this process)",
+    )
     parser.add_argument("--repack", action="store_true", help="let llama.cpp repack CPU weights")
-    parser.add_argument("--parallel", type=int, default=PARALLEL,
-                        help="sequences decoded together (each holds up to --n-ctx tokens)")
-    parser.add_argument("--inexact", action="store_true", help="decode every sequence in one call: faster, but "
-                        "greedy text may then depend on the load (see batch.DECODE_GROUP)")
+    parser.add_argument(
+        "--parallel", type=int, default=PARALLEL, help="sequences decoded together (each holds up to --n-ctx tokens)"
+    )
+    parser.add_argument(
+        "--inexact",
+        action="store_true",
+        help="decode every sequence in one call: faster, but "
+        "greedy text may then depend on the load (see batch.DECODE_GROUP)",
+    )
     args = parser.parse_args(argv)
     try:
         shards = [(e, int(a), int(b)) for e, a, b in json.loads(args.shards)]
-        engine = LlamaEngine(args.model, n_ctx=args.n_ctx, n_threads=args.threads, shards=shards,
-                             repack=args.repack, parallel=args.parallel,
-                             exact=not args.inexact)
+        engine = LlamaEngine(
+            args.model,
+            n_ctx=args.n_ctx,
+            n_threads=args.threads,
+            shards=shards,
+            repack=args.repack,
+            parallel=args.parallel,
+            exact=not args.inexact,
+        )
     except Exception as exc:  # tell the supervisor why, then exit: nothing is served
         print(f"{FAILED_LINE} {exc}", flush=True)
         sys.exit(1)

@@ -40,9 +40,21 @@ class GrammarStuck(RuntimeError):
 class Sampler:
     """A request's sampler chain (and grammar), freed with ``close``."""
 
-    def __init__(self, vocab: Any, n_vocab: int, *, temp: float, top_k: int, top_p: float, min_p: float,
-                 repeat_penalty: float, presence_penalty: float, frequency_penalty: float, seed: int,
-                 grammar: tuple[str, str] | None = None) -> None:
+    def __init__(
+        self,
+        vocab: Any,
+        n_vocab: int,
+        *,
+        temp: float,
+        top_k: int,
+        top_p: float,
+        min_p: float,
+        repeat_penalty: float,
+        presence_penalty: float,
+        frequency_penalty: float,
+        seed: int,
+        grammar: tuple[str, str] | None = None,
+    ) -> None:
         """``grammar``: GBNF text and its root rule name, or ``None`` for free text."""
         import llama_cpp as lib
 
@@ -52,8 +64,11 @@ class Sampler:
         add = lambda s: lib.llama_sampler_chain_add(self.chain, s)  # noqa: E731
         # llama-cpp-python 0.3.36 declares a leading n_vocab that the C function no longer has: on x86-64 the first
         # int reaches C as penalty_last_n (the floats travel in their own registers), so both ints are the window.
-        add(lib.llama_sampler_init_penalties(PENALTY_LAST_N, PENALTY_LAST_N, repeat_penalty, frequency_penalty,
-                                             presence_penalty))
+        add(
+            lib.llama_sampler_init_penalties(
+                PENALTY_LAST_N, PENALTY_LAST_N, repeat_penalty, frequency_penalty, presence_penalty
+            )
+        )
         if temp < 0:
             add(lib.llama_sampler_init_dist(seed))
         elif temp == 0:
@@ -67,8 +82,9 @@ class Sampler:
             add(lib.llama_sampler_init_dist(seed))
         # Greedy with neutral penalties is the logits' first maximum, as the chain would pick it: numpy finds it
         # in ~0.1 ms, where the chain first copies the whole vocabulary into a candidate array (~1 ms for 262k).
-        self.greedy = temp == 0 and grammar is None and repeat_penalty == 1.0 and not presence_penalty \
-            and not frequency_penalty
+        self.greedy = (
+            temp == 0 and grammar is None and repeat_penalty == 1.0 and not presence_penalty and not frequency_penalty
+        )
         self.grammar = None
         if grammar is not None:
             self.grammar = lib.llama_sampler_init_grammar(vocab, grammar[0].encode(), grammar[1].encode())
@@ -91,7 +107,7 @@ class Sampler:
         token = self._pick(logits, grammar_first=False)
         rejected = token < 0
         if not rejected:
-            self.one[0].id, self.one[0].logit, self.one[0].p = token, float(logits[token]), 0.0
+            self.one[0].id, self.one[0].logit, self.one[0].p = token, float(logits[token]), 0.0  # type: ignore[assignment]  # ctypes converts
             single = lib.llama_token_data_array(self.one, 1, -1, False)
             lib.llama_sampler_apply(self.grammar, ctypes.byref(single))
             rejected = math.isinf(self.one[0].logit)
@@ -112,8 +128,10 @@ class Sampler:
             lib.llama_sampler_apply(self.grammar, ctypes.byref(candidates))
             allowed = np.isfinite(self.view["logit"])  # by token id: the chain reorders the array next
             if not allowed.any():
-                raise GrammarStuck("the grammar (from the request's JSON schema or tools) allows no token here: "
-                                   "it asks for text the model cannot produce")
+                raise GrammarStuck(
+                    "the grammar (from the request's JSON schema or tools) allows no token here: "
+                    "it asks for text the model cannot produce"
+                )
         lib.llama_sampler_apply(self.chain, ctypes.byref(candidates))
         selected = candidates.selected
         token = int(candidates.data[selected].id) if 0 <= selected < candidates.size else -1

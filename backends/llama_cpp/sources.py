@@ -72,8 +72,11 @@ class GGUFPathSource:
         self.digests = _DigestCache(cache_dir / "digests.json")
 
     def models(self) -> Sequence[ModelCard]:
-        return [card_from_gguf(name, path, digest=self.digests.get(path), source=self.name)
-                for name, path in self.entries if not os.path.isdir(path)]  # directories: CheckpointSource
+        return [
+            card_from_gguf(name, path, digest=self.digests.get(path), source=self.name)
+            for name, path in self.entries
+            if not os.path.isdir(path)
+        ]  # directories: CheckpointSource
 
 
 class _DigestCache:

@@ -29,8 +29,16 @@ from typing import Any, Literal
 
 from meshgate.protocols.model import Event, Finished, Request, TextDelta, TokenLogprob, Tool, ToolCallDelta
 
-__all__ = ["CallGate", "allowed_tools", "call_mode", "call_schema", "new_call_id", "parse_call", "render_call",
-           "tools_block"]
+__all__ = [
+    "CallGate",
+    "allowed_tools",
+    "call_mode",
+    "call_schema",
+    "new_call_id",
+    "parse_call",
+    "render_call",
+    "tools_block",
+]
 
 CALL_FORMAT = '{"name": "<tool name>", "arguments": {<the arguments, as the tool\'s parameters describe>}}'
 
@@ -82,11 +90,13 @@ def call_schema(request: Request) -> dict[str, Any]:
         parameters = dict(tool.parameters)
         for key in defs:
             defs[key].update(parameters.pop(key, None) or {})
-        branches.append({
-            "type": "object",
-            "properties": {"name": {"const": tool.name}, "arguments": parameters},
-            "required": ["name", "arguments"],
-        })
+        branches.append(
+            {
+                "type": "object",
+                "properties": {"name": {"const": tool.name}, "arguments": parameters},
+                "required": ["name", "arguments"],
+            }
+        )
     schema: dict[str, Any] = branches[0] if len(branches) == 1 else {"anyOf": branches}
     return {**schema, **{key: value for key, value in defs.items() if value}}
 

@@ -30,7 +30,7 @@ from meshgate.backends.mlx import rendezvous
 from meshgate.backends.placement import Candidate, ModelSpec, Shard, ShardCosts, Strategy
 from meshgate.backends.runner.net import free_port, host_port
 from meshgate.backends.runner.process import RunnerProcess
-from meshgate.protocols.model import EmbedRequest, Embeddings, Event, Request, UnsupportedFeature
+from meshgate.protocols.model import Embeddings, EmbedRequest, Event, Request, UnsupportedFeature
 
 if TYPE_CHECKING:  # the gateway's side only: rank processes import this package too, and their python need not
     from meshgate.backends.runner.client import RunnerClient  # have the client's HTTP parser (httptools)
@@ -96,9 +96,17 @@ class MlxBackend(Backend):
 
     name = "mlx"
 
-    def __init__(self, http: httpx.AsyncClient, *, python: str | None = None, n_ctx: int = 4096,
-                 runtime_dir: str | None = None, ready_timeout: float = 300.0, dtype: str | None = _CPU_DTYPE,
-                 parallel: int = 4) -> None:
+    def __init__(
+        self,
+        http: httpx.AsyncClient,
+        *,
+        python: str | None = None,
+        n_ctx: int = 4096,
+        runtime_dir: str | None = None,
+        ready_timeout: float = 300.0,
+        dtype: str | None = _CPU_DTYPE,
+        parallel: int = 4,
+    ) -> None:
         self.http = http
         self.parallel = parallel
         self.dtype = dtype
@@ -120,17 +128,26 @@ class MlxBackend(Backend):
         # Measured with mlx 0.32.4 on CPU: a rank process (python, mlx, mlx-lm, the tokenizer) is ~190 MiB
         # resident before weights, the head's HTTP server ~25 MiB more; compute buffers grow ~16 KiB per
         # context token on Gemma 3 270M.
-        return ShardCosts(base_bytes=190 * MiB, head_bytes=25 * MiB, per_token_bytes=16 << 10, vocab_parallel=False,
-                          sequences=self.parallel)
+        return ShardCosts(
+            base_bytes=190 * MiB,
+            head_bytes=25 * MiB,
+            per_token_bytes=16 << 10,
+            vocab_parallel=False,
+            sequences=self.parallel,
+        )
 
     def spec(self, card: ModelCard) -> ModelSpec:
         spec = spec_from_checkpoint(card.name, card.path)
         if self.dtype != "float32":
             return spec
         grow = 4 / max(checkpoint_itemsize(card.path), 1)  # weights held as float32 (see ``dtype``)
-        return msgspec.structs.replace(spec, layer_bytes=int(spec.layer_bytes * grow),
-                                       embedding_bytes=int(spec.embedding_bytes * grow),
-                                       output_bytes=int(spec.output_bytes * grow), kv_bytes_per_element=4)
+        return msgspec.structs.replace(
+            spec,
+            layer_bytes=int(spec.layer_bytes * grow),
+            embedding_bytes=int(spec.embedding_bytes * grow),
+            output_bytes=int(spec.output_bytes * grow),
+            kv_bytes_per_element=4,
+        )
 
     def context(self, card: ModelCard) -> int:
         return min(self.n_ctx, card.context_length or self.n_ctx)
@@ -138,14 +155,33 @@ class MlxBackend(Backend):
     def describe(self, card: ModelCard) -> ModelDescription:
         return describe_checkpoint(card, self.context(card))
 
-    async def launch(self, card: ModelCard, placement: Candidate, shard: Shard, *, host: str,
-                     peers: Peers) -> LaunchedRank:
+    async def launch(
+        self, card: ModelCard, placement: Candidate, shard: Shard, *, host: str, peers: Peers
+    ) -> LaunchedRank:
         order = rank_order(placement)
         rank, ranks = order.index(shard), len(order)
         mode = "single" if ranks == 1 else "tensor" if placement.strategy == "tensor" else "pipeline"
-        argv = [self.python, "-m", "meshgate.backends.mlx.runner", "--model", card.path, "--host", host,
-                "--n-ctx", str(placement.context or self.context(card)), "--sharding", mode, "--rank", str(rank),
-                "--ranks", str(ranks), "--ready-timeout", str(self.ready_timeout), "--parallel", str(self.parallel)]
+        argv = [
+            self.python,
+            "-m",
+            "meshgate.backends.mlx.runner",
+            "--model",
+            card.path,
+            "--host",
+            host,
+            "--n-ctx",
+            str(placement.context or self.context(card)),
+            "--sharding",
+            mode,
+            "--rank",
+            str(rank),
+            "--ranks",
+            str(ranks),
+            "--ready-timeout",
+            str(self.ready_timeout),
+            "--parallel",
+            str(self.parallel),
+        ]
         if mode == "pipeline":
             argv += ["--layers", f"{shard.layer_start}:{shard.layer_end}"]
         argv += ["--dtype", self.dtype] if self.dtype else []

@@ -81,7 +81,7 @@ class Batch:
         else:
             if not self.merged:
                 self.cache, self.merged = self._merge(self.cache), True
-            for mine, new in zip(self.cache, self._merge(cache)):
+            for mine, new in zip(self.cache, self._merge(cache), strict=True):
                 if mine is not None:
                     mine.extend(new)
         self.rows += 1
@@ -155,8 +155,9 @@ class Sequence:
     it sooner (``close``: a stop string, a closed stream) or cancel it (its ``cancel`` flag).
     """
 
-    def __init__(self, tokens: list[int], limit: int, eos: set[int], sampler: Sampler | None,
-                 cancel: threading.Event) -> None:
+    def __init__(
+        self, tokens: list[int], limit: int, eos: set[int], sampler: Sampler | None, cancel: threading.Event
+    ) -> None:
         self.tokens, self.limit, self.eos, self.sampler, self.cancel = tokens, limit, eos, sampler, cancel
         self.picks: queue.SimpleQueue[int | BaseException] = queue.SimpleQueue()
         self.last = -1  # the latest pick: the next step's input
@@ -210,8 +211,14 @@ class Scheduler:
         self._dead: BaseException | None = None
 
     def stats(self) -> dict[str, int]:
-        return {"parallel": self.parallel, "running": len(self._rows), "waiting": len(self._waiting),
-                "steps": self.steps, "decoded": self.decoded, "widest": self.widest}
+        return {
+            "parallel": self.parallel,
+            "running": len(self._rows),
+            "waiting": len(self._waiting),
+            "steps": self.steps,
+            "decoded": self.decoded,
+            "widest": self.widest,
+        }
 
     def submit(self, seq: Sequence) -> None:
         with self._wake:
@@ -295,7 +302,7 @@ class Scheduler:
         tokens = [seq.last for seq in self._rows]
         self.lockstep.send("step", tokens)
         logits = self.batch.step(tokens)
-        for seq, pick in zip(self._rows, self._pick(self._rows, logits)):
+        for seq, pick in zip(self._rows, self._pick(self._rows, logits), strict=True):
             seq.deliver(pick)
         self.steps += 1
         self.decoded += len(tokens)
@@ -309,7 +316,11 @@ class Scheduler:
         if all(seq.sampler is None for seq in rows):
             picks = mx.argmax(last, axis=-1)
         else:
-            picks = mx.concatenate([mx.argmax(last[i:i + 1], axis=-1) if seq.sampler is None
-                                    else seq.sampler(last[i:i + 1]) for i, seq in enumerate(rows)])
+            picks = mx.concatenate(
+                [
+                    mx.argmax(last[i : i + 1], axis=-1) if seq.sampler is None else seq.sampler(last[i : i + 1])
+                    for i, seq in enumerate(rows)
+                ]
+            )
         mx.eval(picks)
         return picks.tolist()

@@ -65,9 +65,17 @@ class MlxEngine:
     """One mlx-lm model, whole or sharded over a distributed group, generating for up to ``parallel`` requests
     at once (``generate`` may be called from that many threads)."""
 
-    def __init__(self, path: str, *, group: Any = None, mode: str = "single",
-                 layers: tuple[int, int] | None = None, n_ctx: int = 4096, dtype: str | None = None,
-                 parallel: int = 1) -> None:
+    def __init__(
+        self,
+        path: str,
+        *,
+        group: Any = None,
+        mode: str = "single",
+        layers: tuple[int, int] | None = None,
+        n_ctx: int = 4096,
+        dtype: str | None = None,
+        parallel: int = 1,
+    ) -> None:
         """Load ``path``; over a ``group`` of more than one rank, shard it by ``mode`` (``tensor`` or
         ``pipeline``; ``single`` runs the whole model on this rank alone, as does any mode without a group).
 
@@ -95,8 +103,9 @@ class MlxEngine:
         self._tokenizing = threading.Lock()  # a fast tokenizer may refuse two calls at once ("Already borrowed")
         self._first_request = True
 
-    def _load(self, path: str, group: Any, mode: str, layers: tuple[int, int] | None,
-              dtype: str | None) -> tuple[Any, Any, Any]:
+    def _load(
+        self, path: str, group: Any, mode: str, layers: tuple[int, int] | None, dtype: str | None
+    ) -> tuple[Any, Any, Any]:
         """The model (lazily read, sharded, then only this rank's weights evaluated), its tokenizer and this
         rank's layer range (``None`` unless pipelined)."""
         mx = self._mx
@@ -131,9 +140,16 @@ class MlxEngine:
         return self.lockstep.rank
 
     def health(self) -> dict[str, Any]:
-        return {"status": "ok", "model": self.path, "n_ctx": self.n_ctx, "family": self.model.model_type,
-                "ranks": self.lockstep.size, "sharding": self.mode,
-                "layers": list(self.layers) if self.layers else None, "batch": self.scheduler.stats()}
+        return {
+            "status": "ok",
+            "model": self.path,
+            "n_ctx": self.n_ctx,
+            "family": self.model.model_type,
+            "ranks": self.lockstep.size,
+            "sharding": self.mode,
+            "layers": list(self.layers) if self.layers else None,
+            "batch": self.scheduler.stats(),
+        }
 
     def count_tokens(self, request: Request, cancel: threading.Event) -> Count:
         return Count(count=len(self.tokenize(request)))
@@ -152,8 +168,9 @@ class MlxEngine:
                 raise UnsupportedFeature("the MLX runner reads text parts only")
             text = "".join(p.text for p in m.parts if isinstance(p, TextPart))
             messages.append({"role": m.role, "content": text})
-        ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=not request.prefill,
-                                                 continue_final_message=request.prefill)
+        ids = self.tokenizer.apply_chat_template(
+            messages, add_generation_prompt=not request.prefill, continue_final_message=request.prefill
+        )
         return list(ids["input_ids"] if isinstance(ids, dict) else ids)
 
     def generate(self, request: Request, cancel: threading.Event) -> Iterator[Event]:
@@ -164,8 +181,9 @@ class MlxEngine:
             raise UnsupportedFeature("the MLX runner does not report logprobs")
         tokens = self.tokenize(request)
         if len(tokens) >= self.n_ctx:
-            raise RequestTooLarge(f"the prompt has {len(tokens)} tokens but the context holds {self.n_ctx}; "
-                                  "shorten the conversation")
+            raise RequestTooLarge(
+                f"the prompt has {len(tokens)} tokens but the context holds {self.n_ctx}; shorten the conversation"
+            )
         if not tokens:
             raise InvalidRequest("the prompt is empty")
         room = self.n_ctx - len(tokens)
@@ -181,8 +199,11 @@ class MlxEngine:
         stopper = StopMatcher(request.stop)
         detok = self.tokenizer.detokenizer
         eos = set(self.tokenizer.eos_token_ids)
-        sampler = None if temp <= 0 else Sampler(temp, float(_value(s, "top_p")), float(_value(s, "min_p")),
-                                                 int(_value(s, "top_k")), seed)
+        sampler = (
+            None
+            if temp <= 0
+            else Sampler(temp, float(_value(s, "top_p")), float(_value(s, "min_p")), int(_value(s, "top_k")), seed)
+        )
         seq = Sequence(tokens, limit, eos, sampler, cancel)
         started = first_token_at = time.perf_counter_ns()
         count, finish = 0, Finished(reason="length")
@@ -217,8 +238,13 @@ class MlxEngine:
             if rest:
                 yield TextDelta(text=rest)
         ended = time.perf_counter_ns()
-        yield Usage(prompt_tokens=len(tokens), completion_tokens=count, load_ns=load_ns,
-                    prompt_ns=first_token_at - started, eval_ns=ended - first_token_at)
+        yield Usage(
+            prompt_tokens=len(tokens),
+            completion_tokens=count,
+            load_ns=load_ns,
+            prompt_ns=first_token_at - started,
+            eval_ns=ended - first_token_at,
+        )
         yield finish
 
     def follow(self) -> None:

@@ -55,8 +55,9 @@ class Ranks:
             os.unlink(self.hostfile)
 
 
-def launch(n: int, argv: Sequence[str], *, env: dict[str, str] | None = None, host: str = "127.0.0.1",
-           **popen: object) -> Ranks:
+def launch(
+    n: int, argv: Sequence[str], *, env: dict[str, str] | None = None, host: str = "127.0.0.1", **popen: object
+) -> Ranks:
     """Start ``n`` ranks of ``argv`` on ``host`` with the ring backend's environment.
 
     ``n == 1`` starts one plain process with no ring environment: the ring backend with a one-entry hostfile
@@ -69,7 +70,7 @@ def launch(n: int, argv: Sequence[str], *, env: dict[str, str] | None = None, ho
             rank_env = {**os.environ, **(env or {})}
             if n > 1:
                 rank_env |= {"MLX_RANK": str(rank), "MLX_HOSTFILE": path}
-            procs.append(subprocess.Popen(list(argv), env=rank_env, **popen))  # type: ignore[call-overload]
+            procs.append(subprocess.Popen(list(argv), env=rank_env, **popen))  # type: ignore[call-overload]  # popen: keyword arguments of Popen
     except BaseException:
         Ranks(procs, path).close()
         raise

@@ -89,6 +89,7 @@ def watch(urls: Sequence[str], gone: Any, *, every: float = 1.0, patience: float
     calls ``gone(url, why)`` once one refuses (its process is dead) or has not answered for ``patience`` seconds
     (a lost machine). Plain TCP connects: the kernel accepts them while the process lives, even when its Python
     threads are busy."""
+
     def run() -> None:
         silent: dict[str, float] = {}
         while True:
@@ -125,6 +126,7 @@ async def gather(http: Any, urls: Sequence[str]) -> list[str]:
 async def join(http: Any, urls: Sequence[str], hosts: list[list[str]]) -> None:
     """Head side: send the hostfile to every follower (``urls[i]`` is rank ``i + 1``)."""
     for rank, url in enumerate(urls, start=1):
-        reply = await http.post(f"{url}/join", json={"rank": rank, "hosts": hosts}, headers=cluster_secret.headers(),
-                                timeout=10.0)
+        reply = await http.post(
+            f"{url}/join", json={"rank": rank, "hosts": hosts}, headers=cluster_secret.headers(), timeout=10.0
+        )
         reply.raise_for_status()

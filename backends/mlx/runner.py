@@ -47,8 +47,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--ready-timeout", type=float, default=300.0)
     parser.add_argument("--dtype", default=None, help="compute in this float type (float32 on CPUs)")
     parser.add_argument("--followers", default="", help="the head: followers' control URLs, comma-separated")
-    parser.add_argument("--parallel", type=int, default=int(os.environ.get("MESHGATE_PARALLEL") or 4),
-                        help="requests decoded together (default: MESHGATE_PARALLEL, else 4)")
+    parser.add_argument(
+        "--parallel",
+        type=int,
+        default=int(os.environ.get("MESHGATE_PARALLEL") or 4),
+        help="requests decoded together (default: MESHGATE_PARALLEL, else 4)",
+    )
     args = parser.parse_args(argv)
     launched = os.environ.get("MLX_HOSTFILE")  # started by a ring launcher (backends.mlx.launch): no join
     if launched:
@@ -121,12 +125,12 @@ class _Head:
             if "[ring]" not in str(exc):
                 raise
             _exit_soon()
-            raise BackendUnavailable(f"a rank of this MLX instance was lost ({exc}); it is being placed again") \
-                from exc
+            raise BackendUnavailable(f"a rank of this MLX instance was lost ({exc}); it is being placed again") from exc
 
 
 def _join(args: argparse.Namespace) -> None:
     """A follower: wait for the hostfile, then point the ring backend at it."""
+
     def ready(port: int) -> None:
         print(f"{READY_LINE} port={port}", flush=True)
 
@@ -148,14 +152,20 @@ def _load(args: argparse.Namespace, *, own_hostfile: bool):
         if own_hostfile:
             os.unlink(os.environ["MLX_HOSTFILE"])  # the one _join wrote; a launcher's belongs to the launcher
         if group.size() != args.ranks or group.rank() != args.rank:
-            raise RuntimeError(f"joined as rank {group.rank()} of {group.size()}, expected {args.rank} of "
-                               f"{args.ranks}")
+            raise RuntimeError(f"joined as rank {group.rank()} of {group.size()}, expected {args.rank} of {args.ranks}")
     layers = None
     if args.layers:
         start, end = args.layers.split(":")
         layers = (int(start), int(end))
-    return MlxEngine(args.model, group=group, mode=args.sharding, layers=layers, n_ctx=args.n_ctx, dtype=args.dtype,
-                     parallel=args.parallel)
+    return MlxEngine(
+        args.model,
+        group=group,
+        mode=args.sharding,
+        layers=layers,
+        n_ctx=args.n_ctx,
+        dtype=args.dtype,
+        parallel=args.parallel,
+    )
 
 
 def _timed_out() -> None:
@@ -166,8 +176,11 @@ def _timed_out() -> None:
 def _follower_gone(url: str, why: str) -> None:
     """A follower died (or its machine went silent): the ring may wait on it forever, so end this rank now; the
     stream in flight breaks, which the gateway reports as the backend being unavailable."""
-    print(f"meshgate-mlx-runner: the follower at {url} is lost ({why}); this instance cannot generate again",
-          file=sys.stderr, flush=True)
+    print(
+        f"meshgate-mlx-runner: the follower at {url} is lost ({why}); this instance cannot generate again",
+        file=sys.stderr,
+        flush=True,
+    )
     os._exit(3)
 
 

@@ -52,8 +52,10 @@ def _parts(model: nn.Module) -> tuple[nn.Module, nn.Module]:
     """The causal LM inside ``model`` (itself, or a multimodal wrapper's ``language_model``) and its decoder."""
     lm = model["language_model"] if "language_model" in model else model
     if type(lm).__module__ not in _EMBED_SCALE:
-        raise ValueError(f"no sharding for mlx-lm family {type(lm).__module__.rsplit('.', 1)[-1]!r}; "
-                         f"known: {sorted(m.rsplit('.', 1)[-1] for m in _EMBED_SCALE)}")
+        raise ValueError(
+            f"no sharding for mlx-lm family {type(lm).__module__.rsplit('.', 1)[-1]!r}; "
+            f"known: {sorted(m.rsplit('.', 1)[-1] for m in _EMBED_SCALE)}"
+        )
     return lm, lm.model
 
 
@@ -73,7 +75,7 @@ def even_split(n_layers: int, ranks: int, rank: int) -> tuple[int, int]:
 def _kv_rows(proj: nn.Module, head: int, n_kv: int) -> nn.Module:
     """``proj`` cut down to the output rows of KV head ``head`` of ``n_kv`` (a plain or quantized linear)."""
     rows = proj.weight.shape[0] // n_kv
-    proj.update(tree_map(lambda a: mx.contiguous(a[head * rows:(head + 1) * rows]), proj.parameters()))
+    proj.update(tree_map(lambda a: mx.contiguous(a[head * rows : (head + 1) * rows]), proj.parameters()))
     return proj
 
 
@@ -146,12 +148,14 @@ class Stage:
 
     def _check(self, n_layers: int) -> None:
         """Every rank's range, in rank order, must tile ``[0, n_layers)``; all ranks raise the same error."""
-        ranges = mx.distributed.all_gather(mx.array([[self.start, self.end]], dtype=mx.int32), group=self.group,
-                                           stream=mx.cpu).tolist()
+        ranges = mx.distributed.all_gather(
+            mx.array([[self.start, self.end]], dtype=mx.int32), group=self.group, stream=mx.cpu
+        ).tolist()
         ends = [0] + [e for _, e in ranges]
         if any(s != ends[r] or e <= s for r, (s, e) in enumerate(ranges)) or ends[-1] != n_layers:
-            raise ValueError(f"pipeline ranges {[tuple(r) for r in ranges]} do not tile {n_layers} layers "
-                             "in rank order")
+            raise ValueError(
+                f"pipeline ranges {[tuple(r) for r in ranges]} do not tile {n_layers} layers in rank order"
+            )
 
     def make_cache(self) -> list[Any]:
         """A fresh cache for every layer index (only this stage's layers ever fill theirs)."""
@@ -182,8 +186,7 @@ class Stage:
         mx.eval(mx.distributed.send(h, (rank + 1) % size, group=group))
         if rank != 0:
             return None
-        h = self.decoder.norm(mx.distributed.recv((inputs.shape[0], 1, self.hidden), self.dtype, size - 1,
-                                                  group=group))
+        h = self.decoder.norm(mx.distributed.recv((inputs.shape[0], 1, self.hidden), self.dtype, size - 1, group=group))
         return self.lm.lm_head(h) if "lm_head" in self.lm else self.decoder.embed_tokens.as_linear(h)
 
 

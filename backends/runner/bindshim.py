@@ -33,11 +33,17 @@ def build(folder: str | Path) -> Path:
         return out
     cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if cc is None:
-        raise BackendUnavailable("a C compiler (cc) is needed to keep Ray's ports on the cluster address: "
-                                 "install build-essential (scripts/install does)")
+        raise BackendUnavailable(
+            "a C compiler (cc) is needed to keep Ray's ports on the cluster address: "
+            "install build-essential (scripts/install does)"
+        )
     partial = out.with_suffix(".tmp")
-    done = subprocess.run([cc, "-shared", "-fPIC", "-O2", "-o", str(partial), str(SOURCE), "-ldl"],
-                          capture_output=True, text=True, timeout=120)
+    done = subprocess.run(
+        [cc, "-shared", "-fPIC", "-O2", "-o", str(partial), str(SOURCE), "-ldl"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     if done.returncode != 0:
         raise BackendUnavailable(f"building {SOURCE.name} failed: {done.stderr.strip()[-500:]}")
     partial.replace(out)

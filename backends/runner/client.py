@@ -58,8 +58,9 @@ class RunnerClient:
     """Talks to one runner at ``base_url`` over a shared ``httpx.AsyncClient``, presenting ``secret`` (by default
     this process's cluster secret, ``backends.runner.secret.current()``)."""
 
-    def __init__(self, base_url: str, http: httpx.AsyncClient, *, read_timeout: float = 300.0,
-                 secret: str | None = None) -> None:
+    def __init__(
+        self, base_url: str, http: httpx.AsyncClient, *, read_timeout: float = 300.0, secret: str | None = None
+    ) -> None:
         self.base_url = base_url.rstrip("/")
         self.http = http
         self.timeout = httpx.Timeout(10.0, read=read_timeout)
@@ -81,10 +82,15 @@ class RunnerClient:
         """
         pending = b""
         try:
-            async with contextlib.aclosing(post_stream(f"{self.base_url}/generate", _encoder.encode(request),
-                                                       headers=self._stream_headers,
-                                                       connect_timeout=self.timeout.connect or 10.0,
-                                                       read_timeout=self.timeout.read or 300.0)) as chunks:
+            async with contextlib.aclosing(  # type: ignore[type-var]  # post_stream is an async generator
+                post_stream(
+                    f"{self.base_url}/generate",
+                    _encoder.encode(request),
+                    headers=self._stream_headers,
+                    connect_timeout=self.timeout.connect or 10.0,
+                    read_timeout=self.timeout.read or 300.0,
+                )
+            ) as chunks:
                 async for chunk in chunks:  # NDJSON split by hand: no text decoding per token
                     *lines, pending = (pending + chunk if pending else chunk).split(b"\n")
                     for line in lines:
@@ -112,9 +118,12 @@ class RunnerClient:
 
     async def _unary(self, path: str, request: object, decoder: msgspec.json.Decoder, what: str):
         with mapped_transport_errors():
-            response = await self.http.post(f"{self.base_url}{path}", content=_encoder.encode(request),
-                                             headers={"content-type": "application/json", **self.headers},
-                                             timeout=self.timeout)
+            response = await self.http.post(
+                f"{self.base_url}{path}",
+                content=_encoder.encode(request),
+                headers={"content-type": "application/json", **self.headers},
+                timeout=self.timeout,
+            )
         if response.status_code == 401:
             raise secret_refused()
         if response.status_code != 200:

@@ -31,8 +31,9 @@ class JsonHandler(BaseHTTPRequestHandler):
     def parse_request(self) -> bool:
         if not super().parse_request():
             return False
-        if not cluster_secret.authorized(self.secret, _raw(self.headers.get("authorization")),
-                                         _raw(self.headers.get(cluster_secret.HEADER))):
+        if not cluster_secret.authorized(
+            self.secret, _raw(self.headers.get("authorization")), _raw(self.headers.get(cluster_secret.HEADER))
+        ):
             self.close_connection = True  # its body is never read
             self.reply(401, {"error": "missing or wrong cluster secret"})
             return False
@@ -57,8 +58,9 @@ class JsonHandler(BaseHTTPRequestHandler):
 def serve_control(host: str, port: int, handler: type[JsonHandler], name: str) -> ThreadingHTTPServer:
     """Serve ``handler`` on ``host:port`` (0: a free port, see ``server_address``) on a daemon thread, to callers
     with the secret in ``MESHGATE_RUNNER_SECRET`` (to anyone when it is unset)."""
-    server_class = type("ControlServer", (ThreadingHTTPServer,), {"address_family": family(host),
-                                                                  "daemon_threads": True})
+    server_class = type(
+        "ControlServer", (ThreadingHTTPServer,), {"address_family": family(host), "daemon_threads": True}
+    )
     guarded = type(handler.__name__, (handler,), {"secret": cluster_secret.from_environ()})
     server = server_class((host, port), guarded)
     threading.Thread(target=server.serve_forever, name=name, daemon=True).start()

@@ -64,5 +64,7 @@ def mapped_transport_errors(peer: str = _RUNNER, *, connect_timeout: float | Non
 
 def secret_refused(peer: str = _RUNNER) -> BackendProtocolError:
     """The error for a runner that refused this process's cluster secret (it answered 401)."""
-    return BackendProtocolError(f"{peer} refused this process's cluster secret (the gateway and the runner's agent "
-                                "disagree on MESHGATE_CLUSTER_SECRET)")
+    return BackendProtocolError(
+        f"{peer} refused this process's cluster secret (the gateway and the runner's agent "
+        "disagree on MESHGATE_CLUSTER_SECRET)"
+    )

@@ -57,7 +57,7 @@ class _Response(asyncio.Protocol):
 
     # asyncio.Protocol
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self.transport = transport  # type: ignore[assignment]
+        self.transport = transport  # type: ignore[assignment]  # a TCP connection's transport is a Transport
 
     def data_received(self, data: bytes) -> None:
         self.heard = time.monotonic()
@@ -122,8 +122,9 @@ class _ReadTimeout:
         self.timer.cancel()
 
 
-async def post_stream(url: str, body: bytes, *, headers: bytes = b"", connect_timeout: float = 10.0,
-                      read_timeout: float = 300.0) -> AsyncIterator[bytes]:
+async def post_stream(
+    url: str, body: bytes, *, headers: bytes = b"", connect_timeout: float = 10.0, read_timeout: float = 300.0
+) -> AsyncIterator[bytes]:
     """POST ``body`` (JSON) to ``url`` and yield the 200 response's body as it arrives.
 
     ``headers``: extra request header lines, encoded once by the caller, each ending in ``\r\n``
@@ -138,16 +139,16 @@ async def post_stream(url: str, body: bytes, *, headers: bytes = b"", connect_ti
     host, port = parts.hostname or "", parts.port or 80
     loop = asyncio.get_running_loop()
     with mapped_transport_errors(connect_timeout=connect_timeout):
-        transport, response = await asyncio.wait_for(loop.create_connection(_Response, host, port),
-                                                     connect_timeout)
+        transport, response = await asyncio.wait_for(loop.create_connection(_Response, host, port), connect_timeout)
     response.heard = time.monotonic()
     timeout = _ReadTimeout(loop, response, read_timeout)
     try:
         authority = parts.netloc.rpartition("@")[2].encode()
         target = (parts.path or "/").encode() + (b"?" + parts.query.encode() if parts.query else b"")
-        transport.write(b"POST %s HTTP/1.1\r\nhost: %s\r\ncontent-type: application/json\r\n%s"
-                        b"content-length: %d\r\nconnection: close\r\n\r\n%s"
-                        % (target, authority, headers, len(body), body))
+        transport.write(
+            b"POST %s HTTP/1.1\r\nhost: %s\r\ncontent-type: application/json\r\n%s"
+            b"content-length: %d\r\nconnection: close\r\n\r\n%s" % (target, authority, headers, len(body), body)
+        )
         while True:
             if response.status and response.status != 200:
                 while not (response.complete or response.closed or response.error):

@@ -41,8 +41,7 @@ TAIL_LINES = 20
 class RunnerProcess:
     """A started runner process and the port it serves on."""
 
-    def __init__(self, proc: asyncio.subprocess.Process, port: int, name: str,
-                 stderr: _Stderr | None = None) -> None:
+    def __init__(self, proc: asyncio.subprocess.Process, port: int, name: str, stderr: _Stderr | None = None) -> None:
         self.proc = proc
         self.port = port
         self.name = name
@@ -58,13 +57,18 @@ class RunnerProcess:
         return self.proc.returncode is None
 
     @classmethod
-    async def start(cls, argv: Sequence[str], *, name: str, env: Mapping[str, str] | None = None,
-                    ready_timeout: float = 120.0) -> RunnerProcess:
+    async def start(
+        cls, argv: Sequence[str], *, name: str, env: Mapping[str, str] | None = None, ready_timeout: float = 120.0
+    ) -> RunnerProcess:
         """Spawn ``argv`` with ``env`` (and the cluster secret) added to ours and wait for its ready line; raise
         ``BackendUnavailable``/``BackendTimeout`` if none."""
         proc = await asyncio.create_subprocess_exec(
-            *argv, stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
-            env={**os.environ, **cluster_secret.child_env(), **(env or {})}, start_new_session=True,
+            *argv,
+            stdin=asyncio.subprocess.PIPE,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.PIPE,
+            env={**os.environ, **cluster_secret.child_env(), **(env or {})},
+            start_new_session=True,
         )
         stderr = _Stderr(proc)
         try:
@@ -112,7 +116,7 @@ class _Stderr:
                 with contextlib.suppress(OSError):
                     view = memoryview(chunk)
                     while view:
-                        view = view[os.write(2, view):]
+                        view = view[os.write(2, view) :]
                 *lines, partial = (partial + chunk).split(b"\n")
                 partial = partial[-1000:]
                 self._keep(lines)
@@ -145,9 +149,9 @@ async def _read_ready(proc: asyncio.subprocess.Process) -> tuple[int | None, str
     assert proc.stdout is not None
     while line := await proc.stdout.readline():
         if line.startswith(READY_PREFIX):
-            return int(line[len(READY_PREFIX):].strip()), None
+            return int(line[len(READY_PREFIX) :].strip()), None
         if line.startswith(FAILED_PREFIX):
-            return None, line[len(FAILED_PREFIX):].decode(errors="replace").strip()
+            return None, line[len(FAILED_PREFIX) :].decode(errors="replace").strip()
     return None, None
 
 

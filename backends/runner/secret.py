@@ -31,8 +31,7 @@ import os
 import secrets
 from collections.abc import Iterable
 
-__all__ = ["ENV", "HEADER", "authorized", "authorized_asgi", "child_env", "current", "from_environ", "headers",
-           "use"]
+__all__ = ["ENV", "HEADER", "authorized", "authorized_asgi", "child_env", "current", "from_environ", "headers", "use"]
 
 ENV = "MESHGATE_RUNNER_SECRET"
 """The environment variable a runner process reads its secret from."""

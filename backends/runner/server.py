@@ -40,8 +40,8 @@ from meshgate.protocols.model import (
     TERMINAL,
     AuthenticationFailed,
     BackendProtocolError,
-    EmbedRequest,
     Embeddings,
+    EmbedRequest,
     Event,
     Failed,
     GatewayError,
@@ -82,8 +82,9 @@ class EmbeddingEngine(Engine, Protocol):
         ...
 
 
-_UNAUTHORIZED = _encoder.encode({"error": AuthenticationFailed(
-    "this runner answers only its cluster: missing or wrong cluster secret").info()})
+_UNAUTHORIZED = _encoder.encode(
+    {"error": AuthenticationFailed("this runner answers only its cluster: missing or wrong cluster secret").info()}
+)
 
 
 class RunnerApp:
@@ -125,8 +126,9 @@ class RunnerApp:
         except (msgspec.MsgspecError, RecursionError) as exc:  # RecursionError: JSON nested too deeply
             await _respond(send, 400, _encoder.encode({"error": f"bad request: {exc}"}))
             return
-        await send({"type": "http.response.start", "status": 200,
-                    "headers": [(b"content-type", b"application/x-ndjson")]})
+        await send(
+            {"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"application/x-ndjson")]}
+        )
         cancel = threading.Event()
         watcher = asyncio.ensure_future(_wait_disconnect(receive, cancel))
         try:
@@ -148,8 +150,14 @@ class RunnerApp:
             cancel.set()
             watcher.cancel()
 
-    async def _unary(self, receive: Callable[..., Any], send: Callable[..., Any], decoder: msgspec.json.Decoder,
-                     method: str, what: str) -> None:
+    async def _unary(
+        self,
+        receive: Callable[..., Any],
+        send: Callable[..., Any],
+        decoder: msgspec.json.Decoder,
+        method: str,
+        what: str,
+    ) -> None:
         """One request in, one JSON answer out, run by ``engine.<method>(request, cancel)`` on a thread under
         the runner's one-job lock; errors as ``{"error": ErrorInfo}`` with their status."""
         body = await _read_body(receive)
@@ -246,10 +254,16 @@ async def _read_body(receive: Callable[..., Any]) -> bytes:
             return b"".join(chunks)
 
 
-async def _respond(send: Callable[..., Any], status: int, body: bytes,
-                   headers: list[tuple[bytes, bytes]] | None = None) -> None:
-    await send({"type": "http.response.start", "status": status,
-                "headers": [(b"content-type", b"application/json"), *(headers or ())]})
+async def _respond(
+    send: Callable[..., Any], status: int, body: bytes, headers: list[tuple[bytes, bytes]] | None = None
+) -> None:
+    await send(
+        {
+            "type": "http.response.start",
+            "status": status,
+            "headers": [(b"content-type", b"application/json"), *(headers or ())],
+        }
+    )
     await send({"type": "http.response.body", "body": body})
 
 
@@ -280,8 +294,11 @@ def serve(engine: Engine, host: str = "127.0.0.1", port: int = 0, *, watch_paren
 
     secret = cluster_secret.from_environ()
     if secret is None:
-        print(f"meshgate runner: {cluster_secret.ENV} is not set: serving without authentication", file=sys.stderr,
-              flush=True)
+        print(
+            f"meshgate runner: {cluster_secret.ENV} is not set: serving without authentication",
+            file=sys.stderr,
+            flush=True,
+        )
     sock = socket.socket(family(host), socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind((host, port))

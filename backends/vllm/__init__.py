@@ -69,9 +69,20 @@ class VllmBackend(Backend):
 
     name = "vllm"
 
-    def __init__(self, http: httpx.AsyncClient, *, python: str | None = None, runtime_dir: str = "runtime",
-                 n_ctx: int = 4096, tensor_per_node: int = 1, pipeline_per_node: int = 1, kv_cache_gib: int = 1,
-                 eager: bool = False, dtype: str = "auto", ready_timeout: float = 300.0) -> None:
+    def __init__(
+        self,
+        http: httpx.AsyncClient,
+        *,
+        python: str | None = None,
+        runtime_dir: str = "runtime",
+        n_ctx: int = 4096,
+        tensor_per_node: int = 1,
+        pipeline_per_node: int = 1,
+        kv_cache_gib: int = 1,
+        eager: bool = False,
+        dtype: str = "auto",
+        ready_timeout: float = 300.0,
+    ) -> None:
         self.http = http
         self.python = python or sys.executable
         self.runtime_dir = runtime_dir
@@ -108,29 +119,51 @@ class VllmBackend(Backend):
     def describe(self, card: ModelCard) -> ModelDescription:
         return describe_checkpoint(card, self.context(card))
 
-    async def launch(self, card: ModelCard, placement: Candidate, shard: Shard, *, host: str,
-                     peers: Peers) -> VllmServer | raynode.RayHead:
+    async def launch(
+        self, card: ModelCard, placement: Candidate, shard: Shard, *, host: str, peers: Peers
+    ) -> VllmServer | raynode.RayHead:
         lay = layout(placement, tensor_per_node=self.tensor_per_node, pipeline_per_node=self.pipeline_per_node)
         if lay.ray:
             return await self._launch_ray(card, placement, shard, lay, host=host, peers=peers)
         folder = RuntimeFolder(self.runtime_dir, f"vllm-{placement.id[:8]}-{free_port(host)}")
         port = free_port(host)
-        argv = server_argv(self.python, card.path, card.name, host=host, port=port, lay=lay,
-                           max_model_len=placement.context or self.context(card), dtype=self.dtype, eager=self.eager)
-        env = server_env(folder, host_ip=host, kv_cache_gib=self.kv_cache_gib, workers=lay.ranks[lay.head],
-                         layers=lay.layers)
+        argv = server_argv(
+            self.python,
+            card.path,
+            card.name,
+            host=host,
+            port=port,
+            lay=lay,
+            max_model_len=placement.context or self.context(card),
+            dtype=self.dtype,
+            eager=self.eager,
+        )
+        env = server_env(
+            folder, host_ip=host, kv_cache_gib=self.kv_cache_gib, workers=lay.ranks[lay.head], layers=lay.layers
+        )
         url = f"http://{url_host(host)}:{port}"
         (folder.path / "layout.json").write_text(json.dumps({"argv": argv, "env": env}))
-        return await VllmServer.start(argv, env=env, folder=folder, url=url, ready_timeout=self.ready_timeout,
-                                      name=card.name, health=f"{url}/health", http=self.http)
+        return await VllmServer.start(
+            argv,
+            env=env,
+            folder=folder,
+            url=url,
+            ready_timeout=self.ready_timeout,
+            name=card.name,
+            health=f"{url}/health",
+            http=self.http,
+        )
 
-    async def _launch_ray(self, card: ModelCard, placement: Candidate, shard: Shard, lay: Layout, *, host: str,
-                          peers: Peers) -> VllmServer | raynode.RayHead:
+    async def _launch_ray(
+        self, card: ModelCard, placement: Candidate, shard: Shard, lay: Layout, *, host: str, peers: Peers
+    ) -> VllmServer | raynode.RayHead:
         """A Ray node here (a follower: only that, waiting to be joined); on the head also the cluster's join and
         vLLM's API server over it. See ``backends.vllm.raynode``."""
         if raynode.loopback(host):
-            raise UnsupportedFeature(f"vLLM across nodes runs over Ray, which does not take {host} as a node's "
-                                     "address: give each node agent its own cluster address (--address)")
+            raise UnsupportedFeature(
+                f"vLLM across nodes runs over Ray, which does not take {host} as a node's "
+                "address: give each node agent its own cluster address (--address)"
+            )
         # the Ray folder first: its removal (last) also takes the /dev/shm segments of the workers made later
         folder = RuntimeFolder(self.runtime_dir, f"ray-{placement.id[:8]}-{free_port(host)}")
         slots = lay.ranks[shard.node_id]
@@ -138,11 +171,23 @@ class VllmBackend(Backend):
         try:
             plugin = raynode.plugin_dir(folder.path)
             shim = bindshim.build(folder.path)
-            env = {**raynode.node_env(folder.env(), plugin, shim, host=host, kv_cache_gib=self.kv_cache_gib,
-                                      threads=threads_bind(slots)),
-                   **raynode.stage_env(raynode.stage(placement, shard.node_id))}
-            node = await raynode.start_node(folder, host=host, python=self.python, slots=slots, env=env,
-                                            head=is_head, timeout=self.ready_timeout, name=card.name, http=self.http)
+            env = {
+                **raynode.node_env(
+                    folder.env(), plugin, shim, host=host, kv_cache_gib=self.kv_cache_gib, threads=threads_bind(slots)
+                ),
+                **raynode.stage_env(raynode.stage(placement, shard.node_id)),
+            }
+            node = await raynode.start_node(
+                folder,
+                host=host,
+                python=self.python,
+                slots=slots,
+                env=env,
+                head=is_head,
+                timeout=self.ready_timeout,
+                name=card.name,
+                http=self.http,
+            )
         except BaseException:
             folder.remove()
             raise
@@ -156,18 +201,42 @@ class VllmBackend(Backend):
             await raynode.wait_running(self.http, followers, 120.0)
             api_folder = RuntimeFolder(self.runtime_dir, f"vllm-{placement.id[:8]}-{free_port(host)}")
             port = free_port(host)
-            argv = server_argv(self.python, card.path, card.name, host=host, port=port, lay=lay,
-                               max_model_len=placement.context or self.context(card), dtype=self.dtype,
-                               eager=self.eager)
-            api_env = {**bindshim.confine(server_env(api_folder, host_ip=host, kv_cache_gib=self.kv_cache_gib,
-                                                     workers=slots, layers=lay.layers), shim, host),
-                       "PYTHONPATH": env["PYTHONPATH"], "MESHGATE_VLLM_RAY": "1", "RAY_ADDRESS": gcs,
-                       "RAY_USAGE_STATS_ENABLED": "0"}
+            argv = server_argv(
+                self.python,
+                card.path,
+                card.name,
+                host=host,
+                port=port,
+                lay=lay,
+                max_model_len=placement.context or self.context(card),
+                dtype=self.dtype,
+                eager=self.eager,
+            )
+            api_env = {
+                **bindshim.confine(
+                    server_env(
+                        api_folder, host_ip=host, kv_cache_gib=self.kv_cache_gib, workers=slots, layers=lay.layers
+                    ),
+                    shim,
+                    host,
+                ),
+                "PYTHONPATH": env["PYTHONPATH"],
+                "MESHGATE_VLLM_RAY": "1",
+                "RAY_ADDRESS": gcs,
+                "RAY_USAGE_STATS_ENABLED": "0",
+            }
             url = f"http://{url_host(host)}:{port}"
             (api_folder.path / "layout.json").write_text(json.dumps({"argv": argv, "env": api_env}))
-            api = await VllmServer.start(argv, env=api_env, folder=api_folder, url=url,
-                                         ready_timeout=self.ready_timeout, name=card.name, health=f"{url}/health",
-                                         http=self.http)
+            api = await VllmServer.start(
+                argv,
+                env=api_env,
+                folder=api_folder,
+                url=url,
+                ready_timeout=self.ready_timeout,
+                name=card.name,
+                health=f"{url}/health",
+                http=self.http,
+            )
         except BaseException:
             await node.stop()
             raise

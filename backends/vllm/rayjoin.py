@@ -57,8 +57,9 @@ class _Node:
             self.gcs = host_port(a.host, ports.gcs)
         else:
             argv = worker_argv(a.python, a.host, temp, a.slots, ports, head)
-        self.child = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                                      stderr=subprocess.STDOUT, env=_ray_env())
+        self.child = subprocess.Popen(
+            argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=_ray_env()
+        )
         self.state = "starting"
         threading.Thread(target=self._watch, daemon=True).start()
         threading.Thread(target=self._watch_workers, daemon=True).start()

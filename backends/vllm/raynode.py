@@ -55,8 +55,20 @@ from meshgate.backends.runner import secret as cluster_secret
 from meshgate.backends.runner.net import family, free_port, url_host
 from meshgate.backends.vllm.launch import RuntimeFolder, VllmServer
 
-__all__ = ["RayHead", "RayPorts", "head_argv", "join", "loopback", "node_env", "plugin_dir", "stage", "stage_env",
-           "start_node", "wait_running", "worker_argv"]
+__all__ = [
+    "RayHead",
+    "RayPorts",
+    "head_argv",
+    "join",
+    "loopback",
+    "node_env",
+    "plugin_dir",
+    "stage",
+    "stage_env",
+    "start_node",
+    "wait_running",
+    "worker_argv",
+]
 
 PLATFORM_ENTRY = "meshgate_cpu_ray = meshgate_vllm_platform:platform"
 SOCKET_TAIL = 60  # Ray's socket paths: <temp-dir>/session_<date>_<time>_<micros>_<pid>/sockets/plasma_store
@@ -70,18 +82,40 @@ class RayPorts:
 
     def __init__(self, host: str) -> None:
         taken: set[int] = set()
-        self.node_manager, self.object_manager, self.client_server, self.agent_listen, self.agent_grpc, \
-            self.runtime_env_agent, self.metrics, self.gcs = (_free(host, taken) for _ in range(8))
+        (
+            self.node_manager,
+            self.object_manager,
+            self.client_server,
+            self.agent_listen,
+            self.agent_grpc,
+            self.runtime_env_agent,
+            self.metrics,
+            self.gcs,
+        ) = (_free(host, taken) for _ in range(8))
         self.min_worker = _free_range(host, WORKER_PORTS, taken)
         self.max_worker = self.min_worker + WORKER_PORTS - 1
 
     def argv(self) -> list[str]:
-        return ["--node-manager-port", str(self.node_manager), "--object-manager-port", str(self.object_manager),
-                "--min-worker-port", str(self.min_worker), "--max-worker-port", str(self.max_worker),
-                "--ray-client-server-port", str(self.client_server),
-                "--dashboard-agent-listen-port", str(self.agent_listen),
-                "--dashboard-agent-grpc-port", str(self.agent_grpc),
-                "--runtime-env-agent-port", str(self.runtime_env_agent), "--metrics-export-port", str(self.metrics)]
+        return [
+            "--node-manager-port",
+            str(self.node_manager),
+            "--object-manager-port",
+            str(self.object_manager),
+            "--min-worker-port",
+            str(self.min_worker),
+            "--max-worker-port",
+            str(self.max_worker),
+            "--ray-client-server-port",
+            str(self.client_server),
+            "--dashboard-agent-listen-port",
+            str(self.agent_listen),
+            "--dashboard-agent-grpc-port",
+            str(self.agent_grpc),
+            "--runtime-env-agent-port",
+            str(self.runtime_env_agent),
+            "--metrics-export-port",
+            str(self.metrics),
+        ]
 
 
 def _free(host: str, taken: set[int]) -> int:
@@ -117,15 +151,36 @@ def loopback(host: str) -> bool:
 def _common(python: str, host: str, temp_dir: Path, slots: int, ports: RayPorts) -> list[str]:
     if len(str(temp_dir)) + SOCKET_TAIL > IPC_PATH_MAX:
         raise OSError(f"{temp_dir} is too long a path for Ray's unix sockets; set a shorter MESHGATE_RUNTIME_DIR")
-    return [python, "-m", "ray.scripts.scripts", "start", "--block", "--node-ip-address", host,
-            "--num-cpus", str(slots), "--num-gpus", str(slots), "--temp-dir", str(temp_dir), "--disable-usage-stats",
-            "--object-store-memory", str(128 << 20), *ports.argv()]
+    return [
+        python,
+        "-m",
+        "ray.scripts.scripts",
+        "start",
+        "--block",
+        "--node-ip-address",
+        host,
+        "--num-cpus",
+        str(slots),
+        "--num-gpus",
+        str(slots),
+        "--temp-dir",
+        str(temp_dir),
+        "--disable-usage-stats",
+        "--object-store-memory",
+        str(128 << 20),
+        *ports.argv(),
+    ]
 
 
 def head_argv(python: str, host: str, temp_dir: Path, slots: int, ports: RayPorts) -> list[str]:
     """``ray start --head`` on ``host`` with ``slots`` vLLM workers here; its GCS listens on ``ports.gcs``."""
-    return [*_common(python, host, temp_dir, slots, ports), "--head", "--port", str(ports.gcs),
-            "--include-dashboard=false"]
+    return [
+        *_common(python, host, temp_dir, slots, ports),
+        "--head",
+        "--port",
+        str(ports.gcs),
+        "--include-dashboard=false",
+    ]
 
 
 def worker_argv(python: str, host: str, temp_dir: Path, slots: int, ports: RayPorts, head: str) -> list[str]:
@@ -159,33 +214,78 @@ def plugin_dir(folder: Path) -> Path:
     return code
 
 
-def node_env(folder_env: dict[str, str], plugin: Path, shim: Path, *, host: str, kv_cache_gib: int,
-             threads: str) -> dict[str, str]:
+def node_env(
+    folder_env: dict[str, str], plugin: Path, shim: Path, *, host: str, kv_cache_gib: int, threads: str
+) -> dict[str, str]:
     """What a Ray node's processes (vLLM's worker actors among them) must have: the same rules as the API server
     (``launch.server_env``), this node's own address and CPU slices, the platform plugin, no usage stats, and
     ``shim`` (``backends.runner.bindshim``) keeping every port they listen on to ``host``."""
     path = os.pathsep.join(p for p in (str(plugin), os.environ.get("PYTHONPATH", "")) if p)
-    return {**bindshim.confine(folder_env, shim, host), "PYTHONPATH": path, "MESHGATE_VLLM_RAY": "1", "RAY_USAGE_STATS_ENABLED": "0",
-            "VLLM_HOST_IP": host, "VLLM_CPU_KVCACHE_SPACE": str(kv_cache_gib), "VLLM_CPU_OMP_THREADS_BIND": threads,
-            "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
-            "VLLM_LOGGING_LEVEL": "WARNING", "RAY_DEDUP_LOGS": "0"}
+    return {
+        **bindshim.confine(folder_env, shim, host),
+        "PYTHONPATH": path,
+        "MESHGATE_VLLM_RAY": "1",
+        "RAY_USAGE_STATS_ENABLED": "0",
+        "VLLM_HOST_IP": host,
+        "VLLM_CPU_KVCACHE_SPACE": str(kv_cache_gib),
+        "VLLM_CPU_OMP_THREADS_BIND": threads,
+        "VLLM_NO_USAGE_STATS": "1",
+        "DO_NOT_TRACK": "1",
+        "HF_HUB_OFFLINE": "1",
+        "TRANSFORMERS_OFFLINE": "1",
+        "VLLM_LOGGING_LEVEL": "WARNING",
+        "RAY_DEDUP_LOGS": "0",
+    }
 
 
 # ------------------------------------------------------------------------------------------------ agents' side
 
-async def start_node(folder: RuntimeFolder, *, host: str, python: str, slots: int, env: Mapping[str, str],
-                     head: bool, timeout: float, name: str, http: httpx.AsyncClient) -> VllmServer:
+
+async def start_node(
+    folder: RuntimeFolder,
+    *,
+    host: str,
+    python: str,
+    slots: int,
+    env: Mapping[str, str],
+    head: bool,
+    timeout: float,
+    name: str,
+    http: httpx.AsyncClient,
+) -> VllmServer:
     """Start this node's keeper (``backends.vllm.rayjoin``) in its own process group; up once ``/health``
     answers (a follower then waits to be joined; a head is already starting its Ray node)."""
     port = free_port(host)
     url = f"http://{url_host(host)}:{port}"
-    argv = [sys.executable, "-m", "meshgate.backends.vllm.rayjoin", "--host", host, "--port", str(port), "--python", python,
-            "--temp-dir", str(folder.path / "ray"), "--slots", str(slots), "--join-timeout", str(timeout)]
+    argv = [
+        sys.executable,
+        "-m",
+        "meshgate.backends.vllm.rayjoin",
+        "--host",
+        host,
+        "--port",
+        str(port),
+        "--python",
+        python,
+        "--temp-dir",
+        str(folder.path / "ray"),
+        "--slots",
+        str(slots),
+        "--join-timeout",
+        str(timeout),
+    ]
     root = str(Path(sys.modules["meshgate"].__path__[0]).resolve().parent)  # the keeper imports meshgate's ``backends``
     path = os.pathsep.join(p for p in (root, env.get("PYTHONPATH", "")) if p)
-    return await VllmServer.start([*argv, "--head"] if head else argv, env={**env, "PYTHONPATH": path},
-                                  folder=folder, url=url, ready_timeout=60.0, name=f"{name} (Ray node)",
-                                  health=f"{url}/health", http=http)
+    return await VllmServer.start(
+        [*argv, "--head"] if head else argv,
+        env={**env, "PYTHONPATH": path},
+        folder=folder,
+        url=url,
+        ready_timeout=60.0,
+        name=f"{name} (Ray node)",
+        health=f"{url}/health",
+        http=http,
+    )
 
 
 async def wait_running(http: httpx.AsyncClient, nodes: Sequence[str], timeout: float) -> list[str]:

@@ -45,8 +45,9 @@ class _Count(msgspec.Struct):
 class VllmRunner:
     """Talks to one vLLM OpenAI server at ``base_url``, which serves the model as ``served_name``."""
 
-    def __init__(self, base_url: str, served_name: str, http: httpx.AsyncClient, *,
-                 read_timeout: float = 300.0) -> None:
+    def __init__(
+        self, base_url: str, served_name: str, http: httpx.AsyncClient, *, read_timeout: float = 300.0
+    ) -> None:
         self.base_url = base_url.rstrip("/")
         self.served_name = served_name
         self.http = http
@@ -59,11 +60,15 @@ class VllmRunner:
         decoder = StreamDecoder()
         try:
             with mapped_transport_errors(_PEER):
-                async with self.http.stream("POST", f"{self.base_url}{path}", content=body, timeout=self.timeout,
-                                            headers=self.headers) as response:
+                async with self.http.stream(
+                    "POST", f"{self.base_url}{path}", content=body, timeout=self.timeout, headers=self.headers
+                ) as response:
                     if response.status_code != 200:
-                        yield _failed(secret_refused(_PEER) if response.status_code == 401 else
-                                      error_from_response(response.status_code, await response.aread()))
+                        yield _failed(
+                            secret_refused(_PEER)
+                            if response.status_code == 401
+                            else error_from_response(response.status_code, await response.aread())
+                        )
                         return
                     async for chunk in response.aiter_raw():
                         for event in decoder.feed(chunk):
@@ -85,11 +90,17 @@ class VllmRunner:
             body["messages"] = chat_messages(request.messages)
             body["add_generation_prompt"] = True
             if request.tools:
-                body["tools"] = [{"type": "function", "function": {"name": t.name, "parameters": t.parameters}}
-                                 for t in request.tools]
+                body["tools"] = [
+                    {"type": "function", "function": {"name": t.name, "parameters": t.parameters}}
+                    for t in request.tools
+                ]
         with mapped_transport_errors(_PEER):
-            response = await self.http.post(f"{self.base_url}/tokenize", content=msgspec.json.encode(body),
-                                             headers=self.headers, timeout=self.timeout)
+            response = await self.http.post(
+                f"{self.base_url}/tokenize",
+                content=msgspec.json.encode(body),
+                headers=self.headers,
+                timeout=self.timeout,
+            )
         if response.status_code == 401:
             raise secret_refused(_PEER)
         if response.status_code != 200:
@@ -100,8 +111,9 @@ class VllmRunner:
             raise BackendProtocolError(f"vLLM sent an invalid token count: {exc}") from exc
 
     async def embed(self, request: EmbedRequest) -> Embeddings:
-        raise UnsupportedFeature(f"model '{request.model}' does not support embeddings (vLLM serves it for "
-                                 "generation)", param="model")
+        raise UnsupportedFeature(
+            f"model '{request.model}' does not support embeddings (vLLM serves it for generation)", param="model"
+        )
 
 
 def _failed(err: GatewayError) -> Failed:

@@ -164,8 +164,9 @@ class RedisAccounts:
     async def window(self, name: str, amount: int, limit: int, window: float = 60.0) -> tuple[bool, float]:
         slot, share = _slot(window, time.time())
         base = f"{self.prefix}window:{name}:"
-        counted, count = await self._window(keys=[f"{base}{slot}", f"{base}{slot - 1}"],
-                                            args=[repr(share), amount, limit, int(window * 2000)])
+        counted, count = await self._window(
+            keys=[f"{base}{slot}", f"{base}{slot - 1}"], args=[repr(share), amount, limit, int(window * 2000)]
+        )
         return bool(counted), float(count)
 
     async def close(self) -> None:

@@ -39,11 +39,24 @@ _BLOB = b"\0" * (1 << 20)
 class NodeAgent:
     """One machine's agent: heartbeat, link probes, shard processes."""
 
-    def __init__(self, store: StateStore, backends: Sequence[Backend], resolve: Callable[[str], ModelCard], *,
-                 choose: Callable[..., Backend | None], name: str | None = None, address: str = "127.0.0.1",
-                 port: int = 0, heartbeat: float = 1.0, ttl: float = 3.0, probe_every: float = 30.0,
-                 probe_bytes: int = 4 << 20, memory: int | None = None, flops: float | None = None,
-                 secret: str | None = None) -> None:
+    def __init__(
+        self,
+        store: StateStore,
+        backends: Sequence[Backend],
+        resolve: Callable[[str], ModelCard],
+        *,
+        choose: Callable[..., Backend | None],
+        name: str | None = None,
+        address: str = "127.0.0.1",
+        port: int = 0,
+        heartbeat: float = 1.0,
+        ttl: float = 3.0,
+        probe_every: float = 30.0,
+        probe_bytes: int = 4 << 20,
+        memory: int | None = None,
+        flops: float | None = None,
+        secret: str | None = None,
+    ) -> None:
         self.store = store
         self.secret = secret or cluster_secret.current()
         self.backends = list(backends)
@@ -75,9 +88,15 @@ class NodeAgent:
         await self._serve_probes()
         await self._register()
         await self.store.append_event("node.joined", f"node {self.name} joined", node_id=self.node_id)
-        self._tasks += [asyncio.create_task(c, name=n) for n, c in (
-            ("agent-heartbeat", self._heartbeat_loop()), ("agent-reconcile", self._reconcile_loop()),
-            ("agent-watch", self._watch()), ("agent-probe", self._probe_loop()))]
+        self._tasks += [
+            asyncio.create_task(c, name=n)
+            for n, c in (
+                ("agent-heartbeat", self._heartbeat_loop()),
+                ("agent-reconcile", self._reconcile_loop()),
+                ("agent-watch", self._watch()),
+                ("agent-probe", self._probe_loop()),
+            )
+        ]
 
     async def close(self, *, deregister: bool = True) -> None:
         for task in [*self._tasks, *self._starting.values()]:
@@ -158,8 +177,9 @@ class NodeAgent:
             backend = next((b for b in self.backends if b.name == instance.placement.backend), None)
             if backend is None:
                 raise RuntimeError(f"backend {instance.placement.backend} is not installed on {self.name}")
-            launched = await backend.launch(card, instance.placement, shard, host=self.address,
-                                            peers=lambda: self._peers(instance))
+            launched = await backend.launch(
+                card, instance.placement, shard, host=self.address, peers=lambda: self._peers(instance)
+            )
             self.launched[instance.id] = (instance.epoch, launched)
             await self._report(instance, "ready", url=launched.url, pid=launched.pid)
             log.info("started shard of %s on %s: %s", instance.model, self.name, launched.url)
@@ -191,10 +211,19 @@ class NodeAgent:
             await asyncio.sleep(0.1)
         raise TimeoutError(f"the other shards were not up within {timeout:.0f}s")
 
-    async def _report(self, instance: Instance, state: RunnerState, *, url: str | None = None, pid: int | None = None,
-                      error: str | None = None) -> None:
-        await self.store.update_runner(instance.id, RunnerStatus(
-            node_id=self.node_id, state=state, url=url, pid=pid, error=error, epoch=instance.epoch))
+    async def _report(
+        self,
+        instance: Instance,
+        state: RunnerState,
+        *,
+        url: str | None = None,
+        pid: int | None = None,
+        error: str | None = None,
+    ) -> None:
+        await self.store.update_runner(
+            instance.id,
+            RunnerStatus(node_id=self.node_id, state=state, url=url, pid=pid, error=error, epoch=instance.epoch),
+        )
 
     # ------------------------------------------------------------------------------------------- links
 
@@ -218,8 +247,9 @@ class NodeAgent:
         others = [n for n in await self.store.nodes() if n.id != self.node_id and n.agent_url]
         if not others:
             return links  # a client costs ~20 ms of CPU (its TLS context): none for nothing to probe
-        async with httpx.AsyncClient(timeout=10.0, trust_env=False,
-                                     headers={"authorization": f"Bearer {self.secret}"}) as http:
+        async with httpx.AsyncClient(
+            timeout=10.0, trust_env=False, headers={"authorization": f"Bearer {self.secret}"}
+        ) as http:
             for node in others:
                 try:
                     rtts = []
@@ -228,8 +258,9 @@ class NodeAgent:
                         (await http.get(f"{node.agent_url}/ping")).raise_for_status()
                         rtts.append(time.perf_counter() - started)
                     received, first_byte_at = 0, None
-                    async with http.stream("GET", f"{node.agent_url}/blob",
-                                           params={"bytes": self.probe_bytes}) as response:
+                    async with http.stream(
+                        "GET", f"{node.agent_url}/blob", params={"bytes": self.probe_bytes}
+                    ) as response:
                         response.raise_for_status()
                         async for chunk in response.aiter_raw():
                             if first_byte_at is None:
@@ -242,8 +273,13 @@ class NodeAgent:
                     continue
                 if received == 0 or elapsed <= 0:
                     continue  # one chunk: too small a sample to say anything about bandwidth
-                link = Link(src=self.node_id, dst=node.id, latency=min(rtts) / 2, bandwidth=received / elapsed,
-                            measured_at=time.time())
+                link = Link(
+                    src=self.node_id,
+                    dst=node.id,
+                    latency=min(rtts) / 2,
+                    bandwidth=received / elapsed,
+                    measured_at=time.time(),
+                )
                 await self.store.put_link(link)
                 links.append(link)
         return links
@@ -257,8 +293,7 @@ class NodeAgent:
         sock.bind((self.address, self.port))
         sock.listen(64)
         self.port = sock.getsockname()[1]
-        config = uvicorn.Config(_ProbeApp(self.secret.encode()), log_level="warning", access_log=False,
-                                lifespan="off")
+        config = uvicorn.Config(_ProbeApp(self.secret.encode()), log_level="warning", access_log=False, lifespan="off")
         self._server = uvicorn.Server(config)
         self._server.install_signal_handlers = lambda: None
         self._tasks.append(asyncio.create_task(self._server.serve(sockets=[sock]), name="agent-probes"))
@@ -274,8 +309,13 @@ class _ProbeApp:
         if scope["type"] != "http":
             return
         if not cluster_secret.authorized_asgi(self.secret, scope["headers"]):
-            await send({"type": "http.response.start", "status": 401,
-                        "headers": [(b"content-type", b"application/json"), (b"www-authenticate", b"Bearer")]})
+            await send(
+                {
+                    "type": "http.response.start",
+                    "status": 401,
+                    "headers": [(b"content-type", b"application/json"), (b"www-authenticate", b"Bearer")],
+                }
+            )
             await send({"type": "http.response.body", "body": b'{"error":"missing or wrong cluster secret"}'})
             return
         await _probe_app(scope, receive, send)
@@ -285,11 +325,15 @@ async def _probe_app(scope: dict[str, Any], receive: Callable[..., Any], send: C
     if scope["path"] == "/blob":
         query = dict(p.split("=", 1) for p in scope.get("query_string", b"").decode().split("&") if "=" in p)
         size = min(int(query.get("bytes", len(_BLOB))), 64 << 20)
-        await send({"type": "http.response.start", "status": 200,
-                    "headers": [(b"content-type", b"application/octet-stream"),
-                                (b"content-length", str(size).encode())]})
+        await send(
+            {
+                "type": "http.response.start",
+                "status": 200,
+                "headers": [(b"content-type", b"application/octet-stream"), (b"content-length", str(size).encode())],
+            }
+        )
         while size > 0:
-            chunk = _BLOB[:min(size, len(_BLOB))]
+            chunk = _BLOB[: min(size, len(_BLOB))]
             size -= len(chunk)
             await send({"type": "http.response.body", "body": chunk, "more_body": size > 0})
         return

@@ -36,9 +36,18 @@ MAX_ATTEMPTS = 3
 class InstanceManager:
     """Plans, creates, watches and re-places instances; keeps a cached view for the request path."""
 
-    def __init__(self, store: StateStore, backends: Sequence[Backend], *, resolve: Callable[[str], ModelCard],
-                 choose: Callable[..., Backend | None], rank: Callable | None = None, auto_place: bool = True,
-                 context: Callable[[Backend, ModelCard], int | None] | None = None, reconcile_every: float = 0.5) -> None:
+    def __init__(
+        self,
+        store: StateStore,
+        backends: Sequence[Backend],
+        *,
+        resolve: Callable[[str], ModelCard],
+        choose: Callable[..., Backend | None],
+        rank: Callable | None = None,
+        auto_place: bool = True,
+        context: Callable[[Backend, ModelCard], int | None] | None = None,
+        reconcile_every: float = 0.5,
+    ) -> None:
         self.store = store
         self.backends = list(backends)
         self.resolve = resolve
@@ -57,8 +66,10 @@ class InstanceManager:
 
     async def start(self) -> None:
         await self._refresh(force=True)
-        self._tasks = [asyncio.create_task(self._watch(), name="instances-watch"),
-                       asyncio.create_task(self._reconcile_loop(), name="instances-reconcile")]
+        self._tasks = [
+            asyncio.create_task(self._watch(), name="instances-watch"),
+            asyncio.create_task(self._reconcile_loop(), name="instances-reconcile"),
+        ]
 
     async def close(self) -> None:
         for task in self._tasks:
@@ -99,15 +110,32 @@ class InstanceManager:
         if chosen is None:
             raise NoCapacity(f"no backend can serve model '{card.name}' (format {card.format})")
         costs = chosen.costs(card)
-        return [(chosen, BackendOffer(backend=chosen.name, strategies=frozenset(chosen.strategies(card)),
-                                      overhead_bytes=costs.base_bytes, overhead_per_token=costs.per_token_bytes,
-                                      head_overhead_bytes=costs.head_bytes,
-                                      tied_output_copy=costs.tied_output_copy,
-                                      vocab_parallel=costs.vocab_parallel, kv_sequences=costs.sequences,
-                                      required_runtime=None))]
+        return [
+            (
+                chosen,
+                BackendOffer(
+                    backend=chosen.name,
+                    strategies=frozenset(chosen.strategies(card)),
+                    overhead_bytes=costs.base_bytes,
+                    overhead_per_token=costs.per_token_bytes,
+                    head_overhead_bytes=costs.head_bytes,
+                    tied_output_copy=costs.tied_output_copy,
+                    vocab_parallel=costs.vocab_parallel,
+                    kv_sequences=costs.sequences,
+                    required_runtime=None,
+                ),
+            )
+        ]
 
-    async def preview(self, model: str, *, nodes: Sequence[str] | None = None, strategy: str | None = None,
-                      min_nodes: int | None = None, context: int | None = None) -> list[Candidate]:
+    async def preview(
+        self,
+        model: str,
+        *,
+        nodes: Sequence[str] | None = None,
+        strategy: str | None = None,
+        min_nodes: int | None = None,
+        context: int | None = None,
+    ) -> list[Candidate]:
         """Every candidate placement for ``model``, fitting ones first, best first (``context``: tokens of KV
         cache to hold; the backend's default for the model when None)."""
         card = self.resolve(model)
@@ -115,16 +143,31 @@ class InstanceManager:
         backend = offers[0][0]
         if context is None and self.context:
             context = self.context(backend, card)
-        return plan(backend.spec(card), await self.topology(), [o for _, o in offers], context=context,
-                    nodes=nodes, rank=self.rank, strategy=strategy, min_nodes=min_nodes)
+        return plan(
+            backend.spec(card),
+            await self.topology(),
+            [o for _, o in offers],
+            context=context,
+            nodes=nodes,
+            rank=self.rank,
+            strategy=strategy,
+            min_nodes=min_nodes,
+        )
 
-    async def create(self, model: str, *, candidate_id: str | None = None, nodes: Sequence[str] | None = None,
-                     strategy: str | None = None, min_nodes: int | None = None, context: int | None = None,
-                     reason: str = "requested") -> Instance:
+    async def create(
+        self,
+        model: str,
+        *,
+        candidate_id: str | None = None,
+        nodes: Sequence[str] | None = None,
+        strategy: str | None = None,
+        min_nodes: int | None = None,
+        context: int | None = None,
+        reason: str = "requested",
+    ) -> Instance:
         """Place ``model`` (a previewed candidate by id, or the best under the constraints); store the instance."""
         card = self.resolve(model)
-        candidates = await self.preview(card.name, nodes=nodes, strategy=strategy, min_nodes=min_nodes,
-                                        context=context)
+        candidates = await self.preview(card.name, nodes=nodes, strategy=strategy, min_nodes=min_nodes, context=context)
         fitting = [c for c in candidates if c.fits]
         if candidate_id is not None:
             fitting = [c for c in candidates if c.id == candidate_id]
@@ -135,14 +178,24 @@ class InstanceManager:
         if not fitting:
             raise NoCapacity(_no_fit_message(card.name, candidates))
         now = time.time()
-        instance = Instance(id=InstanceId(uuid.uuid4().hex[:12]), model=card.name, placement=fitting[0],
-                            state=Starting(), created_at=now, updated_at=now, runners={}, strategy=strategy,
-                            min_nodes=min_nodes)
+        instance = Instance(
+            id=InstanceId(uuid.uuid4().hex[:12]),
+            model=card.name,
+            placement=fitting[0],
+            state=Starting(),
+            created_at=now,
+            updated_at=now,
+            runners={},
+            strategy=strategy,
+            min_nodes=min_nodes,
+        )
         await self.store.put_instance(instance)
-        await self.store.append_event("instance.placed", f"placed {card.name} ({reason}) on "
-                                      f"{', '.join(s.node_id for s in fitting[0].shards)}",
-                                      instance_id=instance.id, data={"placement": msgspec.json.encode(
-                                          fitting[0]).decode(), "reason": reason})
+        await self.store.append_event(
+            "instance.placed",
+            f"placed {card.name} ({reason}) on {', '.join(s.node_id for s in fitting[0].shards)}",
+            instance_id=instance.id,
+            data={"placement": msgspec.json.encode(fitting[0]).decode(), "reason": reason},
+        )
         self._view[instance.id] = instance
         return instance
 
@@ -150,8 +203,7 @@ class InstanceManager:
         if await self.store.get_instance(instance_id) is None:
             raise NotFound(f"instance '{instance_id}' not found")
         await self.store.delete_instance(instance_id)
-        await self.store.append_event("instance.deleted", f"deleted instance {instance_id}",
-                                      instance_id=instance_id)
+        await self.store.append_event("instance.deleted", f"deleted instance {instance_id}", instance_id=instance_id)
         self._view.pop(instance_id, None)
 
     async def set_expiry(self, model: str, expires_at: float | None) -> None:
@@ -190,8 +242,10 @@ class InstanceManager:
             if found is not None:
                 return found
             if not self.auto_place:
-                raise NoCapacity(f"model '{card.name}' has no instance and automatic placement is off; "
-                                 f"create one with POST /instances")
+                raise NoCapacity(
+                    f"model '{card.name}' has no instance and automatic placement is off; "
+                    f"create one with POST /instances"
+                )
             for other in self.cached(card.name):  # a different context size: reload, as Ollama does
                 await self.delete(other.id)
             why = "automatic: first request" if context is None else f"automatic: a request for {context} tokens"
@@ -230,8 +284,9 @@ class InstanceManager:
             state = instance.state
             if isinstance(state, Ready) and instance.expires_at is not None and instance.expires_at <= now:
                 if await self.store.delete_instance(instance.id):
-                    await self.store.append_event("instance.expired", f"{instance.model} expired (keep_alive)",
-                                                  instance_id=instance.id)
+                    await self.store.append_event(
+                        "instance.expired", f"{instance.model} expired (keep_alive)", instance_id=instance.id
+                    )
                 self._view.pop(instance.id, None)
                 continue
             if isinstance(state, Starting | Ready):
@@ -242,8 +297,9 @@ class InstanceManager:
                         await self.store.append_event("instance.failed", problem, instance_id=instance.id)
                 elif isinstance(state, Starting) and _all_ready(instance):
                     if await self.store.set_state(instance.id, Ready(), expected=Starting):
-                        await self.store.append_event("instance.ready", f"{instance.model} is ready",
-                                                      instance_id=instance.id)
+                        await self.store.append_event(
+                            "instance.ready", f"{instance.model} is ready", instance_id=instance.id
+                        )
             elif isinstance(state, Failed) and instance.attempts < MAX_ATTEMPTS:
                 await self._replace(instance, state.reason)
         await self._refresh()
@@ -254,8 +310,9 @@ class InstanceManager:
         candidates: list[Candidate] = []
         try:
             if instance.strategy or instance.min_nodes:
-                candidates = await self.preview(instance.model, strategy=instance.strategy,
-                                                min_nodes=instance.min_nodes)
+                candidates = await self.preview(
+                    instance.model, strategy=instance.strategy, min_nodes=instance.min_nodes
+                )
             if not any(c.fits for c in candidates):
                 candidates = await self.preview(instance.model)
         except Exception as exc:  # the model vanished from the catalog, no backend, ...
@@ -264,24 +321,37 @@ class InstanceManager:
         attempts = instance.attempts + 1
         if not fitting:
             await self.store.put_instance(msgspec.structs.replace(instance, attempts=MAX_ATTEMPTS))
-            await self.store.append_event("instance.unplaceable", _no_fit_message(instance.model, candidates),
-                                          instance_id=instance.id)
+            await self.store.append_event(
+                "instance.unplaceable", _no_fit_message(instance.model, candidates), instance_id=instance.id
+            )
             return
         if not await self.store.set_state(instance.id, Starting(), expected=Failed):
             return  # another gateway is re-placing it
-        replaced = msgspec.structs.replace(instance, placement=fitting[0], state=Starting(), runners={},
-                                           epoch=instance.epoch + 1, attempts=attempts, updated_at=time.time())
+        replaced = msgspec.structs.replace(
+            instance,
+            placement=fitting[0],
+            state=Starting(),
+            runners={},
+            epoch=instance.epoch + 1,
+            attempts=attempts,
+            updated_at=time.time(),
+        )
         await self.store.put_instance(replaced)
-        await self.store.append_event("instance.replaced", f"re-placed {instance.model} after: {why}; now on "
-                                      f"{', '.join(s.node_id for s in fitting[0].shards)}",
-                                      instance_id=instance.id,
-                                      data={"placement": msgspec.json.encode(fitting[0]).decode(), "reason": why})
+        await self.store.append_event(
+            "instance.replaced",
+            f"re-placed {instance.model} after: {why}; now on {', '.join(s.node_id for s in fitting[0].shards)}",
+            instance_id=instance.id,
+            data={"placement": msgspec.json.encode(fitting[0]).decode(), "reason": why},
+        )
 
 
 def _usable(instances: Sequence[Instance]) -> Instance | None:
     """Ready first, then starting, then failed but still being re-placed."""
-    for usable in (lambda i: isinstance(i.state, Ready), lambda i: isinstance(i.state, Starting),
-                   lambda i: isinstance(i.state, Failed) and i.attempts < MAX_ATTEMPTS):
+    for usable in (
+        lambda i: isinstance(i.state, Ready),
+        lambda i: isinstance(i.state, Starting),
+        lambda i: isinstance(i.state, Failed) and i.attempts < MAX_ATTEMPTS,
+    ):
         found = next((i for i in instances if usable(i)), None)
         if found is not None:
             return found
@@ -299,8 +369,10 @@ def _problem(instance: Instance, node_ids: set[NodeId]) -> str | None:
 
 
 def _all_ready(instance: Instance) -> bool:
-    return all((s := instance.runners.get(shard.node_id)) is not None and s.state == "ready"
-               and s.epoch == instance.epoch for shard in instance.placement.shards)
+    return all(
+        (s := instance.runners.get(shard.node_id)) is not None and s.state == "ready" and s.epoch == instance.epoch
+        for shard in instance.placement.shards
+    )
 
 
 def _no_fit_message(model: str, candidates: Sequence[Candidate]) -> str:

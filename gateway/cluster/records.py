@@ -22,8 +22,17 @@ import msgspec
 from meshgate.backends.placement import Candidate, InstanceId, NodeId
 
 __all__ = [
-    "STATE_TYPES", "Draining", "Failed", "Instance", "InstanceState", "Ready", "RunnerState", "RunnerStatus",
-    "Starting", "StoreEvent", "state_tag",
+    "STATE_TYPES",
+    "Draining",
+    "Failed",
+    "Instance",
+    "InstanceState",
+    "Ready",
+    "RunnerState",
+    "RunnerStatus",
+    "Starting",
+    "StoreEvent",
+    "state_tag",
 ]
 
 
@@ -56,7 +65,7 @@ def state_tag(state: type | InstanceState) -> str:
     cls = state if isinstance(state, type) else type(state)
     if cls not in STATE_TYPES:
         raise TypeError(f"not an instance state: {cls!r}")
-    return cls.__struct_config__.tag  # type: ignore[attr-defined]
+    return cls.__struct_config__.tag  # type: ignore[attr-defined]  # msgspec sets it on every Struct class
 
 
 class RunnerStatus(msgspec.Struct, frozen=True):

@@ -50,11 +50,13 @@ class ControlPlane:
 
 
 @contextlib.asynccontextmanager
-async def control_plane(settings: Settings, plugins: pluggy.PluginManager, *, gateway: bool,
-                        agent: bool) -> AsyncIterator[ControlPlane]:
+async def control_plane(
+    settings: Settings, plugins: pluggy.PluginManager, *, gateway: bool, agent: bool
+) -> AsyncIterator[ControlPlane]:
     """Everything a gateway (``gateway=True``) and/or a node agent (``agent=True``) needs, started and closed."""
-    async with httpx.AsyncClient(limits=httpx.Limits(max_connections=256, max_keepalive_connections=64),
-                                 trust_env=False) as http:
+    async with httpx.AsyncClient(
+        limits=httpx.Limits(max_connections=256, max_keepalive_connections=64), trust_env=False
+    ) as http:
         backends: list[Backend] = []
         sources: list[ModelSource] = []
         plugins.hook.meshgate_register_backends(register=backends.append, settings=settings, http=http)
@@ -69,23 +71,46 @@ async def control_plane(settings: Settings, plugins: pluggy.PluginManager, *, ga
             secret = settings.cluster_secret or await store.cluster_secret(cluster_secret.current())
             cluster_secret.use(secret)  # what this process's runners demand and its runner clients present
             if agent:
-                plane.agent = NodeAgent(store, backends, catalog.resolve, choose=choose, name=settings.node_name,
-                                        address=settings.cluster_address, port=settings.agent_port,
-                                        heartbeat=settings.heartbeat, ttl=settings.node_ttl,
-                                        memory=settings.node_memory, probe_every=settings.link_probe_every,
-                                        flops=settings.node_flops, secret=secret)
+                plane.agent = NodeAgent(
+                    store,
+                    backends,
+                    catalog.resolve,
+                    choose=choose,
+                    name=settings.node_name,
+                    address=settings.cluster_address,
+                    port=settings.agent_port,
+                    heartbeat=settings.heartbeat,
+                    ttl=settings.node_ttl,
+                    memory=settings.node_memory,
+                    probe_every=settings.link_probe_every,
+                    flops=settings.node_flops,
+                    secret=secret,
+                )
                 await plane.agent.start()
             if gateway:
+
                 def context(backend: Backend, card: ModelCard) -> int | None:
                     return backend.context(card) or None  # 0: the model's own (the planner reads its spec)
 
                 plane.instances = InstanceManager(
-                    store, backends, resolve=catalog.resolve, choose=choose,
-                    rank=_rank(plugins), auto_place=settings.placement != "never", context=context)
+                    store,
+                    backends,
+                    resolve=catalog.resolve,
+                    choose=choose,
+                    rank=_rank(plugins),
+                    auto_place=settings.placement != "never",
+                    context=context,
+                )
                 await plane.instances.start()
-                plane.dispatcher = Dispatcher(catalog, backends, choose, plane.instances, keepalive=settings.keepalive,
-                                              admission=Admission(settings.parallel, settings.max_queue),
-                                              max_tokens=settings.max_tokens)
+                plane.dispatcher = Dispatcher(
+                    catalog,
+                    backends,
+                    choose,
+                    plane.instances,
+                    keepalive=settings.keepalive,
+                    admission=Admission(settings.parallel, settings.max_queue),
+                    max_tokens=settings.max_tokens,
+                )
             yield plane
         finally:
             if plane.instances is not None:

@@ -53,7 +53,9 @@ import msgspec
 import redis.asyncio as aioredis
 from redis.asyncio.retry import Retry
 from redis.backoff import ExponentialBackoff
-from redis.exceptions import ConnectionError as RedisConnectionError, RedisError, TimeoutError as RedisTimeoutError
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import RedisError
+from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from meshgate.backends.placement import InstanceId, Link, Node, NodeId
 from meshgate.gateway.cluster.records import Instance, InstanceState, RunnerStatus, StoreEvent, state_tag
@@ -81,43 +83,63 @@ class StateStore(Protocol):
 
     async def put_node(self, node: Node, ttl: float) -> None:
         """Register or refresh ``node``; it vanishes from ``nodes()`` ``ttl`` seconds after the last refresh."""
+
     async def nodes(self) -> list[Node]:
         """Live nodes, by id."""
+
     async def remove_node(self, node_id: NodeId) -> bool:
         """Forget a node (a clean shutdown) and its links. True if it was registered."""
 
     async def put_link(self, link: Link) -> None:
         """Store the latest measurement of ``link.src`` -> ``link.dst``."""
+
     async def links(self) -> list[Link]:
         """Links whose two ends are live nodes, by (src, dst)."""
 
     async def put_instance(self, inst: Instance) -> None:
         """Create or replace an instance whole, runner reports included."""
+
     async def get_instance(self, instance_id: InstanceId) -> Instance | None:
         """The instance with its latest state and runner reports, or None."""
+
     async def instances(self) -> list[Instance]:
         """Every instance, oldest first."""
+
     async def delete_instance(self, instance_id: InstanceId) -> bool:
         """Delete an instance. True if it existed."""
+
     async def update_runner(self, instance_id: InstanceId, status: RunnerStatus) -> bool:
         """Record one node's runner status; False (and nothing stored) if the instance does not exist."""
+
     async def set_state(self, instance_id: InstanceId, state: InstanceState, *, expected: type | None = None) -> bool:
         """Set the state if the instance exists and (when given) its state is of class ``expected``."""
 
-    async def append_event(self, kind: str, message: str, *, instance_id: str | None = None,
-                           node_id: str | None = None, data: dict[str, str] | None = None) -> StoreEvent:
+    async def append_event(
+        self,
+        kind: str,
+        message: str,
+        *,
+        instance_id: str | None = None,
+        node_id: str | None = None,
+        data: dict[str, str] | None = None,
+    ) -> StoreEvent:
         """Append to the audit stream (the newest ``MAX_EVENTS`` or so are kept)."""
+
     async def events(self, since: str | None = None, count: int = 100) -> list[StoreEvent]:
         """Up to ``count`` events after the event id ``since`` (from the oldest kept when None), oldest first."""
 
     async def generation(self) -> int:
         """A counter bumped by every change of nodes, links or instances."""
+
     async def hit(self, key: str, window: float) -> int:
         """Count one hit on ``key`` in the current fixed window of ``window`` seconds; the count so far."""
+
     async def cluster_secret(self, proposed: str) -> str:
         """The cluster's secret: the one stored, else ``proposed``, stored now (the first caller's wins)."""
+
     def watch(self) -> AsyncIterator[str]:
         """Wake-ups: the kinds ("nodes", "links", "instances") that changed. Ends when the store closes."""
+
     async def close(self) -> None:
         """Release connections and end every watcher."""
 
@@ -201,8 +223,7 @@ class MemoryStore:
 
     async def links(self) -> list[Link]:
         live = self._live()
-        return [_link.decode(value) for (src, dst), value in sorted(self._links.items())
-                if src in live and dst in live]
+        return [_link.decode(value) for (src, dst), value in sorted(self._links.items()) if src in live and dst in live]
 
     async def put_instance(self, inst: Instance) -> None:
         self._instances[inst.id] = _encode(inst)
@@ -236,8 +257,15 @@ class MemoryStore:
         self._changed("instances")
         return True
 
-    async def append_event(self, kind: str, message: str, *, instance_id: str | None = None,
-                           node_id: str | None = None, data: dict[str, str] | None = None) -> StoreEvent:
+    async def append_event(
+        self,
+        kind: str,
+        message: str,
+        *,
+        instance_id: str | None = None,
+        node_id: str | None = None,
+        data: dict[str, str] | None = None,
+    ) -> StoreEvent:
         at = time.time()
         ms, seq = self._last_id
         self._last_id = (ms, seq + 1) if int(at * 1000) <= ms else (int(at * 1000), 0)
@@ -277,7 +305,8 @@ class MemoryStore:
 _BUMP = "redis.call('INCR', KEYS[{gen}]) redis.call('PUBLISH', ARGV[1], '{kind}')"
 # KEYS: nodes index, links hash, generation, node:{id}...  ARGV: channel, force ("1": delete), id...
 # Drops the given nodes whose key is gone (or every given node when forced), and their links.
-_DROP_NODES = """
+_DROP_NODES = (
+    """
 local gone, n = {}, 0
 for i = 4, #KEYS do
   local deleted = 0
@@ -292,21 +321,32 @@ for _, field in ipairs(redis.call('HKEYS', KEYS[2])) do
   local ends = cjson.decode(field)
   if gone[ends[1]] or gone[ends[2]] then redis.call('HDEL', KEYS[2], field) end
 end
-""" + _BUMP.format(gen=3, kind="nodes") + " redis.call('PUBLISH', ARGV[1], 'links') return n"
+"""
+    + _BUMP.format(gen=3, kind="nodes")
+    + " redis.call('PUBLISH', ARGV[1], 'links') return n"
+)
 
 # KEYS: instance:{id}, generation  ARGV: channel, field, value
-_UPDATE_RUNNER = """
+_UPDATE_RUNNER = (
+    """
 if redis.call('HEXISTS', KEYS[1], 'record') == 0 then return 0 end
 redis.call('HSET', KEYS[1], ARGV[2], ARGV[3])
-""" + _BUMP.format(gen=2, kind="instances") + " return 1"
+"""
+    + _BUMP.format(gen=2, kind="instances")
+    + " return 1"
+)
 
 # KEYS: instance:{id}, generation  ARGV: channel, expected tag ('' = any), state JSON, updated_at
-_SET_STATE = """
+_SET_STATE = (
+    """
 local current = redis.call('HGET', KEYS[1], 'state')
 if not current then return 0 end
 if ARGV[2] ~= '' and cjson.decode(current)['state'] ~= ARGV[2] then return 0 end
 redis.call('HSET', KEYS[1], 'state', ARGV[3], 'updated_at', ARGV[4])
-""" + _BUMP.format(gen=2, kind="instances") + " return 1"
+"""
+    + _BUMP.format(gen=2, kind="instances")
+    + " return 1"
+)
 
 
 class RedisStore:
@@ -315,9 +355,12 @@ class RedisStore:
     def __init__(self, url: str, prefix: str = "meshgate:") -> None:
         self.prefix = prefix
         # Reconnect transparently when Redis restarts: a pooled connection that broke is retried on a new one.
-        self._r = aioredis.Redis.from_url(url, retry=Retry(ExponentialBackoff(cap=1.0, base=0.05), 5),
-                                          retry_on_error=[RedisConnectionError, RedisTimeoutError],
-                                          health_check_interval=10)
+        self._r = aioredis.Redis.from_url(
+            url,
+            retry=Retry(ExponentialBackoff(cap=1.0, base=0.05), 5),
+            retry_on_error=[RedisConnectionError, RedisTimeoutError],
+            health_check_interval=10,
+        )
         self._channel = prefix + "changes"
         self._drop_nodes = self._r.register_script(_DROP_NODES)
         self._update_runner = self._r.register_script(_UPDATE_RUNNER)
@@ -352,9 +395,11 @@ class RedisStore:
         return {i: value for i, value in zip(ids, values, strict=True) if value is not None}
 
     async def put_node(self, node: Node, ttl: float) -> None:
-        await self._write("nodes", lambda p: p.set(self._key("node", node.id), _encode(node),
-                                                   px=max(1, round(ttl * 1000))),
-                          lambda p: p.sadd(self._key("nodes"), node.id))
+        await self._write(
+            "nodes",
+            lambda p: p.set(self._key("node", node.id), _encode(node), px=max(1, round(ttl * 1000))),
+            lambda p: p.sadd(self._key("nodes"), node.id),
+        )
 
     async def nodes(self) -> list[Node]:
         return [_node.decode(value) for value in (await self._live()).values()]
@@ -373,19 +418,30 @@ class RedisStore:
 
     async def put_instance(self, inst: Instance) -> None:
         key = self._key("instance", inst.id)
-        fields = {"record": _encode(msgspec.structs.replace(inst, runners={})), "state": _encode(inst.state),
-                  "updated_at": repr(inst.updated_at).encode(),
-                  **{f"runner:{node_id}": _encode(status) for node_id, status in inst.runners.items()}}
-        await self._write("instances", lambda p: p.delete(key), lambda p: p.hset(key, mapping=fields),
-                          lambda p: p.sadd(self._key("instances"), inst.id))
+        fields = {
+            "record": _encode(msgspec.structs.replace(inst, runners={})),
+            "state": _encode(inst.state),
+            "updated_at": repr(inst.updated_at).encode(),
+            **{f"runner:{node_id}": _encode(status) for node_id, status in inst.runners.items()},
+        }
+        await self._write(
+            "instances",
+            lambda p: p.delete(key),
+            lambda p: p.hset(key, mapping=fields),
+            lambda p: p.sadd(self._key("instances"), inst.id),
+        )
 
     @staticmethod
     def _decode_instance(fields: dict[bytes, bytes]) -> Instance | None:
         if b"record" not in fields:
             return None
         runners = {k[7:].decode(): _runner.decode(v) for k, v in fields.items() if k.startswith(b"runner:")}
-        return msgspec.structs.replace(_instance.decode(fields[b"record"]), state=_state.decode(fields[b"state"]),
-                                       updated_at=float(fields[b"updated_at"]), runners=runners)
+        return msgspec.structs.replace(
+            _instance.decode(fields[b"record"]),
+            state=_state.decode(fields[b"state"]),
+            updated_at=float(fields[b"updated_at"]),
+            runners=runners,
+        )
 
     async def get_instance(self, instance_id: InstanceId) -> Instance | None:
         return self._decode_instance(await self._r.hgetall(self._key("instance", instance_id)))
@@ -399,8 +455,11 @@ class RedisStore:
         return sorted((i for i in found if i is not None), key=lambda i: (i.created_at, i.id))
 
     async def delete_instance(self, instance_id: InstanceId) -> bool:
-        deleted, *_ = await self._write("instances", lambda p: p.delete(self._key("instance", instance_id)),
-                                        lambda p: p.srem(self._key("instances"), instance_id))
+        deleted, *_ = await self._write(
+            "instances",
+            lambda p: p.delete(self._key("instance", instance_id)),
+            lambda p: p.srem(self._key("instances"), instance_id),
+        )
         return bool(deleted)
 
     async def update_runner(self, instance_id: InstanceId, status: RunnerStatus) -> bool:
@@ -413,17 +472,25 @@ class RedisStore:
         args = [self._channel, "" if expected is None else state_tag(expected), _encode(state), repr(time.time())]
         return bool(await self._set_state(keys=keys, args=args))
 
-    async def append_event(self, kind: str, message: str, *, instance_id: str | None = None,
-                           node_id: str | None = None, data: dict[str, str] | None = None) -> StoreEvent:
+    async def append_event(
+        self,
+        kind: str,
+        message: str,
+        *,
+        instance_id: str | None = None,
+        node_id: str | None = None,
+        data: dict[str, str] | None = None,
+    ) -> StoreEvent:
         event = StoreEvent("", time.time(), kind, instance_id, node_id, message, data)
-        event_id = await self._r.xadd(self._key("events"), {"e": _encode(event)}, maxlen=MAX_EVENTS,
-                                      approximate=True)
+        event_id = await self._r.xadd(self._key("events"), {"e": _encode(event)}, maxlen=MAX_EVENTS, approximate=True)
         return msgspec.structs.replace(event, id=event_id.decode())
 
     async def events(self, since: str | None = None, count: int = 100) -> list[StoreEvent]:
         entries = await self._r.xrange(self._key("events"), "-" if since is None else f"({since}", "+", count=count)
-        return [msgspec.structs.replace(_event.decode(fields[b"e"]), id=entry_id.decode())
-                for entry_id, fields in entries or []]
+        return [
+            msgspec.structs.replace(_event.decode(fields[b"e"]), id=entry_id.decode())
+            for entry_id, fields in entries or []
+        ]
 
     async def generation(self) -> int:
         return int(await self._r.get(self._key("generation")) or 0)
@@ -465,8 +532,12 @@ class RedisStore:
                     elif message.get("type") == "message":
                         self._watchers.notify(message["data"].decode())
             except Exception as exc:  # a lost connection, or a bad message: the wake-ups must go on
-                log.warning("store change feed lost (%r); resubscribing in %.2fs", exc, delay,
-                            exc_info=not isinstance(exc, RedisError | OSError))
+                log.warning(
+                    "store change feed lost (%r); resubscribing in %.2fs",
+                    exc,
+                    delay,
+                    exc_info=not isinstance(exc, RedisError | OSError),
+                )
             finally:
                 with contextlib.suppress(RedisError, OSError):
                     await pubsub.aclose()

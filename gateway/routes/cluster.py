@@ -70,23 +70,33 @@ def _nodes(value: str | None) -> list[str] | None:
 async def cluster(request: HttpRequest) -> ClusterView:
     manager = _instances(request)
     topology = await manager.topology()
-    return ClusterView(nodes=list(topology.nodes), links=list(topology.links),
-                       instances=[_view(request, i) for i in await manager.store.instances()])
+    return ClusterView(
+        nodes=list(topology.nodes),
+        links=list(topology.links),
+        instances=[_view(request, i) for i in await manager.store.instances()],
+    )
 
 
 @get("/instances/previews", summary="Every placement candidate for a model, with memory per node, cost and error")
-async def previews(request: HttpRequest, model: str, nodes: str | None = None, strategy: str | None = None,
-                   min_nodes: int | None = None) -> Preview:
+async def previews(
+    request: HttpRequest,
+    model: str,
+    nodes: str | None = None,
+    strategy: str | None = None,
+    min_nodes: int | None = None,
+) -> Preview:
     card = request.app.state.plane.catalog.resolve(model)
-    candidates = await _instances(request).preview(card.name, nodes=_nodes(nodes), strategy=strategy,
-                                                   min_nodes=min_nodes)
+    candidates = await _instances(request).preview(
+        card.name, nodes=_nodes(nodes), strategy=strategy, min_nodes=min_nodes
+    )
     return Preview(model=card.name, candidates=candidates)
 
 
 @post("/instances", summary="Create an instance from a preview or from constraints", status_code=201)
 async def create_instance(request: HttpRequest, data: CreateInstance) -> Instance:
-    return await _instances(request).create(data.model, candidate_id=data.candidate_id, nodes=data.nodes,
-                                            strategy=data.strategy, min_nodes=data.min_nodes)
+    return await _instances(request).create(
+        data.model, candidate_id=data.candidate_id, nodes=data.nodes, strategy=data.strategy, min_nodes=data.min_nodes
+    )
 
 
 @get("/instances", summary="All instances, with this gateway's queue for each")
@@ -137,8 +147,10 @@ async def events(request: HttpRequest, since: str | None = None, count: int = 10
     if not 1 <= count <= 10000:
         raise InvalidRequest("count must be between 1 and 10000", param="count")
     if since is not None and not _EVENT_ID.fullmatch(since):
-        raise InvalidRequest(f"since must be an event id such as 1700000000000-0 (the id of an event from "
-                             f"this list); got {since!r}", param="since")
+        raise InvalidRequest(
+            f"since must be an event id such as 1700000000000-0 (the id of an event from this list); got {since!r}",
+            param="since",
+        )
     return await _instances(request).store.events(since=since, count=count)
 
 
@@ -148,8 +160,16 @@ _EVENT_ID = re.compile(r"[0-9]{1,19}(?:-[0-9]{1,19})?")  # 64-bit numbers
 
 router = Router(
     path="/",
-    route_handlers=[cluster, previews, create_instance, list_instances, get_instance, delete_instance,
-                    instance_events, events],
+    route_handlers=[
+        cluster,
+        previews,
+        create_instance,
+        list_instances,
+        get_instance,
+        delete_instance,
+        instance_events,
+        events,
+    ],
     exception_handlers={GatewayError: error_handler(openai.error_body)},
     tags=["cluster"],
     opt={"scope": "admin"},

@@ -34,10 +34,21 @@ def new_meta(model: str) -> Meta:
 def model_infos(dispatcher: Dispatcher, request: HttpRequest | None = None) -> list[ModelInfo]:
     """The models to list; only those the caller's key may use when it has a list."""
     allowed = may_use(request) if request is not None else None
-    return [ModelInfo(name=c.name, created=c.created, size=c.size, digest=c.digest, format=c.format,
-                      family=c.family, parameter_size=c.parameter_size, quantization=c.quantization,
-                      context_length=c.context_length) for c in dispatcher.models()
-            if allowed is None or allowed(c.name)]
+    return [
+        ModelInfo(
+            name=c.name,
+            created=c.created,
+            size=c.size,
+            digest=c.digest,
+            format=c.format,
+            family=c.family,
+            parameter_size=c.parameter_size,
+            quantization=c.quantization,
+            context_length=c.context_length,
+        )
+        for c in dispatcher.models()
+        if allowed is None or allowed(c.name)
+    ]
 
 
 def who(request: HttpRequest) -> dict[str, Any]:
@@ -45,8 +56,11 @@ def who(request: HttpRequest) -> dict[str, Any]:
     its key may use, and (with a token budget) where its usage is counted."""
     caller = caller_of(request)
     ring = request.app.state.keyring
-    return {"caller": caller.bucket, "may_use": caller.may_use if caller.models else None,
-            "on_usage": ring.meter(caller) if caller.tpm else None}
+    return {
+        "caller": caller.bucket,
+        "may_use": caller.may_use if caller.models else None,
+        "on_usage": ring.meter(caller) if caller.tpm else None,
+    }
 
 
 def may_use(request: HttpRequest) -> Callable[[str], bool] | None:
@@ -109,8 +123,9 @@ def json_response(body: bytes, status: int = 200) -> Response[bytes]:
 
 def stream_response(chunks: AsyncIterator[bytes], media_type: str) -> Stream:
     """A streamed 200 whose ready chunks are written together (``gateway.routes.stream``)."""
-    return CoalescedStream(chunks, status_code=200, media_type=media_type,
-                           headers={"cache-control": "no-cache", "x-accel-buffering": "no"})
+    return CoalescedStream(
+        chunks, status_code=200, media_type=media_type, headers={"cache-control": "no-cache", "x-accel-buffering": "no"}
+    )
 
 
 def error_response(exc: Exception, status: int, body: bytes) -> Response[bytes]:
@@ -124,7 +139,7 @@ def error_handler(render: Callable[[GatewayError], tuple[int, bytes]]):
     """A Litestar exception handler that renders ``GatewayError`` in one protocol's envelope."""
 
     def handle(_: HttpRequest, exc: Exception) -> Response[bytes]:
-        status, body = render(exc)  # type: ignore[arg-type]
+        status, body = render(exc)  # type: ignore[arg-type]  # registered for GatewayError only
         return error_response(exc, status, body)
 
     return handle

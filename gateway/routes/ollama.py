@@ -13,6 +13,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from litestar import Request as HttpRequest
 from litestar import Response, Router, get, head, post
 
+from meshgate.gateway import model_admin
 from meshgate.gateway.context_fit import Fit
 from meshgate.gateway.dispatch import closing
 from meshgate.gateway.routes.common import (
@@ -26,7 +27,6 @@ from meshgate.gateway.routes.common import (
     stream_response,
     who,
 )
-from meshgate.gateway import model_admin
 from meshgate.gateway.routes.ollama_models import ROUTES as MODEL_ROUTES
 from meshgate.protocols import ollama, ollama_embeddings, ollama_models
 from meshgate.protocols.model import GatewayError, Request, decode_body
@@ -87,8 +87,9 @@ async def embeddings(request: HttpRequest) -> Response:
     return json_response(ollama_embeddings.encode_embeddings(result))
 
 
-async def _run(request: HttpRequest, wire: ollama.ChatRequest | ollama.GenerateRequest, internal: Request, *,
-               chat: bool) -> Response:
+async def _run(
+    request: HttpRequest, wire: ollama.ChatRequest | ollama.GenerateRequest, internal: Request, *, chat: bool
+) -> Response:
     """Generate (or load/unload, OLL-17), then apply ``keep_alive`` (OLL-15) once the reply is complete."""
     dispatcher = dispatcher_of(request)
     meta = new_meta(internal.model)

@@ -49,8 +49,9 @@ async def delete_model(request: HttpRequest) -> Response[None]:
 @post("/api/create", status_code=200, opt={"scope": "admin"})
 async def create(request: HttpRequest) -> Response:
     wire = decode_body(await request.body(), ollama_models.CreateRequest)
-    lines = await model_admin.create(dispatcher_of(request), _registry(request), wire,
-                                     model_admin.model_roots(request.app.state.settings))
+    lines = await model_admin.create(
+        dispatcher_of(request), _registry(request), wire, model_admin.model_roots(request.app.state.settings)
+    )
     return await _progress(lines, wire.stream)
 
 
@@ -64,8 +65,9 @@ async def pull(request: HttpRequest) -> Response:
 @post("/api/push", status_code=200, opt={"scope": "admin"})
 async def push(request: HttpRequest) -> Response[bytes]:
     decode_body(await request.body(), ollama_models.PullRequest)
-    return json_response(ollama_models.error_line("push is not supported: meshgate has no registry to push to"),
-                         status=501)
+    return json_response(
+        ollama_models.error_line("push is not supported: meshgate has no registry to push to"), status=501
+    )
 
 
 async def _progress(lines: AsyncIterator[bytes], stream: bool | None) -> Response:

@@ -13,11 +13,11 @@ from litestar import Response, Router, get, post
 
 from meshgate.gateway.context_fit import Fit
 from meshgate.gateway.routes.common import (
-    may_use,
     collect_or_cancel,
     dispatcher_of,
     error_response,
     json_response,
+    may_use,
     model_infos,
     new_meta,
     stream_response,
@@ -34,7 +34,7 @@ def _is_anthropic(request: HttpRequest) -> bool:
 
 
 def render_error(request: HttpRequest, exc: Exception) -> Response[bytes]:
-    status, body = (anthropic if _is_anthropic(request) else openai).error_body(exc)  # type: ignore[arg-type]
+    status, body = (anthropic if _is_anthropic(request) else openai).error_body(exc)
     return error_response(exc, status, body)
 
 
@@ -59,7 +59,8 @@ async def completions(request: HttpRequest) -> Response:
     if internal.stream:
         events = await opening
         return stream_response(
-            openai_completions.encode_completion_stream(events, meta, include_usage=openai.wants_usage(wire)), SSE)
+            openai_completions.encode_completion_stream(events, meta, include_usage=openai.wants_usage(wire)), SSE
+        )
     return json_response(openai_completions.encode_completion_response(await collect_or_cancel(request, opening), meta))
 
 

@@ -15,17 +15,27 @@ from tests.conftest import Server
 
 
 @contextmanager
-def linked_cluster(tmp_path_factory: pytest.TempPathFactory, data_dir: Path, name: str, *, n_ctx: int,
-                   env: dict[str, str], nodes: dict[str, dict[str, str]], memory: str | None = None,
-                   show_logs: bool = False) -> Iterator[tuple[Server, dict[str, Agent]]]:
+def linked_cluster(
+    tmp_path_factory: pytest.TempPathFactory,
+    data_dir: Path,
+    name: str,
+    *,
+    n_ctx: int,
+    env: dict[str, str],
+    nodes: dict[str, dict[str, str]],
+    memory: str | None = None,
+    show_logs: bool = False,
+) -> Iterator[tuple[Server, dict[str, Agent]]]:
     """A gateway and one agent per ``nodes`` entry (its extra environment), up once every pair has measured its
     link; ``env`` goes to all of them. Everything is stopped on the way out (agents' log tails printed with
     ``show_logs``)."""
     logs = tmp_path_factory.mktemp(f"{name}-logs")
     extra = {"memory": memory} if memory else {}
     with RedisServer(tmp_path_factory.mktemp(f"{name}-redis")) as redis:
-        agents = {node: Agent(redis.url, node, data_dir, logs, n_ctx=n_ctx, env={**env, **own}, **extra)
-                  for node, own in nodes.items()}
+        agents = {
+            node: Agent(redis.url, node, data_dir, logs, n_ctx=n_ctx, env={**env, **own}, **extra)
+            for node, own in nodes.items()
+        }
         gateway = Server(data_dir, "--redis", redis.url, "--n-ctx", str(n_ctx), env={**FAST, **env})
         try:
             pairs = len(nodes) * (len(nodes) - 1)

@@ -43,8 +43,9 @@ async def store(store_kind: str, prefix: str, request: pytest.FixtureRequest) ->
 
 
 @pytest.fixture
-async def peer(store: StateStore, store_kind: str, prefix: str,
-               request: pytest.FixtureRequest) -> AsyncIterator[StateStore]:
+async def peer(
+    store: StateStore, store_kind: str, prefix: str, request: pytest.FixtureRequest
+) -> AsyncIterator[StateStore]:
     if store_kind == "memory":
         yield store
         return

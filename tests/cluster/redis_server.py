@@ -28,7 +28,8 @@ def find_redis_server() -> str:
     if not binary or not os.access(binary, os.X_OK):
         raise RedisServerMissing(
             "redis-server is not installed (needed for the RedisStore tests): `apt-get install -y redis-server`, "
-            "or point MESHGATE_REDIS_SERVER at the binary")
+            "or point MESHGATE_REDIS_SERVER at the binary"
+        )
     return binary
 
 
@@ -41,8 +42,9 @@ def free_port() -> int:
 class RedisServer:
     """One ``redis-server`` process bound to 127.0.0.1, data and log under ``directory``."""
 
-    def __init__(self, directory: Path, *, appendonly: bool = False, port: int | None = None,
-                 timeout: float = 10.0) -> None:
+    def __init__(
+        self, directory: Path, *, appendonly: bool = False, port: int | None = None, timeout: float = 10.0
+    ) -> None:
         self.binary = find_redis_server()
         self.directory = Path(directory)
         self.directory.mkdir(parents=True, exist_ok=True)
@@ -58,11 +60,28 @@ class RedisServer:
         return f"redis://127.0.0.1:{self.port}/0"
 
     def start(self) -> None:
-        args = [self.binary, "--port", str(self.port), "--bind", "127.0.0.1", "--dir", str(self.directory),
-                "--save", "", "--appendonly", "yes" if self.appendonly else "no", "--daemonize", "no",
-                "--logfile", str(self.log), "--protected-mode", "yes"]
-        self.proc = subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                                     stderr=subprocess.STDOUT)
+        args = [
+            self.binary,
+            "--port",
+            str(self.port),
+            "--bind",
+            "127.0.0.1",
+            "--dir",
+            str(self.directory),
+            "--save",
+            "",
+            "--appendonly",
+            "yes" if self.appendonly else "no",
+            "--daemonize",
+            "no",
+            "--logfile",
+            str(self.log),
+            "--protected-mode",
+            "yes",
+        ]
+        self.proc = subprocess.Popen(
+            args, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT
+        )
         deadline = time.monotonic() + self.timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
@@ -71,8 +90,9 @@ class RedisServer:
                 return
             time.sleep(0.02)
         self.stop()
-        raise RuntimeError(f"redis-server did not answer PING on port {self.port} in {self.timeout}s:\n"
-                           f"{self._log_tail()}")
+        raise RuntimeError(
+            f"redis-server did not answer PING on port {self.port} in {self.timeout}s:\n{self._log_tail()}"
+        )
 
     def ping(self) -> bool:
         try:

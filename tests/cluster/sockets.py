@@ -44,5 +44,8 @@ def _address(hex_address: str, family: int) -> str:
 def public(addresses: Iterable[tuple[str, int]], allowed: Iterable[str]) -> set[tuple[str, int]]:
     """Those of ``addresses`` neither on loopback nor on one of ``allowed`` (a wildcard bind is never allowed)."""
     ok = set(allowed)
-    return {(a, p) for a, p in addresses if a not in ok and not ipaddress.ip_address(a).is_loopback
-            or ipaddress.ip_address(a).is_unspecified}
+    return {
+        (a, p)
+        for a, p in addresses
+        if a not in ok and not ipaddress.ip_address(a).is_loopback or ipaddress.ip_address(a).is_unspecified
+    }

@@ -37,17 +37,45 @@ def wait_for(check: Callable[[], object], timeout: float = 60.0, what: str = "co
 class Agent:
     """A ``meshgate node`` process."""
 
-    def __init__(self, redis_url: str, name: str, data_dir: Path, log_dir: Path, n_ctx: int = 1024,
-                 env: dict[str, str] | None = None, memory: str = NODE_MEMORY) -> None:
+    def __init__(
+        self,
+        redis_url: str,
+        name: str,
+        data_dir: Path,
+        log_dir: Path,
+        n_ctx: int = 1024,
+        env: dict[str, str] | None = None,
+        memory: str = NODE_MEMORY,
+    ) -> None:
         self.name = name
         self.log = log_dir / f"agent-{name}.log"
         with open(self.log, "wb") as log:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "meshgate.gateway.cli", "node", "--redis", redis_url, "--name", name,
-                 "--data-dir", str(data_dir), "--memory", memory, "--n-ctx", str(n_ctx), "--log-level", "info",
-                 "--plugin", "tests.scripted_plugin"],
-                stdout=log, stderr=subprocess.STDOUT, cwd=ROOT,
-                env={**os.environ, **FAST, "PYTHONPATH": str(ROOT), **(env or {})})
+                [
+                    sys.executable,
+                    "-m",
+                    "meshgate.gateway.cli",
+                    "node",
+                    "--redis",
+                    redis_url,
+                    "--name",
+                    name,
+                    "--data-dir",
+                    str(data_dir),
+                    "--memory",
+                    memory,
+                    "--n-ctx",
+                    str(n_ctx),
+                    "--log-level",
+                    "info",
+                    "--plugin",
+                    "tests.scripted_plugin",
+                ],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                cwd=ROOT,
+                env={**os.environ, **FAST, "PYTHONPATH": str(ROOT), **(env or {})},
+            )
 
     def kill(self) -> None:
         if self.proc.poll() is None:
@@ -99,8 +127,15 @@ def test_agents_register_resources_and_measure_links(cluster):
     for node in found.values():
         assert node["memory_total"] == 3 << 29 and node["cpu_count"] >= 1 and node["flops"] > 0
         assert "llama_cpp" in node["runtimes"] and node["address"] == "127.0.0.1"
-    links = wait_for(lambda: {(k["src"], k["dst"]): k for k in httpx.get(f"{gateway.url}/cluster").json()["links"]}
-                     if len(httpx.get(f"{gateway.url}/cluster").json()["links"]) >= 2 else None, 30, "links")
+    links = wait_for(
+        lambda: (
+            {(k["src"], k["dst"]): k for k in httpx.get(f"{gateway.url}/cluster").json()["links"]}
+            if len(httpx.get(f"{gateway.url}/cluster").json()["links"]) >= 2
+            else None
+        ),
+        30,
+        "links",
+    )
     assert {("a", "b"), ("b", "a")} <= set(links)
     assert all(0 < link["latency"] < 0.05 and link["bandwidth"] > 1e7 for link in links.values())
 
@@ -134,8 +169,11 @@ def test_create_wait_serve_delete(cluster):
     reply = client.completions.create(model=MODEL, prompt="The sky is", max_tokens=3)
     assert reply.usage.completion_tokens == 3
     assert httpx.delete(f"{gateway.url}/instances/{created['id']}").status_code == 204
-    wait_for(lambda: not os.path.exists(f"/proc/{pid}") or "Z" in Path(f"/proc/{pid}/stat").read_text().split()[2],
-             30, "runner stopped")
+    wait_for(
+        lambda: not os.path.exists(f"/proc/{pid}") or "Z" in Path(f"/proc/{pid}/stat").read_text().split()[2],
+        30,
+        "runner stopped",
+    )
     assert httpx.get(f"{gateway.url}/instances/{created['id']}").status_code == 404
 
 
@@ -155,15 +193,19 @@ def test_a_model_that_fits_nowhere_gets_each_protocols_error_with_the_reason(clu
 
 
 def test_first_request_places_the_model_with_keepalives(redis, data_dir, cluster):
-    gateway = Server(data_dir, "--redis", redis.url, "--plugin", "tests.scripted_plugin",
-                     env={**FAST, "MESHGATE_KEEPALIVE": "0.2"})
+    gateway = Server(
+        data_dir, "--redis", redis.url, "--plugin", "tests.scripted_plugin", env={**FAST, "MESHGATE_KEEPALIVE": "0.2"}
+    )
     try:
         for old in httpx.get(f"{gateway.url}/instances").json():
             if old["model"] == MODEL:
                 httpx.delete(f"{gateway.url}/instances/{old['id']}")
-        with httpx.stream("POST", f"{gateway.url}/v1/chat/completions", timeout=120, json={
-                "model": MODEL, "stream": True, "max_tokens": 3,
-                "messages": [{"role": "user", "content": "Hi"}]}) as r:
+        with httpx.stream(
+            "POST",
+            f"{gateway.url}/v1/chat/completions",
+            timeout=120,
+            json={"model": MODEL, "stream": True, "max_tokens": 3, "messages": [{"role": "user", "content": "Hi"}]},
+        ) as r:
             lines = [line for line in r.iter_lines() if line]
         assert lines[0].startswith(":"), "keep-alive comments while the instance starts"
         assert lines[-1] == "data: [DONE]" and any('"content"' in line for line in lines)
@@ -178,12 +220,23 @@ def test_two_gateways_share_instances(cluster, redis, data_dir):
     other = Server(data_dir, "--redis", redis.url, "--plugin", "tests.scripted_plugin", env=FAST)
     try:
         created = httpx.post(f"{gateway.url}/instances", json={"model": "scripted", "nodes": ["b"]}).json()
-        seen = wait_for(lambda: instance(other, created["id"]) if instance(other, created["id"]).get(
-            "state", {}).get("state") == "ready" else None, 30, "ready seen by the second gateway")
+        seen = wait_for(
+            lambda: (
+                instance(other, created["id"])
+                if instance(other, created["id"]).get("state", {}).get("state") == "ready"
+                else None
+            ),
+            30,
+            "ready seen by the second gateway",
+        )
         assert seen["placement"] == created["placement"]
         client = openai.OpenAI(base_url=f"{other.url}/v1", api_key="x", max_retries=0)
-        assert client.chat.completions.create(model="scripted", messages=[
-            {"role": "user", "content": "hello"}]).choices[0].message.content == "Hello, world"
+        assert (
+            client.chat.completions.create(model="scripted", messages=[{"role": "user", "content": "hello"}])
+            .choices[0]
+            .message.content
+            == "Hello, world"
+        )
         ids = [i["id"] for i in httpx.get(f"{other.url}/instances").json() if i["model"] == "scripted"]
         assert ids == [created["id"]], "the second gateway placed no instance of its own"
     finally:
@@ -197,8 +250,11 @@ def test_node_loss_fails_in_flight_requests_and_replaces(cluster):
     created = httpx.post(f"{gateway.url}/instances", json={"model": MODEL, "nodes": ["a"]}).json()
     wait_for(lambda: instance(gateway, created["id"])["state"]["state"] == "ready", 120, "ready on a")
     client = openai.OpenAI(base_url=f"{gateway.url}/v1", api_key="x", max_retries=0)
-    stream = iter(client.chat.completions.create(model=MODEL, stream=True, max_tokens=1000, messages=[
-        {"role": "user", "content": "Count to a thousand."}]))
+    stream = iter(
+        client.chat.completions.create(
+            model=MODEL, stream=True, max_tokens=1000, messages=[{"role": "user", "content": "Count to a thousand."}]
+        )
+    )
     next(stream)
     killed_at = time.monotonic()
     agents["a"].kill()
@@ -207,13 +263,23 @@ def test_node_loss_fails_in_flight_requests_and_replaces(cluster):
             pass
     wait_for(lambda: "a" not in nodes(gateway), 10, "node a leaving")
     assert time.monotonic() - killed_at < 1.5 + 2.0, "node left within the heartbeat TTL (plus polling slack)"
-    replaced = wait_for(lambda: (i := instance(gateway, created["id"]))["state"]["state"] == "ready"
-                        and i["placement"]["shards"][0]["node_id"] == "b" and i, 120, "re-placed on b")
+    replaced = wait_for(
+        lambda: (
+            (i := instance(gateway, created["id"]))["state"]["state"] == "ready"
+            and i["placement"]["shards"][0]["node_id"] == "b"
+            and i
+        ),
+        120,
+        "re-placed on b",
+    )
     assert replaced["epoch"] == 1
     reply = client.completions.create(model=MODEL, prompt="Hello", max_tokens=2)
     assert reply.usage.completion_tokens == 2
-    kinds = [e["kind"] for e in httpx.get(f"{gateway.url}/events", params={"count": 1000}).json()
-             if e["instance_id"] == created["id"]]
+    kinds = [
+        e["kind"]
+        for e in httpx.get(f"{gateway.url}/events", params={"count": 1000}).json()
+        if e["instance_id"] == created["id"]
+    ]
     assert kinds[0] == "instance.placed" and "instance.failed" in kinds and "instance.replaced" in kinds
     assert kinds.index("instance.failed") < kinds.index("instance.replaced")
 
@@ -242,8 +308,16 @@ def _instances_or_none(gateway: Server) -> list | None:
 
 def test_cli_ps_and_place_mirror_the_api(cluster):
     gateway, _, _ = cluster
-    run = lambda *a: subprocess.run([sys.executable, "-m", "meshgate.gateway.cli", *a, "--url", gateway.url],  # noqa: E731
-                                    capture_output=True, text=True, cwd=ROOT, timeout=60)
+
+    def run(*a: str) -> subprocess.CompletedProcess:
+        return subprocess.run(
+            [sys.executable, "-m", "meshgate.gateway.cli", *a, "--url", gateway.url],
+            capture_output=True,
+            text=True,
+            cwd=ROOT,
+            timeout=60,
+        )
+
     preview = run("place", "scripted-big", "--preview")
     assert preview.returncode == 0, preview.stderr
     assert "b=" in preview.stdout and "MiB" in preview.stdout  # node a was lost earlier: only b is left
@@ -258,7 +332,13 @@ def test_cli_ps_and_place_mirror_the_api(cluster):
 def test_cluster_api_is_in_the_openapi_schema(cluster):
     gateway, _, _ = cluster
     paths = httpx.get(f"{gateway.url}/schema/openapi.json").json()["paths"]
-    for path in ("/cluster", "/instances", "/instances/previews", "/instances/{instance_id}",
-                 "/instances/{instance_id}/events", "/events"):
+    for path in (
+        "/cluster",
+        "/instances",
+        "/instances/previews",
+        "/instances/{instance_id}",
+        "/instances/{instance_id}/events",
+        "/events",
+    ):
         assert path in paths, path
     assert {"get", "post"} <= set(paths["/instances"]) and "delete" in paths["/instances/{instance_id}"]

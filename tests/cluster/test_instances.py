@@ -20,8 +20,9 @@ from tests import scripted_plugin
 
 
 def node(name: str, flops: float, memory: int = 8 << 30) -> Node:
-    return Node(id=NodeId(name), name=name, memory_total=memory, memory_available=memory, flops=flops,
-                heartbeat_at=time.time())
+    return Node(
+        id=NodeId(name), name=name, memory_total=memory, memory_available=memory, flops=flops, heartbeat_at=time.time()
+    )
 
 
 @pytest.fixture
@@ -29,13 +30,15 @@ async def manager(request):
     store = MemoryStore()
     await store.put_node(node("fast", 5e10), ttl=60)
     await store.put_node(node("slow", 1e10), ttl=60)
-    pm = build_plugin_manager(Settings(disabled_plugins=("llama_cpp",)), extra=[scripted_plugin,
-                                                                                 *getattr(request, "param", [])])
+    pm = build_plugin_manager(
+        Settings(disabled_plugins=("llama_cpp",)), extra=[scripted_plugin, *getattr(request, "param", [])]
+    )
     catalog = Catalog([scripted_plugin.ScriptedSource()])
     catalog.refresh()
     backend = scripted_plugin.ScriptedBackend()
-    m = InstanceManager(store, [backend], resolve=catalog.resolve, choose=pm.hook.meshgate_choose_backend,
-                        rank=_rank(pm))
+    m = InstanceManager(
+        store, [backend], resolve=catalog.resolve, choose=pm.hook.meshgate_choose_backend, rank=_rank(pm)
+    )
     yield m
     await store.close()
 
@@ -89,8 +92,9 @@ async def test_a_failing_runner_is_retried_a_bounded_number_of_times(manager):
     for _ in range(MAX_ATTEMPTS + 2):
         current = await manager.store.get_instance(instance.id)
         for shard in current.placement.shards:
-            await manager.store.update_runner(instance.id, RunnerStatus(
-                node_id=shard.node_id, state="failed", error="boom", epoch=current.epoch))
+            await manager.store.update_runner(
+                instance.id, RunnerStatus(node_id=shard.node_id, state="failed", error="boom", epoch=current.epoch)
+            )
         for _ in range(2):
             await manager._refresh(force=True)
             await manager.reconcile()

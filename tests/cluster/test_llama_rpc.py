@@ -25,8 +25,8 @@ from meshgate.backends.base import ModelCard
 from meshgate.backends.llama_cpp import LlamaCppBackend
 from meshgate.backends.placement import Candidate, NodeId, Shard
 from meshgate.protocols.model import BackendUnavailable
-from tests.cluster.faults import alive, long_stream
 from tests.cluster.agents import linked_cluster
+from tests.cluster.faults import alive, long_stream
 from tests.cluster.test_cluster_e2e import FAST, instance, wait_for
 from tests.conftest import MODEL, ROOT, Server, free_port
 
@@ -44,24 +44,39 @@ def rss(pid: int) -> int:
 
 def single_process_text(gguf: Path) -> str:
     """The reference: one process, repacking off (as meshgate loads), greedy."""
-    code = ("import sys, threading; from backends.llama_cpp.engine import LlamaEngine; "
-            "from protocols.model import Request, Sampling, TextDelta; "
-            f"e = LlamaEngine(sys.argv[1], n_ctx={N_CTX}); "
-            f"r = Request(model='m', raw_prompt={PROMPT!r}, max_tokens={TOKENS}, sampling=Sampling(temperature=0.0)); "
-            "print(''.join(ev.text for ev in e.generate(r, threading.Event()) if isinstance(ev, TextDelta)), end='')")
-    return subprocess.run([sys.executable, "-c", code, str(gguf)], capture_output=True, text=True, check=True,
-                          cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=120).stdout
+    code = (
+        "import sys, threading; from backends.llama_cpp.engine import LlamaEngine; "
+        "from protocols.model import Request, Sampling, TextDelta; "
+        f"e = LlamaEngine(sys.argv[1], n_ctx={N_CTX}); "
+        f"r = Request(model='m', raw_prompt={PROMPT!r}, max_tokens={TOKENS}, sampling=Sampling(temperature=0.0)); "
+        "print(''.join(ev.text for ev in e.generate(r, threading.Event()) if isinstance(ev, TextDelta)), end='')"
+    )
+    return subprocess.run(
+        [sys.executable, "-c", code, str(gguf)],
+        capture_output=True,
+        text=True,
+        check=True,
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        timeout=120,
+    ).stdout
 
 
 @pytest.fixture(scope="module")
 def split(tmp_path_factory, data_dir, packaged_gguf) -> Iterator[tuple[Server, dict, dict]]:
     with linked_cluster(tmp_path_factory, data_dir, "rpc", n_ctx=N_CTX, env=STEADY, nodes={"a": {}, "b": {}}) as (
-            gateway, agents):
-        created = httpx.post(f"{gateway.url}/instances", json={
-            "model": MODEL, "strategy": "pipeline", "min_nodes": 2}).json()
+        gateway,
+        agents,
+    ):
+        created = httpx.post(
+            f"{gateway.url}/instances", json={"model": MODEL, "strategy": "pipeline", "min_nodes": 2}
+        ).json()
         assert created["placement"]["strategy"] == "pipeline", created
-        ready = wait_for(lambda: (i := instance(gateway, created["id"]))["state"]["state"] == "ready" and i,
-                         120, "the split instance ready")
+        ready = wait_for(
+            lambda: (i := instance(gateway, created["id"]))["state"]["state"] == "ready" and i,
+            120,
+            "the split instance ready",
+        )
         yield gateway, agents, ready
 
 
@@ -82,15 +97,22 @@ def test_split_generates_the_single_process_tokens_through_all_protocols(split, 
     oai = openai.OpenAI(base_url=f"{gateway.url}/v1", api_key="x", max_retries=0)
     plain = oai.completions.create(model=MODEL, prompt=PROMPT, max_tokens=TOKENS, temperature=0)
     assert plain.choices[0].text == expected
-    streamed = "".join(c.choices[0].text for c in oai.completions.create(
-        model=MODEL, prompt=PROMPT, max_tokens=TOKENS, temperature=0, stream=True) if c.choices)
+    streamed = "".join(
+        c.choices[0].text
+        for c in oai.completions.create(model=MODEL, prompt=PROMPT, max_tokens=TOKENS, temperature=0, stream=True)
+        if c.choices
+    )
     assert streamed == expected
-    generated = ollama.Client(host=gateway.url).generate(model=MODEL, prompt=PROMPT, raw=True,
-                                                         options={"temperature": 0, "num_predict": TOKENS})
+    generated = ollama.Client(host=gateway.url).generate(
+        model=MODEL, prompt=PROMPT, raw=True, options={"temperature": 0, "num_predict": TOKENS}
+    )
     assert generated.response == expected and generated.eval_count == TOKENS
     message = anthropic.Anthropic(base_url=gateway.url, api_key="x", max_retries=0).messages.create(
-        model=MODEL, max_tokens=8, messages=[{"role": "user", "content": "Name a color."}],
-        extra_body={"temperature": 0})
+        model=MODEL,
+        max_tokens=8,
+        messages=[{"role": "user", "content": "Name a color."}],
+        extra_body={"temperature": 0},
+    )
     assert message.content[0].text and message.usage.output_tokens <= 8
     assert message.stop_reason in ("end_turn", "max_tokens")
 
@@ -100,17 +122,27 @@ def test_preview_memory_matches_what_the_processes_hold(split):
     that fills the context (the KV cache is touched as it fills)."""
     gateway, _, ready = split
     long_prompt = " ".join(["one two three four five six seven eight nine ten"] * 40)  # ~440 tokens
-    r = httpx.post(f"{gateway.url}/api/generate", timeout=120, json={
-        "model": MODEL, "prompt": long_prompt, "raw": True, "stream": False,
-        "options": {"num_predict": 8, "temperature": 0}})
+    r = httpx.post(
+        f"{gateway.url}/api/generate",
+        timeout=120,
+        json={
+            "model": MODEL,
+            "prompt": long_prompt,
+            "raw": True,
+            "stream": False,
+            "options": {"num_predict": 8, "temperature": 0},
+        },
+    )
     assert r.status_code == 200, r.text
     predicted = ready["placement"]["memory_per_node"]
     measured = {node: rss(status["pid"]) for node, status in ready["runners"].items()}
     for shard in ready["placement"]["shards"]:
         node = shard["node_id"]
-        print(f"node {node} layers {shard['layer_start']}-{shard['layer_end'] - 1}: preview "
-              f"{predicted[node] / 2**20:.0f} MiB, resident {measured[node] / 2**20:.0f} MiB "
-              f"({(measured[node] - predicted[node]) / predicted[node]:+.1%})")
+        print(
+            f"node {node} layers {shard['layer_start']}-{shard['layer_end'] - 1}: preview "
+            f"{predicted[node] / 2**20:.0f} MiB, resident {measured[node] / 2**20:.0f} MiB "
+            f"({(measured[node] - predicted[node]) / predicted[node]:+.1%})"
+        )
     for node in predicted:
         assert abs(measured[node] - predicted[node]) <= 0.10 * predicted[node], (node, predicted[node], measured)
 
@@ -119,8 +151,9 @@ def test_preview_memory_matches_what_the_processes_hold(split):
 def test_worker_killed_mid_generation(split, protocol):
     gateway, _, _ = split
     current = next(i for i in httpx.get(f"{gateway.url}/instances").json() if i["model"] == MODEL)
-    current = wait_for(lambda: (i := instance(gateway, current["id"]))["state"]["state"] == "ready" and i, 120,
-                       "ready before the kill")
+    current = wait_for(
+        lambda: (i := instance(gateway, current["id"]))["state"]["state"] == "ready" and i, 120, "ready before the kill"
+    )
     worker_node = current["placement"]["shards"][-1]["node_id"]
     head_node = current["placement"]["shards"][0]["node_id"]
     worker_pid, head_pid = current["runners"][worker_node]["pid"], current["runners"][head_node]["pid"]
@@ -132,15 +165,23 @@ def test_worker_killed_mid_generation(split, protocol):
             pass
     assert httpx.get(f"{gateway.url}/api/version").status_code == 200, "the gateway stays up"
     try:
-        replaced = wait_for(lambda: (i := instance(gateway, current["id"]))["state"]["state"] == "ready"
-                            and i["epoch"] > current["epoch"] and i, 60, "re-placed and ready")
+        replaced = wait_for(
+            lambda: (
+                (i := instance(gateway, current["id"]))["state"]["state"] == "ready"
+                and i["epoch"] > current["epoch"]
+                and i
+            ),
+            60,
+            "re-placed and ready",
+        )
     except AssertionError:
         print(json.dumps(instance(gateway, current["id"]), indent=1))
         print(json.dumps(httpx.get(f"{gateway.url}/events", params={"count": 100}).json(), indent=1))
         raise
     assert replaced["placement"]["strategy"] == "pipeline", "re-placed with its own constraints"
     reply = openai.OpenAI(base_url=f"{gateway.url}/v1", api_key="x", max_retries=0).completions.create(
-        model=MODEL, prompt="Hello", max_tokens=2)
+        model=MODEL, prompt="Hello", max_tokens=2
+    )
     assert reply.usage.completion_tokens == 2
     wait_for(lambda: not alive(head_pid) and not alive(worker_pid), 30, "the old head and worker gone")
 
@@ -157,10 +198,18 @@ def test_deleting_the_instance_leaves_no_process_behind(split):
 def test_an_unreachable_worker_is_the_placements_error(packaged_gguf):
     """The head probes its workers before loading: a dead one is a clear error, not an aborted process."""
     card = ModelCard(name=MODEL, path=str(packaged_gguf), context_length=32768)
-    placement = Candidate(id="x", model=MODEL, backend="llama_cpp", strategy="pipeline", context=N_CTX,
-                          shards=(Shard(node_id=NodeId("a"), layer_start=0, layer_end=9),
-                                  Shard(node_id=NodeId("b"), layer_start=9, layer_end=18)),
-                          memory_per_node={})
+    placement = Candidate(
+        id="x",
+        model=MODEL,
+        backend="llama_cpp",
+        strategy="pipeline",
+        context=N_CTX,
+        shards=(
+            Shard(node_id=NodeId("a"), layer_start=0, layer_end=9),
+            Shard(node_id=NodeId("b"), layer_start=9, layer_end=18),
+        ),
+        memory_per_node={},
+    )
     closed = free_port()
 
     async def peers():
@@ -168,8 +217,9 @@ def test_an_unreachable_worker_is_the_placements_error(packaged_gguf):
 
     async def launch():
         async with httpx.AsyncClient() as http:
-            await LlamaCppBackend(http, n_ctx=N_CTX).launch(card, placement, placement.shards[0],
-                                                            host="127.0.0.1", peers=peers)
+            await LlamaCppBackend(http, n_ctx=N_CTX).launch(
+                card, placement, placement.shards[0], host="127.0.0.1", peers=peers
+            )
 
     with pytest.raises(BackendUnavailable) as exc:
         asyncio.run(launch())

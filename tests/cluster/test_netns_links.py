@@ -6,9 +6,10 @@ both ends of one host's veth (the kernel here has no ``netem``) makes its links 
 agents measure far less bandwidth to it, and the 2 GiB ``scripted-big`` model (a two-node pipeline on 1.5 GiB
 nodes) is planned over the two fast hosts. Moving the shaping to another host moves the choice with it.
 
-The agents' compute estimate is pinned to one value (``FLOPS``, through ``MESHGATE_NODE_FLOPS``): measured, it varies more between three agents
-starting at once on two cores than the link cost does, and it orders the planner's pipeline growth, so it would
-decide the ranking instead of the links. Needs root, iproute2 (``ip``, ``tc``) and redis-server; skipped without.
+The agents' compute estimate is pinned to one value (``FLOPS``, through ``MESHGATE_NODE_FLOPS``): measured, it
+varies more between three agents starting at once on two cores than the link cost does, and it orders the
+planner's pipeline growth, so it would decide the ranking instead of the links. Needs root, iproute2 (``ip``,
+``tc``) and redis-server; skipped without.
 """
 
 from __future__ import annotations
@@ -38,8 +39,12 @@ NODE_MEMORY = str(3 << 29)  # 1.5 GiB: scripted-big (2 GiB) needs two nodes
 # behind a probe's blob in the tbf queue add tens of ms more to the slow host's links.
 RATE = "8mbit"
 FLOPS = 1e11
-AGENT_ENV = {"MESHGATE_HEARTBEAT": "0.5", "MESHGATE_NODE_TTL": "5", "MESHGATE_LINK_PROBE_EVERY": "1",
-             "MESHGATE_NODE_FLOPS": repr(FLOPS)}
+AGENT_ENV = {
+    "MESHGATE_HEARTBEAT": "0.5",
+    "MESHGATE_NODE_TTL": "5",
+    "MESHGATE_LINK_PROBE_EVERY": "1",
+    "MESHGATE_NODE_FLOPS": repr(FLOPS),
+}
 
 
 def _missing() -> str | None:
@@ -64,8 +69,13 @@ def sh(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
     return result
 
 
-def wait_for(check: Callable[[], object], timeout: float, what: str, last: Callable[[], object] | None = None,
-             interval: float = 0.25) -> object:
+def wait_for(
+    check: Callable[[], object],
+    timeout: float,
+    what: str,
+    last: Callable[[], object] | None = None,
+    interval: float = 0.25,
+) -> object:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if result := check():
@@ -141,10 +151,30 @@ class Hosts:
         redis_dir = self.log_dir / "redis"
         redis_dir.mkdir()
         self.redis = subprocess.Popen(
-            [find_redis_server(), "--port", str(self.redis_port), "--bind", self.bridge_ip, "127.0.0.1",
-             "--dir", str(redis_dir), "--save", "", "--appendonly", "no", "--daemonize", "no",
-             "--protected-mode", "no", "--logfile", str(redis_dir / "redis.log")],
-            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+            [
+                find_redis_server(),
+                "--port",
+                str(self.redis_port),
+                "--bind",
+                self.bridge_ip,
+                "127.0.0.1",
+                "--dir",
+                str(redis_dir),
+                "--save",
+                "",
+                "--appendonly",
+                "no",
+                "--daemonize",
+                "no",
+                "--protected-mode",
+                "no",
+                "--logfile",
+                str(redis_dir / "redis.log"),
+            ],
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.STDOUT,
+        )
 
         def pong() -> bool:
             assert self.redis is not None and self.redis.poll() is None, "redis-server exited"
@@ -159,12 +189,38 @@ class Hosts:
         log = open(self.log_dir / f"agent-{n}.log", "ab")
         with log:
             self.agents[n] = subprocess.Popen(
-                ["ip", "netns", "exec", self.ns[n], sys.executable, "-m", "meshgate.gateway.cli", "node",
-                 "--redis", self.redis_url, "--name", n, "--address", self.ip[n], "--memory", NODE_MEMORY,
-                 "--n-ctx", "1024", "--data-dir", str(self.data_dir), "--log-level", "info",
-                 "--plugin", "tests.scripted_plugin"],
-                stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT,
-                env={**os.environ, **AGENT_ENV, "PYTHONPATH": str(ROOT)})
+                [
+                    "ip",
+                    "netns",
+                    "exec",
+                    self.ns[n],
+                    sys.executable,
+                    "-m",
+                    "meshgate.gateway.cli",
+                    "node",
+                    "--redis",
+                    self.redis_url,
+                    "--name",
+                    n,
+                    "--address",
+                    self.ip[n],
+                    "--memory",
+                    NODE_MEMORY,
+                    "--n-ctx",
+                    "1024",
+                    "--data-dir",
+                    str(self.data_dir),
+                    "--log-level",
+                    "info",
+                    "--plugin",
+                    "tests.scripted_plugin",
+                ],
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                cwd=ROOT,
+                env={**os.environ, **AGENT_ENV, "PYTHONPATH": str(ROOT)},
+            )
 
     def stop_agent(self, n: str) -> None:
         proc = self.agents.pop(n, None)
@@ -178,8 +234,9 @@ class Hosts:
             proc.wait(5)
 
     def start_gateway(self) -> None:
-        self.gateway = Server(self.data_dir, "--redis", self.redis_url, "--plugin", "tests.scripted_plugin",
-                              env=AGENT_ENV)
+        self.gateway = Server(
+            self.data_dir, "--redis", self.redis_url, "--plugin", "tests.scripted_plugin", env=AGENT_ENV
+        )
 
     # ------------------------------------------------------------------------------------------- teardown
 
@@ -202,6 +259,7 @@ class Hosts:
             attempt("stop redis-server", lambda: self.redis.wait(5))  # type: ignore[union-attr]
         for ns in self.made_ns:
             attempt(f"delete {ns}", lambda ns=ns: sh("ip", "netns", "del", ns))
+
         # A veth goes with its peer's namespace, but the kernel dismantles namespaces in the background.
         def veths_left() -> list[str]:
             return [v for v in self.made_veth if sh("ip", "link", "show", v, check=False).returncode == 0]
@@ -245,6 +303,7 @@ def hosts(data_dir: Path, tmp_path: Path) -> Iterator[Hosts]:
 
 # ----------------------------------------------------------------------------------------------- queries
 
+
 def cluster(gateway: Server) -> dict:
     return httpx.get(f"{gateway.url}/cluster", timeout=5).json()
 
@@ -277,14 +336,14 @@ class Remeasured:
             if src in self.ended and link["measured_at"] > self.since:
                 self.ended[src].add(link["measured_at"])
         pairs = [(s, d) for s in NAMES for d in NAMES if s != d]
-        fresh = all(p in found and self.ended[p[0]] and min(self.ended[p[0]]) < found[p]["measured_at"]
-                    for p in pairs)
+        fresh = all(p in found and self.ended[p[0]] and min(self.ended[p[0]]) < found[p]["measured_at"] for p in pairs)
         return found if fresh else None
 
 
 def summary(found: dict[tuple[str, str], dict]) -> str:
-    return ", ".join(f"{s}->{d} {k['bandwidth'] / 1e6:.3g} MB/s {k['latency'] * 1e3:.2f} ms"
-                     for (s, d), k in sorted(found.items()))
+    return ", ".join(
+        f"{s}->{d} {k['bandwidth'] / 1e6:.3g} MB/s {k['latency'] * 1e3:.2f} ms" for (s, d), k in sorted(found.items())
+    )
 
 
 def assert_pipeline_avoids(gateway: Server, found: dict[tuple[str, str], dict], slow: str) -> None:
@@ -307,6 +366,7 @@ def assert_pipeline_avoids(gateway: Server, found: dict[tuple[str, str], dict], 
 
 # ----------------------------------------------------------------------------------------------- the test
 
+
 def test_placement_follows_the_measured_links(hosts: Hosts) -> None:
     t0 = time.monotonic()
     hosts.shape("c")  # before any probe, so every measurement of c's links is a slow one
@@ -322,8 +382,12 @@ def test_placement_follows_the_measured_links(hosts: Hosts) -> None:
         assert not dead, f"agents exited: {dead}\n{hosts.log_tails()}"
 
     t_up = time.monotonic()
-    found = wait_for(Remeasured(gateway, time.time(), alive), 40, "six links measured after start-up",
-                     lambda: summary(links(gateway)))
+    found = wait_for(
+        Remeasured(gateway, time.time(), alive),
+        40,
+        "six links measured after start-up",
+        lambda: summary(links(gateway)),
+    )
     t_first = time.monotonic()
     assert isinstance(found, dict)
     assert {n["flops"] for n in cluster(gateway)["nodes"]} == {FLOPS}, "the agents' compute estimate is pinned"
@@ -333,10 +397,16 @@ def test_placement_follows_the_measured_links(hosts: Hosts) -> None:
     switched = time.time()
     hosts.unshape("c")
     hosts.shape("b")
-    found = wait_for(Remeasured(gateway, switched, alive), 40, "every link re-measured after the switch",
-                     lambda: summary(links(gateway)))
+    found = wait_for(
+        Remeasured(gateway, switched, alive),
+        40,
+        "every link re-measured after the switch",
+        lambda: summary(links(gateway)),
+    )
     assert isinstance(found, dict)
     print(f"b shaped ({RATE}): {summary(found)}")
     assert_pipeline_avoids(gateway, found, "b")
-    print(f"up after {t_up - t0:.1f} s, measured after {t_first - t_up:.1f} s more, "
-          f"re-measured after {time.monotonic() - t_first:.1f} s more")
+    print(
+        f"up after {t_up - t0:.1f} s, measured after {t_first - t_up:.1f} s more, "
+        f"re-measured after {time.monotonic() - t_first:.1f} s more"
+    )

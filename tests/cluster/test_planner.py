@@ -12,18 +12,35 @@ MiB = 1 << 20
 ALL = frozenset({"single", "pipeline", "tensor"})
 
 # 32 layers of 256 MiB + a 512 MiB tied embedding = 8.5 GiB of weights; KV is 128 KiB per token (4 KiB per layer).
-SPEC = ModelSpec(name="m", n_layers=32, hidden_size=4096, n_heads=32, n_kv_heads=8, head_dim=128,
-                 context_length=4096, layer_bytes=GiB // 4, embedding_bytes=GiB // 2)
+SPEC = ModelSpec(
+    name="m",
+    n_layers=32,
+    hidden_size=4096,
+    n_heads=32,
+    n_kv_heads=8,
+    head_dim=128,
+    context_length=4096,
+    layer_bytes=GiB // 4,
+    embedding_bytes=GiB // 2,
+)
 
 
 def node(node_id: str, gib: float, flops: float = 1e10, runtimes: dict[str, str] | None = None) -> Node:
-    return Node(id=NodeId(node_id), name=node_id, memory_total=int(gib * GiB), memory_available=int(gib * GiB),
-                flops=flops, runtimes=runtimes or {})
+    return Node(
+        id=NodeId(node_id),
+        name=node_id,
+        memory_total=int(gib * GiB),
+        memory_available=int(gib * GiB),
+        flops=flops,
+        runtimes=runtimes or {},
+    )
 
 
 def link(a: str, b: str, latency: float = 1e-4, bandwidth: float = 1.25e9) -> tuple[Link, Link]:
-    return (Link(src=NodeId(a), dst=NodeId(b), latency=latency, bandwidth=bandwidth),
-            Link(src=NodeId(b), dst=NodeId(a), latency=latency, bandwidth=bandwidth))
+    return (
+        Link(src=NodeId(a), dst=NodeId(b), latency=latency, bandwidth=bandwidth),
+        Link(src=NodeId(b), dst=NodeId(a), latency=latency, bandwidth=bandwidth),
+    )
 
 
 def topology(*nodes: Node, links: tuple[tuple[Link, Link], ...] = ()) -> Topology:
@@ -43,7 +60,7 @@ def check_pipeline(candidate: Candidate, spec: ModelSpec = SPEC) -> None:
     shards = candidate.shards
     assert shards[0].layer_start == 0 and shards[0].holds_embedding
     assert all(not s.holds_embedding for s in shards[1:])
-    assert all(a.layer_end == b.layer_start for a, b in zip(shards, shards[1:]))
+    assert all(a.layer_end == b.layer_start for a, b in zip(shards, shards[1:], strict=False))
     assert shards[-1].layer_end == spec.n_layers
     assert all(s.layer_end > s.layer_start for s in shards)
     assert sum(s.weight_bytes for s in shards) == spec.weight_bytes
@@ -97,15 +114,18 @@ def test_heterogeneous_fast_node_takes_more_layers_but_never_more_than_fits() ->
 
 
 def test_tensor_parallel_avoids_a_slow_link_and_takes_the_fast_one() -> None:
-    top = topology(node("a", 6), node("b", 6), node("c", 6),
-                   links=(link("a", "b", latency=0.012), link("b", "c", latency=0.012), link("a", "c", latency=2e-4)))
+    top = topology(
+        node("a", 6),
+        node("b", 6),
+        node("c", 6),
+        links=(link("a", "b", latency=0.012), link("b", "c", latency=0.012), link("a", "c", latency=2e-4)),
+    )
     candidates = plan(SPEC, top, [offer(frozenset({"tensor"}))])
     fitting = [c for c in candidates if c.fits]
     assert fitting and all(sorted(nodes_of(c)) == ["a", "c"] for c in fitting)
     best = fitting[0]
     assert [(s.tensor_rank, s.tensor_size) for s in best.shards] == [(0, 2), (1, 2)]
-    assert all(s.weight_bytes == SPEC.weight_bytes // 2 and s.kv_bytes == SPEC.kv_bytes(4096) // 2
-               for s in best.shards)
+    assert all(s.weight_bytes == SPEC.weight_bytes // 2 and s.kv_bytes == SPEC.kv_bytes(4096) // 2 for s in best.shards)
     # Two all-reduces per layer, 2(k-1) ring steps each: latency-dominated.
     assert abs(best.link_cost - 2 * 32 * 2 * (2e-4 + 4096 * 2 / 2 / 1.25e9)) < 1e-12
     slow = [c for c in candidates if not c.fits]
@@ -118,8 +138,9 @@ def test_tensor_parallel_needs_heads_divisible_by_ranks() -> None:
     top = topology(node("a", 6), node("b", 6), links=(link("a", "b"),))
     candidates = plan(spec, top, [offer(frozenset({"tensor"}))])
     assert candidates and not any(c.fits for c in candidates)
-    assert "n_heads (15) divisible by 2 and n_kv_heads (3) divisible by 2 or dividing it" in (candidates[0].reason
-                                                                                              or "")
+    assert "n_heads (15) divisible by 2 and n_kv_heads (3) divisible by 2 or dividing it" in (
+        candidates[0].reason or ""
+    )
 
 
 def test_tensor_parallel_replicates_kv_heads_fewer_than_the_ranks() -> None:
@@ -132,8 +153,10 @@ def test_tensor_parallel_replicates_kv_heads_fewer_than_the_ranks() -> None:
 
 def test_tensor_ranks_hold_the_embedding_whole_where_the_backend_does_not_split_it() -> None:
     top = topology(node("a", 8), node("b", 8), links=(link("a", "b"),))
-    split, whole = (next(c for c in plan(SPEC, top, [offer(frozenset({"tensor"}), vocab_parallel=v)], min_nodes=2)
-                         if c.fits) for v in (True, False))
+    split, whole = (
+        next(c for c in plan(SPEC, top, [offer(frozenset({"tensor"}), vocab_parallel=v)], min_nodes=2) if c.fits)
+        for v in (True, False)
+    )
     layers = SPEC.n_layers * SPEC.layer_bytes
     assert split.shards[0].weight_bytes == SPEC.weight_bytes // 2
     assert whole.shards[0].weight_bytes == layers // 2 + SPEC.embedding_bytes
@@ -145,8 +168,9 @@ def test_kv_cache_for_a_long_context_makes_a_placement_not_fit() -> None:
     long = plan(SPEC, top, [offer()], context=32768)
     assert not any(c.fits for c in long)
     assert long[0].shards[0].kv_bytes == SPEC.kv_bytes(32768) == 4 * GiB
-    assert long[0].reason == ("needs 12.6 GiB on node a (10.0 GiB available), including 4.0 GiB of KV cache for "
-                              "32,768 tokens")
+    assert long[0].reason == (
+        "needs 12.6 GiB on node a (10.0 GiB available), including 4.0 GiB of KV cache for 32,768 tokens"
+    )
     assert plan(SPEC, top, [offer()])[0].context == SPEC.context_length
 
 
@@ -171,8 +195,7 @@ def test_max_nodes() -> None:
 
 
 def test_nothing_fits_all_rejected_with_reasons() -> None:
-    top = topology(node("a", 3), node("b", 3), node("c", 2),
-                   links=(link("a", "b"), link("b", "c"), link("a", "c")))
+    top = topology(node("a", 3), node("b", 3), node("c", 2), links=(link("a", "b"), link("b", "c"), link("a", "c")))
     candidates = plan(SPEC, top, [offer()])
     assert {c.strategy for c in candidates} == {"single", "pipeline", "tensor"}
     assert all(not c.fits and c.reason and "needs" in c.reason for c in candidates)
@@ -197,15 +220,21 @@ def test_candidates_round_trip_through_json() -> None:
 
 
 def test_runtime_filter() -> None:
-    top = topology(node("a", 16, runtimes={"mlx": "0.29"}), node("b", 16, runtimes={"llama_cpp": "0.3.36"}),
-                   links=(link("a", "b"),))
+    top = topology(
+        node("a", 16, runtimes={"mlx": "0.29"}),
+        node("b", 16, runtimes={"llama_cpp": "0.3.36"}),
+        links=(link("a", "b"),),
+    )
     llama = plan(SPEC, top, [offer(required_runtime="llama_cpp")])
     assert llama and all(nodes_of(c) == ["b"] for c in llama)
     nobody = plan(SPEC, top, [offer(required_runtime="vllm")])
     assert len(nobody) == 1 and not nobody[0].fits and nobody[0].shards == ()
     assert nobody[0].reason == "no eligible node has the vllm runtime"
-    both = plan(SPEC, top, [offer(required_runtime="llama_cpp"), BackendOffer(backend="mlx",
-                                                                             strategies=ALL, required_runtime="mlx")])
+    both = plan(
+        SPEC,
+        top,
+        [offer(required_runtime="llama_cpp"), BackendOffer(backend="mlx", strategies=ALL, required_runtime="mlx")],
+    )
     assert {(c.backend, nodes_of(c)[0]) for c in both if c.fits} == {("test", "b"), ("mlx", "a")}
 
 

@@ -37,13 +37,29 @@ def link(src: str, dst: str, latency: float = 0.001) -> Link:
 
 
 def instance(instance_id: str = "i1", nodes: tuple[str, ...] = ("a", "b"), **kw: object) -> Instance:
-    shards = tuple(Shard(node_id=NodeId(n), layer_start=i * 9, layer_end=(i + 1) * 9, weight_bytes=100)
-                   for i, n in enumerate(nodes))
-    placement = Candidate(id="c1", model="gemma3:270m", backend="llama_cpp", strategy="pipeline", context=4096,
-                          shards=shards, memory_per_node={n: 100 for n in nodes}, tok_s=20.0)
+    shards = tuple(
+        Shard(node_id=NodeId(n), layer_start=i * 9, layer_end=(i + 1) * 9, weight_bytes=100)
+        for i, n in enumerate(nodes)
+    )
+    placement = Candidate(
+        id="c1",
+        model="gemma3:270m",
+        backend="llama_cpp",
+        strategy="pipeline",
+        context=4096,
+        shards=shards,
+        memory_per_node={n: 100 for n in nodes},
+        tok_s=20.0,
+    )
     now = time.time()
-    fields: dict[str, object] = dict(id=InstanceId(instance_id), model="gemma3:270m", placement=placement,
-                                     state=Starting(), created_at=now, updated_at=now)
+    fields: dict[str, object] = dict(
+        id=InstanceId(instance_id),
+        model="gemma3:270m",
+        placement=placement,
+        state=Starting(),
+        created_at=now,
+        updated_at=now,
+    )
     fields.update(kw)
     return Instance(**fields)  # type: ignore[arg-type]
 
@@ -180,8 +196,10 @@ async def test_update_runner_from_two_writers(store: StateStore, peer: StateStor
     await asyncio.wait_for(asyncio.gather(agent(store, "a"), agent(peer, "b")), WAIT)
     got = await peer.get_instance(InstanceId("i1"))
     assert got is not None
-    assert got.runners == {"a": RunnerStatus(NodeId("a"), "ready", "http://a:39", 1039),
-                           "b": RunnerStatus(NodeId("b"), "ready", "http://b:39", 1039)}
+    assert got.runners == {
+        "a": RunnerStatus(NodeId("a"), "ready", "http://a:39", 1039),
+        "b": RunnerStatus(NodeId("b"), "ready", "http://b:39", 1039),
+    }
     assert isinstance(got.state, Starting)
     assert [i.runners.keys() for i in await store.instances()] == [{"a", "b"}]
 
@@ -198,9 +216,13 @@ async def test_set_state_compare_and_set(store: StateStore, peer: StateStore) ->
     await store.update_runner(InstanceId("i1"), RunnerStatus(NodeId("a"), "ready"))
 
     # Two gateways see the same failure and both try to take the instance for re-placement: one wins.
-    results = await asyncio.wait_for(asyncio.gather(
-        store.set_state(InstanceId("i1"), Failed(reason="node b left"), expected=Ready),
-        peer.set_state(InstanceId("i1"), Failed(reason="runner on b failed"), expected=Ready)), WAIT)
+    results = await asyncio.wait_for(
+        asyncio.gather(
+            store.set_state(InstanceId("i1"), Failed(reason="node b left"), expected=Ready),
+            peer.set_state(InstanceId("i1"), Failed(reason="runner on b failed"), expected=Ready),
+        ),
+        WAIT,
+    )
     assert sorted(results) == [False, True]
     got = await peer.get_instance(InstanceId("i1"))
     assert got is not None
@@ -234,8 +256,16 @@ def test_state_tags() -> None:
 
 async def test_events_append_and_read_in_order(store: StateStore) -> None:
     assert await store.events() == []
-    appended = [await store.append_event("instance.placed", f"placed {i}", instance_id="i1", node_id="a",
-                                         data={"placement": '{"id":"c1"}', "n": str(i)}) for i in range(5)]
+    appended = [
+        await store.append_event(
+            "instance.placed",
+            f"placed {i}",
+            instance_id="i1",
+            node_id="a",
+            data={"placement": '{"id":"c1"}', "n": str(i)},
+        )
+        for i in range(5)
+    ]
     assert all(isinstance(e, StoreEvent) for e in appended)
     assert len({e.id for e in appended}) == 5
     got = await store.events()
@@ -299,8 +329,7 @@ async def test_expiry_is_announced_when_noticed(store: StateStore, peer: StateSt
         await watch.aclose()  # type: ignore[attr-defined]
 
 
-async def test_watchers_coalesce_and_end_on_close(store_kind: str, prefix: str, request: pytest.FixtureRequest
-                                                  ) -> None:
+async def test_watchers_coalesce_and_end_on_close(store_kind: str, prefix: str, request: pytest.FixtureRequest) -> None:
     s = MemoryStore() if store_kind == "memory" else RedisStore(request.getfixturevalue("redis_server").url, prefix)
     watches = [s.watch(), s.watch()]
     for w in watches:
@@ -357,8 +386,9 @@ async def test_redis_keys_live_under_the_prefix(redis_server: RedisServer, prefi
         await s.update_runner(InstanceId("i1"), RunnerStatus(NodeId("a"), "ready"))
         await s.append_event("k", "m")
         keys = sorted(k.decode() for k in await r.keys(prefix + "*"))
-        assert keys == [prefix + k for k in ("events", "generation", "instance:i1", "instances", "links",
-                                             "node:a", "nodes")]
+        assert keys == [
+            prefix + k for k in ("events", "generation", "instance:i1", "instances", "links", "node:a", "nodes")
+        ]
         assert 0 < await r.pttl(prefix + "node:a") <= 30_000
         assert await r.ttl(prefix + "instance:i1") == -1  # placement records never expire
         fields = await r.hgetall(prefix + "instance:i1")

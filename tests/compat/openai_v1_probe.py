@@ -12,8 +12,15 @@ limit = {"max_tokens": 16}
 reply = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "hello"}], **limit)
 seen["chat"] = reply.choices[0].message.content
 seen["finish"] = reply.choices[0].finish_reason
-chunks = list(client.chat.completions.create(model=model, messages=[{"role": "user", "content": "hello"}],
-                                             stream=True, stream_options={"include_usage": True}, **limit))
+chunks = list(
+    client.chat.completions.create(
+        model=model,
+        messages=[{"role": "user", "content": "hello"}],
+        stream=True,
+        stream_options={"include_usage": True},
+        **limit,
+    )
+)
 seen["stream_text"] = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
 seen["stream_usage"] = chunks[-1].usage.total_tokens if chunks[-1].usage else None
 seen["models"] = sorted(m.id for m in client.models.list())
@@ -24,15 +31,17 @@ except openai.NotFoundError as exc:
     seen["not_found"] = exc.body.get("code")
 if model == "scripted":
     try:
-        list(client.chat.completions.create(model=model, messages=[{"role": "user", "content": "fail"}],
-                                            stream=True))
+        list(client.chat.completions.create(model=model, messages=[{"role": "user", "content": "fail"}], stream=True))
     except openai.APIError as exc:
         seen["mid_stream_error"] = exc.message
     tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
-    with client.beta.chat.completions.stream(model=model, messages=[{"role": "user", "content": "tool"}],
-                                             tools=tools) if hasattr(client.beta.chat.completions, "stream") \
-            else client.chat.completions.stream(model=model, messages=[{"role": "user", "content": "tool"}],
-                                                tools=tools) as stream:
+    with (
+        client.beta.chat.completions.stream(model=model, messages=[{"role": "user", "content": "tool"}], tools=tools)
+        if hasattr(client.beta.chat.completions, "stream")
+        else client.chat.completions.stream(
+            model=model, messages=[{"role": "user", "content": "tool"}], tools=tools
+        ) as stream
+    ):
         final = stream.get_final_completion()
     call = final.choices[0].message.tool_calls[0]
     seen["tool_call"] = [call.id, call.function.name, json.loads(call.function.arguments)]

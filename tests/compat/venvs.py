@@ -19,8 +19,9 @@ def sdk_python(requirement: str) -> Path:
     return venv_python(requirement.replace("==", "-"), requirement)
 
 
-def venv_python(name: str, *requirements: str, uninstall: tuple[str, ...] = (),
-                fallback_index: str | None = None) -> Path:
+def venv_python(
+    name: str, *requirements: str, uninstall: tuple[str, ...] = (), fallback_index: str | None = None
+) -> Path:
     """The interpreter of ``.cache/venvs/<name>`` with ``requirements`` installed (made once, then reused).
 
     ``uninstall`` names packages removed after the install (vLLM drags in CUDA builds of torchvision and friends
@@ -40,8 +41,9 @@ def venv_python(name: str, *requirements: str, uninstall: tuple[str, ...] = (),
                 raise RuntimeError(f"pip could not install {requirements} into {target}")
             subprocess.run([*install, "--extra-index-url", fallback_index], check=True, timeout=1800)
         if uninstall:
-            subprocess.run([str(python), "-m", "pip", "uninstall", "--quiet", "--yes", *uninstall], check=True,
-                           timeout=300)
+            subprocess.run(
+                [str(python), "-m", "pip", "uninstall", "--quiet", "--yes", *uninstall], check=True, timeout=300
+            )
         marker.write_text(wanted)
     return python
 
@@ -51,8 +53,9 @@ def run_probe(requirement: str, script: str, *args: str) -> dict:
     import json
 
     python = sdk_python(requirement)
-    done = subprocess.run([str(python), str(Path(__file__).parent / script), *args], capture_output=True,
-                          text=True, timeout=300)
+    done = subprocess.run(
+        [str(python), str(Path(__file__).parent / script), *args], capture_output=True, text=True, timeout=300
+    )
     if done.returncode != 0:
         raise AssertionError(f"{script} failed under {requirement}:\n{done.stderr}")
     return json.loads(done.stdout)

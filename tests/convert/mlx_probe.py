@@ -11,9 +11,9 @@ from __future__ import annotations
 import json
 import sys
 
+import mlx.core as mx
 from mlx_lm import load
 from mlx_lm.generate import generate_step
-import mlx.core as mx
 
 
 def main() -> None:
@@ -23,8 +23,9 @@ def main() -> None:
     for prompt in request.get("prompts", []):
         ids = tokenizer.encode(prompt)  # adds BOS, as the llama.cpp runner does for raw prompts
         out = []
-        for token, _ in generate_step(mx.array(ids), model, max_tokens=request["max_tokens"],
-                                      sampler=lambda logits: mx.argmax(logits, axis=-1)):
+        for token, _ in generate_step(
+            mx.array(ids), model, max_tokens=request["max_tokens"], sampler=lambda logits: mx.argmax(logits, axis=-1)
+        ):
             out.append(int(token))
         greedy.append({"prompt_ids": ids, "tokens": out})
     hf = tokenizer._tokenizer
@@ -36,8 +37,7 @@ def main() -> None:
         if isinstance(ids, dict) or hasattr(ids, "input_ids"):
             ids = ids["input_ids"]
         chats.append({"text": text, "ids": list(ids)})
-    print(json.dumps({"greedy": greedy, "texts": texts, "chats": chats,
-                      "eos": sorted(tokenizer.eos_token_ids)}))
+    print(json.dumps({"greedy": greedy, "texts": texts, "chats": chats, "eos": sorted(tokenizer.eos_token_ids)}))
 
 
 if __name__ == "__main__":

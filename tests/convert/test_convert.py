@@ -29,11 +29,22 @@ PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, i
 MAX_TOKENS = 16
 MUST_MATCH = 4  # quantized (llama.cpp) vs dequantized bf16 (MLX) math: the first tokens must agree exactly,
 NEAR_TIE = 0.1  # and any later difference be a near-tie in llama.cpp's own logits (its batch and incremental
-                # paths already disagree on 'Once upon a time...' at token 6: ' Mr' 17.925 vs ' John' 17.904)
-TEXTS = ["Hello world", "  two  spaces\n\nnewlines\t tab", "héllo 日本語 🙂 naïve café", "<start_of_turn>user\nHi",
-         "x = [i ** 2 for i in range(10)]  # squares", "https://example.com/a?b=c&d=e", "1234567890 3.14159"]
-CHAT = (("system", "You answer in one word."), ("user", "What color is the sky?"), ("assistant", "Blue."),
-        ("user", "And grass?"))
+# paths already disagree on 'Once upon a time...' at token 6: ' Mr' 17.925 vs ' John' 17.904)
+TEXTS = [
+    "Hello world",
+    "  two  spaces\n\nnewlines\t tab",
+    "héllo 日本語 🙂 naïve café",
+    "<start_of_turn>user\nHi",
+    "x = [i ** 2 for i in range(10)]  # squares",
+    "https://example.com/a?b=c&d=e",
+    "1234567890 3.14159",
+]
+CHAT = (
+    ("system", "You answer in one word."),
+    ("user", "What color is the sky?"),
+    ("assistant", "Blue."),
+    ("user", "And grass?"),
+)
 
 
 def _bf16(raw: bytes, shape: list[int]) -> np.ndarray:
@@ -78,11 +89,21 @@ def test_config_comes_from_the_gguf(converted_gemma: Path) -> None:
 def test_tensor_names_and_shapes(converted_gemma: Path) -> None:
     header = read_safetensors_header(converted_gemma / "model.safetensors")
     header.pop("__metadata__")
-    per_layer = {"self_attn.q_proj": [1024, 640], "self_attn.k_proj": [256, 640], "self_attn.v_proj": [256, 640],
-                 "self_attn.o_proj": [640, 1024], "self_attn.q_norm": [256], "self_attn.k_norm": [256],
-                 "input_layernorm": [640], "post_attention_layernorm": [640], "pre_feedforward_layernorm": [640],
-                 "post_feedforward_layernorm": [640], "mlp.gate_proj": [2048, 640], "mlp.up_proj": [2048, 640],
-                 "mlp.down_proj": [640, 2048]}
+    per_layer = {
+        "self_attn.q_proj": [1024, 640],
+        "self_attn.k_proj": [256, 640],
+        "self_attn.v_proj": [256, 640],
+        "self_attn.o_proj": [640, 1024],
+        "self_attn.q_norm": [256],
+        "self_attn.k_norm": [256],
+        "input_layernorm": [640],
+        "post_attention_layernorm": [640],
+        "pre_feedforward_layernorm": [640],
+        "post_feedforward_layernorm": [640],
+        "mlp.gate_proj": [2048, 640],
+        "mlp.up_proj": [2048, 640],
+        "mlp.down_proj": [640, 2048],
+    }
     expected = {"model.embed_tokens.weight": [262_144, 640], "model.norm.weight": [640]}
     expected |= {f"model.layers.{i}.{k}.weight": v for i in range(18) for k, v in per_layer.items()}
     assert {k: v["shape"] for k, v in header.items()} == expected
@@ -95,10 +116,12 @@ def test_norms_are_undone_and_weights_dequantized(converted_gemma: Path, gguf_re
     from gguf.quants import dequantize
 
     tensors = {t.name: t for t in gguf_reader.tensors}
-    for gguf_name, hf_name in (("blk.3.attn_norm.weight", "model.layers.3.input_layernorm.weight"),
-                               ("blk.7.attn_q_norm.weight", "model.layers.7.self_attn.q_norm.weight"),
-                               ("blk.17.post_ffw_norm.weight", "model.layers.17.post_feedforward_layernorm.weight"),
-                               ("output_norm.weight", "model.norm.weight")):
+    for gguf_name, hf_name in (
+        ("blk.3.attn_norm.weight", "model.layers.3.input_layernorm.weight"),
+        ("blk.7.attn_q_norm.weight", "model.layers.7.self_attn.q_norm.weight"),
+        ("blk.17.post_ffw_norm.weight", "model.layers.17.post_feedforward_layernorm.weight"),
+        ("output_norm.weight", "model.norm.weight"),
+    ):
         gguf_value = np.asarray(tensors[gguf_name].data, dtype=np.float32)
         np.testing.assert_allclose(_tensor(converted_gemma, hf_name), gguf_value - 1, rtol=2**-8, atol=1e-6)
     embedding = tensors["token_embd.weight"]
@@ -106,8 +129,12 @@ def test_norms_are_undone_and_weights_dequantized(converted_gemma: Path, gguf_re
     converted = _tensor(converted_gemma, "model.embed_tokens.weight")[[9259, 100_000]]
     np.testing.assert_allclose(converted, rows, rtol=2**-8, atol=1e-6)
     q = tensors["blk.0.attn_q.weight"]  # Q5_0, not permuted for gemma3
-    np.testing.assert_allclose(_tensor(converted_gemma, "model.layers.0.self_attn.q_proj.weight"),
-                               dequantize(np.asarray(q.data), q.tensor_type), rtol=2**-8, atol=1e-6)
+    np.testing.assert_allclose(
+        _tensor(converted_gemma, "model.layers.0.self_attn.q_proj.weight"),
+        dequantize(np.asarray(q.data), q.tensor_type),
+        rtol=2**-8,
+        atol=1e-6,
+    )
 
 
 def test_default_names() -> None:
@@ -120,12 +147,29 @@ def test_default_names() -> None:
 def cli_checkpoint(tmp_path_factory: pytest.TempPathFactory, data_dir: Path, packaged_gguf: Path) -> Path:
     out = tmp_path_factory.mktemp("convert-cli") / "hf" / "gemma3-270m-bf16"
     started = time.monotonic()
-    done = subprocess.run([sys.executable, "-m", "meshgate.gateway.cli", "convert", "gemma3:270m", "--out", str(out),
-                           "--data-dir", str(data_dir)], env=ENV, cwd=ROOT, capture_output=True, text=True,
-                          timeout=600)
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "meshgate.gateway.cli",
+            "convert",
+            "gemma3:270m",
+            "--out",
+            str(out),
+            "--data-dir",
+            str(data_dir),
+        ],
+        env=ENV,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert done.returncode == 0, done.stderr[-2000:]
-    print(f"meshgate convert took {time.monotonic() - started:.1f}s; "
-          f"{(out / 'model.safetensors').stat().st_size / 2**20:.0f} MiB of weights")
+    print(
+        f"meshgate convert took {time.monotonic() - started:.1f}s; "
+        f"{(out / 'model.safetensors').stat().st_size / 2**20:.0f} MiB of weights"
+    )
     assert done.stdout.splitlines() == [str(out), "gemma3:270m-bf16"]
     return out
 
@@ -134,22 +178,48 @@ def test_cli_writes_a_complete_checkpoint(cli_checkpoint: Path) -> None:
     assert is_checkpoint(cli_checkpoint)
     assert not [p for p in cli_checkpoint.parent.iterdir() if p.name.startswith(".")]  # no partial left behind
     names = {p.name for p in cli_checkpoint.iterdir()}
-    assert names >= {"config.json", "generation_config.json", "model.safetensors", "model.safetensors.index.json",
-                     "tokenizer.json", "tokenizer_config.json", "meshgate.json"}
+    assert names >= {
+        "config.json",
+        "generation_config.json",
+        "model.safetensors",
+        "model.safetensors.index.json",
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "meshgate.json",
+    }
     assert json.loads((cli_checkpoint / "meshgate.json").read_text())["name"] == "gemma3:270m-bf16"
 
 
 def test_cli_rejects_an_unknown_model(data_dir: Path, tmp_path: Path) -> None:
-    done = subprocess.run([sys.executable, "-m", "meshgate.gateway.cli", "convert", "no-such:model", "--out",
-                           str(tmp_path / "x"), "--data-dir", str(data_dir)], env=ENV, cwd=ROOT,
-                          capture_output=True, text=True, timeout=120)
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "meshgate.gateway.cli",
+            "convert",
+            "no-such:model",
+            "--out",
+            str(tmp_path / "x"),
+            "--data-dir",
+            str(data_dir),
+        ],
+        env=ENV,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert done.returncode == 1 and "unknown model" in done.stderr and not (tmp_path / "x").exists()
 
 
 def test_source_and_spec_describe_the_checkpoint(cli_checkpoint: Path) -> None:
     [card] = CheckpointSource(cli_checkpoint.parent).models()
-    assert (card.name, card.format, card.family, card.quantization) == ("gemma3:270m-bf16", "safetensors",
-                                                                       "gemma3_text", "BF16")
+    assert (card.name, card.format, card.family, card.quantization) == (
+        "gemma3:270m-bf16",
+        "safetensors",
+        "gemma3_text",
+        "BF16",
+    )
     assert card.context_length == 32_768 and card.parameter_size == "270M" and len(card.digest) == 64
     assert card.size == (cli_checkpoint / "model.safetensors").stat().st_size
     spec = spec_from_checkpoint(card.name, card.path)
@@ -161,8 +231,14 @@ def test_source_and_spec_describe_the_checkpoint(cli_checkpoint: Path) -> None:
 
 def test_meshgate_models_lists_a_configured_checkpoint_dir(cli_checkpoint: Path, data_dir: Path) -> None:
     env = {**ENV, "MESHGATE_MODELS": str(cli_checkpoint)}
-    done = subprocess.run([sys.executable, "-m", "meshgate.gateway.cli", "models", "--data-dir", str(data_dir)], env=env,
-                          cwd=ROOT, capture_output=True, text=True, timeout=120)
+    done = subprocess.run(
+        [sys.executable, "-m", "meshgate.gateway.cli", "models", "--data-dir", str(data_dir)],
+        env=env,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert done.returncode == 0, done.stderr[-2000:]
     line = next(line for line in done.stdout.splitlines() if line.startswith("gemma3:270m-bf16"))
     assert "gemma3_text" in line and str(cli_checkpoint) in line
@@ -181,10 +257,20 @@ def mlx_answers(converted_gemma: Path) -> dict:
     sys.path.insert(0, str(ROOT))
     from tests.mlx.test_mlx_engine import mlx_python
 
-    request = {"prompts": PROMPTS, "max_tokens": MAX_TOKENS, "texts": TEXTS,
-               "chats": [[{"role": r, "content": t} for r, t in CHAT]]}
-    done = subprocess.run([str(mlx_python()), str(Path(__file__).parent / "mlx_probe.py"), str(converted_gemma),
-                           json.dumps(request)], env=ENV, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    request = {
+        "prompts": PROMPTS,
+        "max_tokens": MAX_TOKENS,
+        "texts": TEXTS,
+        "chats": [[{"role": r, "content": t} for r, t in CHAT]],
+    }
+    done = subprocess.run(
+        [str(mlx_python()), str(Path(__file__).parent / "mlx_probe.py"), str(converted_gemma), json.dumps(request)],
+        env=ENV,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads(done.stdout.splitlines()[-1])
 
@@ -215,15 +301,19 @@ def test_mlx_generates_what_llama_cpp_generates(mlx_answers: dict, llama) -> Non
     for prompt, mlx in zip(PROMPTS, mlx_answers["greedy"], strict=True):
         ids, expected = _llama_greedy(llama, prompt)
         assert mlx["prompt_ids"] == ids
-        same = next((i for i, (a, b) in enumerate(zip(mlx["tokens"], expected)) if a != b), MAX_TOKENS)
+        same = next((i for i, (a, b) in enumerate(zip(mlx["tokens"], expected, strict=False)) if a != b), MAX_TOKENS)
         matched.append(same)
         llama.reset()
         llama.eval(ids + mlx["tokens"][:-1])
-        gaps = [float(np.max(llama.scores[len(ids) - 1 + i]) - llama.scores[len(ids) - 1 + i][token])
-                for i, token in enumerate(mlx["tokens"])]
-        print(f"{prompt!r}: {same}/{MAX_TOKENS} greedy tokens equal, largest logit gap along MLX's path "
-              f"{max(gaps):.3f}; llama.cpp {llama.detokenize(expected).decode(errors='replace')!r}, "
-              f"MLX {llama.detokenize(mlx['tokens']).decode(errors='replace')!r}")
+        gaps = [
+            float(np.max(llama.scores[len(ids) - 1 + i]) - llama.scores[len(ids) - 1 + i][token])
+            for i, token in enumerate(mlx["tokens"])
+        ]
+        print(
+            f"{prompt!r}: {same}/{MAX_TOKENS} greedy tokens equal, largest logit gap along MLX's path "
+            f"{max(gaps):.3f}; llama.cpp {llama.detokenize(expected).decode(errors='replace')!r}, "
+            f"MLX {llama.detokenize(mlx['tokens']).decode(errors='replace')!r}"
+        )
         assert same >= MUST_MATCH, (prompt, mlx["tokens"], expected)
         assert max(gaps) < NEAR_TIE, (prompt, gaps)
     print(f"greedy tokens equal: {matched} of {MAX_TOKENS}")

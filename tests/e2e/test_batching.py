@@ -35,8 +35,13 @@ def server(data_dir):
 
 def _openai(server: Server, topic: str) -> str:
     client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
-    stream = client.chat.completions.create(model=MODEL, stream=True, max_tokens=TOKENS, temperature=0,
-                                            messages=[{"role": "user", "content": f"Write about {topic}."}])
+    stream = client.chat.completions.create(
+        model=MODEL,
+        stream=True,
+        max_tokens=TOKENS,
+        temperature=0,
+        messages=[{"role": "user", "content": f"Write about {topic}."}],
+    )
     parts, finish = [], None
     for chunk in stream:
         if chunk.choices:
@@ -48,8 +53,12 @@ def _openai(server: Server, topic: str) -> str:
 
 def _anthropic(server: Server, topic: str) -> str:
     client = anthropic.Anthropic(base_url=server.url, api_key="unused", max_retries=0)
-    with client.messages.stream(model=MODEL, max_tokens=TOKENS, extra_body={"temperature": 0},
-                                messages=[{"role": "user", "content": f"Write about {topic}."}]) as stream:
+    with client.messages.stream(
+        model=MODEL,
+        max_tokens=TOKENS,
+        extra_body={"temperature": 0},
+        messages=[{"role": "user", "content": f"Write about {topic}."}],
+    ) as stream:
         text = "".join(stream.text_stream)
         assert stream.get_final_message().stop_reason in ("end_turn", "max_tokens")
     return text
@@ -58,8 +67,12 @@ def _anthropic(server: Server, topic: str) -> str:
 def _ollama(server: Server, topic: str) -> str:
     client = ollama.Client(host=server.url)
     parts, done = [], False
-    for part in client.chat(model=MODEL, stream=True, options={"num_predict": TOKENS, "temperature": 0},
-                            messages=[{"role": "user", "content": f"Write about {topic}."}]):
+    for part in client.chat(
+        model=MODEL,
+        stream=True,
+        options={"num_predict": TOKENS, "temperature": 0},
+        messages=[{"role": "user", "content": f"Write about {topic}."}],
+    ):
         parts.append(part.message.content)
         done = done or part.done
     assert done
@@ -99,8 +112,13 @@ def test_a_cancelled_stream_frees_its_slot(data_dir):
     s = Server(data_dir, "--n-ctx", "1024", env={"MESHGATE_PARALLEL": "2", "MESHGATE_MAX_QUEUE": "4", **SECRET})
     try:
         client = openai.OpenAI(base_url=f"{s.url}/v1", api_key="unused", max_retries=0)
-        long = {"model": MODEL, "stream": True, "max_tokens": 800, "temperature": 0,
-                "messages": [{"role": "user", "content": "Count from one to one thousand."}]}
+        long = {
+            "model": MODEL,
+            "stream": True,
+            "max_tokens": 800,
+            "temperature": 0,
+            "messages": [{"role": "user", "content": "Count from one to one thousand."}],
+        }
         streams = [client.chat.completions.create(**long) for _ in range(2)]
         for stream in streams:
             next(iter(stream))  # both are generating: both slots are taken
@@ -111,8 +129,9 @@ def test_a_cancelled_stream_frees_its_slot(data_dir):
             assert time.monotonic() < deadline, "the cancelled stream kept its slot"
             time.sleep(0.05)
         began = time.monotonic()
-        short = client.chat.completions.create(model=MODEL, max_tokens=4, temperature=0,
-                                               messages=[{"role": "user", "content": "Hi"}])
+        short = client.chat.completions.create(
+            model=MODEL, max_tokens=4, temperature=0, messages=[{"role": "user", "content": "Hi"}]
+        )
         assert short.choices[0].finish_reason in ("stop", "length")
         assert time.monotonic() - began < 20
         assert _runner_health(s)["active_sequences"] == 1  # the other long stream is still going
@@ -123,12 +142,16 @@ def test_a_cancelled_stream_frees_its_slot(data_dir):
 
 def test_a_follow_up_turn_reuses_the_cached_history(server):
     client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
-    history = [{"role": "system", "content": "You are a careful assistant. " * 40},
-               {"role": "user", "content": "Name a colour."}]
+    history = [
+        {"role": "system", "content": "You are a careful assistant. " * 40},
+        {"role": "user", "content": "Name a colour."},
+    ]
     first = client.chat.completions.create(model=MODEL, messages=history, max_tokens=8, temperature=0)
     before = _runner_health(server)["reused_tokens"]
-    history += [{"role": "assistant", "content": first.choices[0].message.content},
-                {"role": "user", "content": "And another one?"}]
+    history += [
+        {"role": "assistant", "content": first.choices[0].message.content},
+        {"role": "user", "content": "And another one?"},
+    ]
     client.chat.completions.create(model=MODEL, messages=history, max_tokens=8, temperature=0)
     reused = _runner_health(server)["reused_tokens"] - before
     assert reused >= first.usage.prompt_tokens - 1  # the whole first prompt came from the slot's cache

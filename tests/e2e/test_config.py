@@ -33,10 +33,14 @@ def test_api_keys_are_enforced_per_protocol(server):
         openai.OpenAI(base_url=f"{server.url}/v1", api_key="wrong", max_retries=0).models.list()
     with pytest.raises(anthropic.AuthenticationError) as exc:
         anthropic.Anthropic(base_url=server.url, api_key="wrong", max_retries=0).messages.create(
-            model="mygemma:q4", max_tokens=2, messages=[{"role": "user", "content": "hi"}])
+            model="mygemma:q4", max_tokens=2, messages=[{"role": "user", "content": "hi"}]
+        )
     assert exc.value.body["error"]["type"] == "authentication_error"
     r = httpx.post(f"{server.url}/api/generate", json={"model": "mygemma:q4", "prompt": "hi"})
     assert r.status_code == 401 and isinstance(r.json()["error"], str)
-    ok = httpx.post(f"{server.url}/v1/messages", headers={"x-api-key": "sesame", "anthropic-version": "2023-06-01"},
-                    json={"model": "mygemma:q4", "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]})
+    ok = httpx.post(
+        f"{server.url}/v1/messages",
+        headers={"x-api-key": "sesame", "anthropic-version": "2023-06-01"},
+        json={"model": "mygemma:q4", "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]},
+    )
     assert ok.status_code == 200 and ok.json()["usage"]["output_tokens"] <= 2

@@ -40,7 +40,8 @@ def test_openai_prompt_plus_max_tokens(oai, ant, context):
     assert refused.value.body["message"] == (
         f"This model's maximum context length is {context} tokens. However, you requested {prompt + asked} tokens "
         f"({prompt} in the messages, {asked} in the completion). Please reduce the length of the messages or "
-        "completion.")
+        "completion."
+    )
     ok = oai.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": HALF}], max_tokens=2)
     assert ok.usage.prompt_tokens == prompt, "the gateway's count is the one the runner uses"
 
@@ -49,15 +50,16 @@ def test_openai_prompt_alone(oai, ant, context):
     with pytest.raises(openai.BadRequestError) as refused:
         oai.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": LONG}])
     assert refused.value.code == "context_length_exceeded"
-    assert refused.value.body["message"] == (f"This model's maximum context length is {context} tokens. However, your "
-                                     f"messages resulted in {_tokens(ant, LONG)} tokens. Please reduce the length "
-                                     "of the messages.")
+    assert refused.value.body["message"] == (
+        f"This model's maximum context length is {context} tokens. However, your "
+        f"messages resulted in {_tokens(ant, LONG)} tokens. Please reduce the length "
+        "of the messages."
+    )
 
 
 def test_anthropic_prompt_too_long(ant, context):
     with pytest.raises(anthropic.BadRequestError) as refused:
-        ant.messages.create(model=MODEL, max_tokens=32000, messages=[{"role": "user", "content": LONG}],
-                            timeout=60)
+        ant.messages.create(model=MODEL, max_tokens=32000, messages=[{"role": "user", "content": LONG}], timeout=60)
     assert refused.value.status_code == 400 and refused.value.type == "invalid_request_error"
     expected = f"prompt is too long: {_tokens(ant, LONG)} tokens > {context - 1} maximum"
     assert refused.value.body["error"]["message"] == expected
@@ -83,6 +85,9 @@ def test_ollama_chat_drops_oldest_turns(real_server, ant):
     reply = ollama.Client(host=real_server.url).chat(MODEL, messages=history, options={"num_predict": 2})
     full = ant.messages.count_tokens(model=MODEL, messages=history).input_tokens
     assert reply.done and 0 < reply.prompt_eval_count < full, "older turns were dropped to fit"
-    r = httpx.post(f"{real_server.url}/api/chat", json={"model": MODEL, "messages": history, "truncate": False,
-                                                        "stream": False, "options": {"num_predict": 2}}, timeout=60)
+    r = httpx.post(
+        f"{real_server.url}/api/chat",
+        json={"model": MODEL, "messages": history, "truncate": False, "stream": False, "options": {"num_predict": 2}},
+        timeout=60,
+    )
     assert (r.status_code, r.json()) == (400, {"error": "the input length exceeds the context length"})

@@ -152,32 +152,40 @@ def test_oll_18_unknown_model_is_404(oll):
 
 
 def test_oai_30_exact_reply_float(scripted_server):
-    r = httpx.post(f"{scripted_server.url}/v1/embeddings", timeout=10,
-                   json={"model": "scripted", "input": ["one two", "three"], "encoding_format": "float"})
+    r = httpx.post(
+        f"{scripted_server.url}/v1/embeddings",
+        timeout=10,
+        json={"model": "scripted", "input": ["one two", "three"], "encoding_format": "float"},
+    )
     assert r.status_code == 200 and r.headers["content-type"].startswith("application/json")
     assert r.json() == {
         "object": "list",
-        "data": [{"object": "embedding", "index": 0, "embedding": list(scripted_vector("one two"))},
-                 {"object": "embedding", "index": 1, "embedding": list(scripted_vector("three"))}],
+        "data": [
+            {"object": "embedding", "index": 0, "embedding": list(scripted_vector("one two"))},
+            {"object": "embedding", "index": 1, "embedding": list(scripted_vector("three"))},
+        ],
         "model": "scripted",
         "usage": {"prompt_tokens": 3, "total_tokens": 3},
     }
 
 
 def test_oai_29_exact_reply_base64_and_sdk_decoding(scripted_server):
-    r = httpx.post(f"{scripted_server.url}/v1/embeddings", timeout=10,
-                   json={"model": "scripted", "input": "one two", "encoding_format": "base64"})
+    r = httpx.post(
+        f"{scripted_server.url}/v1/embeddings",
+        timeout=10,
+        json={"model": "scripted", "input": "one two", "encoding_format": "base64"},
+    )
     raw = base64.b64decode(r.json()["data"][0]["embedding"])
     assert raw == struct.pack("<4f", *scripted_vector("one two"))
     client = openai.OpenAI(base_url=f"{scripted_server.url}/v1", api_key="unused", max_retries=0)
     reply = client.embeddings.create(model="scripted", input=["one two", "three"], dimensions=2)
-    assert [d.embedding for d in reply.data] == [list(scripted_vector("one two", 2)),
-                                                 list(scripted_vector("three", 2))]
+    assert [d.embedding for d in reply.data] == [list(scripted_vector("one two", 2)), list(scripted_vector("three", 2))]
 
 
 def test_oll_43_exact_reply(scripted_server):
-    r = httpx.post(f"{scripted_server.url}/api/embed", json={"model": "scripted", "input": ["one two", "three"]},
-                   timeout=10)
+    r = httpx.post(
+        f"{scripted_server.url}/api/embed", json={"model": "scripted", "input": ["one two", "three"]}, timeout=10
+    )
     body = r.json()
     assert set(body) == {"model", "embeddings", "total_duration", "load_duration", "prompt_eval_count"}
     assert body["model"] == "scripted"
@@ -186,8 +194,7 @@ def test_oll_43_exact_reply(scripted_server):
 
 
 def test_oll_44_exact_legacy_reply(scripted_server):
-    r = httpx.post(f"{scripted_server.url}/api/embeddings", json={"model": "scripted", "prompt": "one two"},
-                   timeout=10)
+    r = httpx.post(f"{scripted_server.url}/api/embeddings", json={"model": "scripted", "prompt": "one two"}, timeout=10)
     assert r.json() == {"embedding": list(scripted_vector("one two"))}
     empty = httpx.post(f"{scripted_server.url}/api/embeddings", json={"model": "scripted", "prompt": ""}, timeout=10)
     assert empty.json() == {"embedding": []}

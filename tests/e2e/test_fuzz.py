@@ -49,8 +49,7 @@ both, and the fuzzer would seldom get past that."""
 @pytest.fixture(scope="module")
 def server(tmp_path_factory) -> Iterator[Server]:
     data = Path(tmp_path_factory.mktemp("fuzz"))
-    s = Server(data, "--plugin", "tests.scripted_plugin",
-               env={"MESHGATE_DISABLED_PLUGINS": "llama_cpp,mlx,vllm"})
+    s = Server(data, "--plugin", "tests.scripted_plugin", env={"MESHGATE_DISABLED_PLUGINS": "llama_cpp,mlx,vllm"})
     yield s
     s.stop()
 
@@ -90,28 +89,45 @@ def test_the_schema_describes_every_protocol_body(server: Server, schema) -> Non
         jsonschema_rs.meta.validate(component)  # each a valid JSON Schema 2020-12, the OpenAPI 3.1 dialect
 
 
-@pytest.mark.parametrize(("method", "path"), [
-    pytest.param(m, p, id=f"{m.upper()} {p}", marks=[pytest.mark.xfail(strict=True, reason=KNOWN[m, p])]
-                 if (m, p) in KNOWN else []) for m, p in BODIES])
+@pytest.mark.parametrize(
+    ("method", "path"),
+    [
+        pytest.param(
+            m,
+            p,
+            id=f"{m.upper()} {p}",
+            marks=[pytest.mark.xfail(strict=True, reason=KNOWN[m, p])] if (m, p) in KNOWN else [],
+        )
+        for m, p in BODIES
+    ],
+)
 def test_no_body_gets_a_5xx(server: Server, schema, http: requests.Session, method: str, path: str) -> None:
     """Valid and invalid bodies for one endpoint: all answered below 500, the gateway up after them."""
     operation = schema[path][method.upper()]
     statuses: Counter[int] = Counter()
     allowed = {501} if (method, path) in NOT_IMPLEMENTED else set()
 
-    for mode, examples in ((schemathesis.GenerationMode.POSITIVE, POSITIVE),
-                           (schemathesis.GenerationMode.NEGATIVE, NEGATIVE)):
+    for mode, examples in (
+        (schemathesis.GenerationMode.POSITIVE, POSITIVE),
+        (schemathesis.GenerationMode.NEGATIVE, NEGATIVE),
+    ):
 
         @given(case=operation.as_strategy(generation_mode=mode), aimed=st.sampled_from([True, True, True, False]))
-        @settings(max_examples=examples, derandomize=True, deadline=None, database=None,
-                  phases=[Phase.generate, Phase.shrink], suppress_health_check=list(HealthCheck))
+        @settings(
+            max_examples=examples,
+            derandomize=True,
+            deadline=None,
+            database=None,
+            phases=[Phase.generate, Phase.shrink],
+            suppress_health_check=list(HealthCheck),
+        )
         def run(case, aimed: bool) -> None:
             aim(case, path, aimed)
             response = case.call(base_url=server.url, session=http, timeout=30)
             statuses[response.status_code] += 1
             assert response.status_code < 500 or response.status_code in allowed, (
-                f"{method.upper()} {path} -> {response.status_code}: {response.text[:500]}\n"
-                f"body: {case.body!r}")
+                f"{method.upper()} {path} -> {response.status_code}: {response.text[:500]}\nbody: {case.body!r}"
+            )
 
         run()
 

@@ -57,19 +57,40 @@ def runner(server: Server) -> Iterator[list[int]]:
 
 
 def test_nul_in_a_forced_tool_name_is_called_not_fatal(server, runner):
-    r = post(server, "/v1/chat/completions", {
-        "model": MODEL, "messages": [{"role": "user", "content": "Call the tool."}], "max_tokens": 40,
-        "tools": [{"type": "function", "function": {"name": "x\u0000", "parameters": {"type": "object",
-                                                                                     "properties": {}}}}],
-        "tool_choice": "required", "temperature": 0})
+    r = post(
+        server,
+        "/v1/chat/completions",
+        {
+            "model": MODEL,
+            "messages": [{"role": "user", "content": "Call the tool."}],
+            "max_tokens": 40,
+            "tools": [
+                {
+                    "type": "function",
+                    "function": {"name": "x\u0000", "parameters": {"type": "object", "properties": {}}},
+                }
+            ],
+            "tool_choice": "required",
+            "temperature": 0,
+        },
+    )
     assert r.status_code == 200, r.text
     call = r.json()["choices"][0]["message"]["tool_calls"][0]["function"]
     assert call["name"] == "x\u0000" and json.loads(call["arguments"]) == {}
 
 
 def test_nul_in_an_ollama_format_enum_is_answered(server, runner):
-    r = post(server, "/api/generate", {"model": MODEL, "prompt": "Pick one.", "stream": False,
-                                       "format": {"enum": ["\u0000", "a\\b"]}, "options": {"temperature": 0}})
+    r = post(
+        server,
+        "/api/generate",
+        {
+            "model": MODEL,
+            "prompt": "Pick one.",
+            "stream": False,
+            "format": {"enum": ["\u0000", "a\\b"]},
+            "options": {"temperature": 0},
+        },
+    )
     assert r.status_code == 200, r.text
     assert json.loads(r.json()["response"]) in ("\u0000", "a\\b")
 
@@ -80,32 +101,59 @@ def test_a_grammar_that_allows_no_token_fails_only_its_own_request(server, runne
     beside: dict = {}
 
     def stream_beside() -> None:
-        with httpx.stream("POST", f"{server.url}/api/generate", timeout=120, json={
-                "model": MODEL, "prompt": LONG, "options": {"num_predict": 40, "temperature": 0}}) as r:
+        with httpx.stream(
+            "POST",
+            f"{server.url}/api/generate",
+            timeout=120,
+            json={"model": MODEL, "prompt": LONG, "options": {"num_predict": 40, "temperature": 0}},
+        ) as r:
             beside["lines"] = [json.loads(line) for line in r.iter_lines() if line]
 
     thread = threading.Thread(target=stream_beside)
     thread.start()
     time.sleep(0.5)
-    r = post(server, "/api/generate", {"model": MODEL, "prompt": "Say a then b.", "stream": False,
-                                       "format": {"type": "string", "pattern": "^a\u0000b$"}})
+    r = post(
+        server,
+        "/api/generate",
+        {
+            "model": MODEL,
+            "prompt": "Say a then b.",
+            "stream": False,
+            "format": {"type": "string", "pattern": "^a\u0000b$"},
+        },
+    )
     thread.join(120)
     assert r.status_code == 422 and "allows no token" in r.json()["error"]
     last = beside["lines"][-1]
     assert last["done"] is True and last["eval_count"] == 40 and "error" not in last
 
 
-@pytest.mark.parametrize("schema", [{"type": "string", "maxLength": 100000},
-                                    {"type": "string", "pattern": "^a{1,100000}$"},
-                                    {"type": "array", "items": {"type": "integer"}, "maxItems": 50000}])
+@pytest.mark.parametrize(
+    "schema",
+    [
+        {"type": "string", "maxLength": 100000},
+        {"type": "string", "pattern": "^a{1,100000}$"},
+        {"type": "array", "items": {"type": "integer"}, "maxItems": 50000},
+    ],
+)
 def test_schemas_beyond_the_grammar_bounds_are_refused(server, runner, schema):
-    r = post(server, "/v1/messages", {
-        "model": MODEL, "max_tokens": 20, "messages": [{"role": "user", "content": "Go."}],
-        "tools": [{"name": "t", "input_schema": {"type": "object", "properties": {"v": schema}}}],
-        "tool_choice": {"type": "any"}})
+    r = post(
+        server,
+        "/v1/messages",
+        {
+            "model": MODEL,
+            "max_tokens": 20,
+            "messages": [{"role": "user", "content": "Go."}],
+            "tools": [{"name": "t", "input_schema": {"type": "object", "properties": {"v": schema}}}],
+            "tool_choice": {"type": "any"},
+        },
+    )
     assert r.status_code == 422, r.text
-    assert r.json()["type"] == "error" and "more than a grammar can hold" in r.json()["error"]["message"] \
+    assert (
+        r.json()["type"] == "error"
+        and "more than a grammar can hold" in r.json()["error"]["message"]
         or "repeats more" in r.json()["error"]["message"]
+    )
 
 
 # ------------------------------------------------------------------------------------- item 2: bounded output
@@ -113,37 +161,59 @@ def test_schemas_beyond_the_grammar_bounds_are_refused(server, runner, schema):
 
 def test_openai_refuses_max_tokens_above_the_limit(server, runner):
     for field, value in (("max_tokens", 2**70), ("max_completion_tokens", LIMIT + 1)):
-        r = post(server, "/v1/chat/completions", {"model": MODEL, field: value,
-                                                  "messages": [{"role": "user", "content": "Hi"}]})
+        r = post(
+            server,
+            "/v1/chat/completions",
+            {"model": MODEL, field: value, "messages": [{"role": "user", "content": "Hi"}]},
+        )
         assert r.status_code == 400, r.text
         error = r.json()["error"]
         assert error["param"] == "max_tokens" and error["type"] == "invalid_request_error"
-        assert error["message"] == (f"max_tokens is too large: {value}. This model supports at most {LIMIT} "
-                                    f"completion tokens, whereas you provided {value}.")
+        assert error["message"] == (
+            f"max_tokens is too large: {value}. This model supports at most {LIMIT} "
+            f"completion tokens, whereas you provided {value}."
+        )
 
 
 def test_openai_without_a_limit_stops_at_the_setting(server, runner):
-    r = post(server, "/v1/chat/completions", {"model": MODEL, "temperature": 0,
-                                              "messages": [{"role": "user", "content": LONG}]})
+    r = post(
+        server,
+        "/v1/chat/completions",
+        {"model": MODEL, "temperature": 0, "messages": [{"role": "user", "content": LONG}]},
+    )
     assert r.status_code == 200
     assert r.json()["usage"]["completion_tokens"] <= LIMIT
 
 
 def test_anthropic_refuses_absurd_max_tokens_in_its_words(server, runner):
-    r = post(server, "/v1/messages", {"model": MODEL, "max_tokens": 2**70,
-                                      "messages": [{"role": "user", "content": "Hi"}]})
+    r = post(
+        server, "/v1/messages", {"model": MODEL, "max_tokens": 2**70, "messages": [{"role": "user", "content": "Hi"}]}
+    )
     assert r.status_code == 400, r.text
-    assert r.json() == {"type": "error", "error": {"type": "invalid_request_error", "message": (
-        f"max_tokens: {2**70} > {LIMIT}, which is the maximum allowed number of output tokens for {MODEL}")}}
-    ok = post(server, "/v1/messages", {"model": MODEL, "max_tokens": LIMIT, "temperature": 0,
-                                       "messages": [{"role": "user", "content": LONG}]})
+    assert r.json() == {
+        "type": "error",
+        "error": {
+            "type": "invalid_request_error",
+            "message": (
+                f"max_tokens: {2**70} > {LIMIT}, which is the maximum allowed number of output tokens for {MODEL}"
+            ),
+        },
+    }
+    ok = post(
+        server,
+        "/v1/messages",
+        {"model": MODEL, "max_tokens": LIMIT, "temperature": 0, "messages": [{"role": "user", "content": LONG}]},
+    )
     assert ok.status_code == 200 and ok.json()["usage"]["output_tokens"] <= LIMIT
 
 
 @pytest.mark.parametrize("num_predict", [2**70, -1, 0])
 def test_ollama_num_predict_is_cut_to_the_setting(server, runner, num_predict):
-    r = post(server, "/api/generate", {"model": MODEL, "prompt": LONG, "stream": False,
-                                       "options": {"num_predict": num_predict, "temperature": 0}})
+    r = post(
+        server,
+        "/api/generate",
+        {"model": MODEL, "prompt": LONG, "stream": False, "options": {"num_predict": num_predict, "temperature": 0}},
+    )
     assert r.status_code == 200, r.text
     assert r.json()["eval_count"] == LIMIT and r.json()["done_reason"] == "length"
 
@@ -153,14 +223,23 @@ def test_ollama_num_predict_is_cut_to_the_setting(server, runner, num_predict):
 
 def test_num_ctx_out_of_range_is_a_400_and_the_model_stays(server, runner):
     for value in (-1, 0):
-        r = post(server, "/api/chat", {"model": MODEL, "stream": False, "options": {"num_ctx": value},
-                                       "messages": [{"role": "user", "content": "Hi"}]})
+        r = post(
+            server,
+            "/api/chat",
+            {
+                "model": MODEL,
+                "stream": False,
+                "options": {"num_ctx": value},
+                "messages": [{"role": "user", "content": "Hi"}],
+            },
+        )
         assert r.status_code == 400 and "options.num_ctx" in r.json()["error"]
 
 
-@pytest.mark.parametrize(("path", "options"), [("/api/generate", {"temperature": -1}),
-                                               ("/api/generate", {"top_p": 2}),
-                                               ("/api/chat", {"top_k": -1})])
+@pytest.mark.parametrize(
+    ("path", "options"),
+    [("/api/generate", {"temperature": -1}), ("/api/generate", {"top_p": 2}), ("/api/chat", {"top_k": -1})],
+)
 def test_ollama_options_out_of_range_are_400s(server, path, options):
     body = {"model": MODEL, "stream": False, "options": options}
     body.update({"prompt": "Hi"} if path == "/api/generate" else {"messages": [{"role": "user", "content": "Hi"}]})
@@ -170,8 +249,11 @@ def test_ollama_options_out_of_range_are_400s(server, path, options):
 
 @pytest.mark.parametrize(("field", "value"), [("temperature", 1.5), ("top_p", -0.5), ("top_k", -1)])
 def test_anthropic_sampling_out_of_range_is_a_400(server, field, value):
-    r = post(server, "/v1/messages", {"model": MODEL, "max_tokens": 5, field: value,
-                                      "messages": [{"role": "user", "content": "Hi"}]})
+    r = post(
+        server,
+        "/v1/messages",
+        {"model": MODEL, "max_tokens": 5, field: value, "messages": [{"role": "user", "content": "Hi"}]},
+    )
     assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
     assert f"$.{field}" in r.json()["error"]["message"]
 
@@ -183,15 +265,24 @@ def deep(depth: int) -> object:
 @pytest.mark.parametrize("depth", [200, 990])
 def test_deeply_nested_json_is_a_400_in_each_protocol(server, depth):
     raw = "[" * depth + "]" * depth
-    openai_body = ('{"model": "%s", "messages": [{"role": "user", "content": "Hi"}], "tools": [{"type": "function", '
-                   '"function": {"name": "t", "parameters": {"type": "object", "x": %s}}}]}' % (MODEL, raw))
-    r = httpx.post(f"{server.url}/v1/chat/completions", content=openai_body, timeout=30,
-                   headers={"content-type": "application/json"})
+    openai_body = (
+        '{"model": "%s", "messages": [{"role": "user", "content": "Hi"}], "tools": [{"type": "function", '
+        '"function": {"name": "t", "parameters": {"type": "object", "x": %s}}}]}' % (MODEL, raw)
+    )
+    r = httpx.post(
+        f"{server.url}/v1/chat/completions",
+        content=openai_body,
+        timeout=30,
+        headers={"content-type": "application/json"},
+    )
     assert r.status_code == 400 and "nests JSON" in r.json()["error"]["message"]
-    anthropic_body = ('{"model": "%s", "max_tokens": 5, "messages": [{"role": "user", "content": "Hi"}], '
-                      '"metadata": {"x": %s}}' % (MODEL, raw))
-    r = httpx.post(f"{server.url}/v1/messages", content=anthropic_body, timeout=30,
-                   headers={"content-type": "application/json"})
+    anthropic_body = (
+        '{"model": "%s", "max_tokens": 5, "messages": [{"role": "user", "content": "Hi"}], '
+        '"metadata": {"x": %s}}' % (MODEL, raw)
+    )
+    r = httpx.post(
+        f"{server.url}/v1/messages", content=anthropic_body, timeout=30, headers={"content-type": "application/json"}
+    )
     assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
     ollama_body = '{"model": "%s", "prompt": "Hi", "stream": false, "format": {"x": %s}}' % (MODEL, raw)
     r = httpx.post(f"{server.url}/api/generate", content=ollama_body, timeout=30)
@@ -200,8 +291,12 @@ def test_deeply_nested_json_is_a_400_in_each_protocol(server, depth):
 
 def test_deeply_nested_json_in_a_body_litestar_decodes_is_a_400(server):
     raw = "[" * 5000 + "]" * 5000
-    r = httpx.post(f"{server.url}/instances", content='{"model": "%s", "x": %s}' % (MODEL, raw), timeout=30,
-                   headers={"content-type": "application/json"})
+    r = httpx.post(
+        f"{server.url}/instances",
+        content='{"model": "%s", "x": %s}' % (MODEL, raw),
+        timeout=30,
+        headers={"content-type": "application/json"},
+    )
     assert r.status_code == 400 and "nests JSON too deeply" in r.json()["error"]["message"]
 
 
@@ -210,5 +305,6 @@ def test_events_since_that_is_no_event_id_is_a_400(server):
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"] == "since" and r.json()["error"]["type"] == "invalid_request_error"
     events = httpx.get(f"{server.url}/events", timeout=10).json()
-    assert events and httpx.get(f"{server.url}/events", params={"since": events[0]["id"]}, timeout=10).status_code \
-        == 200
+    assert (
+        events and httpx.get(f"{server.url}/events", params={"since": events[0]["id"]}, timeout=10).status_code == 200
+    )

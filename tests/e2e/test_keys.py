@@ -35,8 +35,14 @@ def server(data_dir, tmp_path_factory):
 def keys(server, *args: str, key: str = BOOT) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     env.pop("MESHGATE_API_KEYS", None)
-    return subprocess.run([sys.executable, "-m", "meshgate.gateway.cli", "keys", "--url", server.url, "--api-key", key, *args],
-                          capture_output=True, text=True, env=env, cwd=ROOT, timeout=60)
+    return subprocess.run(
+        [sys.executable, "-m", "meshgate.gateway.cli", "keys", "--url", server.url, "--api-key", key, *args],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=ROOT,
+        timeout=60,
+    )
 
 
 def make(server, name: str, *args: str) -> str:
@@ -47,8 +53,9 @@ def make(server, name: str, *args: str) -> str:
 
 def chat(server, key: str, **headers):
     client = openai.OpenAI(base_url=f"{server.url}/v1", api_key=key, max_retries=0, default_headers=headers)
-    return client.chat.completions.create(model="scripted", max_tokens=8,
-                                          messages=[{"role": "user", "content": "hello"}])
+    return client.chat.completions.create(
+        model="scripted", max_tokens=8, messages=[{"role": "user", "content": "hello"}]
+    )
 
 
 def test_keys_are_stored_hashed_and_listed_without_secrets(server):
@@ -78,11 +85,13 @@ def test_an_inference_key_cannot_administer(server):
     assert httpx.get(f"{server.url}/api/tags", headers=auth).status_code == 200
     denied = httpx.get(f"{server.url}/instances", headers=auth)
     assert denied.status_code == 403 and "admin" in denied.json()["error"]["message"]
-    for method, path, body in (("DELETE", "/api/delete", {"model": "scripted"}),
-                               ("POST", "/api/copy", {"source": "scripted", "destination": "mine"}),
-                               ("POST", "/api/create", {"model": "x", "from": "scripted"}),
-                               ("POST", "/api/pull", {"model": "scripted"}),
-                               ("POST", "/keys", {"name": "escalate", "scope": "admin"})):
+    for method, path, body in (
+        ("DELETE", "/api/delete", {"model": "scripted"}),
+        ("POST", "/api/copy", {"source": "scripted", "destination": "mine"}),
+        ("POST", "/api/create", {"model": "x", "from": "scripted"}),
+        ("POST", "/api/pull", {"model": "scripted"}),
+        ("POST", "/keys", {"name": "escalate", "scope": "admin"}),
+    ):
         r = httpx.request(method, f"{server.url}{path}", headers=auth, json=body)
         assert r.status_code == 403, (path, r.text)
     assert httpx.delete(f"{server.url}/instances/x", headers=auth).status_code == 403
@@ -98,8 +107,11 @@ def test_a_key_sees_and_uses_only_its_models(server):
     assert [m.id for m in client.models.list()] == ["gemma3:270m"]
     with pytest.raises(openai.NotFoundError):
         client.chat.completions.create(model="scripted", max_tokens=4, messages=[{"role": "user", "content": "x"}])
-    r = httpx.post(f"{server.url}/api/generate", headers={"authorization": f"Bearer {key}"},
-                   json={"model": "scripted", "prompt": "hi", "stream": False})
+    r = httpx.post(
+        f"{server.url}/api/generate",
+        headers={"authorization": f"Bearer {key}"},
+        json={"model": "scripted", "prompt": "hi", "stream": False},
+    )
     assert r.status_code == 404 and "scripted" in r.json()["error"]
 
 
@@ -110,10 +122,11 @@ def test_rate_limits_count_every_generation_endpoint_per_validated_key(server):
     client.responses.create(model="scripted", input="hello", max_output_tokens=8)  # /v1/responses counts too
     # a made-up Authorization next to the valid x-api-key does not open a fresh bucket
     for n in range(2):
-        r = httpx.post(f"{server.url}/v1/messages",
-                       headers={"x-api-key": key, "authorization": f"Basic random{n}",
-                                "anthropic-version": "2023-06-01"},
-                       json={"model": "scripted", "max_tokens": 8, "messages": [{"role": "user", "content": "hi"}]})
+        r = httpx.post(
+            f"{server.url}/v1/messages",
+            headers={"x-api-key": key, "authorization": f"Basic random{n}", "anthropic-version": "2023-06-01"},
+            json={"model": "scripted", "max_tokens": 8, "messages": [{"role": "user", "content": "hi"}]},
+        )
         assert r.status_code == 200, r.text
     with pytest.raises(openai.RateLimitError) as exc:
         client.responses.create(model="scripted", input="hello", max_output_tokens=8)
@@ -136,8 +149,11 @@ def test_a_token_budget_is_spent_by_usage(server):
 
 def test_revoked_keys_stop_at_once_and_bad_keys_never_work(server):
     key = make(server, "frank")
-    key_id = next(k["id"] for k in json.loads(httpx.get(f"{server.url}/keys",
-                  headers={"authorization": f"Bearer {BOOT}"}).text)["keys"] if k["name"] == "frank")
+    key_id = next(
+        k["id"]
+        for k in json.loads(httpx.get(f"{server.url}/keys", headers={"authorization": f"Bearer {BOOT}"}).text)["keys"]
+        if k["name"] == "frank"
+    )
     assert chat(server, key)
     assert keys(server, "revoke", key_id).returncode == 0
     with pytest.raises(openai.AuthenticationError):

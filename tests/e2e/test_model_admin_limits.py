@@ -41,14 +41,19 @@ def tree(tmp_path_factory: pytest.TempPathFactory, packaged_gguf: Path) -> dict[
     data = root / "data"
     (data / "models").mkdir(parents=True)
     os.symlink(packaged_gguf, data / "models" / packaged_gguf.name)
-    return {"root": root, "data": data, "allowed": _link(packaged_gguf, root / "allowed" / "allowed.gguf").parent,
-            "outside": _link(packaged_gguf, root / "outside" / "outside.gguf")}
+    return {
+        "root": root,
+        "data": data,
+        "allowed": _link(packaged_gguf, root / "allowed" / "allowed.gguf").parent,
+        "outside": _link(packaged_gguf, root / "outside" / "outside.gguf"),
+    }
 
 
 @pytest.fixture(scope="module")
 def server(tree: dict[str, Path]) -> Iterator[Server]:
-    server = Server(tree["data"], "--plugin", "tests.scripted_plugin",
-                    env={"MESHGATE_MODEL_DIRS": str(tree["allowed"])})
+    server = Server(
+        tree["data"], "--plugin", "tests.scripted_plugin", env={"MESHGATE_MODEL_DIRS": str(tree["allowed"])}
+    )
     yield server
     server.stop()
 
@@ -74,13 +79,18 @@ def _tags(http: httpx.Client) -> list[str]:
 
 
 def test_a_gguf_outside_the_allowed_dirs_is_refused_as_if_it_did_not_exist(http, tree, packaged_gguf):
-    refused = {path: _error(_create(http, "outsider", path)) for path in [
-        str(tree["outside"]),                          # a real GGUF in a directory nobody allowed
-        str(tree["root"] / "outside" / "none.gguf"),   # a file that does not exist, in the same place
-        str(packaged_gguf),                            # the file the data directory's link points at
-        str(tree["data"] / "models" / packaged_gguf.name),  # that link: symlinks are followed
-        "/etc/passwd", "/no/such/dir/x.gguf", "~/x.gguf",
-    ]}
+    refused = {
+        path: _error(_create(http, "outsider", path))
+        for path in [
+            str(tree["outside"]),  # a real GGUF in a directory nobody allowed
+            str(tree["root"] / "outside" / "none.gguf"),  # a file that does not exist, in the same place
+            str(packaged_gguf),  # the file the data directory's link points at
+            str(tree["data"] / "models" / packaged_gguf.name),  # that link: symlinks are followed
+            "/etc/passwd",
+            "/no/such/dir/x.gguf",
+            "~/x.gguf",
+        ]
+    }
     models = (tree["data"] / "models").resolve()
     assert set(refused.values()) == {OUTSIDE.format(models=models)}, refused
     assert "outsider:latest" not in _tags(http)
@@ -90,13 +100,16 @@ def test_a_gguf_outside_the_allowed_dirs_is_refused_as_if_it_did_not_exist(http,
 
 def test_dot_dot_traversal_is_refused(http, tree):
     models = tree["data"] / "models"
-    refused = {path: _error(_create(http, "climber", path)) for path in [
-        f"{models}/../../outside/outside.gguf",
-        f"{models}/no-such-dir/../../../outside/outside.gguf",
-        "../../outside/outside.gguf",                  # relative paths start at <data_dir>/models
-        "./../registry.json",
-        f"{tree['allowed']}/../outside/outside.gguf",
-    ]}
+    refused = {
+        path: _error(_create(http, "climber", path))
+        for path in [
+            f"{models}/../../outside/outside.gguf",
+            f"{models}/no-such-dir/../../../outside/outside.gguf",
+            "../../outside/outside.gguf",  # relative paths start at <data_dir>/models
+            "./../registry.json",
+            f"{tree['allowed']}/../outside/outside.gguf",
+        ]
+    }
     assert set(refused.values()) == {OUTSIDE.format(models=models.resolve())}, refused
 
 
@@ -111,15 +124,32 @@ def test_a_gguf_under_model_dirs_is_accepted(http, tree):
 
 
 def test_inside_the_allowed_dirs_a_missing_file_says_so(http, tree):
-    assert _error(_create(http, "ghost", str(tree["allowed"] / "ghost.gguf"))) == \
-        f"'from' names no file: {tree['allowed'] / 'ghost.gguf'}"
+    assert (
+        _error(_create(http, "ghost", str(tree["allowed"] / "ghost.gguf")))
+        == f"'from' names no file: {tree['allowed'] / 'ghost.gguf'}"
+    )
     assert _error(_create(http, "ghost", "ghost.gguf")) == "'from' names no file: ghost.gguf"
 
 
-@pytest.mark.parametrize("name", [
-    "", "bad name", "../../etc/passwd", "a/b/c/d", "-leading-dash", ".hidden", "ns.with.dot/model", "x:",
-    "model:tag:extra", "a" * 81, "model:" + "t" * 81, "m\u00e9", "x\n", "a//b",
-])
+@pytest.mark.parametrize(
+    "name",
+    [
+        "",
+        "bad name",
+        "../../etc/passwd",
+        "a/b/c/d",
+        "-leading-dash",
+        ".hidden",
+        "ns.with.dot/model",
+        "x:",
+        "model:tag:extra",
+        "a" * 81,
+        "model:" + "t" * 81,
+        "m\u00e9",
+        "x\n",
+        "a//b",
+    ],
+)
 def test_invalid_names_are_refused_for_create_copy_and_delete(http, tree, name):
     created = _error(_create(http, name, str(tree["allowed"] / "allowed.gguf")))
     copied = _error(http.post("/api/copy", json={"source": "scripted", "destination": name}))
@@ -131,8 +161,15 @@ def test_invalid_names_are_refused_for_create_copy_and_delete(http, tree, name):
 
 
 def test_valid_ollama_names_pass():
-    for name in ["gemma3", "gemma3:270m", "my-model_2.1:q4_K_M", "acme/scripted:v1",
-                 "registry.ollama.ai/library/llama3.2:1b", "localhost:5000/team/model:v2", "a" * 80]:
+    for name in [
+        "gemma3",
+        "gemma3:270m",
+        "my-model_2.1:q4_K_M",
+        "acme/scripted:v1",
+        "registry.ollama.ai/library/llama3.2:1b",
+        "localhost:5000/team/model:v2",
+        "a" * 80,
+    ]:
         assert parse_model_name(name) == name
     assert parse_model_name("https://example.com/team/model:v2") == "example.com/team/model:v2"
     with pytest.raises(InvalidRequest) as err:
@@ -144,8 +181,9 @@ def test_the_registry_is_bounded(http, tree):
     registry = tree["data"] / "registry.json"
     saved = registry.read_bytes() if registry.exists() else None
     entry = {"path": str(tree["root"] / "gone.gguf"), "digest": "0" * 64, "created": 0.0}
-    registry.write_text(json.dumps({"models": {f"stale-{i}:latest": entry for i in range(MAX_USER_MODELS)},
-                                    "hidden": []}))
+    registry.write_text(
+        json.dumps({"models": {f"stale-{i}:latest": entry for i in range(MAX_USER_MODELS)}, "hidden": []})
+    )
     try:
         full = _error(_create(http, "one-too-many", str(tree["allowed"] / "allowed.gguf")))
         assert full.startswith(f"too many models: meshgate keeps at most {MAX_USER_MODELS}")
@@ -164,7 +202,11 @@ def test_the_registry_is_bounded(http, tree):
 
 
 def test_one_huge_system_prompt_cannot_blow_up_the_registry(http, tree):
-    body = {"model": "windbag", "from": str(tree["allowed"] / "allowed.gguf"), "system": "x" * (17 << 20),
-            "stream": False}
+    body = {
+        "model": "windbag",
+        "from": str(tree["allowed"] / "allowed.gguf"),
+        "system": "x" * (17 << 20),
+        "stream": False,
+    }
     assert _error(http.post("/api/create", json=body)).startswith("the model registry would exceed 16 MiB")
     assert "windbag:latest" not in _tags(http)

@@ -22,8 +22,14 @@ CONVERTED = "gemma3:270m-bf16"
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory, converted_gemma: Path) -> Iterator[Server]:
     data = tmp_path_factory.mktemp("models-plugin")
-    server = Server(data, env={"MESHGATE_DISABLED_PLUGINS": "llama_cpp", "MESHGATE_MODELS": str(converted_gemma),
-                               "MESHGATE_MLX_PYTHON": sys.executable})
+    server = Server(
+        data,
+        env={
+            "MESHGATE_DISABLED_PLUGINS": "llama_cpp",
+            "MESHGATE_MODELS": str(converted_gemma),
+            "MESHGATE_MLX_PYTHON": sys.executable,
+        },
+    )
     yield server
     server.stop()
 

@@ -139,8 +139,15 @@ def test_oll_46_copy_of_an_unknown_model_is_404(client):
 
 
 def test_oll_45_create_from_a_gguf_path_with_system_prompt(client, packaged_gguf):
-    progress = list(client.create("pirate", from_=str(packaged_gguf), system="You are a pirate.",
-                                  parameters={"temperature": 0.3, "stop": ["<end_of_turn>"]}, stream=True))
+    progress = list(
+        client.create(
+            "pirate",
+            from_=str(packaged_gguf),
+            system="You are a pirate.",
+            parameters={"temperature": 0.3, "stop": ["<end_of_turn>"]},
+            stream=True,
+        )
+    )
     assert progress[-1].status == "success"
     assert any(p.status.startswith("using existing layer sha256:") for p in progress)
     shown = client.show("pirate")
@@ -198,9 +205,14 @@ def test_oll_3_generation_endpoints_with_the_client(client):
 
 
 def test_oll_40_open_webui_request_sequence(server):
-    headers = {"Content-Type": "application/json", "X-OpenWebUI-User-Name": "Ada", "X-OpenWebUI-User-Id": "u1",
-               "X-OpenWebUI-User-Email": "ada@example.com", "X-OpenWebUI-User-Role": "admin",
-               "X-OpenWebUI-Chat-Id": "c1"}
+    headers = {
+        "Content-Type": "application/json",
+        "X-OpenWebUI-User-Name": "Ada",
+        "X-OpenWebUI-User-Id": "u1",
+        "X-OpenWebUI-User-Email": "ada@example.com",
+        "X-OpenWebUI-User-Role": "admin",
+        "X-OpenWebUI-Chat-Id": "c1",
+    }
     with httpx.Client(base_url=server.url, timeout=120) as http:
         assert http.get("/api/version").json()["version"]
         models = http.get("/api/tags").json()["models"]
@@ -209,8 +221,7 @@ def test_oll_40_open_webui_request_sequence(server):
             datetime.fromisoformat(loaded["expires_at"])
         shown = http.post("/api/show", json={"model": MODEL}, headers=headers)
         assert shown.status_code == 200 and "model_info" in shown.json()
-        body = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "stream": True,
-                "options": SHORT}
+        body = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "stream": True, "options": SHORT}
         with http.stream("POST", "/api/chat", json=body, headers=headers) as reply:
             assert reply.status_code == 200
             assert reply.headers["content-type"].startswith("application/x-ndjson")

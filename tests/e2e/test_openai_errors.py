@@ -11,8 +11,14 @@ from tests.conftest import Server
 
 @pytest.fixture(scope="module")
 def server(data_dir):
-    s = Server(data_dir, "--plugin", "tests.scripted_plugin", "--api-key", "sesame",
-               env={"MESHGATE_MAX_BODY_BYTES": "4096", "MESHGATE_DISABLED_PLUGINS": "llama_cpp"})
+    s = Server(
+        data_dir,
+        "--plugin",
+        "tests.scripted_plugin",
+        "--api-key",
+        "sesame",
+        env={"MESHGATE_MAX_BODY_BYTES": "4096", "MESHGATE_DISABLED_PLUGINS": "llama_cpp"},
+    )
     yield s
     s.stop()
 
@@ -83,8 +89,12 @@ def test_oai_64_request_id(client):
 
 
 def test_oai_59_61_429_rate_limit_with_retry_after(data_dir):
-    s = Server(data_dir, "--plugin", "tests.scripted_plugin", env={"MESHGATE_RATE_LIMIT": "3",
-                                                                   "MESHGATE_DISABLED_PLUGINS": "llama_cpp"})
+    s = Server(
+        data_dir,
+        "--plugin",
+        "tests.scripted_plugin",
+        env={"MESHGATE_RATE_LIMIT": "3", "MESHGATE_DISABLED_PLUGINS": "llama_cpp"},
+    )
     try:
         client = openai.OpenAI(base_url=f"{s.url}/v1", api_key="k1", max_retries=0)
         with pytest.raises(openai.RateLimitError) as exc:

@@ -26,8 +26,7 @@ def client_for(server, base: str = "/v1") -> openai.OpenAI:
 
 
 def test_oai_65_real_model_not_streamed(real_server):
-    response = client_for(real_server).responses.create(model=MODEL, input=PROMPT, max_output_tokens=16,
-                                                        temperature=0)
+    response = client_for(real_server).responses.create(model=MODEL, input=PROMPT, max_output_tokens=16, temperature=0)
     assert response.object == "response" and response.id.startswith("resp_")
     assert response.output_text.strip()
     assert response.output[0].type == "message" and response.output[0].role == "assistant"
@@ -39,8 +38,9 @@ def test_oai_65_real_model_not_streamed(real_server):
 
 
 def test_oai_66_real_model_streamed_deltas_join_to_the_final_text(real_server):
-    with client_for(real_server).responses.stream(model=MODEL, input=PROMPT, instructions="Be brief.",
-                                                  max_output_tokens=16, temperature=0) as stream:
+    with client_for(real_server).responses.stream(
+        model=MODEL, input=PROMPT, instructions="Be brief.", max_output_tokens=16, temperature=0
+    ) as stream:
         events = list(stream)
     deltas = "".join(e.delta for e in events if e.type == "response.output_text.delta")
     assert [e.sequence_number for e in events] == list(range(len(events)))
@@ -57,8 +57,9 @@ def test_oai_66_real_model_stream_and_plain_agree_at_temperature_zero(real_serve
     client = client_for(real_server)
     kwargs = {"model": MODEL, "input": PROMPT, "max_output_tokens": 12, "temperature": 0}
     plain = client.responses.create(**kwargs).output_text
-    streamed = "".join(e.delta for e in client.responses.create(**kwargs, stream=True)
-                       if e.type == "response.output_text.delta")
+    streamed = "".join(
+        e.delta for e in client.responses.create(**kwargs, stream=True) if e.type == "response.output_text.delta"
+    )
     assert plain == streamed
 
 
@@ -69,9 +70,15 @@ def test_oai_65_scripted_hello_exact_response(scripted_server):
     response = client_for(scripted_server).responses.create(model="scripted", input="hello")
     raw = response.to_dict()
     assert raw["status"] == "completed" and raw["incomplete_details"] is None
-    assert raw["output"] == [{"id": raw["output"][0]["id"], "type": "message", "status": "completed",
-                              "role": "assistant",
-                              "content": [{"type": "output_text", "text": "Hello, world", "annotations": []}]}]
+    assert raw["output"] == [
+        {
+            "id": raw["output"][0]["id"],
+            "type": "message",
+            "status": "completed",
+            "role": "assistant",
+            "content": [{"type": "output_text", "text": "Hello, world", "annotations": []}],
+        }
+    ]
     assert raw["output"][0]["id"].startswith("msg_")
     assert response.usage.input_tokens == 7 and response.usage.output_tokens == 2
     assert response.usage.total_tokens == 9
@@ -79,7 +86,8 @@ def test_oai_65_scripted_hello_exact_response(scripted_server):
 
 def test_oai_7_responses_is_served_without_the_v1_prefix(scripted_server):
     assert client_for(scripted_server, base="").responses.create(model="scripted", input="hello").output_text == (
-        "Hello, world")
+        "Hello, world"
+    )
 
 
 def test_oai_65_scripted_length_is_incomplete(scripted_server):
@@ -95,9 +103,17 @@ def test_oai_66_scripted_hello_exact_stream(scripted_server):
     frames = sse_events(raw)
     names = [name for name, _ in frames]
     assert names == [
-        "response.created", "response.in_progress", "response.output_item.added", "response.content_part.added",
-        "response.output_text.delta", "response.output_text.delta", "response.output_text.done",
-        "response.content_part.done", "response.output_item.done", "response.completed"]
+        "response.created",
+        "response.in_progress",
+        "response.output_item.added",
+        "response.content_part.added",
+        "response.output_text.delta",
+        "response.output_text.delta",
+        "response.output_text.done",
+        "response.content_part.done",
+        "response.output_item.done",
+        "response.completed",
+    ]
     payloads = [json.loads(data) for _, data in frames]
     assert [p["type"] for p in payloads] == names
     assert [p["sequence_number"] for p in payloads] == list(range(len(payloads)))
@@ -106,8 +122,9 @@ def test_oai_66_scripted_hello_exact_stream(scripted_server):
 
 
 def test_oai_66_scripted_stream_through_the_sdk_helper(scripted_server):
-    with client_for(scripted_server).responses.stream(model="scripted", input=[
-            {"role": "developer", "content": "Be brief."}, {"role": "user", "content": "hello"}]) as stream:
+    with client_for(scripted_server).responses.stream(
+        model="scripted", input=[{"role": "developer", "content": "Be brief."}, {"role": "user", "content": "hello"}]
+    ) as stream:
         deltas = [e.delta for e in stream if e.type == "response.output_text.delta"]
         final = stream.get_final_response()
     assert deltas == ["Hello", ", world"] and final.output_text == "Hello, world"
@@ -130,8 +147,9 @@ def test_oai_66_scripted_failure_mid_stream_is_response_failed(scripted_server):
 
 
 def test_oai_63_scripted_failure_before_the_first_event_is_a_status(scripted_server):
-    r = httpx.post(f"{scripted_server.url}/v1/responses", json={"model": "scripted", "input": "failfirst",
-                                                                 "stream": True})
+    r = httpx.post(
+        f"{scripted_server.url}/v1/responses", json={"model": "scripted", "input": "failfirst", "stream": True}
+    )
     assert r.status_code == 503 and r.json()["error"]["message"] == "no node has room for this model"
 
 
@@ -141,9 +159,11 @@ def test_oai_59_unsupported_features_are_400s_naming_the_param(scripted_server):
         client.responses.create(model="scripted", input="hello", previous_response_id="resp_1")
     assert exc.value.body["param"] == "previous_response_id"
     with pytest.raises(openai.BadRequestError) as exc:
-        client.responses.create(model="scripted", input="hello",
-                                tools=[{"type": "function", "name": "f", "parameters": {"type": "object"},
-                                        "strict": False}])
+        client.responses.create(
+            model="scripted",
+            input="hello",
+            tools=[{"type": "function", "name": "f", "parameters": {"type": "object"}, "strict": False}],
+        )
     assert exc.value.body["param"] == "tools"
 
 

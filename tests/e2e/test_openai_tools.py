@@ -30,12 +30,22 @@ class Place(pydantic.BaseModel):
     country: str
 
 
-WEATHER = {"type": "function", "function": {
-    "name": "get_weather", "description": "Get the current weather for a city.",
-    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
-CLOCK = {"type": "function", "function": {
-    "name": "get_time", "description": "Get the current time in a timezone.",
-    "parameters": {"type": "object", "properties": {"timezone": {"type": "string"}}, "required": ["timezone"]}}}
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Get the current weather for a city.",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+    },
+}
+CLOCK = {
+    "type": "function",
+    "function": {
+        "name": "get_time",
+        "description": "Get the current time in a timezone.",
+        "parameters": {"type": "object", "properties": {"timezone": {"type": "string"}}, "required": ["timezone"]},
+    },
+}
 ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
 SETTINGS = {"model": MODEL, "temperature": 0, "max_tokens": 64}
 
@@ -48,8 +58,11 @@ def oai(real_server) -> openai.OpenAI:
 def _history(call_id: str = "call_0123456789abcdef01234567") -> list[dict]:
     """A finished call of get_weather for Paris, its result and the assistant's answer."""
     call = {"id": call_id, "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}
-    return [*ASK, {"role": "assistant", "content": None, "tool_calls": [call]},
-            {"role": "tool", "tool_call_id": call_id, "content": "18 C and sunny"}]
+    return [
+        *ASK,
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": call_id, "content": "18 C and sunny"},
+    ]
 
 
 def _only_call(message) -> tuple[str, str]:
@@ -65,8 +78,7 @@ def _only_call(message) -> tuple[str, str]:
 
 
 def test_oai_21_tool_choice_required_gives_a_call_whose_arguments_match_the_schema(oai):
-    completion = oai.chat.completions.create(**SETTINGS, messages=ASK, tools=[WEATHER, CLOCK],
-                                             tool_choice="required")
+    completion = oai.chat.completions.create(**SETTINGS, messages=ASK, tools=[WEATHER, CLOCK], tool_choice="required")
     choice = completion.choices[0]
     assert choice.finish_reason == "tool_calls"  # OAI-34
     name, arguments = _only_call(choice.message)
@@ -77,8 +89,12 @@ def test_oai_21_tool_choice_required_gives_a_call_whose_arguments_match_the_sche
 
 
 def test_oai_21_named_tool_choice_calls_that_tool(oai):
-    completion = oai.chat.completions.create(**SETTINGS, messages=ASK, tools=[WEATHER, CLOCK],
-                                             tool_choice={"type": "function", "function": {"name": "get_time"}})
+    completion = oai.chat.completions.create(
+        **SETTINGS,
+        messages=ASK,
+        tools=[WEATHER, CLOCK],
+        tool_choice={"type": "function", "function": {"name": "get_time"}},
+    )
     name, arguments = _only_call(completion.choices[0].message)
     assert name == "get_time"
     assert Clock.model_validate_json(arguments).timezone
@@ -86,8 +102,9 @@ def test_oai_21_named_tool_choice_calls_that_tool(oai):
 
 
 def test_oai_48_49_streamed_forced_call_accumulates_in_the_stream_helper(oai):
-    with oai.chat.completions.stream(**SETTINGS, messages=ASK, tools=[WEATHER],
-                                     tool_choice={"type": "function", "function": {"name": "get_weather"}}) as stream:
+    with oai.chat.completions.stream(
+        **SETTINGS, messages=ASK, tools=[WEATHER], tool_choice={"type": "function", "function": {"name": "get_weather"}}
+    ) as stream:
         kinds = [event.type for event in stream]
         final = stream.get_final_completion()
     assert "tool_calls.function.arguments.done" in kinds
@@ -99,8 +116,9 @@ def test_oai_48_49_streamed_forced_call_accumulates_in_the_stream_helper(oai):
 
 
 def test_oai_48_streamed_required_call_chunks(oai):
-    chunks = list(oai.chat.completions.create(**SETTINGS, messages=ASK, tools=[WEATHER], tool_choice="required",
-                                              stream=True))
+    chunks = list(
+        oai.chat.completions.create(**SETTINGS, messages=ASK, tools=[WEATHER], tool_choice="required", stream=True)
+    )
     calls = [c.choices[0].delta.tool_calls for c in chunks if c.choices and c.choices[0].delta.tool_calls]
     assert calls[0][0].id.startswith("call_") and calls[0][0].function.name == "get_weather"
     assert all(call.id is None and call.function.name is None for delta in calls[1:] for call in delta)
@@ -121,16 +139,22 @@ def test_oai_19_tool_result_fed_back_gives_a_text_answer(oai):
 def test_oai_19_a_call_the_model_made_is_fed_back_as_it_came(oai):
     first = oai.chat.completions.create(**SETTINGS, messages=ASK, tools=[WEATHER], tool_choice="required")
     call = first.choices[0].message.tool_calls[0]
-    messages = [*ASK, first.choices[0].message.model_dump(exclude_none=True),
-                {"role": "tool", "tool_call_id": call.id, "content": "18 C and sunny"}]
+    messages = [
+        *ASK,
+        first.choices[0].message.model_dump(exclude_none=True),
+        {"role": "tool", "tool_call_id": call.id, "content": "18 C and sunny"},
+    ]
     second = oai.chat.completions.create(**SETTINGS, messages=messages, tools=[WEATHER], tool_choice="none")
     assert second.choices[0].message.tool_calls is None
     assert second.choices[0].message.content.strip()
 
 
 def test_oai_21_auto_turns_an_answer_that_is_exactly_a_call_into_a_call(oai):
-    messages = [*_history(), {"role": "assistant", "content": "It is 18 C and sunny in Paris."},
-                {"role": "user", "content": "What is the weather in London?"}]
+    messages = [
+        *_history(),
+        {"role": "assistant", "content": "It is 18 C and sunny in Paris."},
+        {"role": "user", "content": "What is the weather in London?"},
+    ]
     completion = oai.chat.completions.create(**SETTINGS, messages=messages, tools=[WEATHER])
     name, arguments = _only_call(completion.choices[0].message)
     assert name == "get_weather" and Weather.model_validate_json(arguments).city == "London"
@@ -152,27 +176,41 @@ def test_oai_21_tool_choice_none_gives_text_and_keeps_the_tools_out_of_the_promp
 
 def test_oai_24_json_object_output_parses(oai):
     completion = oai.chat.completions.create(
-        model=MODEL, temperature=0, max_tokens=200, response_format={"type": "json_object"},
-        messages=[{"role": "user", "content": "Give me a JSON object describing Paris."}])
+        model=MODEL,
+        temperature=0,
+        max_tokens=200,
+        response_format={"type": "json_object"},
+        messages=[{"role": "user", "content": "Give me a JSON object describing Paris."}],
+    )
     assert completion.choices[0].finish_reason == "stop"
     assert isinstance(json.loads(completion.choices[0].message.content), dict)
 
 
 def test_oai_24_json_schema_output_has_the_required_keys(oai):
-    schema = {"type": "object", "properties": {"city": {"type": "string"}, "country": {"type": "string"}},
-              "required": ["city", "country"]}
+    schema = {
+        "type": "object",
+        "properties": {"city": {"type": "string"}, "country": {"type": "string"}},
+        "required": ["city", "country"],
+    }
     completion = oai.chat.completions.create(
-        model=MODEL, temperature=0, max_tokens=100, response_format={
-            "type": "json_schema", "json_schema": {"name": "place", "schema": schema}},
-        messages=[{"role": "user", "content": "Where is the Eiffel Tower?"}])
+        model=MODEL,
+        temperature=0,
+        max_tokens=100,
+        response_format={"type": "json_schema", "json_schema": {"name": "place", "schema": schema}},
+        messages=[{"role": "user", "content": "Where is the Eiffel Tower?"}],
+    )
     value = json.loads(completion.choices[0].message.content)
     assert {"city", "country"} <= set(value) and all(isinstance(value[k], str) for k in ("city", "country"))
 
 
 def test_oai_24_sdk_parse_helper_with_a_pydantic_model(oai):
     completion = oai.chat.completions.parse(
-        model=MODEL, temperature=0, max_tokens=100, response_format=Place,
-        messages=[{"role": "user", "content": "Where is the Eiffel Tower?"}])
+        model=MODEL,
+        temperature=0,
+        max_tokens=100,
+        response_format=Place,
+        messages=[{"role": "user", "content": "Where is the Eiffel Tower?"}],
+    )
     place = completion.choices[0].message.parsed
     assert isinstance(place, Place) and place.city and place.country
 
@@ -193,16 +231,27 @@ def _check_logprobs(content, text: str, n_tokens: int) -> None:
 
 
 def test_oai_36_logprobs_with_top_logprobs_not_streamed(oai):
-    completion = oai.chat.completions.create(model=MODEL, messages=ASK, temperature=0, max_tokens=8, logprobs=True,
-                                             top_logprobs=3)
+    completion = oai.chat.completions.create(
+        model=MODEL, messages=ASK, temperature=0, max_tokens=8, logprobs=True, top_logprobs=3
+    )
     choice = completion.choices[0]
     _check_logprobs(choice.logprobs.content, choice.message.content, completion.usage.completion_tokens)
     assert choice.logprobs.content[0].token == choice.logprobs.content[0].top_logprobs[0].token  # greedy
 
 
 def test_oai_36_logprobs_with_top_logprobs_streamed(oai):
-    chunks = list(oai.chat.completions.create(model=MODEL, messages=ASK, temperature=0, max_tokens=8, logprobs=True,
-                                              top_logprobs=3, stream=True, stream_options={"include_usage": True}))
+    chunks = list(
+        oai.chat.completions.create(
+            model=MODEL,
+            messages=ASK,
+            temperature=0,
+            max_tokens=8,
+            logprobs=True,
+            top_logprobs=3,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
     content = [e for c in chunks if c.choices and c.choices[0].logprobs for e in c.choices[0].logprobs.content]
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     _check_logprobs(content, text, chunks[-1].usage.completion_tokens)
@@ -220,8 +269,10 @@ def test_oai_23_top_logprobs_without_logprobs_is_400(oai):
 
 
 def test_oai_59_tool_schema_llama_cpp_cannot_hold_the_model_to_is_422(oai):
-    odd = {"type": "function", "function": {"name": "odd", "parameters": {
-        "type": "object", "properties": {"a": {"type": "wibble"}}}}}
+    odd = {
+        "type": "function",
+        "function": {"name": "odd", "parameters": {"type": "object", "properties": {"a": {"type": "wibble"}}}},
+    }
     with pytest.raises(openai.UnprocessableEntityError) as exc:
         oai.chat.completions.create(**SETTINGS, messages=ASK, tools=[odd], tool_choice="required")
     assert "cannot be turned into a grammar" in exc.value.message

@@ -25,8 +25,12 @@ ANTHROPIC = {"anthropic-version": "2023-06-01"}
 
 @pytest.fixture(scope="module")
 def server(data_dir):
-    s = Server(data_dir, "--plugin", "tests.scripted_plugin",
-               env={"MESHGATE_PARALLEL": "1", "MESHGATE_MAX_QUEUE": str(MAX_QUEUE), "MESHGATE_KEEPALIVE": "0.2"})
+    s = Server(
+        data_dir,
+        "--plugin",
+        "tests.scripted_plugin",
+        env={"MESHGATE_PARALLEL": "1", "MESHGATE_MAX_QUEUE": str(MAX_QUEUE), "MESHGATE_KEEPALIVE": "0.2"},
+    )
     r = httpx.post(f"{s.url}/v1/chat/completions", json=_chat("hello"), timeout=30)
     assert r.status_code == 200, r.text
     yield s
@@ -41,8 +45,7 @@ ADMIN = {"authorization": "Bearer A"}  # ignored by the keyless gateway; an admi
 
 
 def _instance(server) -> str:
-    return next(i["id"] for i in httpx.get(f"{server.url}/instances", headers=ADMIN).json()
-                if i["model"] == "scripted")
+    return next(i["id"] for i in httpx.get(f"{server.url}/instances", headers=ADMIN).json() if i["model"] == "scripted")
 
 
 def _queue(server) -> dict:
@@ -63,8 +66,9 @@ async def test_overflow_is_refused_at_once_in_each_protocol(server):
     async with httpx.AsyncClient(base_url=server.url, timeout=30) as http:
         running = asyncio.create_task(http.post("/v1/chat/completions", json=_chat("sleep 2.5")))
         await _until(server, active=1)
-        waiting = [asyncio.create_task(http.post("/v1/chat/completions", json=_chat("hello")))
-                   for _ in range(MAX_QUEUE)]
+        waiting = [
+            asyncio.create_task(http.post("/v1/chat/completions", json=_chat("hello"))) for _ in range(MAX_QUEUE)
+        ]
         queue = await _until(server, queued=MAX_QUEUE)
         assert queue == {"active": 1, "queued": MAX_QUEUE, "parallel": 1, "max_queue": MAX_QUEUE}
         listed = next(i for i in (await http.get("/instances")).json() if i["model"] == "scripted")
@@ -73,19 +77,22 @@ async def test_overflow_is_refused_at_once_in_each_protocol(server):
         started = time.monotonic()
         with pytest.raises(openai.RateLimitError) as oai:
             await openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key="k", max_retries=0).chat.completions.create(
-                model="scripted", messages=[{"role": "user", "content": "hello"}])
+                model="scripted", messages=[{"role": "user", "content": "hello"}]
+            )
         assert oai.value.status_code == 429 and int(oai.value.response.headers["retry-after"]) >= 1
         assert oai.value.body["code"] == "overloaded" and oai.value.body["message"]
 
         with pytest.raises(anthropic.OverloadedError) as ant:
             await anthropic.AsyncAnthropic(base_url=server.url, api_key="k", max_retries=0).messages.create(
-                model="scripted", max_tokens=10, messages=[{"role": "user", "content": "hello"}])
+                model="scripted", max_tokens=10, messages=[{"role": "user", "content": "hello"}]
+            )
         assert ant.value.status_code == 529 and ant.value.body["error"]["type"] == "overloaded_error"
         assert int(ant.value.response.headers["retry-after"]) >= 1
 
         with pytest.raises(ollama.ResponseError) as oll:
             await ollama.AsyncClient(host=server.url).chat(
-                model="scripted", messages=[{"role": "user", "content": "hello"}])
+                model="scripted", messages=[{"role": "user", "content": "hello"}]
+            )
         assert oll.value.status_code == 503
         assert oll.value.error == "server busy, please try again.  maximum pending requests exceeded"
         raw = await http.post("/api/generate", json={"model": "scripted", "prompt": "hello", "stream": True})
@@ -96,17 +103,30 @@ async def test_overflow_is_refused_at_once_in_each_protocol(server):
         assert (await running).status_code == 200
         replies = await asyncio.gather(*waiting)
         assert [r.status_code for r in replies] == [200] * MAX_QUEUE, "the queued ones were all served"
-        assert (await _until(server, queued=0, active=0)) == {"active": 0, "queued": 0, "parallel": 1,
-                                                               "max_queue": MAX_QUEUE}
+        assert (await _until(server, queued=0, active=0)) == {
+            "active": 0,
+            "queued": 0,
+            "parallel": 1,
+            "max_queue": MAX_QUEUE,
+        }
 
 
 @pytest.fixture
 def keyed(data_dir):
     """The same gateway with two keys, A and B (callers are told apart by their validated key)."""
-    s = Server(data_dir, "--plugin", "tests.scripted_plugin", "--api-key", "A", "--api-key", "B",
-               env={"MESHGATE_PARALLEL": "1", "MESHGATE_MAX_QUEUE": str(MAX_QUEUE), "MESHGATE_KEEPALIVE": "0.2"})
-    r = httpx.post(f"{s.url}/v1/chat/completions", json=_chat("hello"), headers={"authorization": "Bearer A"},
-                   timeout=30)
+    s = Server(
+        data_dir,
+        "--plugin",
+        "tests.scripted_plugin",
+        "--api-key",
+        "A",
+        "--api-key",
+        "B",
+        env={"MESHGATE_PARALLEL": "1", "MESHGATE_MAX_QUEUE": str(MAX_QUEUE), "MESHGATE_KEEPALIVE": "0.2"},
+    )
+    r = httpx.post(
+        f"{s.url}/v1/chat/completions", json=_chat("hello"), headers={"authorization": "Bearer A"}, timeout=30
+    )
     assert r.status_code == 200, r.text
     yield s
     s.stop()
@@ -149,11 +169,14 @@ async def test_a_streaming_client_that_leaves_while_queued_leaves_the_queue(serv
         assert (await running).status_code == 200
 
 
-@pytest.mark.parametrize("path, body", [
-    ("/v1/chat/completions", _chat("hello")),
-    ("/v1/messages", {"model": "scripted", "max_tokens": 8, "messages": [{"role": "user", "content": "hello"}]}),
-    ("/api/generate", {"model": "scripted", "prompt": "hello", "stream": False}),
-])
+@pytest.mark.parametrize(
+    "path, body",
+    [
+        ("/v1/chat/completions", _chat("hello")),
+        ("/v1/messages", {"model": "scripted", "max_tokens": 8, "messages": [{"role": "user", "content": "hello"}]}),
+        ("/api/generate", {"model": "scripted", "prompt": "hello", "stream": False}),
+    ],
+)
 async def test_a_non_streaming_client_that_leaves_while_queued_leaves_the_queue(server, path, body):
     async with httpx.AsyncClient(base_url=server.url, timeout=30) as http:
         running = asyncio.create_task(http.post("/v1/chat/completions", json=_chat("sleep 3")))
@@ -175,21 +198,26 @@ def test_context_refused_per_protocol_before_generation(server):
     assert r.status_code == 400
     error = r.json()["error"]
     assert error["code"] == "context_length_exceeded" and error["type"] == "invalid_request_error"
-    assert error["message"] == ("This model's maximum context length is 1024 tokens. However, your messages "
-                                "resulted in 2000 tokens. Please reduce the length of the messages.")
+    assert error["message"] == (
+        "This model's maximum context length is 1024 tokens. However, your messages "
+        "resulted in 2000 tokens. Please reduce the length of the messages."
+    )
 
     r = httpx.post(f"{server.url}/v1/chat/completions", json=_chat("a few words", max_tokens=1022))
     assert r.status_code == 400
     assert r.json()["error"]["message"] == (
         "This model's maximum context length is 1024 tokens. However, you requested 1025 tokens (3 in the messages, "
-        "1022 in the completion). Please reduce the length of the messages or completion.")
+        "1022 in the completion). Please reduce the length of the messages or completion."
+    )
     r = httpx.post(f"{server.url}/v1/chat/completions", json=_chat("a few words", max_tokens=1021))
     assert r.status_code == 200, "3 + 1021 tokens fit exactly"
 
     r = httpx.post(f"{server.url}/v1/messages", headers=ANTHROPIC, json=_chat(long, max_tokens=32000))
     assert r.status_code == 400
-    assert r.json() == {"type": "error", "error": {"type": "invalid_request_error",
-                                                   "message": "prompt is too long: 2000 tokens > 1023 maximum"}}
+    assert r.json() == {
+        "type": "error",
+        "error": {"type": "invalid_request_error", "message": "prompt is too long: 2000 tokens > 1023 maximum"},
+    }
     r = httpx.post(f"{server.url}/v1/messages", headers=ANTHROPIC, json=_chat("hello", max_tokens=32000))
     assert r.status_code == 200, "Anthropic: only the prompt is checked; the output is capped by the room left"
 
@@ -198,15 +226,18 @@ def test_context_refused_per_protocol_before_generation(server):
 
 
 def test_ollama_chat_drops_the_oldest_turns_unless_told_not_to(server):
-    history = [{"role": "system", "content": "be brief"},
-               {"role": "user", "content": " ".join(["u"] * 600)},
-               {"role": "assistant", "content": " ".join(["a"] * 600)},
-               {"role": "user", "content": "how long"}]
+    history = [
+        {"role": "system", "content": "be brief"},
+        {"role": "user", "content": " ".join(["u"] * 600)},
+        {"role": "assistant", "content": " ".join(["a"] * 600)},
+        {"role": "user", "content": "how long"},
+    ]
     reply = ollama.Client(host=server.url).chat(model="scripted", messages=history)
     assert reply.message.content == "3 messages, 604 words", "system, the assistant turn and the question remain"
 
-    r = httpx.post(f"{server.url}/api/chat", json={"model": "scripted", "messages": history, "stream": False,
-                                                   "truncate": False})
+    r = httpx.post(
+        f"{server.url}/api/chat", json={"model": "scripted", "messages": history, "stream": False, "truncate": False}
+    )
     assert (r.status_code, r.json()) == (400, {"error": "the input length exceeds the context length"})
     alone = [{"role": "user", "content": " ".join(["w"] * 2000)}]
     with pytest.raises(ollama.ResponseError) as refused:

@@ -17,8 +17,9 @@ PROMPT = "Write one sentence about the sea."
 
 
 def test_openai_chat_not_streamed(oai):
-    completion = oai.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": PROMPT}],
-                                             max_tokens=24, temperature=0)
+    completion = oai.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": PROMPT}], max_tokens=24, temperature=0
+    )
     choice = completion.choices[0]
     assert choice.message.role == "assistant"
     assert choice.message.content and choice.message.content.strip()
@@ -29,9 +30,14 @@ def test_openai_chat_not_streamed(oai):
 
 
 def test_openai_chat_streamed_with_usage(oai):
-    stream = oai.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": PROMPT}],
-                                         max_tokens=16, temperature=0, stream=True,
-                                         stream_options={"include_usage": True})
+    stream = oai.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": PROMPT}],
+        max_tokens=16,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
     chunks = list(stream)
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert text.strip()
@@ -42,14 +48,16 @@ def test_openai_chat_streamed_with_usage(oai):
 def test_openai_stream_and_plain_agree_at_temperature_zero(oai):
     kwargs = {"model": MODEL, "messages": [{"role": "user", "content": PROMPT}], "max_tokens": 12, "temperature": 0}
     plain = oai.chat.completions.create(**kwargs).choices[0].message.content
-    streamed = "".join(c.choices[0].delta.content or "" for c in oai.chat.completions.create(**kwargs, stream=True)
-                       if c.choices)
+    streamed = "".join(
+        c.choices[0].delta.content or "" for c in oai.chat.completions.create(**kwargs, stream=True) if c.choices
+    )
     assert plain == streamed
 
 
 def test_openai_max_tokens_gives_length(oai):
-    completion = oai.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": PROMPT}],
-                                             max_completion_tokens=3)
+    completion = oai.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": PROMPT}], max_completion_tokens=3
+    )
     assert completion.choices[0].finish_reason == "length"
     assert completion.usage.completion_tokens == 3
 
@@ -74,8 +82,9 @@ def test_openai_missing_field_is_400_naming_it(real_server):
 
 
 def test_openai_malformed_json_is_400(real_server):
-    r = httpx.post(f"{real_server.url}/v1/chat/completions", content=b'{"model": ',
-                   headers={"content-type": "application/json"})
+    r = httpx.post(
+        f"{real_server.url}/v1/chat/completions", content=b'{"model": ', headers={"content-type": "application/json"}
+    )
     assert r.status_code == 400
     assert "not valid JSON" in r.json()["error"]["message"]
 
@@ -84,8 +93,13 @@ def test_openai_malformed_json_is_400(real_server):
 
 
 def test_anthropic_message_not_streamed(ant):
-    message = ant.messages.create(model=MODEL, max_tokens=24, extra_body={"temperature": 0},
-                                  system="You are terse.", messages=[{"role": "user", "content": PROMPT}])
+    message = ant.messages.create(
+        model=MODEL,
+        max_tokens=24,
+        extra_body={"temperature": 0},
+        system="You are terse.",
+        messages=[{"role": "user", "content": PROMPT}],
+    )
     assert message.type == "message" and message.role == "assistant"
     assert message.content[0].type == "text" and message.content[0].text.strip()
     assert message.stop_reason in ("end_turn", "max_tokens")
@@ -93,8 +107,9 @@ def test_anthropic_message_not_streamed(ant):
 
 
 def test_anthropic_message_streamed(ant):
-    with ant.messages.stream(model=MODEL, max_tokens=16, extra_body={"temperature": 0},
-                             messages=[{"role": "user", "content": PROMPT}]) as stream:
+    with ant.messages.stream(
+        model=MODEL, max_tokens=16, extra_body={"temperature": 0}, messages=[{"role": "user", "content": PROMPT}]
+    ) as stream:
         text = "".join(stream.text_stream)
         final = stream.get_final_message()
     assert text.strip() and final.content[0].text == text
@@ -110,8 +125,9 @@ def test_anthropic_unknown_model_is_404(ant):
 
 
 def test_anthropic_missing_max_tokens_is_400_naming_it(real_server):
-    r = httpx.post(f"{real_server.url}/v1/messages",
-                   json={"model": MODEL, "messages": [{"role": "user", "content": "hi"}]})
+    r = httpx.post(
+        f"{real_server.url}/v1/messages", json={"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}
+    )
     assert r.status_code == 400
     body = r.json()
     assert body["type"] == "error" and body["error"]["type"] == "invalid_request_error"
@@ -127,8 +143,9 @@ def test_anthropic_malformed_json_is_400(real_server):
 
 
 def test_ollama_chat_not_streamed(oll):
-    response = oll.chat(model=MODEL, messages=[{"role": "user", "content": PROMPT}],
-                        options={"num_predict": 24, "temperature": 0})
+    response = oll.chat(
+        model=MODEL, messages=[{"role": "user", "content": PROMPT}], options={"num_predict": 24, "temperature": 0}
+    )
     assert response.message.role == "assistant" and response.message.content.strip()
     assert response.done and response.done_reason in ("stop", "length")
     assert response.prompt_eval_count > 5 and 0 < response.eval_count <= 24
@@ -136,8 +153,14 @@ def test_ollama_chat_not_streamed(oll):
 
 
 def test_ollama_chat_streamed(oll):
-    parts = list(oll.chat(model=MODEL, messages=[{"role": "user", "content": PROMPT}], stream=True,
-                          options={"num_predict": 10, "temperature": 0}))
+    parts = list(
+        oll.chat(
+            model=MODEL,
+            messages=[{"role": "user", "content": PROMPT}],
+            stream=True,
+            options={"num_predict": 10, "temperature": 0},
+        )
+    )
     assert "".join(p.message.content for p in parts).strip()
     assert [p.done for p in parts].count(True) == 1 and parts[-1].done
     assert parts[-1].done_reason == "length" and parts[-1].eval_count == 10
@@ -146,14 +169,20 @@ def test_ollama_chat_streamed(oll):
 def test_ollama_generate_both_ways(oll):
     plain = oll.generate(model=MODEL, prompt="The capital of France is", options={"num_predict": 8, "temperature": 0})
     assert plain.response.strip() and plain.done_reason == "length"
-    streamed = list(oll.generate(model=MODEL, prompt="The capital of France is", stream=True,
-                                 options={"num_predict": 8, "temperature": 0}))
+    streamed = list(
+        oll.generate(
+            model=MODEL, prompt="The capital of France is", stream=True, options={"num_predict": 8, "temperature": 0}
+        )
+    )
     assert "".join(p.response for p in streamed) == plain.response
 
 
 def test_ollama_streams_by_default_as_ndjson(real_server):
-    with httpx.stream("POST", f"{real_server.url}/api/generate",
-                      json={"model": MODEL, "prompt": "Hello", "options": {"num_predict": 3}}) as r:
+    with httpx.stream(
+        "POST",
+        f"{real_server.url}/api/generate",
+        json={"model": MODEL, "prompt": "Hello", "options": {"num_predict": 3}},
+    ) as r:
         assert r.headers["content-type"].startswith("application/x-ndjson")
         lines = [line for line in r.iter_lines()]
     assert len(lines) == 4 and all(lines)
@@ -188,5 +217,6 @@ def test_system_prompt_reaches_the_model(oai):
     base = [{"role": "user", "content": "Hi"}]
     without = oai.chat.completions.create(model=MODEL, messages=base, max_tokens=1).usage.prompt_tokens
     with_system = oai.chat.completions.create(
-        model=MODEL, messages=[{"role": "system", "content": "Answer in French."}, *base], max_tokens=1)
+        model=MODEL, messages=[{"role": "system", "content": "Answer in French."}, *base], max_tokens=1
+    )
     assert with_system.usage.prompt_tokens > without + 3

@@ -52,9 +52,12 @@ def warm(server: Server) -> int:
 
 def test_client_disconnect_cancels_generation(server):
     pid = warm(server)
-    with httpx.stream("POST", f"{server.url}/v1/chat/completions", timeout=30,
-                      json={"model": MODEL, "stream": True, "max_tokens": 1500,
-                            "messages": [{"role": "user", "content": LONG}]}) as r:
+    with httpx.stream(
+        "POST",
+        f"{server.url}/v1/chat/completions",
+        timeout=30,
+        json={"model": MODEL, "stream": True, "max_tokens": 1500, "messages": [{"role": "user", "content": LONG}]},
+    ) as r:
         lines = r.iter_lines()
         for _ in range(6):
             next(lines)
@@ -68,8 +71,11 @@ def test_client_disconnect_cancels_generation(server):
         if burned[-1] < 0.1:
             break
     assert burned[-1] < 0.1, f"runner kept generating after the client left (CPU s per 0.5 s: {burned})"
-    ok = httpx.post(f"{server.url}/api/generate", timeout=60,
-                    json={"model": MODEL, "prompt": "Hi", "stream": False, "options": {"num_predict": 2}})
+    ok = httpx.post(
+        f"{server.url}/api/generate",
+        timeout=60,
+        json={"model": MODEL, "prompt": "Hi", "stream": False, "options": {"num_predict": 2}},
+    )
     assert ok.status_code == 200 and ok.json()["eval_count"] == 2
 
 
@@ -89,8 +95,11 @@ def _next_request_works(server: Server, old_pid: int) -> None:
 def test_openai_runner_killed_mid_stream(server):
     warm(server)
     client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="x", max_retries=0)
-    stream = iter(client.chat.completions.create(model=MODEL, stream=True, max_tokens=1500,
-                                                 messages=[{"role": "user", "content": LONG}]))
+    stream = iter(
+        client.chat.completions.create(
+            model=MODEL, stream=True, max_tokens=1500, messages=[{"role": "user", "content": LONG}]
+        )
+    )
     pid, _ = _kill_after_first_chunk(server, stream)
     with pytest.raises(openai.APIError) as exc:
         for _ in stream:
@@ -102,8 +111,9 @@ def test_openai_runner_killed_mid_stream(server):
 def test_anthropic_runner_killed_mid_stream(server):
     warm(server)
     client = anthropic.Anthropic(base_url=server.url, api_key="x", max_retries=0)
-    stream = iter(client.messages.create(model=MODEL, max_tokens=1500, stream=True,
-                                         messages=[{"role": "user", "content": LONG}]))
+    stream = iter(
+        client.messages.create(model=MODEL, max_tokens=1500, stream=True, messages=[{"role": "user", "content": LONG}])
+    )
     pid, _ = _kill_after_first_chunk(server, stream)
     with pytest.raises(anthropic.APIStatusError) as exc:
         for _ in stream:
@@ -115,8 +125,11 @@ def test_anthropic_runner_killed_mid_stream(server):
 def test_ollama_runner_killed_mid_stream(server):
     warm(server)
     client = ollama.Client(host=server.url)
-    stream = iter(client.chat(model=MODEL, stream=True, options={"num_predict": 1500},
-                              messages=[{"role": "user", "content": LONG}]))
+    stream = iter(
+        client.chat(
+            model=MODEL, stream=True, options={"num_predict": 1500}, messages=[{"role": "user", "content": LONG}]
+        )
+    )
     pid, _ = _kill_after_first_chunk(server, stream)
     with pytest.raises(ollama.ResponseError) as exc:
         for _ in stream:
@@ -165,8 +178,11 @@ def test_non_streaming_client_that_leaves_cancels_generation(server):
 
     def leave_after_3_seconds() -> None:
         with contextlib.suppress(httpx.TimeoutException):
-            httpx.post(f"{server.url}/api/generate", timeout=3, json={
-                "model": MODEL, "prompt": LONG, "stream": False, "options": {"num_predict": -1}})
+            httpx.post(
+                f"{server.url}/api/generate",
+                timeout=3,
+                json={"model": MODEL, "prompt": LONG, "stream": False, "options": {"num_predict": -1}},
+            )
         gone.set()
 
     thread = threading.Thread(target=leave_after_3_seconds)

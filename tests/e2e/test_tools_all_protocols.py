@@ -16,13 +16,24 @@ from tests.conftest import MODEL
 
 ASK = "What is the weather in Paris?"
 T0 = {"temperature": 0}  # the anthropic SDK 2.x has no temperature argument
-ANT_WEATHER = {"name": "get_weather", "description": "Get the current weather for a city.",
-               "input_schema": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}
-ANT_CLOCK = {"name": "get_time", "description": "Get the current time in a timezone.",
-             "input_schema": {"type": "object", "properties": {"timezone": {"type": "string"}},
-                              "required": ["timezone"]}}
-OLL_WEATHER = {"type": "function", "function": {"name": "get_weather", "description": ANT_WEATHER["description"],
-                                                "parameters": ANT_WEATHER["input_schema"]}}
+ANT_WEATHER = {
+    "name": "get_weather",
+    "description": "Get the current weather for a city.",
+    "input_schema": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+}
+ANT_CLOCK = {
+    "name": "get_time",
+    "description": "Get the current time in a timezone.",
+    "input_schema": {"type": "object", "properties": {"timezone": {"type": "string"}}, "required": ["timezone"]},
+}
+OLL_WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": ANT_WEATHER["description"],
+        "parameters": ANT_WEATHER["input_schema"],
+    },
+}
 
 
 @pytest.fixture(scope="module")
@@ -46,8 +57,14 @@ def _tool_use(message) -> anthropic.types.ToolUseBlock:
 
 
 def test_ant_18_tool_choice_any_forces_a_call_with_an_object_input(ant):
-    message = ant.messages.create(model=MODEL, max_tokens=64, extra_body=T0, tools=[ANT_WEATHER, ANT_CLOCK],
-                                  tool_choice={"type": "any"}, messages=[{"role": "user", "content": ASK}])
+    message = ant.messages.create(
+        model=MODEL,
+        max_tokens=64,
+        extra_body=T0,
+        tools=[ANT_WEATHER, ANT_CLOCK],
+        tool_choice={"type": "any"},
+        messages=[{"role": "user", "content": ASK}],
+    )
     use = _tool_use(message)
     assert use.name in ("get_weather", "get_time") and use.id
     key = "city" if use.name == "get_weather" else "timezone"
@@ -55,17 +72,27 @@ def test_ant_18_tool_choice_any_forces_a_call_with_an_object_input(ant):
 
 
 def test_ant_18_tool_choice_tool_calls_the_named_tool(ant):
-    message = ant.messages.create(model=MODEL, max_tokens=64, extra_body=T0, tools=[ANT_WEATHER, ANT_CLOCK],
-                                  tool_choice={"type": "tool", "name": "get_time"},
-                                  messages=[{"role": "user", "content": ASK}])
+    message = ant.messages.create(
+        model=MODEL,
+        max_tokens=64,
+        extra_body=T0,
+        tools=[ANT_WEATHER, ANT_CLOCK],
+        tool_choice={"type": "tool", "name": "get_time"},
+        messages=[{"role": "user", "content": ASK}],
+    )
     use = _tool_use(message)
     assert use.name == "get_time" and isinstance(use.input["timezone"], str)
 
 
 def test_ant_35_37_streamed_forced_call_joins_into_an_input_object(ant):
-    with ant.messages.stream(model=MODEL, max_tokens=64, extra_body=T0, tools=[ANT_WEATHER],
-                             tool_choice={"type": "tool", "name": "get_weather"},
-                             messages=[{"role": "user", "content": ASK}]) as stream:
+    with ant.messages.stream(
+        model=MODEL,
+        max_tokens=64,
+        extra_body=T0,
+        tools=[ANT_WEATHER],
+        tool_choice={"type": "tool", "name": "get_weather"},
+        messages=[{"role": "user", "content": ASK}],
+    ) as stream:
         kinds = [event.type for event in stream]
         final = stream.get_final_message()
     assert "input_json" in kinds
@@ -74,14 +101,21 @@ def test_ant_35_37_streamed_forced_call_joins_into_an_input_object(ant):
 
 
 def test_ant_tool_result_fed_back_gives_a_text_answer(ant):
-    first = ant.messages.create(model=MODEL, max_tokens=64, extra_body=T0, tools=[ANT_WEATHER],
-                                tool_choice={"type": "any"}, messages=[{"role": "user", "content": ASK}])
+    first = ant.messages.create(
+        model=MODEL,
+        max_tokens=64,
+        extra_body=T0,
+        tools=[ANT_WEATHER],
+        tool_choice={"type": "any"},
+        messages=[{"role": "user", "content": ASK}],
+    )
     use = _tool_use(first)
-    messages = [{"role": "user", "content": ASK}, {"role": "assistant", "content": first.content},
-                {"role": "user", "content": [{"type": "tool_result", "tool_use_id": use.id,
-                                              "content": "18 C and sunny"}]}]
-    second = ant.messages.create(model=MODEL, max_tokens=32, extra_body=T0, tools=[ANT_WEATHER],
-                                 messages=messages)
+    messages = [
+        {"role": "user", "content": ASK},
+        {"role": "assistant", "content": first.content},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": use.id, "content": "18 C and sunny"}]},
+    ]
+    second = ant.messages.create(model=MODEL, max_tokens=32, extra_body=T0, tools=[ANT_WEATHER], messages=messages)
     assert second.stop_reason in ("end_turn", "max_tokens")
     assert [block.type for block in second.content] == ["text"] and second.content[0].text.strip()
 
@@ -91,17 +125,22 @@ def test_ant_tool_result_fed_back_gives_a_text_answer(ant):
 
 def _ollama_history() -> list:
     """A finished call of get_weather for Paris (arguments as a dict, OLL-24), its result, then a new question."""
-    call = ollama.Message.ToolCall(function=ollama.Message.ToolCall.Function(name="get_weather",
-                                                                             arguments={"city": "Paris"}))
-    return [{"role": "user", "content": ASK}, ollama.Message(role="assistant", content="", tool_calls=[call]),
-            {"role": "tool", "content": "18 C and sunny", "tool_name": "get_weather"},
-            {"role": "assistant", "content": "It is 18 C and sunny in Paris."},
-            {"role": "user", "content": "What is the weather in London?"}]
+    call = ollama.Message.ToolCall(
+        function=ollama.Message.ToolCall.Function(name="get_weather", arguments={"city": "Paris"})
+    )
+    return [
+        {"role": "user", "content": ASK},
+        ollama.Message(role="assistant", content="", tool_calls=[call]),
+        {"role": "tool", "content": "18 C and sunny", "tool_name": "get_weather"},
+        {"role": "assistant", "content": "It is 18 C and sunny in Paris."},
+        {"role": "user", "content": "What is the weather in London?"},
+    ]
 
 
 def test_oll_24_auto_call_arrives_with_arguments_as_a_dict(oll):
-    response = oll.chat(model=MODEL, messages=_ollama_history(), tools=[OLL_WEATHER],
-                        options={"temperature": 0, "num_predict": 64})
+    response = oll.chat(
+        model=MODEL, messages=_ollama_history(), tools=[OLL_WEATHER], options={"temperature": 0, "num_predict": 64}
+    )
     calls = response.message.tool_calls
     assert calls and len(calls) == 1
     assert calls[0].function.name == "get_weather"
@@ -110,8 +149,15 @@ def test_oll_24_auto_call_arrives_with_arguments_as_a_dict(oll):
 
 
 def test_oll_26_streamed_call_comes_whole_in_one_chunk(oll):
-    parts = list(oll.chat(model=MODEL, messages=_ollama_history(), tools=[OLL_WEATHER], stream=True,
-                          options={"temperature": 0, "num_predict": 64}))
+    parts = list(
+        oll.chat(
+            model=MODEL,
+            messages=_ollama_history(),
+            tools=[OLL_WEATHER],
+            stream=True,
+            options={"temperature": 0, "num_predict": 64},
+        )
+    )
     with_calls = [p for p in parts if p.message.tool_calls]
     assert len(with_calls) == 1 and not with_calls[0].done
     assert with_calls[0].message.tool_calls[0].function.arguments == {"city": "London"}
@@ -119,7 +165,8 @@ def test_oll_26_streamed_call_comes_whole_in_one_chunk(oll):
 
 
 def test_oll_13_tool_result_fed_back_gives_a_text_answer(oll):
-    response = oll.chat(model=MODEL, messages=_ollama_history()[:3], tools=[OLL_WEATHER],
-                        options={"temperature": 0, "num_predict": 32})
+    response = oll.chat(
+        model=MODEL, messages=_ollama_history()[:3], tools=[OLL_WEATHER], options={"temperature": 0, "num_predict": 32}
+    )
     assert not response.message.tool_calls
     assert response.message.content.strip() and response.done_reason in ("stop", "length")

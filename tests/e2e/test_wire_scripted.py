@@ -47,8 +47,9 @@ def chat(script: str, **extra) -> dict:
 
 
 def test_openai_stream_exact_chunks(scripted_server):
-    r, raw = post_stream(scripted_server, "/v1/chat/completions",
-                         chat("hello", stream=True, stream_options={"include_usage": True}))
+    r, raw = post_stream(
+        scripted_server, "/v1/chat/completions", chat("hello", stream=True, stream_options={"include_usage": True})
+    )
     assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
     frames = sse_events(raw)
     assert all(name is None for name, _ in frames), "OAI-41: no event: lines"
@@ -57,7 +58,10 @@ def test_openai_stream_exact_chunks(scripted_server):
     assert len({c["id"] for c in chunks}) == 1 and chunks[0]["id"].startswith("chatcmpl-")
     assert all(c["object"] == "chat.completion.chunk" for c in chunks)
     assert [c["choices"][0]["delta"] for c in chunks[:-1]] == [
-        {"role": "assistant", "content": "Hello"}, {"content": ", world"}, {}]
+        {"role": "assistant", "content": "Hello"},
+        {"content": ", world"},
+        {},
+    ]
     assert chunks[-2]["choices"][0]["finish_reason"] == "stop"
     assert chunks[-1]["choices"] == []
     assert chunks[-1]["usage"] == {"prompt_tokens": 7, "completion_tokens": 2, "total_tokens": 9}
@@ -66,8 +70,9 @@ def test_openai_stream_exact_chunks(scripted_server):
 def test_openai_tool_call_stream_through_the_sdk_helper(scripted_server):
     client = openai.OpenAI(base_url=f"{scripted_server.url}/v1", api_key="x", max_retries=0)
     tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
-    with client.chat.completions.stream(model="scripted", messages=[{"role": "user", "content": "tool"}],
-                                        tools=tools) as stream:
+    with client.chat.completions.stream(
+        model="scripted", messages=[{"role": "user", "content": "tool"}], tools=tools
+    ) as stream:
         final = stream.get_final_completion()
     call = final.choices[0].message.tool_calls[0]
     assert (call.id, call.function.name) == ("call_abc", "get_weather")
@@ -77,8 +82,9 @@ def test_openai_tool_call_stream_through_the_sdk_helper(scripted_server):
 
 def test_openai_midstream_failure_is_an_error_frame(scripted_server):
     client = openai.OpenAI(base_url=f"{scripted_server.url}/v1", api_key="x", max_retries=0)
-    stream = client.chat.completions.create(model="scripted", messages=[{"role": "user", "content": "fail"}],
-                                            stream=True)
+    stream = client.chat.completions.create(
+        model="scripted", messages=[{"role": "user", "content": "fail"}], stream=True
+    )
     with pytest.raises(openai.APIError) as exc:
         list(stream)
     assert "runner lost" in exc.value.message
@@ -101,15 +107,27 @@ def test_anthropic_stream_exact_events(scripted_server):
     r, raw = post_stream(scripted_server, "/v1/messages", chat("think", max_tokens=50, stream=True))
     frames = sse_events(raw)
     names = [name for name, _ in frames]
-    assert names == ["message_start", "content_block_start", "content_block_delta", "content_block_delta",
-                     "content_block_stop", "content_block_start", "content_block_delta", "content_block_stop",
-                     "message_delta", "message_stop"]
+    assert names == [
+        "message_start",
+        "content_block_start",
+        "content_block_delta",
+        "content_block_delta",
+        "content_block_stop",
+        "content_block_start",
+        "content_block_delta",
+        "content_block_stop",
+        "message_delta",
+        "message_stop",
+    ]
     payloads = [json.loads(data) for _, data in frames]
-    assert all(p["type"] == name for (name, _), p in zip(frames, payloads))
+    assert all(p["type"] == name for (name, _), p in zip(frames, payloads, strict=True))
     start = payloads[0]["message"]
     assert start["usage"]["input_tokens"] == 4 and start["content"] == [] and start["stop_reason"] is None
-    assert payloads[1] == {"type": "content_block_start", "index": 0,
-                           "content_block": {"type": "thinking", "thinking": "", "signature": ""}}
+    assert payloads[1] == {
+        "type": "content_block_start",
+        "index": 0,
+        "content_block": {"type": "thinking", "thinking": "", "signature": ""},
+    }
     assert payloads[3]["delta"]["type"] == "signature_delta"
     assert [p["index"] for p in payloads[1:8]] == [0, 0, 0, 0, 1, 1, 1]
     assert payloads[8]["delta"] == {"stop_reason": "end_turn", "stop_sequence": None}
@@ -118,8 +136,12 @@ def test_anthropic_stream_exact_events(scripted_server):
 
 def test_anthropic_tool_use_stream_through_the_sdk(scripted_server):
     client = anthropic.Anthropic(base_url=scripted_server.url, api_key="x", max_retries=0)
-    with client.messages.stream(model="scripted", max_tokens=50, messages=[{"role": "user", "content": "tool"}],
-                                tools=[{"name": "get_weather", "input_schema": {"type": "object"}}]) as stream:
+    with client.messages.stream(
+        model="scripted",
+        max_tokens=50,
+        messages=[{"role": "user", "content": "tool"}],
+        tools=[{"name": "get_weather", "input_schema": {"type": "object"}}],
+    ) as stream:
         final = stream.get_final_message()
     block = final.content[0]
     assert block.type == "tool_use" and block.name == "get_weather" and block.input == {"city": "Paris"}
@@ -128,8 +150,9 @@ def test_anthropic_tool_use_stream_through_the_sdk(scripted_server):
 
 def test_anthropic_stop_sequence_is_reported(scripted_server):
     client = anthropic.Anthropic(base_url=scripted_server.url, api_key="x", max_retries=0)
-    message = client.messages.create(model="scripted", max_tokens=50, stop_sequences=["three"],
-                                     messages=[{"role": "user", "content": "stopseq"}])
+    message = client.messages.create(
+        model="scripted", max_tokens=50, stop_sequences=["three"], messages=[{"role": "user", "content": "stopseq"}]
+    )
     assert (message.stop_reason, message.stop_sequence) == ("stop_sequence", "three")
 
 
@@ -201,12 +224,20 @@ def test_oai_8_model_ids_with_slash_and_colon(scripted_server):
     assert client.models.retrieve("acme/scripted:v1").id == "acme/scripted:v1"  # the 3.x SDK sends %2F
     raw = httpx.get(f"{scripted_server.url}/v1/models/acme/scripted:v1").json()
     assert raw == {"id": "acme/scripted:v1", "object": "model", "created": 1700000000, "owned_by": "meshgate"}
-    assert client.chat.completions.create(model="acme/scripted:v1", messages=[
-        {"role": "user", "content": "hello"}]).choices[0].message.content == "Hello, world"
+    assert (
+        client.chat.completions.create(model="acme/scripted:v1", messages=[{"role": "user", "content": "hello"}])
+        .choices[0]
+        .message.content
+        == "Hello, world"
+    )
 
 
 def test_oai_7_paths_without_the_v1_prefix(scripted_server):
     client = openai.OpenAI(base_url=scripted_server.url, api_key="x", max_retries=0)
-    assert client.chat.completions.create(model="scripted", messages=[
-        {"role": "user", "content": "hello"}]).choices[0].message.content == "Hello, world"
+    assert (
+        client.chat.completions.create(model="scripted", messages=[{"role": "user", "content": "hello"}])
+        .choices[0]
+        .message.content
+        == "Hello, world"
+    )
     assert "scripted" in [m.id for m in client.models.list()]

@@ -31,8 +31,9 @@ print("parsed" if grammar else "refused")
 
 def parses(gbnf: str, gguf: Path) -> str:
     """``parsed`` or ``refused`` from llama.cpp in a child process, or how that process died."""
-    done = subprocess.run([sys.executable, "-c", PARSE, str(gguf)], input=gbnf, capture_output=True, text=True,
-                          timeout=120, cwd=ROOT)
+    done = subprocess.run(
+        [sys.executable, "-c", PARSE, str(gguf)], input=gbnf, capture_output=True, text=True, timeout=120, cwd=ROOT
+    )
     return done.stdout.strip().splitlines()[-1] if done.returncode == 0 else f"died with {done.returncode}"
 
 
@@ -61,14 +62,17 @@ def test_raw_nul_in_a_pattern_is_escaped_for_the_c_string():
     assert "\x00" not in gbnf and "a\\x00b" in gbnf
 
 
-@pytest.mark.parametrize("schema", [
-    {"type": "string", "maxLength": 100_000},
-    {"type": "string", "minLength": 10**8},
-    {"type": "array", "items": {"type": "integer"}, "maxItems": 50_000},
-    {"type": "object", "properties": {"a": {"type": "array", "minItems": MAX_REPEAT + 1}}},
-    {"type": "string", "pattern": "^a{1,100000}$"},
-    {"type": "string", "pattern": "^a{100000000}$"},
-])
+@pytest.mark.parametrize(
+    "schema",
+    [
+        {"type": "string", "maxLength": 100_000},
+        {"type": "string", "minLength": 10**8},
+        {"type": "array", "items": {"type": "integer"}, "maxItems": 50_000},
+        {"type": "object", "properties": {"a": {"type": "array", "minItems": MAX_REPEAT + 1}}},
+        {"type": "string", "pattern": "^a{1,100000}$"},
+        {"type": "string", "pattern": "^a{100000000}$"},
+    ],
+)
 def test_repetition_beyond_the_bound_is_refused_before_conversion(schema):
     with pytest.raises(Unprocessable, match="more than a grammar can hold|repeats more"):
         schema_grammar(schema, "format")
@@ -86,10 +90,12 @@ def test_a_schema_the_converter_cannot_take_is_unprocessable():
 
 def test_llama_cpp_parses_the_escaped_grammars(packaged_gguf):
     request = Request(model="m", tools=(Tool(name="x\u0000"),), tool_choice=ToolChoice(mode="required"))
-    grammars = [schema_grammar({"enum": ["\u0000", "é", "a\\b", "\ud800"]}, "format"),
-                schema_grammar(call_schema(request), "tools"),
-                schema_grammar({"type": "string", "pattern": "^a\u0000b$"}, "format"),
-                schema_grammar({"type": "string", "maxLength": MAX_REPEAT}, "format")]
+    grammars = [
+        schema_grammar({"enum": ["\u0000", "é", "a\\b", "\ud800"]}, "format"),
+        schema_grammar(call_schema(request), "tools"),
+        schema_grammar({"type": "string", "pattern": "^a\u0000b$"}, "format"),
+        schema_grammar({"type": "string", "maxLength": MAX_REPEAT}, "format"),
+    ]
     assert [parses(g, packaged_gguf) for g in grammars] == ["parsed"] * len(grammars)
 
 

@@ -65,7 +65,17 @@ def rss(pid: int) -> int:
 
 
 async def start_worker() -> RunnerProcess:
-    argv = [sys.executable, "-m", "meshgate.backends.llama_cpp.rpc", "--host", "127.0.0.1", "--port", "0", "--threads", "1"]
+    argv = [
+        sys.executable,
+        "-m",
+        "meshgate.backends.llama_cpp.rpc",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        "0",
+        "--threads",
+        "1",
+    ]
     return await RunnerProcess.start(argv, name="rpc-worker", env=ENV, ready_timeout=60)
 
 
@@ -73,9 +83,14 @@ class Head:
     """A head subprocess: ``run`` waits (bounded) for its tokens; ``stop`` ends it."""
 
     def __init__(self, model: Path, placement: str) -> None:
-        self.proc = subprocess.Popen([sys.executable, "-c", HEAD, str(model), placement, str(N_TOKENS)],
-                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                     cwd=ROOT, env={**os.environ, **ENV})
+        self.proc = subprocess.Popen(
+            [sys.executable, "-c", HEAD, str(model), placement, str(N_TOKENS)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            cwd=ROOT,
+            env={**os.environ, **ENV},
+        )
 
     async def result(self, timeout: float = 120) -> dict:
         line = await asyncio.wait_for(asyncio.to_thread(self.proc.stdout.readline), timeout)
@@ -106,7 +121,7 @@ async def test_split_over_two_workers_matches_local(packaged_gguf: Path) -> None
         heads[-1].stop()
         heads.append(Head(packaged_gguf, json.dumps([[endpoints[0], 0, 9], [endpoints[1], 9, 18]])))
         split = await heads[-1].result()
-        grew = [rss(w.pid) - before for w, before in zip(workers, idle)]
+        grew = [rss(w.pid) - before for w, before in zip(workers, idle, strict=True)]
         heads[-1].stop()
 
         assert len(local["tokens"]) == N_TOKENS
@@ -135,9 +150,14 @@ async def test_worker_exits_when_stdin_closes() -> None:
 
 
 def test_worker_refuses_wildcard_address() -> None:
-    result = subprocess.run([sys.executable, "-m", "meshgate.backends.llama_cpp.rpc", "--host", "0.0.0.0", "--port", "0"],
-                            stdin=subprocess.DEVNULL, capture_output=True, cwd=ROOT, env={**os.environ, **ENV},
-                            timeout=30)
+    result = subprocess.run(
+        [sys.executable, "-m", "meshgate.backends.llama_cpp.rpc", "--host", "0.0.0.0", "--port", "0"],
+        stdin=subprocess.DEVNULL,
+        capture_output=True,
+        cwd=ROOT,
+        env={**os.environ, **ENV},
+        timeout=30,
+    )
     assert result.returncode == 2
     assert b"MESHGATE_RUNNER_READY" not in result.stdout
     assert b"--allow-public" in result.stderr
@@ -166,8 +186,10 @@ def test_probe_silent_listener_times_out() -> None:
 
 
 def _devices(*endpoints: str) -> list[RpcDevice]:
-    return [RpcDevice(index=i, name=f"RPC{i}", description=e, endpoint=e, memory_free=0, memory_total=0)
-            for i, e in enumerate(endpoints)]
+    return [
+        RpcDevice(index=i, name=f"RPC{i}", description=e, endpoint=e, memory_free=0, memory_total=0)
+        for i, e in enumerate(endpoints)
+    ]
 
 
 def _assigned(kwargs: dict, n_layers: int) -> list[int]:
@@ -190,13 +212,16 @@ def _assigned(kwargs: dict, n_layers: int) -> list[int]:
     return out
 
 
-@pytest.mark.parametrize(("shards", "expected"), [
-    ([("a", 0, 9), ("b", 9, 18)], [0] * 9 + [1] * 10),
-    ([("a", 0, 5), ("b", 5, 11), ("c", 11, 18)], [0] * 5 + [1] * 6 + [2] * 8),
-    ([("a", 0, 18), ("b", 18, 18)], [0] * 18 + [1]),
-    ([(None, 0, 3), ("a", 3, 18)], [-1] * 3 + [0] * 16),
-    ([(None, 0, 18), ("a", 18, 18)], [-1] * 18 + [0]),
-])
+@pytest.mark.parametrize(
+    ("shards", "expected"),
+    [
+        ([("a", 0, 9), ("b", 9, 18)], [0] * 9 + [1] * 10),
+        ([("a", 0, 5), ("b", 5, 11), ("c", 11, 18)], [0] * 5 + [1] * 6 + [2] * 8),
+        ([("a", 0, 18), ("b", 18, 18)], [0] * 18 + [1]),
+        ([(None, 0, 3), ("a", 3, 18)], [-1] * 3 + [0] * 16),
+        ([(None, 0, 18), ("a", 18, 18)], [-1] * 18 + [0]),
+    ],
+)
 def test_split_kwargs_places_each_shard(shards: list, expected: list[int]) -> None:
     kwargs = split_kwargs(shards, 18, _devices("a", "b", "c"))
     assert _assigned(kwargs, 18) == expected

@@ -27,8 +27,11 @@ from meshgate.protocols.model import (
     ToolResultPart,
 )
 
-WEATHER = Tool(name="get_weather", description="Weather for a city.",
-               parameters={"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]})
+WEATHER = Tool(
+    name="get_weather",
+    description="Weather for a city.",
+    parameters={"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+)
 CLOCK = Tool(name="get_time", parameters={"type": "object", "properties": {"tz": {"type": "string"}}})
 ASK = (Message(role="user", parts=(TextPart(text="Weather in Paris?"),)),)
 
@@ -76,8 +79,9 @@ def test_oai_18_history_call_with_broken_arguments_still_renders():
 
 
 def test_oai_21_modes():
-    assert [call_mode(request(m, "get_time" if m == "tool" else None)) for m in ("auto", "none", "required", "tool")] \
-        == ["auto", "off", "forced", "forced"]
+    assert [
+        call_mode(request(m, "get_time" if m == "tool" else None)) for m in ("auto", "none", "required", "tool")
+    ] == ["auto", "off", "forced", "forced"]
     assert call_mode(request("required", tools=())) == "off"
 
 
@@ -89,8 +93,10 @@ def test_oai_21_required_schema_is_an_any_of_with_one_branch_per_tool():
 
 
 def test_oai_21_named_schema_admits_only_that_tool_and_lifts_defs():
-    tool = Tool(name="put", parameters={"type": "object", "properties": {"p": {"$ref": "#/$defs/P"}},
-                                        "$defs": {"P": {"type": "string"}}})
+    tool = Tool(
+        name="put",
+        parameters={"type": "object", "properties": {"p": {"$ref": "#/$defs/P"}}, "$defs": {"P": {"type": "string"}}},
+    )
     schema = call_schema(request("tool", "put", tools=(WEATHER, tool)))
     assert schema["properties"]["name"] == {"const": "put"}
     assert "$defs" not in schema["properties"]["arguments"] and schema["$defs"] == {"P": {"type": "string"}}
@@ -103,16 +109,19 @@ def test_oai_49_call_schemas_compile_to_llama_cpp_grammars():
         assert '"\\"get_time\\""' in grammar._grammar
 
 
-@pytest.mark.parametrize(("text", "expected"), [
-    ('{"name": "get_weather", "arguments": {"city": "Paris"}}', ("get_weather", '{"city":"Paris"}')),
-    ('{"name":"get_time","arguments":{}}', ("get_time", "{}")),
-    ('{"name": "nope", "arguments": {}}', None),
-    ('{"name": "get_time", "arguments": "{}"}', None),
-    ('{"name": "get_time", "arguments": {}, "extra": 1}', None),
-    ('{"name": "get_time", "arguments": {}} and more', None),
-    ("[1, 2]", None),
-    ("Sunny.", None),
-])
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ('{"name": "get_weather", "arguments": {"city": "Paris"}}', ("get_weather", '{"city":"Paris"}')),
+        ('{"name":"get_time","arguments":{}}', ("get_time", "{}")),
+        ('{"name": "nope", "arguments": {}}', None),
+        ('{"name": "get_time", "arguments": "{}"}', None),
+        ('{"name": "get_time", "arguments": {}, "extra": 1}', None),
+        ('{"name": "get_time", "arguments": {}} and more', None),
+        ("[1, 2]", None),
+        ("Sunny.", None),
+    ],
+)
 def test_oai_49_parse_call_takes_exactly_a_call_of_an_offered_tool(text, expected):
     assert parse_call(text, (WEATHER, CLOCK)) == expected
 
@@ -131,8 +140,11 @@ def test_oai_21_forced_call_is_held_and_sent_once_whole():
     events, finish = gate.close(Finished(reason="stop"))
     assert finish == Finished(reason="tool_calls")
     [call] = events
-    assert isinstance(call, ToolCallDelta) and (call.index, call.name, call.arguments) == (0, "get_weather",
-                                                                                         '{"city":"Paris"}')
+    assert isinstance(call, ToolCallDelta) and (call.index, call.name, call.arguments) == (
+        0,
+        "get_weather",
+        '{"city":"Paris"}',
+    )
     assert call.id.startswith("call_") and len(call.id) == 29 and int(call.id[5:], 16) >= 0
 
 

@@ -31,17 +31,25 @@ from meshgate.backends.mlx.engine import MlxEngine
 from meshgate.protocols.model import Finished, Message, Request, Sampling, TextDelta, TextPart, Usage
 
 # the last prompt outgrows the tiny gemma3's sliding window (8 tokens) in the prompt itself
-PROMPTS = ["Hello world", "The quick brown fox",
-           "Ranks talk over a ring of sockets. Rank zero is the head: it reads the request, the others follow."]
+PROMPTS = [
+    "Hello world",
+    "The quick brown fox",
+    "Ranks talk over a ring of sockets. Rank zero is the head: it reads the request, the others follow.",
+]
 
 
 def _run(group: object, run: dict, limit: int) -> dict:
     rank = group.rank() if group is not None else 0
     layers = run.get("layers")
     try:
-        engine = MlxEngine(run["model"], group=group, mode=run["mode"],
-                           layers=tuple(layers[rank]) if layers else None, dtype=run.get("dtype"),
-                           parallel=len(PROMPTS))
+        engine = MlxEngine(
+            run["model"],
+            group=group,
+            mode=run["mode"],
+            layers=tuple(layers[rank]) if layers else None,
+            dtype=run.get("dtype"),
+            parallel=len(PROMPTS),
+        )
     except ValueError as exc:  # a bad placement: every rank must refuse it alike (and none may hang)
         if run.get("expect_error"):
             return {"error": str(exc)}
@@ -54,10 +62,13 @@ def _run(group: object, run: dict, limit: int) -> dict:
     results = [_generate(engine, prompt, limit) for prompt in PROMPTS]
     together: list[dict] = [{} for _ in PROMPTS]
     started = [threading.Event() for _ in PROMPTS]
-    threads = [threading.Thread(target=_generate, args=(engine, p, limit, together[i],
-                                                        started[i + 1] if i + 1 < len(PROMPTS) else None))
-               for i, p in enumerate(PROMPTS)]
-    for thread, go in zip(threads, [threading.Event(), *started[1:]]):
+    threads = [
+        threading.Thread(
+            target=_generate, args=(engine, p, limit, together[i], started[i + 1] if i + 1 < len(PROMPTS) else None)
+        )
+        for i, p in enumerate(PROMPTS)
+    ]
+    for thread, go in zip(threads, [threading.Event(), *started[1:]], strict=True):
         if thread is not threads[0]:
             go.wait(120)
         thread.start()
@@ -68,11 +79,16 @@ def _run(group: object, run: dict, limit: int) -> dict:
     return out | {"health": engine.health(), "results": results, "together": together, "batch": batch}
 
 
-def _generate(engine: MlxEngine, prompt: str, limit: int, into: dict | None = None,
-              third: threading.Event | None = None) -> dict:
+def _generate(
+    engine: MlxEngine, prompt: str, limit: int, into: dict | None = None, third: threading.Event | None = None
+) -> dict:
     """One greedy generation; ``third`` is set once it has its third token (or has ended)."""
-    request = Request(model="tiny", messages=(Message(role="user", parts=(TextPart(text=prompt),)),),
-                      sampling=Sampling(temperature=0.0), max_tokens=limit)
+    request = Request(
+        model="tiny",
+        messages=(Message(role="user", parts=(TextPart(text=prompt),)),),
+        sampling=Sampling(temperature=0.0),
+        max_tokens=limit,
+    )
     texts, finish, count = [], None, None
     try:
         for event in engine.generate(request, threading.Event()):

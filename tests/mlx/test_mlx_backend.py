@@ -43,10 +43,19 @@ def placement(strategy: str) -> Candidate:
     elif strategy == "pipeline":  # uneven on purpose: the placement's ranges, not an even split
         shards = (Shard(node_id=b, layer_start=1, layer_end=4), Shard(node_id=a, layer_start=0, layer_end=1))
     else:
-        shards = (Shard(node_id=b, layer_start=0, layer_end=4, tensor_rank=1, tensor_size=2),
-                  Shard(node_id=a, layer_start=0, layer_end=4, tensor_rank=0, tensor_size=2))
-    return Candidate(id=f"test-{strategy}", model="tiny", backend="mlx", strategy=strategy,  # type: ignore[arg-type]
-                     context=256, shards=shards, memory_per_node={})
+        shards = (
+            Shard(node_id=b, layer_start=0, layer_end=4, tensor_rank=1, tensor_size=2),
+            Shard(node_id=a, layer_start=0, layer_end=4, tensor_rank=0, tensor_size=2),
+        )
+    return Candidate(
+        id=f"test-{strategy}",
+        model="tiny",
+        backend="mlx",
+        strategy=strategy,  # type: ignore[arg-type]
+        context=256,
+        shards=shards,
+        memory_per_node={},
+    )
 
 
 def request(prompt: str, max_tokens: int = TOKENS) -> Request:
@@ -73,8 +82,9 @@ async def launch_all(backend: MlxBackend, card: ModelCard, plan: Candidate) -> d
     return launched
 
 
-async def generate(backend: MlxBackend, card: ModelCard, plan: Candidate, launched: dict[str, LaunchedRank],
-                   req: Request) -> list[Any]:
+async def generate(
+    backend: MlxBackend, card: ModelCard, plan: Candidate, launched: dict[str, LaunchedRank], req: Request
+) -> list[Any]:
     runner = backend.connect(card, plan, {n: r.url for n, r in launched.items() if r.url})
     return [event async for event in runner.generate(req)]
 
@@ -83,8 +93,12 @@ def text(events: list[Any]) -> str:
     return "".join(e.text for e in events if isinstance(e, TextDelta))
 
 
-async def with_instance(tiny_dir: Path, tmp_path: Path, strategy: str,
-                        body: Callable[[MlxBackend, ModelCard, Candidate, dict[str, LaunchedRank]], Any]) -> Any:
+async def with_instance(
+    tiny_dir: Path,
+    tmp_path: Path,
+    strategy: str,
+    body: Callable[[MlxBackend, ModelCard, Candidate, dict[str, LaunchedRank]], Any],
+) -> Any:
     async with httpx.AsyncClient(timeout=60) as http:
         backend = MlxBackend(http, python=str(mlx_python()), runtime_dir=str(tmp_path / "runtime"))
         card = ModelCard(name="tiny", path=str(tiny_dir), format="safetensors")
@@ -106,7 +120,8 @@ def single_texts(tiny_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> li
 
 @pytest.mark.parametrize("strategy", ["pipeline", "tensor"])
 def test_two_ranks_joined_by_the_backend_serve_the_single_process_text_and_stop_cleanly(
-        tiny_dir: Path, tmp_path: Path, single_texts: list[str], strategy: str) -> None:
+    tiny_dir: Path, tmp_path: Path, single_texts: list[str], strategy: str
+) -> None:
     async def body(backend, card, plan, launched) -> dict[str, Any]:
         head = launched["a"]
         health = (await backend.http.get(f"{head.url}/health", headers=cluster_secret.headers())).json()
@@ -120,9 +135,13 @@ def test_two_ranks_joined_by_the_backend_serve_the_single_process_text_and_stop_
         assert hostfile and Path(hostfile).exists()
         started = time.monotonic()
         await asyncio.gather(*(r.stop() for r in launched.values()))
-        return {"health": health, "texts": texts, "codes": {n: r.process.proc.returncode for n, r in
-                                                             launched.items()},
-                "stop_s": time.monotonic() - started, "hostfile_left": Path(hostfile).exists()}
+        return {
+            "health": health,
+            "texts": texts,
+            "codes": {n: r.process.proc.returncode for n, r in launched.items()},
+            "stop_s": time.monotonic() - started,
+            "hostfile_left": Path(hostfile).exists(),
+        }
 
     out = asyncio.run(with_instance(tiny_dir, tmp_path, strategy, body))
     assert out["health"]["ranks"] == 2 and out["health"]["sharding"] == strategy
@@ -134,8 +153,7 @@ def test_two_ranks_joined_by_the_backend_serve_the_single_process_text_and_stop_
     assert not out["hostfile_left"]
 
 
-def test_a_follower_killed_mid_generation_fails_the_stream_and_the_head_exits(tiny_dir: Path,
-                                                                              tmp_path: Path) -> None:
+def test_a_follower_killed_mid_generation_fails_the_stream_and_the_head_exits(tiny_dir: Path, tmp_path: Path) -> None:
     async def body(backend, card, plan, launched) -> dict[str, Any]:
         runner = backend.connect(card, plan, {n: r.url for n, r in launched.items() if r.url})
         events: list[Any] = []
@@ -192,6 +210,7 @@ def test_a_follower_that_is_never_joined_gives_up(tiny_dir: Path, tmp_path: Path
 def test_an_idle_head_notices_a_dead_follower_and_exits(tiny_dir: Path, tmp_path: Path) -> None:
     """The ring only notices a dead peer on its next transfer (or never, when it waits on it): the head watches
     its followers' control endpoints and leaves at once, so its agent can report the instance for re-placing."""
+
     async def body(backend, card, plan, launched) -> float:
         os.kill(launched["b"].pid, signal.SIGKILL)
         killed = time.monotonic()

@@ -35,8 +35,9 @@ def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @contextlib.contextmanager
 def runner(model: Path, parallel: int) -> Iterator[str]:
     argv = [str(mlx_python()), "-m", "meshgate.backends.mlx.runner", "--model", str(model), "--parallel", str(parallel)]
-    proc = subprocess.Popen(argv, env=ENV, cwd=ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                            stderr=subprocess.DEVNULL, text=True)
+    proc = subprocess.Popen(
+        argv, env=ENV, cwd=ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True
+    )
     try:
         yield f"http://127.0.0.1:{_ready_port(proc, time.monotonic() + 90)}"
     finally:
@@ -45,8 +46,7 @@ def runner(model: Path, parallel: int) -> Iterator[str]:
 
 
 def body(prompt: str, max_tokens: int, **extra: object) -> dict:
-    return {"model": "tiny", "raw_prompt": prompt, "sampling": {"temperature": 0.0}, "max_tokens": max_tokens,
-            **extra}
+    return {"model": "tiny", "raw_prompt": prompt, "sampling": {"temperature": 0.0}, "max_tokens": max_tokens, **extra}
 
 
 def generate(url: str, request: dict) -> dict:
@@ -55,8 +55,12 @@ def generate(url: str, request: dict) -> dict:
         reply = client.post(f"{url}/generate", json=request)
     events = [json.loads(line) for line in reply.text.splitlines() if line]
     assert events[0]["type"] == "usage" and events[-2]["type"] == "usage", events[-3:]
-    return {"text": "".join(e["text"] for e in events if e["type"] == "text"), "finish": events[-1]["reason"],
-            "completion_tokens": events[-2]["completion_tokens"], "prompt_tokens": events[-2]["prompt_tokens"]}
+    return {
+        "text": "".join(e["text"] for e in events if e["type"] == "text"),
+        "finish": events[-1]["reason"],
+        "completion_tokens": events[-2]["completion_tokens"],
+        "prompt_tokens": events[-2]["prompt_tokens"],
+    }
 
 
 def batch(url: str) -> dict:
@@ -66,15 +70,19 @@ def batch(url: str) -> dict:
 def test_concurrent_requests_get_their_own_text_from_one_batch(tiny: Path) -> None:
     """Four requests at once, with different lengths, a stop string, a token limit and a seeded sampled one, each
     get what they get alone, and every one of them was in the batch at the same step."""
-    requests = [body(PROMPTS[0], 300), body(PROMPTS[1], 240), body(PROMPTS[2], 6),
-                body(PROMPTS[3], 260, sampling={"temperature": 0.9, "seed": 5})]
+    requests = [
+        body(PROMPTS[0], 300),
+        body(PROMPTS[1], 240),
+        body(PROMPTS[2], 6),
+        body(PROMPTS[3], 260, sampling={"temperature": 0.9, "seed": 5}),
+    ]
     with runner(tiny, 4) as url:
         alone = [generate(url, r) for r in requests]
         full = alone[1]["text"]
         stop = full[100:108]  # a stop string from the middle of its own text
         requests[1]["stop"] = [stop]
         alone[1] = generate(url, requests[1])
-        assert alone[1]["finish"] == "stop_sequence" and alone[1]["text"] == full[:full.index(stop)]
+        assert alone[1]["finish"] == "stop_sequence" and alone[1]["text"] == full[: full.index(stop)]
         assert [a["finish"] for a in alone] == ["length", "stop_sequence", "length", "length"]
         assert [a["completion_tokens"] for a in alone[::2]] == [300, 6]
         before = batch(url)

@@ -22,8 +22,8 @@ import ollama
 import openai
 import pytest
 
-from tests.cluster.faults import alive, long_stream
 from tests.cluster.agents import linked_cluster
+from tests.cluster.faults import alive, long_stream
 from tests.cluster.test_cluster_e2e import instance, wait_for
 from tests.conftest import Server
 from tests.mlx.test_mlx_engine import mlx_python
@@ -41,11 +41,19 @@ RUNNER = {"authorization": f"Bearer {SECRET}"}
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory, data_dir, converted_gemma: Path) -> Iterator[Server]:
     # a node's time-to-live well above a load's CPU stall on two cores: only process deaths should fail ranks here
-    env = {"MESHGATE_MODELS": str(converted_gemma), "MESHGATE_MLX_PYTHON": str(mlx_python()),
-           "MESHGATE_DISABLED_PLUGINS": "vllm", "MESHGATE_HEARTBEAT": "0.5", "MESHGATE_NODE_TTL": "15",
-           "MESHGATE_LINK_PROBE_EVERY": "2", "MESHGATE_CLUSTER_SECRET": SECRET}
+    env = {
+        "MESHGATE_MODELS": str(converted_gemma),
+        "MESHGATE_MLX_PYTHON": str(mlx_python()),
+        "MESHGATE_DISABLED_PLUGINS": "vllm",
+        "MESHGATE_HEARTBEAT": "0.5",
+        "MESHGATE_NODE_TTL": "15",
+        "MESHGATE_LINK_PROBE_EVERY": "2",
+        "MESHGATE_CLUSTER_SECRET": SECRET,
+    }
     with linked_cluster(tmp_path_factory, data_dir, "mlx", n_ctx=N_CTX, env=env, nodes={"a": {}, "b": {}}) as (
-            gateway, _):
+        gateway,
+        _,
+    ):
         yield gateway
 
 
@@ -54,7 +62,7 @@ def place(gateway: Server, **body: object) -> dict:
         if old["model"] == MODEL:
             assert httpx.delete(f"{gateway.url}/instances/{old['id']}").status_code == 204
             pids = [r["pid"] for r in old["runners"].values() if r.get("pid")]
-            wait_for(lambda: not any(alive(p) for p in pids), 30, "the previous instance's ranks gone")
+            wait_for(lambda pids=pids: not any(alive(p) for p in pids), 30, "the previous instance's ranks gone")
 
     def create() -> dict | None:
         created = httpx.post(f"{gateway.url}/instances", json={"model": MODEL, **body}).json()
@@ -64,8 +72,11 @@ def place(gateway: Server, **body: object) -> dict:
         return created
 
     created = wait_for(create, 60, "links fast enough for the placement")
-    return wait_for(lambda: (i := instance(gateway, created["id"]))["state"]["state"] == "ready" and i, 180,
-                    f"the {body} instance ready")
+    return wait_for(
+        lambda: (i := instance(gateway, created["id"]))["state"]["state"] == "ready" and i,
+        180,
+        f"the {body} instance ready",
+    )
 
 
 def texts(gateway: Server) -> dict[str, list[str]]:
@@ -75,14 +86,29 @@ def texts(gateway: Server) -> dict[str, list[str]]:
     olm = ollama.Client(host=gateway.url)
     out: dict[str, list[str]] = {"openai": [], "openai-stream": [], "anthropic": [], "ollama": []}
     for prompt in PROMPTS:
-        out["openai"].append(oai.completions.create(model=MODEL, prompt=prompt, max_tokens=TOKENS,
-                                                    temperature=0).choices[0].text)
-        out["openai-stream"].append("".join(c.choices[0].text for c in oai.completions.create(
-            model=MODEL, prompt=prompt, max_tokens=TOKENS, temperature=0, stream=True) if c.choices))
-        out["ollama"].append(olm.generate(model=MODEL, prompt=prompt, raw=True,
-                                          options={"temperature": 0, "num_predict": TOKENS}).response)
-        with claude.messages.stream(model=MODEL, max_tokens=TOKENS, extra_body={"temperature": 0},
-                                    messages=[{"role": "user", "content": prompt}]) as stream:
+        out["openai"].append(
+            oai.completions.create(model=MODEL, prompt=prompt, max_tokens=TOKENS, temperature=0).choices[0].text
+        )
+        out["openai-stream"].append(
+            "".join(
+                c.choices[0].text
+                for c in oai.completions.create(
+                    model=MODEL, prompt=prompt, max_tokens=TOKENS, temperature=0, stream=True
+                )
+                if c.choices
+            )
+        )
+        out["ollama"].append(
+            olm.generate(
+                model=MODEL, prompt=prompt, raw=True, options={"temperature": 0, "num_predict": TOKENS}
+            ).response
+        )
+        with claude.messages.stream(
+            model=MODEL,
+            max_tokens=TOKENS,
+            extra_body={"temperature": 0},
+            messages=[{"role": "user", "content": prompt}],
+        ) as stream:
             out["anthropic"].append("".join(stream.text_stream))
     return out
 
@@ -136,8 +162,9 @@ def test_a_rank_killed_mid_generation(cluster, protocol):
     current = next((i for i in httpx.get(f"{cluster.url}/instances").json() if i["model"] == MODEL), None)
     if current is None or current["placement"]["strategy"] != "pipeline":
         current = place(cluster, strategy="pipeline", min_nodes=2)
-    current = wait_for(lambda: (i := instance(cluster, current["id"]))["state"]["state"] == "ready" and i, 180,
-                       "ready before the kill")
+    current = wait_for(
+        lambda: (i := instance(cluster, current["id"]))["state"]["state"] == "ready" and i, 180, "ready before the kill"
+    )
     shards = sorted(current["placement"]["shards"], key=lambda s: s["layer_start"])
     head_pid, follower_pid = (current["runners"][s["node_id"]]["pid"] for s in shards)
     stream, error = long_stream(cluster.url, MODEL, protocol)
@@ -150,9 +177,15 @@ def test_a_rank_killed_mid_generation(cluster, protocol):
         assert raised.value.body["error"]["type"] == "overloaded_error"
     assert httpx.get(f"{cluster.url}/api/version").status_code == 200, "the gateway stays up"
     wait_for(lambda: not alive(head_pid), 15, "the head of the broken ring gone")
-    replaced = wait_for(lambda: (i := instance(cluster, current["id"]))["state"]["state"] == "ready"
-                        and i["epoch"] > current["epoch"] and i, 180, "re-placed and ready")
+    replaced = wait_for(
+        lambda: (
+            (i := instance(cluster, current["id"]))["state"]["state"] == "ready" and i["epoch"] > current["epoch"] and i
+        ),
+        180,
+        "re-placed and ready",
+    )
     assert replaced["placement"]["strategy"] == "pipeline", "re-placed with its own constraints"
     reply = openai.OpenAI(base_url=f"{cluster.url}/v1", api_key="x", max_retries=0).completions.create(
-        model=MODEL, prompt="Hello", max_tokens=2)
+        model=MODEL, prompt="Hello", max_tokens=2
+    )
     assert reply.usage.completion_tokens == 2

@@ -36,7 +36,9 @@ def mlx_python() -> Path:
 
 
 def _mlx(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
-    done = subprocess.run([str(mlx_python()), *args], env=ENV, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+    done = subprocess.run(
+        [str(mlx_python()), *args], env=ENV, capture_output=True, text=True, timeout=timeout, cwd=ROOT
+    )
     assert done.returncode == 0, done.stderr[-2000:]
     return done
 
@@ -79,7 +81,7 @@ def _checks(runs: list[dict], n: int, max_tokens: int = 32) -> list[dict]:
 def one_rank(models: dict[str, Path]) -> dict[str, dict]:
     """Each family's whole model in one process: the reference every sharding must reproduce."""
     (report,) = _checks([{"model": str(models[f]), "mode": "single"} for f in FAMILIES], 1)
-    return dict(zip(FAMILIES, report["runs"]))
+    return dict(zip(FAMILIES, report["runs"], strict=True))
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -92,33 +94,37 @@ def test_tiny_model_builds_byte_identical(models: dict[str, Path], tmp_path: Pat
     config = json.loads((tiny / "config.json").read_text())
     if family == "gemma3":  # shaped like Gemma 3 270M where sharding cares; a window the prompts outgrow
         assert (config["num_attention_heads"], config["num_key_value_heads"], config["sliding_window"]) == (4, 1, 8)
-        assert config["tie_word_embeddings"] and not any("lm_head" in n for n in json.loads(
-            (tiny / "model.safetensors.index.json").read_text())["weight_map"])
+        assert config["tie_word_embeddings"] and not any(
+            "lm_head" in n for n in json.loads((tiny / "model.safetensors.index.json").read_text())["weight_map"]
+        )
 
 
 def test_engine_matches_mlx_lm_generate(models: dict[str, Path], one_rank: dict[str, dict]) -> None:
-    script = ("import sys, json; from mlx_lm import load; from mlx_lm.generate import stream_generate\n"
-              "out = []\n"
-              "for path, prompts in json.loads(sys.argv[1]):\n"
-              "    m, t = load(path)\n"
-              "    for p in prompts:\n"
-              "        ids = t.apply_chat_template([{'role': 'user', 'content': p}], add_generation_prompt=True)\n"
-              "        out.append([r.token for r in stream_generate(m, t, ids, max_tokens=32)])\n"
-              "print(json.dumps(out))")
+    script = (
+        "import sys, json; from mlx_lm import load; from mlx_lm.generate import stream_generate\n"
+        "out = []\n"
+        "for path, prompts in json.loads(sys.argv[1]):\n"
+        "    m, t = load(path)\n"
+        "    for p in prompts:\n"
+        "        ids = t.apply_chat_template([{'role': 'user', 'content': p}], add_generation_prompt=True)\n"
+        "        out.append([r.token for r in stream_generate(m, t, ids, max_tokens=32)])\n"
+        "print(json.dumps(out))"
+    )
     jobs = [[str(models[f]), [r["prompt"] for r in one_rank[f]["results"]]] for f in FAMILIES]
     reference = json.loads(_mlx("-c", script, json.dumps(jobs)).stdout.splitlines()[-1])
     ours = [r for f in FAMILIES for r in one_rank[f]["results"]]
     assert len(ours) == len(reference) == 6
-    for mine, theirs in zip(ours, reference):
+    for mine, theirs in zip(ours, reference, strict=True):
         eos = 1  # mlx-lm yields the end token; the engine stops before it
-        assert mine["tokens"] == [t for t in theirs if t != eos][:len(mine["tokens"])]
+        assert mine["tokens"] == [t for t in theirs if t != eos][: len(mine["tokens"])]
         assert len(mine["tokens"]) == 32 or mine["finish"] == "stop"
 
 
 def _same_together(run: dict, alone: list[dict]) -> None:
     """The prompts generated together (each joining a running batch) give each prompt's one-at-a-time text."""
     assert [(r["text"], r["finish"], r["completion_tokens"]) for r in run["together"]] == [
-        (r["text"], r["finish"], len(r["tokens"])) for r in alone]
+        (r["text"], r["finish"], len(r["tokens"])) for r in alone
+    ]
     assert run["batch"]["widest"] == len(alone)
 
 
@@ -175,8 +181,12 @@ def _ready_port(proc: subprocess.Popen, deadline: float) -> int:
 
 
 def _generate(port: int, text: str) -> list[dict]:
-    body = {"model": "tiny", "messages": [{"role": "user", "parts": [{"type": "text", "text": text}]}],
-            "sampling": {"temperature": 0.0}, "max_tokens": 32}
+    body = {
+        "model": "tiny",
+        "messages": [{"role": "user", "parts": [{"type": "text", "text": text}]}],
+        "sampling": {"temperature": 0.0},
+        "max_tokens": 32,
+    }
     with httpx.Client(timeout=60) as client:
         assert client.get(f"http://127.0.0.1:{port}/health").json()["status"] == "ok"
         reply = client.post(f"http://127.0.0.1:{port}/generate", json=body)
@@ -188,8 +198,9 @@ def test_runner_streams_the_same_events_on_one_and_two_ranks(tiny: Path, one_ran
     from meshgate.backends.mlx.launch import launch
 
     argv = [str(mlx_python()), "-m", "meshgate.backends.mlx.runner", "--model", str(tiny), "--sharding", "tensor"]
-    ranks = launch(n, argv, env=ENV, cwd=ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                   stderr=subprocess.DEVNULL, text=True)
+    ranks = launch(
+        n, argv, env=ENV, cwd=ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True
+    )
     try:
         port = _ready_port(ranks.procs[0], time.monotonic() + 90)
         assert httpx.get(f"http://127.0.0.1:{port}/health", timeout=30).json()["ranks"] == n

@@ -36,23 +36,52 @@ Hello world! How are you today? I am fine, thank you. What is the capital of Fra
 """
 
 SPECIALS = ["<s>", "</s>", "<unk>", "<|user|>", "<|assistant|>", "<|system|>", "<|end|>"]
-CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}<|end|>{% endfor %}"
-                 "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}<|end|>{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
 VOCAB = 384  # the BPE's vocabulary size and the model's (merges fill it up to this)
 CONFIG = {
-    "model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_size": 64, "num_hidden_layers": 4,
-    "intermediate_size": 128, "num_attention_heads": 4, "num_key_value_heads": 4, "head_dim": 16,
-    "rms_norm_eps": 1e-5, "vocab_size": VOCAB, "rope_theta": 10000.0, "tie_word_embeddings": False,
-    "max_position_embeddings": 512, "bos_token_id": 0, "eos_token_id": 1, "torch_dtype": "float32",
+    "model_type": "llama",
+    "architectures": ["LlamaForCausalLM"],
+    "hidden_size": 64,
+    "num_hidden_layers": 4,
+    "intermediate_size": 128,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 4,
+    "head_dim": 16,
+    "rms_norm_eps": 1e-5,
+    "vocab_size": VOCAB,
+    "rope_theta": 10000.0,
+    "tie_word_embeddings": False,
+    "max_position_embeddings": 512,
+    "bos_token_id": 0,
+    "eos_token_id": 1,
+    "torch_dtype": "float32",
 }
 GEMMA3_CONFIG = {
-    "model_type": "gemma3_text", "architectures": ["Gemma3ForCausalLM"], "hidden_size": 64,
-    "num_hidden_layers": 4, "intermediate_size": 128, "num_attention_heads": 4, "num_key_value_heads": 1,
-    "head_dim": 16, "query_pre_attn_scalar": 16, "rms_norm_eps": 1e-6, "vocab_size": VOCAB,
-    "rope_theta": 1000000.0, "rope_local_base_freq": 10000.0, "sliding_window": 8, "sliding_window_pattern": 3,
+    "model_type": "gemma3_text",
+    "architectures": ["Gemma3ForCausalLM"],
+    "hidden_size": 64,
+    "num_hidden_layers": 4,
+    "intermediate_size": 128,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 1,
+    "head_dim": 16,
+    "query_pre_attn_scalar": 16,
+    "rms_norm_eps": 1e-6,
+    "vocab_size": VOCAB,
+    "rope_theta": 1000000.0,
+    "rope_local_base_freq": 10000.0,
+    "sliding_window": 8,
+    "sliding_window_pattern": 3,
     "layer_types": ["sliding_attention", "sliding_attention", "full_attention", "sliding_attention"],
-    "hidden_activation": "gelu_pytorch_tanh", "tie_word_embeddings": True, "max_position_embeddings": 512,
-    "bos_token_id": 0, "eos_token_id": 1, "torch_dtype": "float32",
+    "hidden_activation": "gelu_pytorch_tanh",
+    "tie_word_embeddings": True,
+    "max_position_embeddings": 512,
+    "bos_token_id": 0,
+    "eos_token_id": 1,
+    "torch_dtype": "float32",
 }
 CONFIGS = {"llama": CONFIG, "gemma3": GEMMA3_CONFIG}
 # families whose greedy decoding never ends by itself: the EOS row of the head is zero, so its logit (0) never beats
@@ -68,16 +97,29 @@ def _tokenizer(path: Path) -> int:
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     tok.post_processor = processors.ByteLevel(trim_offsets=False)
-    trainer = trainers.BpeTrainer(vocab_size=VOCAB, special_tokens=SPECIALS, show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    trainer = trainers.BpeTrainer(
+        vocab_size=VOCAB,
+        special_tokens=SPECIALS,
+        show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
     tok.train_from_iterator([TEXT], trainer=trainer)
     tok.save(str(path / "tokenizer.json"))
-    config = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<s>", "eos_token": "</s>",
-              "unk_token": "<unk>", "add_bos_token": False, "add_eos_token": False, "clean_up_tokenization_spaces":
-              False, "model_max_length": CONFIG["max_position_embeddings"], "chat_template": CHAT_TEMPLATE}
+    config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": "<s>",
+        "eos_token": "</s>",
+        "unk_token": "<unk>",
+        "add_bos_token": False,
+        "add_eos_token": False,
+        "clean_up_tokenization_spaces": False,
+        "model_max_length": CONFIG["max_position_embeddings"],
+        "chat_template": CHAT_TEMPLATE,
+    }
     (path / "tokenizer_config.json").write_text(json.dumps(config, indent=1))
-    (path / "special_tokens_map.json").write_text(json.dumps(
-        {"bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>"}, indent=1))
+    (path / "special_tokens_map.json").write_text(
+        json.dumps({"bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>"}, indent=1)
+    )
     return tok.get_vocab_size()
 
 
@@ -94,17 +136,26 @@ def _weights(family: str) -> dict:
 
     if family == "gemma3":
         return _gemma3_weights(c, w)
-    out = {"model.embed_tokens.weight": w(v, h, np.sqrt(h)), "model.norm.weight": np.ones(h, np.float32),
-           "lm_head.weight": w(v, h, 4.0)}  # a sharp head keeps greedy picks far from ties
+    out = {
+        "model.embed_tokens.weight": w(v, h, np.sqrt(h)),
+        "model.norm.weight": np.ones(h, np.float32),
+        "lm_head.weight": w(v, h, 4.0),
+    }  # a sharp head keeps greedy picks far from ties
     if family in NO_EOS:
         out["lm_head.weight"][c["eos_token_id"]] = 0.0
     for i in range(c["num_hidden_layers"]):
         p = f"model.layers.{i}."
-        out |= {p + "self_attn.q_proj.weight": w(q, h), p + "self_attn.k_proj.weight": w(kv, h),
-                p + "self_attn.v_proj.weight": w(kv, h), p + "self_attn.o_proj.weight": w(h, q),
-                p + "mlp.gate_proj.weight": w(f, h), p + "mlp.up_proj.weight": w(f, h),
-                p + "mlp.down_proj.weight": w(h, f), p + "input_layernorm.weight": np.ones(h, np.float32),
-                p + "post_attention_layernorm.weight": np.ones(h, np.float32)}
+        out |= {
+            p + "self_attn.q_proj.weight": w(q, h),
+            p + "self_attn.k_proj.weight": w(kv, h),
+            p + "self_attn.v_proj.weight": w(kv, h),
+            p + "self_attn.o_proj.weight": w(h, q),
+            p + "mlp.gate_proj.weight": w(f, h),
+            p + "mlp.up_proj.weight": w(f, h),
+            p + "mlp.down_proj.weight": w(h, f),
+            p + "input_layernorm.weight": np.ones(h, np.float32),
+            p + "post_attention_layernorm.weight": np.ones(h, np.float32),
+        }
     return out
 
 
@@ -118,12 +169,17 @@ def _gemma3_weights(c: dict, w: Any) -> dict:
     out = {"model.embed_tokens.weight": w(v, h), "model.norm.weight": np.full(h, 3.0, np.float32)}
     for i in range(c["num_hidden_layers"]):
         p = f"model.layers.{i}."
-        out |= {p + "self_attn.q_proj.weight": w(q, h), p + "self_attn.k_proj.weight": w(kv, h),
-                p + "self_attn.v_proj.weight": w(kv, h), p + "self_attn.o_proj.weight": w(h, q),
-                p + "self_attn.q_norm.weight": np.zeros(d, np.float32),
-                p + "self_attn.k_norm.weight": np.zeros(d, np.float32),
-                p + "mlp.gate_proj.weight": w(f, h), p + "mlp.up_proj.weight": w(f, h),
-                p + "mlp.down_proj.weight": w(h, f)}
+        out |= {
+            p + "self_attn.q_proj.weight": w(q, h),
+            p + "self_attn.k_proj.weight": w(kv, h),
+            p + "self_attn.v_proj.weight": w(kv, h),
+            p + "self_attn.o_proj.weight": w(h, q),
+            p + "self_attn.q_norm.weight": np.zeros(d, np.float32),
+            p + "self_attn.k_norm.weight": np.zeros(d, np.float32),
+            p + "mlp.gate_proj.weight": w(f, h),
+            p + "mlp.up_proj.weight": w(f, h),
+            p + "mlp.down_proj.weight": w(h, f),
+        }
         for norm in ("input", "pre_feedforward"):
             out[f"{p}{norm}_layernorm.weight"] = np.zeros(h, np.float32)
         for norm in ("post_attention", "post_feedforward"):  # x4: the layers, not the embedding, pick tokens

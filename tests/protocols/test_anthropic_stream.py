@@ -30,7 +30,6 @@ from tests.protocols.test_anthropic import (  # noqa: E402 (shared fixtures)
     usage,
 )
 
-
 # ---------------------------------------------------------------------------------------------------- streams
 
 

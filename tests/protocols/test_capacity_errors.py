@@ -16,24 +16,37 @@ def test_overloaded_per_protocol():
     status, body = anthropic.error_body(BUSY)
     assert (status, json.loads(body)["error"]["type"]) == (529, "overloaded_error")
     status, body = ollama.error_body(BUSY)
-    assert (status, json.loads(body)) == (503, {"error": "server busy, please try again.  maximum pending requests "
-                                                         "exceeded"})
+    assert (status, json.loads(body)) == (
+        503,
+        {"error": "server busy, please try again.  maximum pending requests exceeded"},
+    )
 
 
 def test_context_length_per_protocol():
     err = ContextLengthExceeded(prompt_tokens=3000, completion_tokens=2000, context=4096)
     status, body = openai.error_body(err)
-    assert status == 400 and json.loads(body) == {"error": {
-        "message": "This model's maximum context length is 4096 tokens. However, you requested 5000 tokens (3000 in "
-                   "the messages, 2000 in the completion). Please reduce the length of the messages or completion.",
-        "type": "invalid_request_error", "param": "messages", "code": "context_length_exceeded"}}
+    assert status == 400 and json.loads(body) == {
+        "error": {
+            "message": "This model's maximum context length is 4096 tokens. However, you requested 5000 tokens "
+            "(3000 in the messages, 2000 in the completion). Please reduce the length of the messages or completion.",
+            "type": "invalid_request_error",
+            "param": "messages",
+            "code": "context_length_exceeded",
+        }
+    }
     prompt_only = ContextLengthExceeded(prompt_tokens=5000, context=4096)
     assert json.loads(openai.error_body(prompt_only)[1])["error"]["message"] == (
         "This model's maximum context length is 4096 tokens. However, your messages resulted in 5000 tokens. Please "
-        "reduce the length of the messages.")
+        "reduce the length of the messages."
+    )
     status, body = anthropic.error_body(prompt_only)
-    assert (status, json.loads(body)) == (400, {"type": "error", "error": {
-        "type": "invalid_request_error", "message": "prompt is too long: 5000 tokens > 4095 maximum"}})
+    assert (status, json.loads(body)) == (
+        400,
+        {
+            "type": "error",
+            "error": {"type": "invalid_request_error", "message": "prompt is too long: 5000 tokens > 4095 maximum"},
+        },
+    )
     status, body = ollama.error_body(prompt_only)
     assert (status, json.loads(body)) == (400, {"error": "the input length exceeds the context length"})
 

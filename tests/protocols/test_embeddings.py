@@ -13,7 +13,7 @@ import msgspec
 import pytest
 
 from meshgate.protocols import ollama_embeddings, openai_embeddings
-from meshgate.protocols.model import EmbedRequest, Embeddings, InvalidRequest, decode_body
+from meshgate.protocols.model import Embeddings, EmbedRequest, InvalidRequest, decode_body
 
 VECTORS = ((0.6, 0.8), (1.0, 0.0), (-0.28, 0.96))
 RESULT = Embeddings(vectors=VECTORS, prompt_tokens=9, load_ns=1234)
@@ -25,7 +25,8 @@ def f32(values) -> list[float]:
 
 def oai(body: dict) -> EmbedRequest:
     return openai_embeddings.embeddings_to_internal(
-        decode_body(json.dumps(body).encode(), openai_embeddings.EmbeddingRequest))
+        decode_body(json.dumps(body).encode(), openai_embeddings.EmbeddingRequest)
+    )
 
 
 def oll(body: dict) -> EmbedRequest:
@@ -35,12 +36,15 @@ def oll(body: dict) -> EmbedRequest:
 # ------------------------------------------------------------------------------------------------- openai
 
 
-@pytest.mark.parametrize(("value", "inputs"), [
-    ("a cat", ("a cat",)),
-    (["a cat", "a kitten"], ("a cat", "a kitten")),
-    ([1, 2, 3], ((1, 2, 3),)),
-    ([[1, 2], [3]], ((1, 2), (3,))),
-])
+@pytest.mark.parametrize(
+    ("value", "inputs"),
+    [
+        ("a cat", ("a cat",)),
+        (["a cat", "a kitten"], ("a cat", "a kitten")),
+        ([1, 2, 3], ((1, 2, 3),)),
+        ([[1, 2], [3]], ((1, 2), (3,))),
+    ],
+)
 def test_oai_28_input_shapes(value, inputs):
     request = oai({"model": "m", "input": value, "user": "someone"})
     assert request == EmbedRequest(model="m", inputs=inputs, truncate=False)
@@ -111,9 +115,16 @@ def test_oai_30_empty_result_has_empty_data():
 
 def test_oll_18_input_string_or_list_truncate_and_dimensions():
     assert oll({"model": "m", "input": "a cat"}) == EmbedRequest(model="m", inputs=("a cat",))
-    assert oll({"model": "m", "input": ["a", ""], "truncate": False, "dimensions": 8,
-                "options": {"num_ctx": 512}, "keep_alive": "5m"}) == EmbedRequest(
-        model="m", inputs=("a", ""), dimensions=8, truncate=False)
+    assert oll(
+        {
+            "model": "m",
+            "input": ["a", ""],
+            "truncate": False,
+            "dimensions": 8,
+            "options": {"num_ctx": 512},
+            "keep_alive": "5m",
+        }
+    ) == EmbedRequest(model="m", inputs=("a", ""), dimensions=8, truncate=False)
 
 
 @pytest.mark.parametrize("body", [{"model": "m"}, {"model": "m", "input": ""}, {"model": "m", "input": []}])
@@ -134,13 +145,19 @@ def test_oll_18_input_of_another_type_is_refused():
 
 def test_oll_43_embed_reply():
     body = msgspec.json.decode(ollama_embeddings.encode_embed(RESULT, "gemma3:270m", 5678))
-    assert body == {"model": "gemma3:270m", "embeddings": [list(v) for v in VECTORS], "total_duration": 5678,
-                    "load_duration": 1234, "prompt_eval_count": 9}
+    assert body == {
+        "model": "gemma3:270m",
+        "embeddings": [list(v) for v in VECTORS],
+        "total_duration": 5678,
+        "load_duration": 1234,
+        "prompt_eval_count": 9,
+    }
 
 
 def test_oll_19_legacy_request():
-    wire = decode_body(b'{"model": "m", "prompt": "a cat", "options": {"temperature": 0}}',
-                       ollama_embeddings.EmbeddingsBody)
+    wire = decode_body(
+        b'{"model": "m", "prompt": "a cat", "options": {"temperature": 0}}', ollama_embeddings.EmbeddingsBody
+    )
     assert ollama_embeddings.embeddings_to_internal(wire) == EmbedRequest(model="m", inputs=("a cat",))
     empty = decode_body(b'{"model": "m"}', ollama_embeddings.EmbeddingsBody)
     assert ollama_embeddings.embeddings_to_internal(empty).inputs == ()

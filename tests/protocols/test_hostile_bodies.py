@@ -19,8 +19,10 @@ def nested(depth: int) -> str:
 
 def body(free_form: str) -> bytes:
     """An Anthropic request whose tool schema holds ``free_form`` (a field taken as it comes)."""
-    return ('{"model": "m", "max_tokens": 5, "messages": [{"role": "user", "content": "hi"}], '
-            f'"tools": [{{"name": "t", "input_schema": {{"type": "object", "x": {free_form}}}}}]}}').encode()
+    return (
+        '{"model": "m", "max_tokens": 5, "messages": [{"role": "user", "content": "hi"}], '
+        f'"tools": [{{"name": "t", "input_schema": {{"type": "object", "x": {free_form}}}}}]}}'
+    ).encode()
 
 
 @pytest.mark.parametrize("depth", [MAX_JSON_DEPTH, 1_000, 100_000])
@@ -43,12 +45,15 @@ def test_json_depth_counts_arrays_and_objects():
 
 
 def messages(**fields) -> bytes:
-    return msgspec.json.encode({"model": "m", "max_tokens": 5, "messages": [{"role": "user", "content": "hi"}],
-                                **fields})
+    return msgspec.json.encode(
+        {"model": "m", "max_tokens": 5, "messages": [{"role": "user", "content": "hi"}], **fields}
+    )
 
 
-@pytest.mark.parametrize(("field", "value"), [("temperature", 1.5), ("temperature", -0.1), ("top_p", 1.01),
-                                              ("top_p", -1), ("top_k", -1), ("top_k", 2.5)])
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [("temperature", 1.5), ("temperature", -0.1), ("top_p", 1.01), ("top_p", -1), ("top_k", -1), ("top_k", 2.5)],
+)
 def test_anthropic_sampling_out_of_range_names_the_field(field, value):
     with pytest.raises(InvalidRequest) as exc:
         decode_body(messages(**{field: value}), anthropic.MessagesRequest)
@@ -57,7 +62,8 @@ def test_anthropic_sampling_out_of_range_names_the_field(field, value):
 
 def test_anthropic_sampling_in_range():
     request = anthropic.messages_to_internal(
-        decode_body(messages(temperature=0, top_p=1, top_k=0), anthropic.MessagesRequest))
+        decode_body(messages(temperature=0, top_p=1, top_k=0), anthropic.MessagesRequest)
+    )
     assert (request.sampling.temperature, request.sampling.top_p, request.sampling.top_k) == (0, 1, 0)
 
 
@@ -65,10 +71,21 @@ def generate(options: dict) -> bytes:
     return msgspec.json.encode({"model": "m", "prompt": "hi", "options": options})
 
 
-@pytest.mark.parametrize(("option", "value"), [("num_ctx", -1), ("num_ctx", 0), ("num_ctx", 2**40),
-                                               ("temperature", -0.5), ("top_p", 1.5), ("min_p", -0.1),
-                                               ("top_k", -3), ("repeat_penalty", 0), ("num_predict", 1.5),
-                                               ("num_ctx", "4096")])
+@pytest.mark.parametrize(
+    ("option", "value"),
+    [
+        ("num_ctx", -1),
+        ("num_ctx", 0),
+        ("num_ctx", 2**40),
+        ("temperature", -0.5),
+        ("top_p", 1.5),
+        ("min_p", -0.1),
+        ("top_k", -3),
+        ("repeat_penalty", 0),
+        ("num_predict", 1.5),
+        ("num_ctx", "4096"),
+    ],
+)
 def test_ollama_options_out_of_range_name_the_option(option, value):
     with pytest.raises(InvalidRequest) as exc:
         decode_body(generate({option: value}), ollama.GenerateRequest)
@@ -76,8 +93,10 @@ def test_ollama_options_out_of_range_name_the_option(option, value):
 
 
 def test_ollama_options_in_range():
-    wire = decode_body(generate({"num_ctx": 1, "temperature": 0, "top_p": 1, "top_k": 0, "repeat_penalty": 1.1,
-                                 "num_predict": -2}), ollama.GenerateRequest)
+    wire = decode_body(
+        generate({"num_ctx": 1, "temperature": 0, "top_p": 1, "top_k": 0, "repeat_penalty": 1.1, "num_predict": -2}),
+        ollama.GenerateRequest,
+    )
     request = ollama.generate_to_internal(wire)
     assert request.num_ctx == 1 and request.max_tokens is None
 
@@ -87,10 +106,12 @@ def test_output_too_large_in_each_protocols_words():
     status, raw = openai.error_body(err)
     error = json.loads(raw)["error"]
     assert status == 400 and error["param"] == "max_tokens" and error["type"] == "invalid_request_error"
-    assert error["message"] == (f"max_tokens is too large: {2**70}. This model supports at most 65536 completion "
-                                f"tokens, whereas you provided {2**70}.")
+    assert error["message"] == (
+        f"max_tokens is too large: {2**70}. This model supports at most 65536 completion "
+        f"tokens, whereas you provided {2**70}."
+    )
     status, raw = anthropic.error_body(err)
     assert status == 400 and json.loads(raw)["error"] == {
         "type": "invalid_request_error",
-        "message": f"max_tokens: {2**70} > 65536, which is the maximum allowed number of output tokens for "
-                   "gemma3:270m"}
+        "message": f"max_tokens: {2**70} > 65536, which is the maximum allowed number of output tokens for gemma3:270m",
+    }

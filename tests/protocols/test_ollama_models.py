@@ -10,17 +10,48 @@ import pytest
 from ollama import _types
 
 from meshgate.protocols.model import InvalidRequest, ModelInfo, decode_body
-from meshgate.protocols.ollama_models import CreateRequest, ShowRequest, encode_ps, encode_show, parse_keep_alive, progress_line
+from meshgate.protocols.ollama_models import (
+    CreateRequest,
+    ShowRequest,
+    encode_ps,
+    encode_show,
+    parse_keep_alive,
+    progress_line,
+)
 
-INFO = ModelInfo(name="gemma3:270m", created=1_700_000_000.0, size=253113024, digest="ab" * 32, family="gemma3",
-                 parameter_size="270M", quantization="Q4_K_M", context_length=2048)
+INFO = ModelInfo(
+    name="gemma3:270m",
+    created=1_700_000_000.0,
+    size=253113024,
+    digest="ab" * 32,
+    family="gemma3",
+    parameter_size="270M",
+    quantization="Q4_K_M",
+    context_length=2048,
+)
 
 
-@pytest.mark.parametrize(("value", "seconds"), [
-    (None, None), (0, 0.0), ("0", 0.0), ("0s", 0.0), ("0m0s", 0.0), (300, 300.0), (2.5, 2.5), ("5m", 300.0),
-    ("1h", 3600.0), ("1h30m", 5400.0), ("1.5s", 1.5), ("250ms", 0.25), ("300", 300.0), (-1, math.inf),
-    ("-1", math.inf), ("-1m", math.inf),
-])
+@pytest.mark.parametrize(
+    ("value", "seconds"),
+    [
+        (None, None),
+        (0, 0.0),
+        ("0", 0.0),
+        ("0s", 0.0),
+        ("0m0s", 0.0),
+        (300, 300.0),
+        (2.5, 2.5),
+        ("5m", 300.0),
+        ("1h", 3600.0),
+        ("1h30m", 5400.0),
+        ("1.5s", 1.5),
+        ("250ms", 0.25),
+        ("300", 300.0),
+        (-1, math.inf),
+        ("-1", math.inf),
+        ("-1m", math.inf),
+    ],
+)
 def test_oll_15_parse_keep_alive(value, seconds):
     assert parse_keep_alive(value) == seconds
 
@@ -43,13 +74,19 @@ def test_oll_45_create_request_reads_from():
 
 
 def test_oll_42_show_parses_in_the_client():
-    body = encode_show(INFO, path="/m.gguf", model_info={"general.architecture": "gemma3"},
-                       capabilities=["completion", "tools"], template="{{ .Prompt }}", system="Be brief.",
-                       parameters={"temperature": 0.5, "stop": ["a", "b"]})
+    body = encode_show(
+        INFO,
+        path="/m.gguf",
+        model_info={"general.architecture": "gemma3"},
+        capabilities=["completion", "tools"],
+        template="{{ .Prompt }}",
+        system="Be brief.",
+        parameters={"temperature": 0.5, "stop": ["a", "b"]},
+    )
     shown = _types.ShowResponse.model_validate_json(body)
     assert shown.modelinfo == {"general.architecture": "gemma3"}
     assert shown.capabilities == ["completion", "tools"]
-    assert shown.parameters.splitlines() == [f"{'temperature':<30} 0.5", f"{'stop':<30} \"a\"", f"{'stop':<30} \"b\""]
+    assert shown.parameters.splitlines() == [f"{'temperature':<30} 0.5", f'{"stop":<30} "a"', f'{"stop":<30} "b"']
     assert 'SYSTEM """Be brief."""' in shown.modelfile and "FROM /m.gguf" in shown.modelfile
 
 
@@ -66,4 +103,8 @@ def test_oll_41_ps_expiry_and_forever():
 def test_oll_45_progress_line_leaves_out_absent_fields():
     assert progress_line("success") == b'{"status":"success"}\n'
     assert msgspec.json.decode(progress_line("pulling", digest="sha256:x", total=2, completed=1)) == {
-        "status": "pulling", "digest": "sha256:x", "total": 2, "completed": 1}
+        "status": "pulling",
+        "digest": "sha256:x",
+        "total": 2,
+        "completed": 1,
+    }

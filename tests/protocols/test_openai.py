@@ -51,7 +51,6 @@ from meshgate.protocols.model import (
     collect,
     decode_body,
 )
-
 from tests.protocols.openai_wire import (  # the SDK's HTTP library (httpx2 for openai 3.x) comes from there too
     META,
     WEATHER_TOOL,
@@ -606,8 +605,12 @@ def test_oai_62_stream_error_frame():
 
 
 def _lp(token: str, logprob: float, *top: tuple[str, float]) -> TokenLogprob:
-    return TokenLogprob(token=token, logprob=logprob, bytes=tuple(token.encode()),
-                        top=tuple(TopLogprob(token=t, logprob=p, bytes=tuple(t.encode())) for t, p in top))
+    return TokenLogprob(
+        token=token,
+        logprob=logprob,
+        bytes=tuple(token.encode()),
+        top=tuple(TopLogprob(token=t, logprob=p, bytes=tuple(t.encode())) for t, p in top),
+    )
 
 
 def test_oai_23_logprobs_and_top_logprobs_reach_the_request():
@@ -651,8 +654,12 @@ def test_oai_36_logprobs_null_unless_the_backend_sent_them():
 
 
 async def test_oai_36_collect_joins_the_logprobs_of_every_text_delta():
-    events = [TextDelta(text="Hel", logprobs=(_lp("Hel", -0.25),)), TextDelta(text="lo", logprobs=(_lp("lo", -1.0),)),
-              TextDelta(text="", logprobs=()), Finished()]
+    events = [
+        TextDelta(text="Hel", logprobs=(_lp("Hel", -0.25),)),
+        TextDelta(text="lo", logprobs=(_lp("lo", -1.0),)),
+        TextDelta(text="", logprobs=()),
+        Finished(),
+    ]
     response = await collect(feed(events))
     assert response.text == "Hello"
     assert [e.token for e in response.logprobs] == ["Hel", "lo"]
@@ -660,18 +667,25 @@ async def test_oai_36_collect_joins_the_logprobs_of_every_text_delta():
 
 
 async def test_oai_36_stream_chunks_carry_their_own_logprobs():
-    events = [TextDelta(text="Hel", logprobs=(_lp("Hel", -0.25, ("Hel", -0.25)),)),
-              TextDelta(text="lo", logprobs=(_lp("lo", -1.0, ("lo", -1.0)),)),
-              TextDelta(text="", logprobs=(_lp("", -2.0, ("", -2.0)),)),  # a token with no text of its own yet
-              TextDelta(text="", logprobs=()),
-              Finished()]
+    events = [
+        TextDelta(text="Hel", logprobs=(_lp("Hel", -0.25, ("Hel", -0.25)),)),
+        TextDelta(text="lo", logprobs=(_lp("lo", -1.0, ("lo", -1.0)),)),
+        TextDelta(text="", logprobs=(_lp("", -2.0, ("", -2.0)),)),  # a token with no text of its own yet
+        TextDelta(text="", logprobs=()),
+        Finished(),
+    ]
     raw = await chat_stream(events)
     choices = [p["choices"][0] for p in payloads(raw)[:-1]]
     assert [c["delta"].get("content") for c in choices] == ["Hel", "lo", "", None]
     assert [[e["token"] for e in c["logprobs"]["content"]] if c["logprobs"] else None for c in choices] == [
-        ["Hel"], ["lo"], [""], None]
-    assert choices[0]["logprobs"]["content"][0]["top_logprobs"] == [{"token": "Hel", "logprob": -0.25,
-                                                                     "bytes": [72, 101, 108]}]
+        ["Hel"],
+        ["lo"],
+        [""],
+        None,
+    ]
+    assert choices[0]["logprobs"]["content"][0]["top_logprobs"] == [
+        {"token": "Hel", "logprob": -0.25, "bytes": [72, 101, 108]}
+    ]
     final = accumulate(sdk_stream(raw))
     assert final.choices[0].message.content == "Hello"
     assert [c.token for c in final.choices[0].logprobs.content] == ["Hel", "lo", ""]

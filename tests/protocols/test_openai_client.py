@@ -50,35 +50,65 @@ def _decode(body: bytes, *, step: int | None = None, close: bool = True) -> list
     decoder = StreamDecoder()
     events = []
     for i in range(0, len(body), step or len(body) or 1):
-        events += decoder.feed(body[i:i + (step or len(body))])
+        events += decoder.feed(body[i : i + (step or len(body))])
     return events + (decoder.close() if close else [])
 
 
 def _chunk(delta: dict | None = None, finish: str | None = None, **extra: object) -> dict:
-    return {"id": "chatcmpl-1", "object": "chat.completion.chunk", "created": 1, "model": "m",
-            "choices": [{"index": 0, "delta": delta or {}, "logprobs": None, "finish_reason": finish, **extra}]}
+    return {
+        "id": "chatcmpl-1",
+        "object": "chat.completion.chunk",
+        "created": 1,
+        "model": "m",
+        "choices": [{"index": 0, "delta": delta or {}, "logprobs": None, "finish_reason": finish, **extra}],
+    }
 
 
-USAGE = {"id": "chatcmpl-1", "object": "chat.completion.chunk", "created": 1, "model": "m", "choices": [],
-         "usage": {"prompt_tokens": 7, "completion_tokens": 3, "total_tokens": 10,
-                   "prompt_tokens_details": {"cached_tokens": 2}}}
+USAGE = {
+    "id": "chatcmpl-1",
+    "object": "chat.completion.chunk",
+    "created": 1,
+    "model": "m",
+    "choices": [],
+    "usage": {
+        "prompt_tokens": 7,
+        "completion_tokens": 3,
+        "total_tokens": 10,
+        "prompt_tokens_details": {"cached_tokens": 2},
+    },
+}
 
 
 # ---------------------------------------------------------------------------------------------------- requests
 
 
 def test_chat_body_omits_unset_sampling_and_keeps_explicit_null() -> None:
-    request = Request(model="alias", messages=(Message(role="system", parts=(TextPart(text="be brief"),)),
-                                               Message(role="user", parts=(TextPart(text="hi"),))),
-                      sampling=Sampling(temperature=0.0, top_p=None, top_k=5, repeat_penalty=1.1, seed=3),
-                      stop=("\n\n",), max_tokens=12)
+    request = Request(
+        model="alias",
+        messages=(
+            Message(role="system", parts=(TextPart(text="be brief"),)),
+            Message(role="user", parts=(TextPart(text="hi"),)),
+        ),
+        sampling=Sampling(temperature=0.0, top_p=None, top_k=5, repeat_penalty=1.1, seed=3),
+        stop=("\n\n",),
+        max_tokens=12,
+    )
     path, raw = encode_request(request, "served")
     body = json.loads(raw)
     assert path == "/v1/chat/completions"
-    assert body == {"model": "served", "messages": [{"role": "system", "content": "be brief"},
-                                                    {"role": "user", "content": "hi"}],
-                    "temperature": 0.0, "top_p": None, "top_k": 5, "seed": 3, "repetition_penalty": 1.1,
-                    "stop": ["\n\n"], "max_tokens": 12, "stream": True, "stream_options": {"include_usage": True}}
+    assert body == {
+        "model": "served",
+        "messages": [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}],
+        "temperature": 0.0,
+        "top_p": None,
+        "top_k": 5,
+        "seed": 3,
+        "repetition_penalty": 1.1,
+        "stop": ["\n\n"],
+        "max_tokens": 12,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
 
 
 def test_raw_prompt_goes_to_completions() -> None:
@@ -95,22 +125,33 @@ def test_tools_history_images_format_logprobs_prefill() -> None:
         Message(role="tool", parts=(ToolResultPart(call_id="c1", content=(TextPart(text="42"),)),)),
         Message(role="assistant", parts=(TextPart(text="The answer is"),)),
     )
-    request = Request(model="m", messages=messages, prefill=True, logprobs=True, top_logprobs=2,
-                      tools=(Tool(name="get", description="gets"),),
-                      tool_choice=ToolChoice(mode="tool", name="get", parallel=False),
-                      response_format=ResponseFormat(kind="json_schema", schema={"type": "object"}, name="out"))
+    request = Request(
+        model="m",
+        messages=messages,
+        prefill=True,
+        logprobs=True,
+        top_logprobs=2,
+        tools=(Tool(name="get", description="gets"),),
+        tool_choice=ToolChoice(mode="tool", name="get", parallel=False),
+        response_format=ResponseFormat(kind="json_schema", schema={"type": "object"}, name="out"),
+    )
     body = request_body(request, "m")
-    assert body["messages"][0]["content"][1] == {"type": "image_url",
-                                                  "image_url": {"url": "data:image/png;base64,iVBORw=="}}
-    assert body["messages"][1]["tool_calls"] == [{"id": "c1", "type": "function",
-                                                  "function": {"name": "get", "arguments": '{"a":1}'}}]
+    assert body["messages"][0]["content"][1] == {
+        "type": "image_url",
+        "image_url": {"url": "data:image/png;base64,iVBORw=="},
+    }
+    assert body["messages"][1]["tool_calls"] == [
+        {"id": "c1", "type": "function", "function": {"name": "get", "arguments": '{"a":1}'}}
+    ]
     assert body["messages"][2] == {"role": "tool", "tool_call_id": "c1", "content": "42"}
     assert body["continue_final_message"] is True and body["add_generation_prompt"] is False
     assert body["tools"][0]["function"]["name"] == "get"
     assert body["tool_choice"] == {"type": "function", "function": {"name": "get"}}
     assert body["parallel_tool_calls"] is False
-    assert body["response_format"] == {"type": "json_schema", "json_schema": {"name": "out",
-                                                                              "schema": {"type": "object"}}}
+    assert body["response_format"] == {
+        "type": "json_schema",
+        "json_schema": {"name": "out", "schema": {"type": "object"}},
+    }
     assert body["logprobs"] is True and body["top_logprobs"] == 2
 
 
@@ -120,43 +161,88 @@ def test_tools_history_images_format_logprobs_prefill() -> None:
 @pytest.mark.parametrize("step", [None, 1, 7])
 @pytest.mark.parametrize("crlf", [False, True])
 def test_text_stream_usage_comes_before_finish(step: int | None, crlf: bool) -> None:
-    body = b": ping\n\n" + _sse(_chunk({"role": "assistant", "content": ""}), _chunk({"content": "Hel"}),
-                                _chunk({"content": "lo"}), _chunk({}, "length"), USAGE, b"[DONE]", crlf=crlf)
-    assert _decode(body, step=step) == [TextDelta(text="Hel"), TextDelta(text="lo"),
-                                        Usage(prompt_tokens=7, completion_tokens=3, cached_tokens=2),
-                                        Finished(reason="length")]
+    body = b": ping\n\n" + _sse(
+        _chunk({"role": "assistant", "content": ""}),
+        _chunk({"content": "Hel"}),
+        _chunk({"content": "lo"}),
+        _chunk({}, "length"),
+        USAGE,
+        b"[DONE]",
+        crlf=crlf,
+    )
+    assert _decode(body, step=step) == [
+        TextDelta(text="Hel"),
+        TextDelta(text="lo"),
+        Usage(prompt_tokens=7, completion_tokens=3, cached_tokens=2),
+        Finished(reason="length"),
+    ]
 
 
 def test_stop_string_reasoning_and_logprobs() -> None:
-    logprobs = {"content": [{"token": "A", "logprob": -0.5, "bytes": [65],
-                             "top_logprobs": [{"token": "A", "logprob": -0.5, "bytes": [65]}]}]}
-    body = _sse(_chunk({"reasoning_content": "think"}), _chunk({"reasoning": " more"}),
-                _chunk({"content": "A"}, logprobs=logprobs), _chunk({}, "stop", stop_reason="END"), b"[DONE]")
+    logprobs = {
+        "content": [
+            {
+                "token": "A",
+                "logprob": -0.5,
+                "bytes": [65],
+                "top_logprobs": [{"token": "A", "logprob": -0.5, "bytes": [65]}],
+            }
+        ]
+    }
+    body = _sse(
+        _chunk({"reasoning_content": "think"}),
+        _chunk({"reasoning": " more"}),
+        _chunk({"content": "A"}, logprobs=logprobs),
+        _chunk({}, "stop", stop_reason="END"),
+        b"[DONE]",
+    )
     assert _decode(body) == [
-        ReasoningDelta(text="think"), ReasoningDelta(text=" more"),
-        TextDelta(text="A", logprobs=(TokenLogprob(token="A", logprob=-0.5, bytes=(65,),
-                                                   top=(TopLogprob(token="A", logprob=-0.5, bytes=(65,)),)),)),
-        Finished(reason="stop_sequence", stop_sequence="END")]
+        ReasoningDelta(text="think"),
+        ReasoningDelta(text=" more"),
+        TextDelta(
+            text="A",
+            logprobs=(
+                TokenLogprob(
+                    token="A", logprob=-0.5, bytes=(65,), top=(TopLogprob(token="A", logprob=-0.5, bytes=(65,)),)
+                ),
+            ),
+        ),
+        Finished(reason="stop_sequence", stop_sequence="END"),
+    ]
 
 
 def test_tool_call_fragments() -> None:
-    first = {"tool_calls": [{"index": 0, "id": "call_1", "type": "function",
-                             "function": {"name": "get", "arguments": ""}}]}
+    first = {
+        "tool_calls": [{"index": 0, "id": "call_1", "type": "function", "function": {"name": "get", "arguments": ""}}]
+    }
     more = {"tool_calls": [{"index": 0, "function": {"arguments": '{"a":'}}]}
     body = _sse(_chunk(first), _chunk(more), _chunk({}, "tool_calls"), b"[DONE]")
-    assert _decode(body) == [ToolCallDelta(index=0, id="call_1", name="get"),
-                             ToolCallDelta(index=0, arguments='{"a":'), Finished(reason="tool_calls")]
+    assert _decode(body) == [
+        ToolCallDelta(index=0, id="call_1", name="get"),
+        ToolCallDelta(index=0, arguments='{"a":'),
+        Finished(reason="tool_calls"),
+    ]
 
 
 def test_completions_chunks() -> None:
-    body = _sse({"object": "text_completion", "choices": [{"index": 0, "text": " there", "finish_reason": None}]},
-                {"object": "text_completion", "choices": [{"index": 0, "text": "", "finish_reason": "stop",
-                                                           "stop_reason": None}]}, b"[DONE]")
+    body = _sse(
+        {"object": "text_completion", "choices": [{"index": 0, "text": " there", "finish_reason": None}]},
+        {
+            "object": "text_completion",
+            "choices": [{"index": 0, "text": "", "finish_reason": "stop", "stop_reason": None}],
+        },
+        b"[DONE]",
+    )
     assert _decode(body) == [TextDelta(text=" there"), Finished()]
 
 
-@pytest.mark.parametrize("error", [{"error": {"message": "bad", "type": "BadRequestError", "code": 400}},
-                                   {"object": "error", "message": "bad", "type": "BadRequestError", "code": 400}])
+@pytest.mark.parametrize(
+    "error",
+    [
+        {"error": {"message": "bad", "type": "BadRequestError", "code": 400}},
+        {"object": "error", "message": "bad", "type": "BadRequestError", "code": 400},
+    ],
+)
 def test_error_object_in_stream(error: dict) -> None:
     events = _decode(_sse(_chunk({"content": "x"}), error, b"[DONE]"))
     assert events[0] == TextDelta(text="x")
@@ -165,7 +251,7 @@ def test_error_object_in_stream(error: dict) -> None:
 
 
 def test_cut_stream_is_backend_unavailable_and_exactly_one_terminal() -> None:
-    events = _decode(_sse(_chunk({"content": "x"})) + b"data: {\"choi")
+    events = _decode(_sse(_chunk({"content": "x"})) + b'data: {"choi')
     assert len(events) == 2 and isinstance(events[1], Failed)
     assert events[1].error.kind in {"BackendUnavailable", "BackendProtocolError"}
     events = _decode(_sse(_chunk({"content": "x"})))
@@ -195,8 +281,13 @@ def test_error_from_response() -> None:
 
 
 def test_round_trip_through_the_server_side_encoder() -> None:
-    events = [ReasoningDelta(text="hm"), TextDelta(text="Hi"), ToolCallDelta(index=0, id="c", name="f", arguments="{}"),
-              Usage(prompt_tokens=3, completion_tokens=2), Finished(reason="tool_calls")]
+    events = [
+        ReasoningDelta(text="hm"),
+        TextDelta(text="Hi"),
+        ToolCallDelta(index=0, id="c", name="f", arguments="{}"),
+        Usage(prompt_tokens=3, completion_tokens=2),
+        Finished(reason="tool_calls"),
+    ]
 
     async def source():
         for event in events:

@@ -13,8 +13,8 @@ from typing import Any
 import msgspec
 import openai
 import pytest
-from openai.lib.streaming.responses import ResponseStream
 from openai._streaming import Stream
+from openai.lib.streaming.responses import ResponseStream
 from openai.types.responses import Response as SDKResponse
 from openai.types.responses import ResponseStreamEvent
 from pydantic import TypeAdapter
@@ -49,8 +49,13 @@ except ImportError:  # pragma: no cover
 
 META = Meta(id="abc123", model="gemma-3-270m", created=1741569952.7)
 EVENT = TypeAdapter(ResponseStreamEvent)
-HELLO = [Usage(prompt_tokens=7), TextDelta(text="Hello"), TextDelta(text=", world"),
-         Usage(prompt_tokens=7, completion_tokens=2), Finished(reason="stop")]
+HELLO = [
+    Usage(prompt_tokens=7),
+    TextDelta(text="Hello"),
+    TextDelta(text=", world"),
+    Usage(prompt_tokens=7, completion_tokens=2),
+    Finished(reason="stop"),
+]
 
 
 def body(**fields: Any) -> resp.ResponsesRequest:
@@ -105,10 +110,12 @@ def sdk_final(raw: bytes):
     """Parse a body as the SDK does and accumulate it with ``client.responses.stream()``'s helper."""
     client = openai.OpenAI(api_key="dummy", base_url="http://gateway.test/v1")
     request = httpx.Request("POST", "http://gateway.test/v1/responses")
-    raw_stream = Stream(cast_to=ResponseStreamEvent, response=httpx.Response(200, content=raw, request=request),
-                        client=client)
-    helper = ResponseStream(raw_stream=raw_stream, text_format=openai.omit, input_tools=openai.omit,
-                            starting_after=None)
+    raw_stream = Stream(
+        cast_to=ResponseStreamEvent, response=httpx.Response(200, content=raw, request=request), client=client
+    )
+    helper = ResponseStream(
+        raw_stream=raw_stream, text_format=openai.omit, input_tools=openai.omit, starting_after=None
+    )
     seen = list(helper)
     return seen, helper
 
@@ -134,25 +141,45 @@ def test_oai_6_instructions_become_the_first_system_message():
 
 
 def test_oai_6_message_items_with_string_and_part_content():
-    request = internal(input=[
-        {"role": "developer", "content": "Be terse."},
-        {"type": "message", "role": "system", "content": [{"type": "input_text", "text": "Answer in French."}]},
-        {"role": "user", "content": "knock knock."},
-        # an earlier response's output item, passed back as history
-        {"id": "msg_1", "type": "message", "role": "assistant", "status": "completed",
-         "content": [{"type": "output_text", "text": "Who's there?", "annotations": []}]},
-        {"role": "assistant", "content": [{"type": "refusal", "refusal": "No."}]},
-        {"role": "user", "content": [{"type": "input_text", "text": "Orange"}, {"type": "input_text", "text": "."}]},
-    ])
+    request = internal(
+        input=[
+            {"role": "developer", "content": "Be terse."},
+            {"type": "message", "role": "system", "content": [{"type": "input_text", "text": "Answer in French."}]},
+            {"role": "user", "content": "knock knock."},
+            # an earlier response's output item, passed back as history
+            {
+                "id": "msg_1",
+                "type": "message",
+                "role": "assistant",
+                "status": "completed",
+                "content": [{"type": "output_text", "text": "Who's there?", "annotations": []}],
+            },
+            {"role": "assistant", "content": [{"type": "refusal", "refusal": "No."}]},
+            {
+                "role": "user",
+                "content": [{"type": "input_text", "text": "Orange"}, {"type": "input_text", "text": "."}],
+            },
+        ]
+    )
     assert [m.role for m in request.messages] == ["system", "system", "user", "assistant", "assistant", "user"]
-    assert [m.text for m in request.messages] == ["Be terse.", "Answer in French.", "knock knock.", "Who's there?",
-                                                  "No.", "Orange."]
+    assert [m.text for m in request.messages] == [
+        "Be terse.",
+        "Answer in French.",
+        "knock knock.",
+        "Who's there?",
+        "No.",
+        "Orange.",
+    ]
 
 
 def test_oai_6_reasoning_items_in_input_are_skipped():
-    request = internal(input=[{"role": "user", "content": "hi"},
-                              {"type": "reasoning", "id": "rs_1", "summary": []},
-                              {"role": "assistant", "content": "hello"}])
+    request = internal(
+        input=[
+            {"role": "user", "content": "hi"},
+            {"type": "reasoning", "id": "rs_1", "summary": []},
+            {"role": "assistant", "content": "hello"},
+        ]
+    )
     assert [m.role for m in request.messages] == ["user", "assistant"]
 
 
@@ -178,8 +205,9 @@ def test_oai_6_documented_ranges_name_the_field(field, value):
 def test_oai_6_text_format_maps_to_response_format():
     schema = {"type": "object", "properties": {"name": {"type": "string"}}, "required": ["name"]}
     fmt = {"type": "json_schema", "name": "person", "schema": schema, "strict": True}
-    assert internal(text={"format": fmt}).response_format == ResponseFormat(kind="json_schema", schema=schema,
-                                                                            name="person")
+    assert internal(text={"format": fmt}).response_format == ResponseFormat(
+        kind="json_schema", schema=schema, name="person"
+    )
     assert internal(text={"format": {"type": "json_object"}}).response_format == ResponseFormat(kind="json_object")
     assert internal(text={"format": {"type": "text"}, "verbosity": "low"}).response_format == ResponseFormat()
 
@@ -190,13 +218,16 @@ def test_oai_6_reasoning_effort_switches_reasoning():
     assert internal(reasoning={"summary": "auto"}).reasoning is UNSET
 
 
-@pytest.mark.parametrize(("field", "value"), [
-    ("previous_response_id", "resp_123"),
-    ("conversation", "conv_123"),
-    ("prompt", {"id": "pmpt_123"}),
-    ("background", True),
-    ("tools", [{"type": "function", "name": "get_weather", "parameters": {"type": "object"}}]),
-])
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("previous_response_id", "resp_123"),
+        ("conversation", "conv_123"),
+        ("prompt", {"id": "pmpt_123"}),
+        ("background", True),
+        ("tools", [{"type": "function", "name": "get_weather", "parameters": {"type": "object"}}]),
+    ],
+)
 def test_oai_6_stateful_features_and_tools_are_unsupported(field, value):
     with pytest.raises(UnsupportedFeature) as exc:
         internal(**{field: value})
@@ -205,16 +236,30 @@ def test_oai_6_stateful_features_and_tools_are_unsupported(field, value):
 
 
 def test_oai_6_accepted_and_ignored_fields():
-    request = internal(store=True, metadata={"k": "v"}, user="u1", include=["reasoning.encrypted_content"],
-                       truncation="auto", service_tier="auto", stream_options={"include_obfuscation": False},
-                       tool_choice="auto", parallel_tool_calls=True, tools=[], background=False)
+    request = internal(
+        store=True,
+        metadata={"k": "v"},
+        user="u1",
+        include=["reasoning.encrypted_content"],
+        truncation="auto",
+        service_tier="auto",
+        stream_options={"include_obfuscation": False},
+        tool_choice="auto",
+        parallel_tool_calls=True,
+        tools=[],
+        background=False,
+    )
     assert request.messages[0].role == "user"
 
 
 def test_oai_6_non_message_items_are_unsupported_naming_the_item():
     with pytest.raises(UnsupportedFeature) as exc:
-        internal(input=[{"role": "user", "content": "hi"},
-                        {"type": "function_call_output", "call_id": "call_1", "output": "18C"}])
+        internal(
+            input=[
+                {"role": "user", "content": "hi"},
+                {"type": "function_call_output", "call_id": "call_1", "output": "18C"},
+            ]
+        )
     assert exc.value.param == "input[1].type"
     assert "function_call_output" in exc.value.message
 
@@ -227,12 +272,15 @@ def test_oai_6_non_text_parts_are_unsupported_naming_the_part():
     assert "input_image" in exc.value.message
 
 
-@pytest.mark.parametrize(("fields", "param"), [
-    ({"input": None}, "input"),
-    ({"input": []}, "input"),
-    ({"input": [{"type": "message", "content": "hi"}]}, "input[0].role"),
-    ({"input": [{"role": "user", "content": [{"type": "input_text"}]}]}, "input[0].content[0].text"),
-])
+@pytest.mark.parametrize(
+    ("fields", "param"),
+    [
+        ({"input": None}, "input"),
+        ({"input": []}, "input"),
+        ({"input": [{"type": "message", "content": "hi"}]}, "input[0].role"),
+        ({"input": [{"role": "user", "content": [{"type": "input_text"}]}]}, "input[0].content[0].text"),
+    ],
+)
 def test_oai_6_missing_input_is_invalid(fields, param):
     with pytest.raises(InvalidRequest) as exc:
         resp.responses_to_internal(body(**fields))
@@ -259,13 +307,25 @@ def test_oai_65_response_shape_validates_as_the_sdks_response():
         "error": None,
         "incomplete_details": None,
         "model": "gemma-3-270m",
-        "output": [{"id": "msg_abc123_0", "type": "message", "status": "completed", "role": "assistant",
-                    "content": [{"type": "output_text", "text": "Hello, world", "annotations": []}]}],
+        "output": [
+            {
+                "id": "msg_abc123_0",
+                "type": "message",
+                "status": "completed",
+                "role": "assistant",
+                "content": [{"type": "output_text", "text": "Hello, world", "annotations": []}],
+            }
+        ],
         "parallel_tool_calls": True,
         "tool_choice": "auto",
         "tools": [],
-        "usage": {"input_tokens": 7, "input_tokens_details": {"cached_tokens": 3, "cache_write_tokens": 0},
-                  "output_tokens": 2, "output_tokens_details": {"reasoning_tokens": 0}, "total_tokens": 9},
+        "usage": {
+            "input_tokens": 7,
+            "input_tokens_details": {"cached_tokens": 3, "cache_write_tokens": 0},
+            "output_tokens": 2,
+            "output_tokens_details": {"reasoning_tokens": 0},
+            "total_tokens": 9,
+        },
     }
     sdk = SDKResponse.model_validate(raw)
     assert sdk.output_text == "Hello, world"
@@ -289,8 +349,13 @@ def test_oai_65_natural_stops_are_completed(reason):
 
 def test_oai_65_reasoning_is_an_item_before_the_message():
     raw = json.loads(resp.encode_response(Response(text="Yes.", reasoning="Let me see."), META))
-    assert raw["output"][0] == {"id": "rs_abc123_0", "type": "reasoning", "status": "completed", "summary": [],
-                                "content": [{"type": "reasoning_text", "text": "Let me see."}]}
+    assert raw["output"][0] == {
+        "id": "rs_abc123_0",
+        "type": "reasoning",
+        "status": "completed",
+        "summary": [],
+        "content": [{"type": "reasoning_text", "text": "Let me see."}],
+    }
     assert raw["output"][1]["id"] == "msg_abc123_1"
     assert SDKResponse.model_validate(raw).output_text == "Yes."
 
@@ -307,26 +372,60 @@ def test_oai_65_empty_answer_is_still_one_message_item():
 async def test_oai_66_stream_exact_events_and_sequence_numbers():
     events = events_of(await stream(HELLO))
     assert [e["type"] for e in events] == [
-        "response.created", "response.in_progress", "response.output_item.added", "response.content_part.added",
-        "response.output_text.delta", "response.output_text.delta", "response.output_text.done",
-        "response.content_part.done", "response.output_item.done", "response.completed"]
+        "response.created",
+        "response.in_progress",
+        "response.output_item.added",
+        "response.content_part.added",
+        "response.output_text.delta",
+        "response.output_text.delta",
+        "response.output_text.done",
+        "response.content_part.done",
+        "response.output_item.done",
+        "response.completed",
+    ]
     assert [e["sequence_number"] for e in events] == list(range(len(events)))
     at = {"item_id": "msg_abc123_0", "output_index": 0, "content_index": 0}
     part = {"type": "output_text", "text": "Hello, world", "annotations": []}
-    assert events[2] == {"type": "response.output_item.added", "sequence_number": 2, "output_index": 0,
-                         "item": {"id": "msg_abc123_0", "type": "message", "status": "in_progress",
-                                  "role": "assistant", "content": []}}
-    assert events[3] == {"type": "response.content_part.added", "sequence_number": 3, **at,
-                         "part": {**part, "text": ""}}
-    assert events[4] == {"type": "response.output_text.delta", "sequence_number": 4, **at, "delta": "Hello",
-                         "logprobs": []}
+    assert events[2] == {
+        "type": "response.output_item.added",
+        "sequence_number": 2,
+        "output_index": 0,
+        "item": {"id": "msg_abc123_0", "type": "message", "status": "in_progress", "role": "assistant", "content": []},
+    }
+    assert events[3] == {
+        "type": "response.content_part.added",
+        "sequence_number": 3,
+        **at,
+        "part": {**part, "text": ""},
+    }
+    assert events[4] == {
+        "type": "response.output_text.delta",
+        "sequence_number": 4,
+        **at,
+        "delta": "Hello",
+        "logprobs": [],
+    }
     assert events[5]["delta"] == ", world"
-    assert events[6] == {"type": "response.output_text.done", "sequence_number": 6, **at, "text": "Hello, world",
-                         "logprobs": []}
+    assert events[6] == {
+        "type": "response.output_text.done",
+        "sequence_number": 6,
+        **at,
+        "text": "Hello, world",
+        "logprobs": [],
+    }
     assert events[7] == {"type": "response.content_part.done", "sequence_number": 7, **at, "part": part}
-    assert events[8] == {"type": "response.output_item.done", "sequence_number": 8, "output_index": 0,
-                         "item": {"id": "msg_abc123_0", "type": "message", "status": "completed",
-                                  "role": "assistant", "content": [part]}}
+    assert events[8] == {
+        "type": "response.output_item.done",
+        "sequence_number": 8,
+        "output_index": 0,
+        "item": {
+            "id": "msg_abc123_0",
+            "type": "message",
+            "status": "completed",
+            "role": "assistant",
+            "content": [part],
+        },
+    }
 
 
 async def test_oai_66_lifecycle_responses_carry_status_output_and_usage():
@@ -356,8 +455,9 @@ async def test_oai_66_sdk_stream_helper_accumulates_the_final_response():
 
 
 async def test_oai_66_length_ends_in_response_incomplete():
-    events = events_of(await stream([TextDelta(text="cut"), Usage(prompt_tokens=3, completion_tokens=1),
-                                     Finished(reason="length")]))
+    events = events_of(
+        await stream([TextDelta(text="cut"), Usage(prompt_tokens=3, completion_tokens=1), Finished(reason="length")])
+    )
     assert events[-2]["item"]["status"] == "incomplete"
     assert events[-1]["type"] == "response.incomplete"
     assert events[-1]["response"]["status"] == "incomplete"
@@ -366,12 +466,22 @@ async def test_oai_66_length_ends_in_response_incomplete():
 
 
 async def test_oai_66_failure_mid_stream_is_response_failed():
-    raw = await stream([Usage(prompt_tokens=5), TextDelta(text="partial"),
-                        Failed(error=ErrorInfo(kind="BackendUnavailable", message="runner lost"))])
+    raw = await stream(
+        [
+            Usage(prompt_tokens=5),
+            TextDelta(text="partial"),
+            Failed(error=ErrorInfo(kind="BackendUnavailable", message="runner lost")),
+        ]
+    )
     events = events_of(raw)
     assert [e["type"] for e in events] == [
-        "response.created", "response.in_progress", "response.output_item.added", "response.content_part.added",
-        "response.output_text.delta", "response.failed"]
+        "response.created",
+        "response.in_progress",
+        "response.output_item.added",
+        "response.content_part.added",
+        "response.output_text.delta",
+        "response.failed",
+    ]
     failed = events[-1]["response"]
     assert failed["status"] == "failed"
     assert failed["error"] == {"code": "server_error", "message": "runner lost"}
@@ -384,8 +494,10 @@ async def test_oai_66_failure_mid_stream_is_response_failed():
         helper.get_final_response()
 
 
-@pytest.mark.parametrize(("kind", "code"), [("RateLimited", "rate_limit_exceeded"),
-                                            ("InvalidRequest", "invalid_prompt"), ("NoCapacity", "server_error")])
+@pytest.mark.parametrize(
+    ("kind", "code"),
+    [("RateLimited", "rate_limit_exceeded"), ("InvalidRequest", "invalid_prompt"), ("NoCapacity", "server_error")],
+)
 async def test_oai_66_failure_codes_are_the_sdks_literals(kind, code):
     events = events_of(await stream([Failed(error=ErrorInfo(kind=kind, message="x"))]))
     assert events[-1]["response"]["error"]["code"] == code
@@ -407,8 +519,13 @@ async def test_oai_66_keepalive_is_an_sse_comment():
 async def test_oai_66_empty_answer_still_streams_one_message_item():
     events = events_of(await stream([Usage(prompt_tokens=1), Finished()]))
     assert [e["type"] for e in events][2:] == [
-        "response.output_item.added", "response.content_part.added", "response.output_text.done",
-        "response.content_part.done", "response.output_item.done", "response.completed"]
+        "response.output_item.added",
+        "response.content_part.added",
+        "response.output_text.done",
+        "response.content_part.done",
+        "response.output_item.done",
+        "response.completed",
+    ]
     assert events[-1]["response"]["output"][0]["content"][0]["text"] == ""
 
 
@@ -417,11 +534,20 @@ async def test_oai_66_reasoning_streams_as_its_own_item():
     raw = await stream(script)
     events = events_of(raw)
     assert [e["type"] for e in events][2:] == [
-        "response.output_item.added", "response.content_part.added", "response.reasoning_text.delta",
-        "response.reasoning_text.done", "response.content_part.done", "response.output_item.done",
-        "response.output_item.added", "response.content_part.added", "response.output_text.delta",
-        "response.output_text.done", "response.content_part.done", "response.output_item.done",
-        "response.completed"]
+        "response.output_item.added",
+        "response.content_part.added",
+        "response.reasoning_text.delta",
+        "response.reasoning_text.done",
+        "response.content_part.done",
+        "response.output_item.done",
+        "response.output_item.added",
+        "response.content_part.added",
+        "response.output_text.delta",
+        "response.output_text.done",
+        "response.content_part.done",
+        "response.output_item.done",
+        "response.completed",
+    ]
     assert {e["output_index"] for e in events[2:8]} == {0} and {e["output_index"] for e in events[8:14]} == {1}
     assert events[-1]["response"] == json.loads(resp.encode_response(await collect(feed(script)), META))
     assert sdk_final(raw)[1].get_final_response().output_text == "Yes."

@@ -21,7 +21,6 @@ from meshgate.protocols.model import (
     ToolCallDelta,
     Usage,
 )
-
 from tests.protocols.openai_wire import (
     META,
     accumulate,
@@ -30,7 +29,6 @@ from tests.protocols.openai_wire import (
     payloads,
     sdk_stream,
 )
-
 
 # ---------------------------------------------------------------------------------------------------- streams
 

@@ -32,19 +32,22 @@ def test_decode_base64_is_strict() -> None:
 
 def test_decode_base64_wrapped_ignores_line_breaks() -> None:
     text = base64.b64encode(PNG * 10).decode()
-    assert decode_base64("\r\n".join(text[i:i + 8] for i in range(0, len(text), 8)), wrapped=True) == PNG * 10
+    assert decode_base64("\r\n".join(text[i : i + 8] for i in range(0, len(text), 8)), wrapped=True) == PNG * 10
 
 
 # ---------------------------------------------------------------------------------------------------- data URIs
 
 
-@pytest.mark.parametrize(("uri", "parsed"), [
-    ("data:image/png;base64,iVBO", DataURI(media_type="image/png", base64=True, payload="iVBO")),
-    ("data:image/png;charset=x;base64,a,b", DataURI(media_type="image/png", base64=True, payload="a,b")),
-    ("data:;base64,iVBO", DataURI(media_type=None, base64=True, payload="iVBO")),
-    ("data:image/png,iVBO", DataURI(media_type="image/png", base64=False, payload="iVBO")),
-    ("data:,", DataURI(media_type=None, base64=False, payload="")),
-])
+@pytest.mark.parametrize(
+    ("uri", "parsed"),
+    [
+        ("data:image/png;base64,iVBO", DataURI(media_type="image/png", base64=True, payload="iVBO")),
+        ("data:image/png;charset=x;base64,a,b", DataURI(media_type="image/png", base64=True, payload="a,b")),
+        ("data:;base64,iVBO", DataURI(media_type=None, base64=True, payload="iVBO")),
+        ("data:image/png,iVBO", DataURI(media_type="image/png", base64=False, payload="iVBO")),
+        ("data:,", DataURI(media_type=None, base64=False, payload="")),
+    ],
+)
 def test_parse_data_uri(uri: str, parsed: DataURI) -> None:
     assert parse_data_uri(uri) == parsed
 
@@ -119,9 +122,13 @@ def test_stop_sequences_and_only_one() -> None:
 
 def test_usage_body_names_cached_tokens_only_when_there_are_some() -> None:
     assert openai_wire.usage_body(Usage(prompt_tokens=3, completion_tokens=2)) == {
-        "prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5}
+        "prompt_tokens": 3,
+        "completion_tokens": 2,
+        "total_tokens": 5,
+    }
     assert openai_wire.usage_body(Usage(prompt_tokens=3, cached_tokens=2))["prompt_tokens_details"] == {
-        "cached_tokens": 2}
+        "cached_tokens": 2
+    }
 
 
 def test_frames_are_sse_data_lines() -> None:
@@ -133,8 +140,9 @@ def test_frames_are_sse_data_lines() -> None:
 def test_error_envelope_before_and_after_the_stream_started() -> None:
     status, body = openai_wire.error_body(Overloaded("the queue is full", retry_after=2))
     assert status == 429
-    assert json.loads(body) == {"error": {"message": "the queue is full", "type": "rate_limit_error", "param": None,
-                                          "code": "overloaded"}}
+    assert json.loads(body) == {
+        "error": {"message": "the queue is full", "type": "rate_limit_error", "param": None, "code": "overloaded"}
+    }
     assert openai_wire.stream_error_frame(Overloaded("the queue is full")) == b"data: " + body + b"\r\n\r\n"
 
 
@@ -143,9 +151,11 @@ def test_error_envelope_before_and_after_the_stream_started() -> None:
 
 def test_chat_and_legacy_completions_do_not_import_each_other() -> None:
     """Each codec imports ``openai_wire``, not the other (no cycle): importing one alone loads only it."""
-    for module, other in [("openai", "openai_completions"), ("openai_completions", "openai"),
-                          ("openai_responses", "openai")]:
-        code = (f"import sys, meshgate.protocols.{module}; "
-                f"print('meshgate.protocols.{other}' in sys.modules)")
+    for module, other in [
+        ("openai", "openai_completions"),
+        ("openai_completions", "openai"),
+        ("openai_responses", "openai"),
+    ]:
+        code = f"import sys, meshgate.protocols.{module}; print('meshgate.protocols.{other}' in sys.modules)"
         loaded = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
         assert loaded.stdout.strip() == "False", (module, other)

@@ -69,9 +69,11 @@ def _cmdline(pid: int) -> str:
 
 def _snapshot() -> dict[str, set[str]]:
     home = Path.home()
-    return {"tmp": {p.name for p in Path("/tmp").iterdir() if VLLM_TMP.match(p.name)},
-            "shm": {p.name for p in Path("/dev/shm").iterdir()},
-            "cache": {p.name for p in (home / ".cache").glob("*")} | {p.name for p in (home / ".config").glob("*")}}
+    return {
+        "tmp": {p.name for p in Path("/tmp").iterdir() if VLLM_TMP.match(p.name)},
+        "shm": {p.name for p in Path("/dev/shm").iterdir()},
+        "cache": {p.name for p in (home / ".cache").glob("*")} | {p.name for p in (home / ".config").glob("*")},
+    }
 
 
 @pytest.fixture(scope="module")
@@ -82,8 +84,9 @@ def python() -> Path:
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory: pytest.TempPathFactory, python: Path) -> Path:
     root = tmp_path_factory.mktemp("vllm-checkpoints")
-    subprocess.run([str(python), str(HERE / "tiny_model.py"), str(root / MODEL)], check=True, timeout=120,
-                   capture_output=True)
+    subprocess.run(
+        [str(python), str(HERE / "tiny_model.py"), str(root / MODEL)], check=True, timeout=120, capture_output=True
+    )
     return root
 
 
@@ -111,14 +114,24 @@ def runtime_dir() -> Iterator[Path]:
 
 @pytest.fixture(scope="module")
 def server(data_dir: Path, python: Path, checkpoints: Path, runtime_dir: Path, before) -> Iterator[Server]:
-    env = {"MESHGATE_VLLM_PYTHON": str(python), "MESHGATE_VLLM_TENSOR_PARALLEL": "2", "MESHGATE_VLLM_EAGER": "1",
-           "MESHGATE_RUNTIME_DIR": str(runtime_dir), "MESHGATE_MODELS": f"{MODEL}={checkpoints / MODEL}",
-           "MESHGATE_N_CTX": "4096", "MESHGATE_MLX_PYTHON": "", "HF_HUB_OFFLINE": "1"}
+    env = {
+        "MESHGATE_VLLM_PYTHON": str(python),
+        "MESHGATE_VLLM_TENSOR_PARALLEL": "2",
+        "MESHGATE_VLLM_EAGER": "1",
+        "MESHGATE_RUNTIME_DIR": str(runtime_dir),
+        "MESHGATE_MODELS": f"{MODEL}={checkpoints / MODEL}",
+        "MESHGATE_N_CTX": "4096",
+        "MESHGATE_MLX_PYTHON": "",
+        "HF_HUB_OFFLINE": "1",
+    }
     s = Server(data_dir, env=env)
     try:
         started = time.monotonic()
-        warm = httpx.post(f"{s.url}/v1/completions", timeout=400,
-                          json={"model": MODEL, "prompt": PROMPT, "max_tokens": 1, "temperature": 0})
+        warm = httpx.post(
+            f"{s.url}/v1/completions",
+            timeout=400,
+            json={"model": MODEL, "prompt": PROMPT, "max_tokens": 1, "temperature": 0},
+        )
         assert warm.status_code == 200, warm.text
         print(f"vLLM TP=2 instance ready through the gateway in {time.monotonic() - started:.1f}s")
         yield s
@@ -147,8 +160,9 @@ def _vllm_pids(server: Server) -> list[int]:
 GEMMA_PROMPTS = ("The capital of France is", "def fibonacci(n):")
 
 
-async def _launch_and_generate(python: Path, model: Path, runtime_dir: Path, mode: str,
-                               prompts: tuple[str, ...]) -> tuple[list[str], float]:
+async def _launch_and_generate(
+    python: Path, model: Path, runtime_dir: Path, mode: str, prompts: tuple[str, ...]
+) -> tuple[list[str], float]:
     """Start ``model`` once in ``mode`` (``single`` TP=1, ``tensor`` TP=2, ``pipeline`` PP=2) on one node through
     ``VllmBackend.launch``, as an agent does; return the greedy texts of ``prompts`` and the startup seconds."""
     from meshgate.backends.checkpoints import card_from_checkpoint, spec_from_checkpoint
@@ -165,8 +179,15 @@ async def _launch_and_generate(python: Path, model: Path, runtime_dir: Path, mod
         shards = tuple(Shard(node_id=a, layer_start=0, layer_end=n, tensor_rank=r, tensor_size=2) for r in (0, 1))
     else:
         shards = (Shard(node_id=a, layer_start=0, layer_end=n),)
-    plan = Candidate(id=f"test-{mode}", model=card.name, backend="vllm", strategy=mode,  # type: ignore[arg-type]
-                     context=512, shards=shards, memory_per_node={})
+    plan = Candidate(
+        id=f"test-{mode}",
+        model=card.name,
+        backend="vllm",
+        strategy=mode,  # type: ignore[arg-type]
+        context=512,
+        shards=shards,
+        memory_per_node={},
+    )
     async with httpx.AsyncClient(trust_env=False) as http:
         backend = VllmBackend(http, python=str(python), runtime_dir=str(runtime_dir), eager=True, ready_timeout=400)
 
@@ -180,8 +201,9 @@ async def _launch_and_generate(python: Path, model: Path, runtime_dir: Path, mod
             runner = backend.connect(card, plan, {"a": launched.url})
             texts = []
             for prompt in prompts:
-                request = Request(model=card.name, raw_prompt=prompt, sampling=Sampling(temperature=0.0),
-                                  max_tokens=TOKENS)
+                request = Request(
+                    model=card.name, raw_prompt=prompt, sampling=Sampling(temperature=0.0), max_tokens=TOKENS
+                )
                 texts.append((await collect(runner.generate(request))).text)
             return texts, startup
         finally:
@@ -194,9 +216,12 @@ def test_real_gemma_greedy_tokens_under_tp2_and_pp2_equal_tp1(python: Path, conv
     (9 + 9 layers) give the greedy text of TP=1. First in the module, so the shared tiny instance is not up yet and
     its idle workers do not take CPU from these starts."""
     with short_dir("mg-vllm-") as runtime:
-        results = {mode: asyncio.run(asyncio.wait_for(
-            _launch_and_generate(python, converted_gemma, runtime, mode, GEMMA_PROMPTS), 500))
-            for mode in ("single", "tensor", "pipeline")}
+        results = {
+            mode: asyncio.run(
+                asyncio.wait_for(_launch_and_generate(python, converted_gemma, runtime, mode, GEMMA_PROMPTS), 500)
+            )
+            for mode in ("single", "tensor", "pipeline")
+        }
         for mode, (texts, startup) in results.items():
             print(f"Gemma 3 270M vLLM {mode}: ready in {startup:.1f}s, {texts}")
         reference = results["single"][0]
@@ -212,8 +237,13 @@ def test_three_sdks_get_the_same_greedy_text(server: Server) -> None:
     messages = [{"role": "user", "content": PROMPT}]
     oai = openai.OpenAI(base_url=f"{server.url}/v1", api_key="x", max_retries=0, timeout=120)
     chat = oai.chat.completions.create(model=MODEL, messages=messages, max_tokens=TOKENS, temperature=0)
-    streamed = "".join(c.choices[0].delta.content or "" for c in oai.chat.completions.create(
-        model=MODEL, messages=messages, max_tokens=TOKENS, temperature=0, stream=True) if c.choices)
+    streamed = "".join(
+        c.choices[0].delta.content or ""
+        for c in oai.chat.completions.create(
+            model=MODEL, messages=messages, max_tokens=TOKENS, temperature=0, stream=True
+        )
+        if c.choices
+    )
     ant = anthropic.Anthropic(base_url=server.url, api_key="x", max_retries=0, timeout=120)
     message = ant.messages.create(model=MODEL, messages=messages, max_tokens=TOKENS, extra_body={"temperature": 0})
     oll = ollama.Client(host=server.url, timeout=120)
@@ -231,7 +261,7 @@ def test_raw_prompt_stop_string_and_token_count(server: Server) -> None:
     full = oai.completions.create(model=MODEL, prompt=PROMPT, max_tokens=TOKENS, temperature=0).choices[0].text
     stop = full[3:5]
     cut = oai.completions.create(model=MODEL, prompt=PROMPT, max_tokens=TOKENS, temperature=0, stop=[stop])
-    assert cut.choices[0].text == full[:full.index(stop)] and cut.choices[0].finish_reason == "stop"
+    assert cut.choices[0].text == full[: full.index(stop)] and cut.choices[0].finish_reason == "stop"
     ant = anthropic.Anthropic(base_url=server.url, api_key="x", max_retries=0, timeout=120)
     counted = ant.messages.count_tokens(model=MODEL, messages=[{"role": "user", "content": PROMPT}])
     assert counted.input_tokens == 10
@@ -275,13 +305,26 @@ def _fault_request(server: Server, protocol: str) -> tuple[str, dict]:
     cannot end well once the kill lands."""
     messages = [{"role": "user", "content": "Ring ring ring"}]
     if protocol == "openai":
-        return f"{server.url}/v1/chat/completions", {"model": MODEL, "stream": True, "messages": messages,
-                                                     "max_tokens": FAULT_TOKENS, "temperature": 0}
+        return f"{server.url}/v1/chat/completions", {
+            "model": MODEL,
+            "stream": True,
+            "messages": messages,
+            "max_tokens": FAULT_TOKENS,
+            "temperature": 0,
+        }
     if protocol == "anthropic":
-        return f"{server.url}/v1/messages", {"model": MODEL, "stream": True, "messages": messages,
-                                             "max_tokens": FAULT_TOKENS, "temperature": 0}
-    return f"{server.url}/api/chat", {"model": MODEL, "messages": messages,
-                                      "options": {"num_predict": FAULT_TOKENS, "temperature": 0}}
+        return f"{server.url}/v1/messages", {
+            "model": MODEL,
+            "stream": True,
+            "messages": messages,
+            "max_tokens": FAULT_TOKENS,
+            "temperature": 0,
+        }
+    return f"{server.url}/api/chat", {
+        "model": MODEL,
+        "messages": messages,
+        "options": {"num_predict": FAULT_TOKENS, "temperature": 0},
+    }
 
 
 def _assert_protocol_error(protocol: str, lines: list[str]) -> None:
@@ -298,8 +341,9 @@ def _assert_protocol_error(protocol: str, lines: list[str]) -> None:
 
 
 @pytest.mark.parametrize("protocol", FAULT_PROTOCOLS)
-def test_worker_killed_mid_generation_fails_the_stream_and_leaves_nothing(server: Server, runtime_dir: Path,
-                                                                          protocol: str) -> None:
+def test_worker_killed_mid_generation_fails_the_stream_and_leaves_nothing(
+    server: Server, runtime_dir: Path, protocol: str
+) -> None:
     """SIGKILL one TP worker (each rank in turn) while a stream runs: vLLM's engine dies and sends the stream an
     error frame; the gateway renders it in the protocol's mid-stream error form. vLLM's watchdog then stops its
     API server, the agent stops what is left (workers, folder, /dev/shm segments) and reports the runner failed,
@@ -315,8 +359,9 @@ def test_worker_killed_mid_generation_fails_the_stream_and_leaves_nothing(server
     [old_folder] = list(runtime_dir.iterdir())
     tokens: list[int] = [0]
     lines: list[str] = []
-    reader = threading.Thread(target=_stream_lines, args=(*_fault_request(server, protocol), tokens, lines),
-                              daemon=True)
+    reader = threading.Thread(
+        target=_stream_lines, args=(*_fault_request(server, protocol), tokens, lines), daemon=True
+    )
     reader.start()
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline and tokens[0] < 2:
@@ -326,21 +371,27 @@ def test_worker_killed_mid_generation_fails_the_stream_and_leaves_nothing(server
     killed, at_kill = time.monotonic(), tokens[0]
     reader.join(150)
     assert not reader.is_alive()
-    print(f"{protocol}: the stream ended {time.monotonic() - killed:.1f}s after the kill; text lines at the kill "
-          f"{at_kill}, in all {tokens[0]}")
+    print(
+        f"{protocol}: the stream ended {time.monotonic() - killed:.1f}s after the kill; text lines at the kill "
+        f"{at_kill}, in all {tokens[0]}"
+    )
     _assert_protocol_error(protocol, lines)
     # vLLM's watchdog stops the API server; the agent stops what is left and reports the runner failed; the
     # instance manager re-places the instance: no process, folder or segment of the old one remains
     deadline = time.monotonic() + 120
-    while time.monotonic() < deadline and (any(alive(p) for p in before_pids) or old_folder.exists()
-                                           or _instance(server)["epoch"] == before["epoch"]):
+    while time.monotonic() < deadline and (
+        any(alive(p) for p in before_pids) or old_folder.exists() or _instance(server)["epoch"] == before["epoch"]
+    ):
         time.sleep(0.5)
     assert not any(alive(p) for p in before_pids), [(p, _cmdline(p)) for p in before_pids if alive(p)]
     assert not old_folder.exists(), "the dead instance's runtime folder was not removed"
     replaced = _instance(server)
     assert replaced["id"] == before["id"] and replaced["epoch"] == before["epoch"] + 1, replaced
-    kinds = [e["kind"] for e in httpx.get(f"{server.url}/events", params={"count": 1000}, timeout=10).json()
-             if e["instance_id"] == before["id"]]
+    kinds = [
+        e["kind"]
+        for e in httpx.get(f"{server.url}/events", params={"count": 1000}, timeout=10).json()
+        if e["instance_id"] == before["id"]
+    ]
     assert "instance.failed" in kinds and "instance.replaced" in kinds, kinds
     assert kinds.index("instance.failed") < kinds.index("instance.replaced")
     assert set(_vllm_pids(server)).isdisjoint(before_pids)  # the re-placed instance is a new process group

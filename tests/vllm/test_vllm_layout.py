@@ -17,8 +17,15 @@ from tests.cluster.sockets import listening
 
 
 def placement(strategy: str, *shards: Shard) -> Candidate:
-    return Candidate(id="p", model="m", backend="vllm", strategy=strategy,  # type: ignore[arg-type]
-                     context=512, shards=shards, memory_per_node={})
+    return Candidate(
+        id="p",
+        model="m",
+        backend="vllm",
+        strategy=strategy,  # type: ignore[arg-type]
+        context=512,
+        shards=shards,
+        memory_per_node={},
+    )
 
 
 def shard(node: str, start: int, end: int, rank: int = 0, size: int = 1) -> Shard:
@@ -79,11 +86,20 @@ def test_the_bind_shim_moves_a_wildcard_listener_to_the_cluster_address(tmp_path
 
 def test_the_bind_shim_leaves_explicit_addresses_and_fails_closed(tmp_path: Path) -> None:
     library = bindshim.build(tmp_path)
-    explicit = subprocess.run([sys.executable, "-c", BIND_ANY.replace("time.sleep(30)", ""), "127.0.0.1"],
-                              env=bindshim.confine({}, library, "127.0.0.2"), capture_output=True, text=True,
-                              timeout=30)
+    explicit = subprocess.run(
+        [sys.executable, "-c", BIND_ANY.replace("time.sleep(30)", ""), "127.0.0.1"],
+        env=bindshim.confine({}, library, "127.0.0.2"),
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
     assert explicit.stdout.strip() == "127.0.0.1"
     # an IPv6 cluster address cannot take an IPv4 wildcard bind: it fails rather than listen everywhere
-    refused = subprocess.run([sys.executable, "-c", BIND_ANY, "0.0.0.0"], env=bindshim.confine({}, library, "::1"),
-                             capture_output=True, text=True, timeout=30)
+    refused = subprocess.run(
+        [sys.executable, "-c", BIND_ANY, "0.0.0.0"],
+        env=bindshim.confine({}, library, "::1"),
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
     assert refused.returncode != 0 and "Cannot assign requested address" in refused.stderr

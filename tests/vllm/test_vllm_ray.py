@@ -51,15 +51,28 @@ def runtime_dir() -> Iterator[Path]:
 def cluster(tmp_path_factory, data_dir, runtime_dir: Path) -> Iterator[Server]:
     python = vllm_python()
     checkpoints = tmp_path_factory.mktemp("ray-checkpoints")
-    subprocess.run([str(python), str(HERE / "tiny_model.py"), str(checkpoints / MODEL)], check=True, timeout=120,
-                   capture_output=True)
-    env = {"MESHGATE_MODELS": f"{MODEL}={checkpoints / MODEL}", "MESHGATE_VLLM_PYTHON": str(python),
-           "MESHGATE_VLLM_EAGER": "1", "MESHGATE_RUNTIME_DIR": str(runtime_dir), "MESHGATE_DISABLED_PLUGINS": "mlx",
-           "MESHGATE_MLX_PYTHON": "", "HF_HUB_OFFLINE": "1", "MESHGATE_HEARTBEAT": "0.5", "MESHGATE_NODE_TTL": "15",
-           "MESHGATE_LINK_PROBE_EVERY": "2"}
+    subprocess.run(
+        [str(python), str(HERE / "tiny_model.py"), str(checkpoints / MODEL)],
+        check=True,
+        timeout=120,
+        capture_output=True,
+    )
+    env = {
+        "MESHGATE_MODELS": f"{MODEL}={checkpoints / MODEL}",
+        "MESHGATE_VLLM_PYTHON": str(python),
+        "MESHGATE_VLLM_EAGER": "1",
+        "MESHGATE_RUNTIME_DIR": str(runtime_dir),
+        "MESHGATE_DISABLED_PLUGINS": "mlx",
+        "MESHGATE_MLX_PYTHON": "",
+        "HF_HUB_OFFLINE": "1",
+        "MESHGATE_HEARTBEAT": "0.5",
+        "MESHGATE_NODE_TTL": "15",
+        "MESHGATE_LINK_PROBE_EVERY": "2",
+    }
     nodes = {name: {"MESHGATE_CLUSTER_ADDRESS": address} for name, address in ADDRESSES.items()}
-    with linked_cluster(tmp_path_factory, data_dir, "ray", n_ctx=N_CTX, env=env, nodes=nodes, memory=str(8 << 30),
-                        show_logs=True) as (gateway, _):
+    with linked_cluster(
+        tmp_path_factory, data_dir, "ray", n_ctx=N_CTX, env=env, nodes=nodes, memory=str(8 << 30), show_logs=True
+    ) as (gateway, _):
         yield gateway
 
 
@@ -108,8 +121,10 @@ def place(gateway: Server, **body: object) -> dict:
 
 def texts(gateway: Server) -> list[str]:
     client = openai.OpenAI(base_url=f"{gateway.url}/v1", api_key="x", max_retries=0, timeout=120)
-    return [client.completions.create(model=MODEL, prompt=p, max_tokens=TOKENS, temperature=0).choices[0].text
-            for p in PROMPTS]
+    return [
+        client.completions.create(model=MODEL, prompt=p, max_tokens=TOKENS, temperature=0).choices[0].text
+        for p in PROMPTS
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -129,8 +144,9 @@ def pipeline(cluster: Server, runtime_dir: Path) -> dict:
     return {"instance": ready, "reference": reference, "before": before}
 
 
-def test_pipeline_over_ray_across_two_agents_gives_the_single_node_text(cluster: Server, runtime_dir: Path,
-                                                                        pipeline: dict) -> None:
+def test_pipeline_over_ray_across_two_agents_gives_the_single_node_text(
+    cluster: Server, runtime_dir: Path, pipeline: dict
+) -> None:
     ready = pipeline["instance"]
     placement = ready["placement"]
     assert placement["backend"] == "vllm" and placement["strategy"] == "pipeline"
@@ -146,9 +162,13 @@ def test_pipeline_over_ray_across_two_agents_gives_the_single_node_text(cluster:
     other = ADDRESSES[next(n for n in ADDRESSES if n != head)]
     assert actors(runtime_dir, on=other), "no vLLM worker on the other node"
     # and it is vLLM's stage 1: Ray node ids sort by stage (raynode.stage_env), the head's first
-    raylets = {m.group(2): m.group(1) for line in using(runtime_dir) if "raylet" in line
-               for m in [re.search(r"--node_id=(\w+) --node_ip_address=([\d.]+)", _cmdline(int(line.split(":")[0])))]
-               if m}
+    raylets = {
+        m.group(2): m.group(1)
+        for line in using(runtime_dir)
+        if "raylet" in line
+        for m in [re.search(r"--node_id=(\w+) --node_ip_address=([\d.]+)", _cmdline(int(line.split(":")[0])))]
+        if m
+    }
     assert raylets[ADDRESSES[head]].startswith("00000000") and raylets[other].startswith("00000001"), raylets
     log = next(runtime_dir.glob("vllm-*/server.log")).read_text(errors="replace")
     assert [int(pid) for pid in re.findall(r"Worker_PP1 pid=(\d+)", log)][:1] == actors(runtime_dir, on=other)
@@ -163,12 +183,16 @@ def test_pipeline_over_ray_across_two_agents_gives_the_single_node_text(cluster:
 def actors(runtime_dir: Path, on: str | None = None) -> list[int]:
     """pids of vLLM's Ray worker actors (on the node whose address is ``on``)."""
     found = [int(line.split(":")[0]) for line in using(runtime_dir) if "RayWorkerProc" in line]
-    return [pid for pid in found if on is None or f"VLLM_HOST_IP={on}\0" in
-            (Path("/proc") / str(pid) / "environ").read_text(errors="replace")]
+    return [
+        pid
+        for pid in found
+        if on is None or f"VLLM_HOST_IP={on}\0" in (Path("/proc") / str(pid) / "environ").read_text(errors="replace")
+    ]
 
 
 def test_a_ray_worker_killed_mid_generation_fails_the_stream_and_the_instance_is_replaced(
-        cluster: Server, runtime_dir: Path, pipeline: dict) -> None:
+    cluster: Server, runtime_dir: Path, pipeline: dict
+) -> None:
     """SIGKILL vLLM's stage-1 actor on the other node while a stream runs: the OpenAI stream ends with an error,
     the gateway stays up, the head's agent sees its vLLM server gone and the instance is re-placed over Ray (a new
     epoch, new processes) and answers alike; at the end, deleting it leaves nothing."""
@@ -185,8 +209,13 @@ def test_a_ray_worker_killed_mid_generation_fails_the_stream_and_the_instance_is
             pass
     print(f"the stream failed {time.monotonic() - started:.1f}s after the kill")
     assert httpx.get(f"{cluster.url}/api/version").status_code == 200, "the gateway stays up"
-    replaced = wait_for(lambda: (i := instance(cluster, current["id"]))["state"]["state"] == "ready"
-                        and i["epoch"] > current["epoch"] and i, 400, "re-placed and ready")
+    replaced = wait_for(
+        lambda: (
+            (i := instance(cluster, current["id"]))["state"]["state"] == "ready" and i["epoch"] > current["epoch"] and i
+        ),
+        400,
+        "re-placed and ready",
+    )
     print(f"re-placed and ready {time.monotonic() - started:.1f}s after the kill")
     assert replaced["placement"]["strategy"] == "pipeline", "re-placed with its own constraints"
     assert not any(alive(pid) for pid in old), [pid for pid in old if alive(pid)]

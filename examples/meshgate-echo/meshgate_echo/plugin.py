@@ -6,8 +6,16 @@ from collections.abc import AsyncIterator, Mapping
 
 import meshgate
 
-CARD = meshgate.ModelCard(name="echo:latest", path="", format="echo", family="echo", parameter_size="0", size=0,
-                 context_length=4096, source="meshgate-echo")
+CARD = meshgate.ModelCard(
+    name="echo:latest",
+    path="",
+    format="echo",
+    family="echo",
+    parameter_size="0",
+    size=0,
+    context_length=4096,
+    source="meshgate-echo",
+)
 
 
 class EchoRunner:
@@ -44,14 +52,29 @@ class EchoBackend(meshgate.Backend):
         return frozenset({"single"})
 
     def spec(self, card: meshgate.ModelCard) -> meshgate.ModelSpec:
-        return meshgate.ModelSpec(name=card.name, n_layers=1, hidden_size=8, n_heads=1, n_kv_heads=1, head_dim=8,
-                         context_length=card.context_length, layer_bytes=1 << 20)
+        return meshgate.ModelSpec(
+            name=card.name,
+            n_layers=1,
+            hidden_size=8,
+            n_heads=1,
+            n_kv_heads=1,
+            head_dim=8,
+            context_length=card.context_length,
+            layer_bytes=1 << 20,
+        )
 
     def costs(self, card: meshgate.ModelCard) -> meshgate.ShardCosts:
         return meshgate.ShardCosts()
 
-    async def launch(self, card: meshgate.ModelCard, placement: meshgate.Candidate, shard: meshgate.Shard, *, host: str,
-                     peers: meshgate.Peers) -> meshgate.InProcess:
+    async def launch(
+        self,
+        card: meshgate.ModelCard,
+        placement: meshgate.Candidate,
+        shard: meshgate.Shard,
+        *,
+        host: str,
+        peers: meshgate.Peers,
+    ) -> meshgate.InProcess:
         return meshgate.InProcess()
 
     def connect(self, card: meshgate.ModelCard, placement: meshgate.Candidate, urls: Mapping[str, str]) -> EchoRunner:

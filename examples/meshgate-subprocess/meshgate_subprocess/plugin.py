@@ -17,8 +17,16 @@ from typing import Any
 
 import meshgate
 
-CARD = meshgate.ModelCard(name="shout:latest", path="", format="shout", family="shout", parameter_size="0", size=0,
-                          context_length=4096, source="meshgate-subprocess")
+CARD = meshgate.ModelCard(
+    name="shout:latest",
+    path="",
+    format="shout",
+    family="shout",
+    parameter_size="0",
+    size=0,
+    context_length=4096,
+    source="meshgate-subprocess",
+)
 
 
 class ShoutProcess:
@@ -57,20 +65,36 @@ class ShoutBackend(meshgate.Backend):
         return frozenset({"single"})  # one process on one node; no pipeline split
 
     def spec(self, card: meshgate.ModelCard) -> meshgate.ModelSpec:
-        return meshgate.ModelSpec(name=card.name, n_layers=1, hidden_size=8, n_heads=1, n_kv_heads=1, head_dim=8,
-                                  context_length=card.context_length, layer_bytes=1 << 20)
+        return meshgate.ModelSpec(
+            name=card.name,
+            n_layers=1,
+            hidden_size=8,
+            n_heads=1,
+            n_kv_heads=1,
+            head_dim=8,
+            context_length=card.context_length,
+            layer_bytes=1 << 20,
+        )
 
     def costs(self, card: meshgate.ModelCard) -> meshgate.ShardCosts:
         return meshgate.ShardCosts(base_bytes=40 << 20)  # a Python process with uvicorn, about 40 MiB resident
 
-    async def launch(self, card: meshgate.ModelCard, placement: meshgate.Candidate, shard: meshgate.Shard, *,
-                     host: str, peers: meshgate.Peers) -> ShoutProcess:
+    async def launch(
+        self,
+        card: meshgate.ModelCard,
+        placement: meshgate.Candidate,
+        shard: meshgate.Shard,
+        *,
+        host: str,
+        peers: meshgate.Peers,
+    ) -> ShoutProcess:
         argv = [self.python, "-m", "meshgate_subprocess.runner", "--host", host, "--port", "0"]
         process = await meshgate.RunnerProcess.start(argv, name=card.name, ready_timeout=self.ready_timeout)
         return ShoutProcess(process, host)
 
-    def connect(self, card: meshgate.ModelCard, placement: meshgate.Candidate,
-                urls: Mapping[str, str]) -> meshgate.RunnerClient:
+    def connect(
+        self, card: meshgate.ModelCard, placement: meshgate.Candidate, urls: Mapping[str, str]
+    ) -> meshgate.RunnerClient:
         return meshgate.RunnerClient(urls[placement.shards[0].node_id], self.http)  # "single": one shard, one runner
 
 

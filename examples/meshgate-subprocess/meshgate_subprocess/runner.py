@@ -54,8 +54,7 @@ class ShoutEngine:
         yield meshgate.Usage(prompt_tokens=len(words))
         for i, word in enumerate(words[:limit]):
             if i and cancel.wait(self.pace):  # sleeps one pace, or wakes up early when cancelled
-                print(f"meshgate-subprocess runner: cancelled after {i} of {limit} words", file=sys.stderr,
-                      flush=True)
+                print(f"meshgate-subprocess runner: cancelled after {i} of {limit} words", file=sys.stderr, flush=True)
                 return
             yield meshgate.TextDelta(text=word.upper() if i == 0 else " " + word.upper())
         yield meshgate.Usage(prompt_tokens=len(words), completion_tokens=limit)

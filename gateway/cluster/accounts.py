@@ -16,16 +16,25 @@ caps how many names it keeps, so random callers cannot grow it without bound.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
 import time
 from collections import OrderedDict
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Literal, Protocol
 
 import msgspec
 import redis.asyncio as aioredis
+from redis.asyncio.retry import Retry
+from redis.backoff import ExponentialBackoff
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import RedisError
+from redis.exceptions import TimeoutError as RedisTimeoutError
+
+from meshgate.protocols.model import BackendUnavailable
 
 __all__ = ["ApiKey", "Accounts", "MemoryAccounts", "RedisAccounts", "Scope", "retry_after"]
 
@@ -139,34 +148,54 @@ return {1, tostring(count)}
 """
 
 
+@contextlib.contextmanager
+def _reachable() -> Iterator[None]:
+    """Redis down past the client's retries: a 503 the client may retry, not an internal error."""
+    try:
+        yield
+    except RedisError as exc:
+        raise BackendUnavailable(f"the key and limit store (Redis) is unreachable: {exc}") from exc
+
+
 class RedisAccounts:
     """Keys and counters in Redis at ``url``, shared by every gateway."""
 
     def __init__(self, url: str, prefix: str = "meshgate:") -> None:
         self.prefix = prefix
-        self._r = aioredis.Redis.from_url(url)
+        # as the state store: a connection broken by a Redis restart is retried on a new one
+        self._r = aioredis.Redis.from_url(
+            url,
+            retry=Retry(ExponentialBackoff(cap=1.0, base=0.05), 5),
+            retry_on_error=[RedisConnectionError, RedisTimeoutError],
+            health_check_interval=10,
+        )
         self._window = self._r.register_script(_WINDOW)
 
     async def put_key(self, key: ApiKey) -> None:
-        await self._r.hset(self.prefix + "keys", key.id, msgspec.json.encode(key))
+        with _reachable():
+            await self._r.hset(self.prefix + "keys", key.id, msgspec.json.encode(key))
 
     async def get_key(self, key_id: str) -> ApiKey | None:
-        raw = await self._r.hget(self.prefix + "keys", key_id)
+        with _reachable():
+            raw = await self._r.hget(self.prefix + "keys", key_id)
         return msgspec.json.decode(raw, type=ApiKey) if raw else None
 
     async def keys(self) -> list[ApiKey]:
-        raw = await self._r.hvals(self.prefix + "keys")
+        with _reachable():
+            raw = await self._r.hvals(self.prefix + "keys")
         return sorted((msgspec.json.decode(r, type=ApiKey) for r in raw), key=lambda k: k.created)
 
     async def delete_key(self, key_id: str) -> bool:
-        return bool(await self._r.hdel(self.prefix + "keys", key_id))
+        with _reachable():
+            return bool(await self._r.hdel(self.prefix + "keys", key_id))
 
     async def window(self, name: str, amount: int, limit: int, window: float = 60.0) -> tuple[bool, float]:
         slot, share = _slot(window, time.time())
         base = f"{self.prefix}window:{name}:"
-        counted, count = await self._window(
-            keys=[f"{base}{slot}", f"{base}{slot - 1}"], args=[repr(share), amount, limit, int(window * 2000)]
-        )
+        with _reachable():
+            counted, count = await self._window(
+                keys=[f"{base}{slot}", f"{base}{slot - 1}"], args=[repr(share), amount, limit, int(window * 2000)]
+            )
         return bool(counted), float(count)
 
     async def close(self) -> None:

@@ -45,8 +45,8 @@ def rss(pid: int) -> int:
 def single_process_text(gguf: Path) -> str:
     """The reference: one process, repacking off (as meshgate loads), greedy."""
     code = (
-        "import sys, threading; from backends.llama_cpp.engine import LlamaEngine; "
-        "from protocols.model import Request, Sampling, TextDelta; "
+        "import sys, threading; from meshgate.backends.llama_cpp.engine import LlamaEngine; "
+        "from meshgate.protocols.model import Request, Sampling, TextDelta; "
         f"e = LlamaEngine(sys.argv[1], n_ctx={N_CTX}); "
         f"r = Request(model='m', raw_prompt={PROMPT!r}, max_tokens={TOKENS}, sampling=Sampling(temperature=0.0)); "
         "print(''.join(ev.text for ev in e.generate(r, threading.Event()) if isinstance(ev, TextDelta)), end='')"

@@ -65,6 +65,7 @@ def _serve(settings: Settings, args: argparse.Namespace) -> int:
             "anyone who can reach this port can use and administer it",
             settings.host,
         )
+    _return_freed_memory()
     app = create_app(settings, build_plugin_manager(settings))
     uvicorn.run(
         app,
@@ -73,8 +74,24 @@ def _serve(settings: Settings, args: argparse.Namespace) -> int:
         log_level=settings.log_level,
         access_log=settings.log_level == "debug",
         timeout_graceful_shutdown=5,
+        timeout_keep_alive=75,  # above clients' idle limits (httpx: 5 s), so a reused connection is never
+        # closed under a request that is already on its way
     )
     return 0
+
+
+def _return_freed_memory() -> None:
+    """Have glibc serve buffers of 128 KiB and more with mmap, so a large request body freed goes back to the
+    system (by default glibc raises that threshold as large blocks come and go, and keeps them)."""
+    import ctypes
+    import ctypes.util
+
+    name = ctypes.util.find_library("c")
+    if sys.platform.startswith("linux") and name:
+        try:
+            ctypes.CDLL(name).mallopt(-3, 128 << 10)  # M_MMAP_THRESHOLD
+        except (OSError, AttributeError):  # not glibc (musl has no mallopt): nothing to tune
+            pass
 
 
 def _node(settings: Settings, args: argparse.Namespace) -> int:

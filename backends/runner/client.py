@@ -124,6 +124,8 @@ class RunnerClient:
                 headers={"content-type": "application/json", **self.headers},
                 timeout=self.timeout,
             )
+        response.stream = httpx.ByteStream(b"")  # httpx 0.28 keeps the response (and the request body, a whole
+        # prompt) in a reference cycle with its stream: broken here, the body is freed at once
         if response.status_code == 401:
             raise secret_refused()
         if response.status_code != 200:

@@ -109,6 +109,9 @@ async def collect_or_cancel(request: HttpRequest, opening: Awaitable[AsyncIterat
                 task.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
                     await task
+        # the task holds its exception, whose traceback holds this frame, which holds the task: without this
+        # cycle break every refused request (its body, its messages) stays until a garbage collection
+        del collecting, watching, task
 
 
 async def _disconnect(request: HttpRequest) -> None:

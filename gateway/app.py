@@ -11,7 +11,6 @@ import contextlib
 import logging
 import uuid
 from collections.abc import AsyncIterator
-from pathlib import Path
 
 import pluggy
 from litestar import Litestar, Request, Response
@@ -20,7 +19,7 @@ from litestar.openapi import OpenAPIConfig
 from litestar.types import Message, Scope
 
 from meshgate.gateway.auth import KeyRing, authorize
-from meshgate.gateway.cluster.accounts import MemoryAccounts, RedisAccounts
+from meshgate.gateway.cluster.accounts import open_accounts
 from meshgate.gateway.cluster.runtime import control_plane
 from meshgate.gateway.openapi_bodies import describe_request_bodies
 from meshgate.gateway.routes import anthropic as anthropic_routes
@@ -88,11 +87,7 @@ def create_app(settings: Settings, plugins: pluggy.PluginManager) -> Litestar:
             )
             app.state.dispatcher = plane.dispatcher
             app.state.plane = plane
-            accounts = (
-                RedisAccounts(settings.redis)
-                if settings.redis
-                else MemoryAccounts(Path(settings.data_dir) / "keys.json")
-            )
+            accounts = open_accounts(settings.redis, settings.data_dir)
             app.state.keyring = KeyRing(accounts, settings.api_keys, settings.rate_limit)
             try:
                 yield

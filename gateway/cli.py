@@ -142,15 +142,18 @@ def _loopback(host: str) -> bool:
 
 def _stored_keys(settings: Settings) -> bool:
     """Whether ``meshgate keys create`` made any key this gateway will read (then auth is on)."""
-    from pathlib import Path
+    import asyncio
 
-    if settings.redis:
-        import redis
+    from meshgate.gateway.cluster.accounts import open_accounts
 
-        with redis.Redis.from_url(settings.redis) as r:
-            return bool(r.hlen("meshgate:keys"))
-    path = Path(settings.data_dir) / "keys.json"
-    return path.exists() and path.read_text().strip() not in ("", "[]")
+    async def any_key() -> bool:
+        accounts = open_accounts(settings.redis, settings.data_dir)
+        try:
+            return bool(await accounts.keys())
+        finally:
+            await accounts.close()
+
+    return asyncio.run(any_key())
 
 
 def _client(args: argparse.Namespace):

@@ -36,7 +36,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from meshgate.protocols.model import BackendUnavailable
 
-__all__ = ["ApiKey", "Accounts", "MemoryAccounts", "RedisAccounts", "Scope", "retry_after"]
+__all__ = ["ApiKey", "Accounts", "MemoryAccounts", "RedisAccounts", "Scope", "open_accounts", "retry_after"]
 
 Scope = Literal["inference", "admin"]
 
@@ -65,6 +65,11 @@ class Accounts(Protocol):
         ...
 
     async def close(self) -> None: ...
+
+
+def open_accounts(redis: str | None, data_dir: str) -> Accounts:
+    """The key store of a gateway with these settings: Redis when it has one, else ``<data_dir>/keys.json``."""
+    return RedisAccounts(redis) if redis else MemoryAccounts(Path(data_dir) / "keys.json")
 
 
 def _slot(window: float, now: float) -> tuple[int, float]:

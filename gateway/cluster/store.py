@@ -16,7 +16,6 @@ Redis keys, all under ``prefix`` (default ``meshgate:``)::
     events               stream  field e -> StoreEvent JSON, its id the stream id; XADD MAXLEN ~ 10000
     generation           int     bumped by every write that changes nodes, links or instances
     changes              pub/sub channel; messages "nodes" | "links" | "instances" (wake-ups only)
-    ratelimit:{key}:{n}  int     requests in fixed window n of a rate limit; expires after two windows
     cluster_secret       string  the secret runners and agents demand of callers; set once (SET NX), never changed
 
 Decisions:
@@ -131,9 +130,6 @@ class StateStore(Protocol):
     async def generation(self) -> int:
         """A counter bumped by every change of nodes, links or instances."""
 
-    async def hit(self, key: str, window: float) -> int:
-        """Count one hit on ``key`` in the current fixed window of ``window`` seconds; the count so far."""
-
     async def cluster_secret(self, proposed: str) -> str:
         """The cluster's secret: the one stored, else ``proposed``, stored now (the first caller's wins)."""
 
@@ -187,7 +183,6 @@ class MemoryStore:
         self._events: deque[tuple[tuple[int, int], bytes]] = deque(maxlen=MAX_EVENTS)
         self._last_id = (0, 0)
         self._generation = 0
-        self._hits: dict[str, dict[int, int]] = {}
         self._secret: str | None = None
         self._watchers = _Watchers()
 
@@ -280,14 +275,6 @@ class MemoryStore:
 
     async def generation(self) -> int:
         return self._generation
-
-    async def hit(self, key: str, window: float) -> int:
-        slot = int(time.time() // window)
-        counts = self._hits.setdefault(key, {})
-        for old in [k for k in counts if k != slot]:
-            del counts[old]
-        counts[slot] = counts.get(slot, 0) + 1
-        return counts[slot]
 
     async def cluster_secret(self, proposed: str) -> str:
         if self._secret is None:
@@ -494,13 +481,6 @@ class RedisStore:
 
     async def generation(self) -> int:
         return int(await self._r.get(self._key("generation")) or 0)
-
-    async def hit(self, key: str, window: float) -> int:
-        slot = int(time.time() // window)
-        name = self._key("ratelimit", f"{key}:{slot}")
-        async with self._r.pipeline(transaction=True) as pipe:
-            count, _ = await pipe.incr(name).pexpire(name, int(window * 2000)).execute()
-        return int(count)
 
     async def cluster_secret(self, proposed: str) -> str:
         key = self._key("cluster_secret")

@@ -55,12 +55,8 @@ def who(request: HttpRequest) -> dict[str, Any]:
     """``open_stream``'s view of the caller ``gateway.auth.authorize`` found: its line in the queue, the models
     its key may use, and (with a token budget) where its usage is counted."""
     caller = caller_of(request)
-    ring = request.app.state.keyring
-    return {
-        "caller": caller.bucket,
-        "may_use": caller.may_use if caller.models else None,
-        "on_usage": ring.meter(caller) if caller.tpm else None,
-    }
+    meter = request.app.state.keyring.meter(caller) if caller.tpm else None
+    return {"caller": caller.bucket, "may_use": may_use(request), "on_usage": meter}
 
 
 def may_use(request: HttpRequest) -> Callable[[str], bool] | None:

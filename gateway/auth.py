@@ -32,7 +32,7 @@ from litestar.connection import ASGIConnection
 from litestar.handlers.base import BaseRouteHandler
 
 from meshgate.gateway.cluster.accounts import Accounts, ApiKey, Scope, retry_after
-from meshgate.protocols.model import AuthenticationFailed, PermissionDenied, RateLimited, UnknownModel, Usage
+from meshgate.protocols.model import AuthenticationFailed, PermissionDenied, RateLimited, Usage
 
 __all__ = ["Caller", "KeyRing", "authorize", "caller_of"]
 
@@ -45,18 +45,13 @@ class Caller:
 
     bucket: str  # "key:<id>", "boot:<n>" or "addr:<client address>"
     scope: Scope | None = None  # None: no valid key
-    key_id: str | None = None
     models: frozenset[str] = frozenset()  # the models it may use; empty: all
     rpm: int = 0
     tpm: int = 0
 
     def may_use(self, model: str) -> bool:
-        return not self.models or model in self.models
-
-    def check_model(self, model: str) -> None:
         """A model outside the key's list is answered as unknown (as OpenAI does), never as forbidden."""
-        if not self.may_use(model):
-            raise UnknownModel(model)
+        return not self.models or model in self.models
 
 
 def digest(key: str) -> str:
@@ -120,7 +115,6 @@ class KeyRing:
         return Caller(
             bucket=f"key:{key.id}",
             scope=key.scope,
-            key_id=key.id,
             models=frozenset(key.models),
             rpm=key.rpm or self.rate_limit,
             tpm=key.tpm,

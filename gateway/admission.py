@@ -155,6 +155,10 @@ class Admission:
             gate = self._gates[instance_id] = _Gate(self.parallel, self.max_queue)
         return gate.enter(caller)
 
+    def loads(self) -> dict[str, Load]:
+        """Every instance's queue this gateway has sent generations to, by instance id (for ``/metrics``)."""
+        return {instance_id: self.load(instance_id) for instance_id in self._gates}
+
     def load(self, instance_id: str) -> Load:
         """``instance_id``'s queue now (zeros when this gateway has sent it nothing)."""
         gate = self._gates.get(instance_id)

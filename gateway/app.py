@@ -9,14 +9,12 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import uuid
 from collections.abc import AsyncIterator
 
 import pluggy
 from litestar import Litestar, Request, Response
 from litestar.exceptions import HTTPException
 from litestar.openapi import OpenAPIConfig
-from litestar.types import Message, Scope
 
 from meshgate.gateway.auth import KeyRing, authorize
 from meshgate.gateway.cluster.accounts import open_accounts
@@ -27,7 +25,11 @@ from meshgate.gateway.routes import cluster as cluster_routes
 from meshgate.gateway.routes import keys as key_routes
 from meshgate.gateway.routes import ollama as ollama_routes
 from meshgate.gateway.routes import openai as openai_routes
+from meshgate.gateway.routes import ui as ui_routes
 from meshgate.gateway.routes.common import error_response
+from meshgate.gateway.telemetry import route as metrics_route
+from meshgate.gateway.telemetry.metrics import GatewayMetrics
+from meshgate.gateway.telemetry.middleware import RequestTelemetry
 from meshgate.plugins.settings import Settings
 from meshgate.protocols import anthropic, ollama, openai
 from meshgate.protocols.model import MAX_JSON_DEPTH, GatewayError, InvalidRequest, NotFound, RequestTooLarge
@@ -64,14 +66,6 @@ def _render_for_path(request: Request, exc: Exception) -> Response[bytes]:
     return error_response(err, status, body)
 
 
-async def _request_id(message: Message, scope: Scope) -> None:
-    """Every response carries a request id, as ``x-request-id`` (OpenAI SDKs) and ``request-id`` (Anthropic)."""
-    if message["type"] == "http.response.start":
-        rid = f"req_{uuid.uuid4().hex[:24]}".encode()
-        message.setdefault("headers", [])
-        message["headers"] = [*message["headers"], (b"x-request-id", rid), (b"request-id", rid)]
-
-
 def create_app(settings: Settings, plugins: pluggy.PluginManager) -> Litestar:
     """The gateway app for ``settings``, with backends and model sources from ``plugins``."""
 
@@ -101,16 +95,22 @@ def create_app(settings: Settings, plugins: pluggy.PluginManager) -> Litestar:
             ollama_routes.router,
             cluster_routes.router,
             key_routes.router,
+            ui_routes.router,  # the dashboard at /ui (static, public; it sends an admin key itself)
+            *([metrics_route.metrics] if settings.metrics else []),  # GET /metrics (admin scope)
         ],
         guards=[authorize],  # every route: its scope (admin unless it says otherwise) and limits (gateway.auth)
         lifespan=[lifespan],
         exception_handlers={Exception: _render_for_path},
         openapi_config=OpenAPIConfig(title="meshgate", version="0.1.0", path="/schema"),
         request_max_body_size=settings.max_body_bytes,
-        before_send=[_request_id],
+        logging_config=None,  # the process's logging is gateway.cli's (text or JSON, gateway.telemetry.logs)
         debug=False,
     )
     describe_request_bodies(app.openapi_schema)  # handlers decode raw bodies: Litestar cannot see their Structs
     app.state.settings = settings
     app.state.plugins = plugins
+    # every response carries its request id (``x-request-id`` for OpenAI SDKs, ``request-id`` for Anthropic's);
+    # each request is logged and counted (gateway.telemetry), its own registry per app
+    app.state.metrics = GatewayMetrics() if settings.metrics else None
+    app.asgi_handler = RequestTelemetry(app.asgi_handler, app.state, app.state.metrics)
     return app

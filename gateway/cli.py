@@ -4,9 +4,10 @@
     meshgate node --redis URL [--name N] [--address A]     a node agent
     meshgate models                                        what this machine can serve
     meshgate ps [--url U]                                  instances of a running gateway
-    meshgate place MODEL [--preview] [--nodes a,b] [--url U]
+    meshgate place MODEL [--preview] [--nodes a,b] [--no-wait] [--url U]   progress on stderr until ready
     meshgate convert MODEL [--dtype D] [--name NAME] [--out DIR]   a GGUF as a Hugging Face checkpoint (MLX, vLLM)
     meshgate keys create NAME [--scope S] [--model M ...] [--rpm N] [--tpm N] | keys list | keys revoke ID
+    meshgate bench [--model M] [-p 128,512] [-n 64,128] [-c 1,4,8] [-r 3] [--json] [--plot FILE]   (gateway.bench)
 
 Plugins add commands through ``meshgate_register_commands`` (``convert`` is the llama.cpp plugin's), on a plugin
 manager built from the environment; this module imports no backend.
@@ -31,6 +32,7 @@ def _settings(args: argparse.Namespace) -> Settings:
         "port": args.port,
         "data_dir": args.data_dir,
         "log_level": args.log_level,
+        "log_format": getattr(args, "log_format", None),  # a Namespace made by hand may lack it
         "n_ctx": args.n_ctx,
         "threads": args.threads,
         "redis": args.redis,
@@ -49,6 +51,7 @@ def _serve(settings: Settings, args: argparse.Namespace) -> int:
     import uvicorn
 
     from meshgate.gateway.app import create_app
+    from meshgate.gateway.cluster.ticks import tick_once_a_second
 
     _logging(settings)
     if not _loopback(settings.host) and not settings.api_keys and not _stored_keys(settings):
@@ -67,16 +70,21 @@ def _serve(settings: Settings, args: argparse.Namespace) -> int:
         )
     _return_freed_memory()
     app = create_app(settings, build_plugin_manager(settings))
-    uvicorn.run(
-        app,
-        host=settings.host,
-        port=settings.port,
-        log_level=settings.log_level,
-        access_log=settings.log_level == "debug",
-        timeout_graceful_shutdown=5,
-        timeout_keep_alive=75,  # above clients' idle limits (httpx: 5 s), so a reused connection is never
-        # closed under a request that is already on its way
+    server = uvicorn.Server(
+        uvicorn.Config(
+            app,
+            host=settings.host,
+            port=settings.port,
+            log_level=settings.log_level,
+            access_log=settings.log_level == "debug",
+            timeout_graceful_shutdown=5,
+            log_config=None,  # uvicorn's loggers go to the root handler _logging set up (text or JSON)
+            timeout_keep_alive=75,  # above clients' idle limits (httpx: 5 s), so a reused connection is never
+            # closed under a request that is already on its way
+        )
     )
+    tick_once_a_second(server)  # an idle gateway wakes once a second, not ten times
+    server.run()
     return 0
 
 
@@ -249,13 +257,28 @@ def _place(settings: Settings, args: argparse.Namespace) -> int:
         if response.status_code != 201:
             print(response.json().get("error", {}).get("message", response.text), file=sys.stderr)
             return 1
-        print(json.dumps(response.json(), indent=2))
+        instance = response.json()
+        if not args.no_wait:
+            from meshgate.gateway.place_progress import describe_placement, follow
+
+            print(f"placing {describe_placement(instance)}", file=sys.stderr, flush=True)
+            instance = follow(http, instance["id"], lambda line: print(line, file=sys.stderr, flush=True))
+            if instance is None or instance["state"]["state"] != "ready":
+                return 1
+        print(json.dumps(instance, indent=2))
         return 0
 
 
+def _bench(settings: Settings, args: argparse.Namespace) -> int:
+    from meshgate.gateway import bench
+
+    return bench.main(args)
+
+
 def _logging(settings: Settings) -> None:
-    logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    logging.getLogger("httpx").setLevel(logging.WARNING)
+    from meshgate.gateway.telemetry import logs
+
+    logs.configure(settings.log_level, settings.log_format)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -284,6 +307,7 @@ def main(argv: list[str] | None = None) -> int:
         p.add_argument("--placement", choices=["auto", "never"], help="place models on first request (auto)")
         p.add_argument("--memory", type=int, help="bytes of memory this node offers for models")
         p.add_argument("--log-level", help="debug, info, warning or error")
+        p.add_argument("--log-format", choices=["text", "json"], help="text lines, or one JSON object per line")
         p.add_argument(
             "--insecure-no-auth",
             action="store_true",
@@ -300,6 +324,7 @@ def main(argv: list[str] | None = None) -> int:
             p.add_argument("model_name", metavar="MODEL")
             p.add_argument("--preview", action="store_true", help="list candidates instead of creating")
             p.add_argument("--nodes", help="comma-separated node names to place on")
+            p.add_argument("--no-wait", action="store_true", help="return once created, not when ready or failed")
     commands: dict[str, Callable[[Settings, argparse.Namespace], int]] = {
         "serve": _serve,
         "node": _node,
@@ -307,6 +332,7 @@ def main(argv: list[str] | None = None) -> int:
         "ps": _ps,
         "place": _place,
         "keys": _keys,
+        "bench": _bench,
     }
 
     def register(
@@ -331,6 +357,9 @@ def main(argv: list[str] | None = None) -> int:
     made.add_argument("--tpm", type=int, default=0, help="tokens per minute (default no limit)")
     actions.add_parser("list", help="list keys (never the keys themselves)")
     actions.add_parser("revoke", help="revoke a key").add_argument("key_id", metavar="ID")
+    from meshgate.gateway import bench
+
+    bench.add_arguments(sub.add_parser("bench", help="measure prompt and generation speed of a running gateway"))
     args = parser.parse_args(argv)
     settings = _settings(args) if args.command in ("serve", "node", "models") else environment
     return commands[args.command](settings, args)

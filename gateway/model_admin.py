@@ -15,12 +15,15 @@ Decisions (PROTOCOLS.md OLL-15, OLL-41..47):
   value). A client that disconnects mid-stream leaves the expiry as it was.
 - **The registry** (``backends.registry``, ``<data_dir>/registry.json``) holds copies and created models: names
   for model files (GGUF files, checkpoint directories) with a stored system prompt, template and parameters, which
-  ``/api/show`` reports over the backend's own (generation does not apply them yet). Deleting a copy or a created
+  ``/api/show`` reports over the backend's own; generation applies the system prompt and parameters as defaults
+  (``gateway.model_defaults``; the stored template is shown only). Deleting a copy or a created
   model removes its entry (the file stays); deleting a model another source lists (the packaged ``gemma3:270m``)
   hides it until it is pulled, copied or created again. Names get ``:latest`` when they have no tag (OLL-47).
-- **No hub.** ``/api/pull`` succeeds, with progress objects, for models meshgate already has (including a hidden
-  packaged model, which it shows again); any other name fails like Ollama's missing manifest. ``/api/push``
-  answers 501.
+- **No hub.** ``/api/pull`` succeeds for models meshgate already has (including a hidden packaged model, which it
+  shows again); any other name fails like Ollama's missing manifest. Its progress objects are real: the model's
+  files are read through and a single file's sha256 checked against the model's digest, ``completed`` growing
+  as they are read (a 250 MB model takes about a second; a corrupt file ends in Ollama's "digest mismatch"
+  error). ``/api/push`` answers 501.
 - **Hostile clients.** ``/api/create`` reads only GGUF files under ``<data_dir>/models`` or a directory of
   ``MESHGATE_MODEL_DIRS`` (``model_roots``). ``from`` is a path, not a model name, when its text says so (absolute,
   ``~``, starting with ``.``, or ending in ``.gguf``), never because a file exists. A relative path is taken from
@@ -51,6 +54,7 @@ from meshgate.backends.base import Backend, ModelCard
 from meshgate.backends.registry import ModelRegistry, RegistryFull, RegistrySource, UserModel, sha256_file
 from meshgate.gateway.cluster.records import Ready
 from meshgate.gateway.dispatch import Dispatcher, normalize_model_name
+from meshgate.gateway.model_pull import pull_progress
 from meshgate.plugins.settings import Settings
 from meshgate.protocols import ollama_models
 from meshgate.protocols.model import (
@@ -283,7 +287,8 @@ async def create(
 
 
 async def pull(dispatcher: Dispatcher, registry: ModelRegistry, name: str) -> AsyncIterator[bytes]:
-    """``/api/pull`` for a model meshgate has (shown again if hidden); ``NotFound`` otherwise (no hub)."""
+    """``/api/pull`` for a model meshgate has (shown again if hidden); ``NotFound`` otherwise (no hub). The
+    progress is the model's files read through (``gateway.model_pull``)."""
     if name in registry.hidden() or normalize_model_name(name) in registry.hidden():
         registry.unhide(name)
         registry.unhide(normalize_model_name(name))
@@ -292,19 +297,7 @@ async def pull(dispatcher: Dispatcher, registry: ModelRegistry, name: str) -> As
         card = dispatcher.resolve(name)
     except UnknownModel:
         raise NotFound("pull model manifest: file does not exist", param="model") from None
-    digest = f"sha256:{card.digest}"
-    return _lines(
-        [
-            ollama_models.progress_line("pulling manifest"),
-            ollama_models.progress_line(f"pulling {card.digest[:12]}", digest=digest, total=card.size, completed=0),
-            ollama_models.progress_line(
-                f"pulling {card.digest[:12]}", digest=digest, total=card.size, completed=card.size
-            ),
-            ollama_models.progress_line("verifying sha256 digest"),
-            ollama_models.progress_line("writing manifest"),
-            ollama_models.progress_line("success"),
-        ]
-    )
+    return pull_progress(card)
 
 
 async def _lines(lines: list[bytes]) -> AsyncIterator[bytes]:

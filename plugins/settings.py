@@ -22,7 +22,7 @@ from __future__ import annotations
 import os
 from collections.abc import Collection, Mapping
 from pathlib import Path
-from typing import Annotated, Any, Self, get_origin
+from typing import Annotated, Any, Literal, Self, get_origin
 
 import msgspec
 
@@ -57,6 +57,10 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
         runtime_dir: Where runtime processes keep sockets, rendezvous files and compile caches, one folder per
             instance, removed when it stops (``<data_dir>/runtime`` by default).
         log_level: uvicorn/logging level.
+        log_format: ``text`` or ``json`` (one JSON object per line, every logger; ``MESHGATE_LOG_FORMAT`` or
+            ``--log-format``).
+        metrics: Serve ``GET /metrics`` and count requests for it (``MESHGATE_METRICS=0`` turns both off; the
+            request log follows ``log_level``).
         redis: Redis URL for cluster state; without it state is in memory and the gateway embeds a local agent.
         node_name: This node's name (agents); the host name by default.
         cluster_address: Address this node's agent and runtime processes bind (loopback by default).
@@ -98,6 +102,8 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     threads: int | None = None
     runner_python: str | None = None
     log_level: str = "info"
+    log_format: Literal["text", "json"] = "text"
+    metrics: bool = True
     redis: str | None = None
     node_name: str | None = None
     cluster_address: str = "127.0.0.1"

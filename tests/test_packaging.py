@@ -41,6 +41,10 @@ def test_the_wheel_holds_only_the_meshgate_package(tmp_path):
         "meshgate/backends/runner/bindshim.c",
         "meshgate/protocols/model.py",
         "meshgate/plugins/hookspecs.py",
+        "meshgate/gateway/ui/index.html",  # the dashboard (package data)
+        "meshgate/gateway/ui/dashboard.js",
+        "meshgate/gateway/ui/wire.js",
+        "meshgate/gateway/ui/dashboard.css",
     } <= set(names)
     entry = zipfile.ZipFile(wheel).read(next(n for n in names if n.endswith("entry_points.txt"))).decode()
     assert "meshgate = meshgate.gateway.cli:main" in entry and "meshgate.plugins.builtin" in entry

@@ -25,6 +25,7 @@ import os
 import re
 import shutil
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -164,15 +165,30 @@ def _special_ids(tokens: list[str], eos_id: int | None) -> list[int]:
     return ids
 
 
+Progress = Callable[[str], None]
+"""Told each step of a conversion in words (``meshgate convert`` prints them to stderr)."""
+
+
 def convert(
-    gguf_path: str | os.PathLike, out_dir: str | os.PathLike, *, dtype: str = "bfloat16", name: str | None = None
+    gguf_path: str | os.PathLike,
+    out_dir: str | os.PathLike,
+    *,
+    dtype: str = "bfloat16",
+    name: str | None = None,
+    progress: Progress | None = None,
 ) -> Path:
-    """Write the Hugging Face checkpoint of ``gguf_path`` to ``out_dir`` (replacing one there); returns it."""
+    """Write the Hugging Face checkpoint of ``gguf_path`` to ``out_dir`` (replacing one there); returns it.
+
+    ``progress`` is told each step: reading the GGUF, each tensor as it is written (``[3/236] name shape``), the
+    tokenizer and config files, the rename into place.
+    """
     from gguf import GGUFReader
 
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {', '.join(DTYPES)}")
+    say = progress or (lambda _: None)
     out = Path(out_dir)
+    say(f"reading {gguf_path}")
     reader = GGUFReader(str(gguf_path))
     meta = _metadata(reader)
     fields = reader.fields
@@ -193,9 +209,12 @@ def convert(
             shape = tuple(int(n) for n in reversed(tensor.shape))
             writer.add(hname, shape)
             plan.append((hname, tensor, 1.0 if gname.endswith("norm.weight") else 0.0))
+        say(f"writing {len(plan)} tensors as {dtype} to {partial / 'model.safetensors'}")
         with open(partial / "model.safetensors", "wb") as f:
             writer.write_header(f, {"format": "pt"})
-            for hname, tensor, shift in sorted(plan, key=lambda item: item[0]):
+            for i, (hname, tensor, shift) in enumerate(sorted(plan, key=lambda item: item[0]), 1):
+                dims = "x".join(str(int(n)) for n in reversed(tensor.shape))
+                say(f"[{i}/{len(plan)}] {hname} {dims} {tensor.tensor_type.name}")
                 for block in _dequantized(tensor, shift):
                     writer.write(f, hname, block)
             writer.finish(f)
@@ -206,6 +225,7 @@ def convert(
                 "weight_map": {hname: "model.safetensors" for hname, _, _ in sorted(plan)},
             },
         )
+        say("writing config.json, generation_config.json, tokenizer.json, tokenizer_config.json")
         _dump(partial / "config.json", config)
         eos = config["eos_token_id"]
         _dump(
@@ -252,6 +272,7 @@ def convert(
         if out.exists():
             shutil.rmtree(out)
         partial.rename(out)
+        say(f"wrote {out}")
     except BaseException:
         shutil.rmtree(partial, ignore_errors=True)
         raise

@@ -61,6 +61,7 @@ class InstanceManager:
         self._changed = asyncio.Event()
         self._tasks: list[asyncio.Task] = []
         self._create_lock = asyncio.Lock()
+        self.replacements: dict[str, int] = {}  # model -> instances this gateway re-placed (``/metrics``)
 
     # ------------------------------------------------------------------------------------------- lifecycle
 
@@ -337,6 +338,7 @@ class InstanceManager:
             updated_at=time.time(),
         )
         await self.store.put_instance(replaced)
+        self.replacements[instance.model] = self.replacements.get(instance.model, 0) + 1
         await self.store.append_event(
             "instance.replaced",
             f"re-placed {instance.model} after: {why}; now on {', '.join(s.node_id for s in fitting[0].shards)}",

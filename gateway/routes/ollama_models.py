@@ -71,13 +71,15 @@ async def push(request: HttpRequest) -> Response[bytes]:
 
 
 async def _progress(lines: AsyncIterator[bytes], stream: bool | None) -> Response:
-    """Progress objects as NDJSON (``stream`` true or missing), else only the last one (OLL-45)."""
+    """Progress objects as NDJSON (``stream`` true or missing), else only the last one (OLL-45); that one is a 500
+    when it is an error (a pull whose digest did not match), as Ollama answers a failed pull."""
     if stream is not False:
         return stream_response(lines, NDJSON)
     last = b""
     async for line in lines:
         last = line
-    return json_response(last.rstrip(b"\n"))
+    last = last.rstrip(b"\n")
+    return json_response(last, status=500 if last.startswith(b'{"error"') else 200)
 
 
 ROUTES = [show, ps, copy, delete_model, create, pull, push]

@@ -171,6 +171,9 @@ def cli_checkpoint(tmp_path_factory: pytest.TempPathFactory, data_dir: Path, pac
         f"{(out / 'model.safetensors').stat().st_size / 2**20:.0f} MiB of weights"
     )
     assert done.stdout.splitlines() == [str(out), "gemma3:270m-bf16"]
+    steps = done.stderr.splitlines()  # progress for a person: each step, each tensor numbered
+    assert steps[0].startswith("reading ") and any(s.startswith("[1/") for s in steps), done.stderr[-2000:]
+    assert any(s.startswith("wrote ") for s in steps)
     return out
 
 

@@ -1,0 +1,197 @@
+"""The gateway's ``/metrics``: what its requests did, and the cluster as the state store has it when scraped.
+
+Each app has its own ``CollectorRegistry`` (several gateways in one process never share series). Per request,
+``gateway.telemetry.middleware`` calls ``GatewayMetrics.observe`` with the finished ``RequestRecord``; the
+gauges (queues, instances, nodes, links) are read at scrape: ``refresh`` reads the store once (nodes, links,
+instances: three reads, concurrent), then the registry is collected. Label values are bounded: ``protocol`` is
+one of five words, ``endpoint`` a route template (``other`` when no route matched), ``model`` a catalog model
+(``other`` for a name the catalog lacks, ``-`` when the request named none), ``instance`` an instance id.
+
+    meshgate_requests_total{protocol,endpoint,model,status}              counter
+    meshgate_request_duration_seconds{protocol,endpoint,model}           histogram, until the last byte is sent
+    meshgate_time_to_first_token_seconds{protocol,model}                 histogram, until the runner's first token
+    meshgate_inter_token_latency_seconds{model}                          histogram, a stream's mean gap per token
+    meshgate_prompt_tokens_total / meshgate_generated_tokens_total / meshgate_instance_requests_total
+                                                        {model,instance}  counters (generations only)
+    meshgate_queue_depth{instance}, meshgate_active_sequences{instance}  gauges, this gateway's admission queues
+    meshgate_instances{state}, meshgate_instance_info{instance,model,backend,strategy,state}   gauges
+    meshgate_node_memory_bytes{node,kind}   kind: offered (the node's memory for models), available (free now, the
+                                            planner's input), used (what the placed instances reserve there)
+    meshgate_node_cores{node}, meshgate_link_bandwidth_bytes_per_second{src,dst}, meshgate_link_latency_seconds
+    meshgate_replacements_total{model}      instances this gateway re-placed after a failure
+    meshgate_runner_restarts_total{node,model}   runners the embedded agent started again (single machine; a
+                                            ``meshgate node`` agent serves its own on its ``/metrics``)
+    process_*                               the gateway process (CPU seconds, memory, open files)
+
+Counters count since this process started; with several gateways, sum them. Imports ``prometheus_client``,
+``telemetry.instruments`` and ``telemetry.record``; the control plane is read duck-typed, never imported.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.process_collector import ProcessCollector
+from prometheus_client.registry import CollectorRegistry
+
+from meshgate.gateway.telemetry.instruments import Counter, Histogram, Instruments
+from meshgate.gateway.telemetry.record import RequestRecord
+
+__all__ = ["GatewayMetrics"]
+
+TTFT_BUCKETS = (0.025, 0.05, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.2, 0.5, 1.0)
+DURATION_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
+STATES = ("starting", "ready", "draining", "failed")
+
+
+class GatewayMetrics(Instruments):
+    """One gateway app's metrics and its registry (``registry``)."""
+
+    def __init__(self) -> None:
+        self.requests = Counter(
+            "meshgate_requests_total", "HTTP requests answered", ("protocol", "endpoint", "model", "status")
+        )
+        self.duration = Histogram(
+            "meshgate_request_duration_seconds",
+            "From the request's arrival to its response's last byte",
+            ("protocol", "endpoint", "model"),
+            DURATION_BUCKETS,
+        )
+        self.ttft = Histogram(
+            "meshgate_time_to_first_token_seconds",
+            "From the request's arrival to the first generated token reaching the gateway",
+            ("protocol", "model"),
+            TTFT_BUCKETS,
+        )
+        self.itl = Histogram(
+            "meshgate_inter_token_latency_seconds",
+            "Time between generated tokens (each stream counted as its mean gap, once per gap)",
+            ("model",),
+            ITL_BUCKETS,
+        )
+        self.prompt_tokens = Counter("meshgate_prompt_tokens_total", "Prompt tokens read", ("model", "instance"))
+        self.generated_tokens = Counter("meshgate_generated_tokens_total", "Tokens generated", ("model", "instance"))
+        self.instance_requests = Counter(
+            "meshgate_instance_requests_total", "Generations sent to an instance", ("model", "instance")
+        )
+        super().__init__(
+            [
+                self.requests,
+                self.duration,
+                self.ttft,
+                self.itl,
+                self.prompt_tokens,
+                self.generated_tokens,
+                self.instance_requests,
+            ]
+        )
+        self.registry = CollectorRegistry()
+        self.registry.register(self)
+        ProcessCollector(registry=self.registry)
+        self.plane: Any = None  # the app's ControlPlane, as of the last scrape
+        self._nodes: list[Any] = []
+        self._links: list[Any] = []
+        self._instances: list[Any] = []
+
+    def observe(
+        self, record: RequestRecord, protocol: str, endpoint: str, model: str, status: str, ended: float
+    ) -> None:
+        """Count one finished request (``ended``: ``time.perf_counter()`` after its last byte)."""
+        self.requests.inc((protocol, endpoint, model, status))
+        self.duration.observe((protocol, endpoint, model), ended - record.started)
+        first = record.first_token_at
+        if first is not None:
+            self.ttft.observe((protocol, model), first - record.started)
+            gaps = (record.generated_tokens or 0) - 1
+            if gaps > 0 and record.ended_at is not None:
+                self.itl.observe((model,), (record.ended_at - first) / gaps, gaps)
+        if record.instance is not None:
+            key = (model, record.instance)
+            self.instance_requests.inc(key)
+            self.prompt_tokens.inc(key, record.prompt_tokens or 0)
+            self.generated_tokens.inc(key, record.generated_tokens or 0)
+
+    async def refresh(self, plane: Any) -> None:
+        """Read what the scrape reports from ``plane`` (the app's ``ControlPlane``) and its state store."""
+        self.plane = plane
+        if plane is None:
+            return
+        store = plane.store
+        self._nodes, self._links, self._instances = await asyncio.gather(
+            store.nodes(), store.links(), store.instances()
+        )
+
+    def extra(self) -> Iterator[Metric]:
+        yield from self._queues()
+        yield from self._instance_families()
+        yield from self._node_families()
+        yield from self._restarts()
+
+    def _queues(self) -> Iterable[Metric]:
+        depth = GaugeMetricFamily("meshgate_queue_depth", "Requests waiting for a slot", labels=("instance",))
+        active = GaugeMetricFamily(
+            "meshgate_active_sequences", "Generations in flight from this gateway", labels=("instance",)
+        )
+        dispatcher = getattr(self.plane, "dispatcher", None)
+        if dispatcher is not None:
+            known = {i.id for i in self._instances}
+            for instance_id, load in dispatcher.admission.loads().items():
+                if instance_id in known or load.active or load.queued:
+                    depth.add_metric((instance_id,), load.queued)
+                    active.add_metric((instance_id,), load.active)
+        return depth, active
+
+    def _instance_families(self) -> Iterable[Metric]:
+        counts = dict.fromkeys(STATES, 0)
+        info = GaugeMetricFamily(
+            "meshgate_instance_info",
+            "One per instance: its model, backend, strategy and state",
+            labels=("instance", "model", "backend", "strategy", "state"),
+        )
+        for i in self._instances:
+            state = i.state.__struct_config__.tag
+            counts[state] = counts.get(state, 0) + 1
+            info.add_metric((i.id, i.model, i.placement.backend, i.placement.strategy, state), 1)
+        by_state = GaugeMetricFamily("meshgate_instances", "Instances by lifecycle state", labels=("state",))
+        for state, count in counts.items():
+            by_state.add_metric((state,), count)
+        return by_state, info
+
+    def _node_families(self) -> Iterable[Metric]:
+        memory = GaugeMetricFamily("meshgate_node_memory_bytes", "A node's memory for models", labels=("node", "kind"))
+        cores = GaugeMetricFamily("meshgate_node_cores", "A node's CPU cores", labels=("node",))
+        used: dict[str, int] = {}
+        for i in self._instances:
+            if i.state.__struct_config__.tag != "failed":
+                for node, size in i.placement.memory_per_node.items():
+                    used[node] = used.get(node, 0) + size
+        for n in self._nodes:
+            memory.add_metric((n.id, "offered"), n.memory_total)
+            memory.add_metric((n.id, "available"), n.memory_available)
+            memory.add_metric((n.id, "used"), used.get(n.id, 0))
+            cores.add_metric((n.id,), n.cpu_count)
+        bandwidth = GaugeMetricFamily(
+            "meshgate_link_bandwidth_bytes_per_second", "Measured bandwidth of a link", labels=("src", "dst")
+        )
+        latency = GaugeMetricFamily(
+            "meshgate_link_latency_seconds", "Measured one-way latency of a link", labels=("src", "dst")
+        )
+        for link in self._links:
+            bandwidth.add_metric((link.src, link.dst), link.bandwidth)
+            latency.add_metric((link.src, link.dst), link.latency)
+        return memory, cores, bandwidth, latency
+
+    def _restarts(self) -> Iterable[Metric]:
+        replaced = CounterMetricFamily(
+            "meshgate_replacements", "Instances re-placed by this gateway after a failure", labels=("model",)
+        )
+        for model, count in getattr(getattr(self.plane, "instances", None), "replacements", {}).items():
+            replaced.add_metric((model,), count)
+        yield replaced
+        agent = getattr(self.plane, "agent", None)
+        if agent is not None:  # embedded (one machine): its runners are this gateway's
+            yield agent.metrics.restarts.family()

@@ -1,0 +1,173 @@
+"""The request middleware: one id per request, one log line when it is done, its metrics.
+
+A raw ASGI wrapper around the Litestar app's handler (outside routing and the exception handlers, so unknown
+paths, refused keys and rendered errors are all seen). When a request arrives it makes the request id (sent back
+as ``x-request-id`` and ``request-id``) and a ``RequestRecord`` in the context (``telemetry.record``), which the
+dispatcher fills as the request runs; when the app returns (after a stream's last byte) it counts the request in
+``GatewayMetrics`` and logs one line on ``meshgate.requests``::
+
+    request id=req_... protocol=openai method=POST path=/v1/chat/completions model=gemma3:270m key=3f2a9c01d4e5
+    status=200 prompt_tokens=12 generated_tokens=40 ttft_ms=85 duration_ms=912 instance=5d0c2f1e9a7b
+
+(one line; ``-`` where a field does not apply). A 4xx/5xx line ends with ``error="..."``, the message the client
+got (read from the error body); a stream that failed after its 200 carries its ``Failed`` message there too.
+``key`` is the caller's key id (a stored key's id, ``boot:<n>`` for the n-th bootstrap key), never the key.
+Probes (``GET``/``HEAD /``, ``/api/version``, ``/metrics``) that succeed are logged at DEBUG.
+
+Nothing is recorded when metrics are off (``MESHGATE_METRICS=0``) and INFO is not logged: then only the request id
+is added. Work per request is a few dict updates and, when logged, one line; nothing is done per token here.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from http import HTTPStatus
+from typing import Any
+
+import msgspec
+
+from meshgate.gateway.telemetry.logs import Fields
+from meshgate.gateway.telemetry.metrics import GatewayMetrics
+from meshgate.gateway.telemetry.record import RequestRecord, bind, new_request_id, unbind
+
+__all__ = ["RequestTelemetry", "protocol_of"]
+
+log = logging.getLogger("meshgate.requests")
+
+_PROBES = frozenset({"/", "/api/version", "/metrics"})
+_ERROR_BODY = 16 << 10  # bytes of an error body kept to find its message
+_CLUSTER = ("/cluster", "/instances", "/events", "/keys")
+_OPENAI = ("/v1/", "/chat/completions", "/responses", "/embeddings", "/models")
+
+
+def protocol_of(path: str, headers: list[tuple[bytes, bytes]]) -> str:
+    """The API a path belongs to: ``openai``, ``anthropic``, ``ollama``, ``cluster`` or ``other``."""
+    if path.startswith("/v1/messages"):
+        return "anthropic"
+    if path.startswith("/api/") or path == "/":
+        return "ollama"
+    if path.startswith(_OPENAI):
+        if path.startswith("/v1/models") and any(k == b"anthropic-version" for k, _ in headers):
+            return "anthropic"  # the model listing Anthropic clients share
+        return "openai"
+    if path.startswith(_CLUSTER):
+        return "cluster"
+    return "other"
+
+
+class RequestTelemetry:
+    """Wraps ``app`` (an ASGI callable); ``state`` is the Litestar app's state (its ``plane`` once started)."""
+
+    def __init__(self, app: Any, state: Any, metrics: GatewayMetrics | None) -> None:
+        self.app = app
+        self.state = state
+        self.metrics = metrics
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        header = new_request_id()
+        rid = header.encode()
+        record = RequestRecord(header) if self.metrics is not None or log.isEnabledFor(logging.INFO) else None
+        status = 0
+        complete = False
+        error_body = b""
+
+        async def send_with_id(message: Any) -> None:
+            nonlocal status, complete, error_body
+            if message["type"] == "http.response.start":
+                status = message["status"]
+                message["headers"] = [*message.get("headers", ()), (b"x-request-id", rid), (b"request-id", rid)]
+            elif message["type"] == "http.response.body":
+                complete = not message.get("more_body", False)
+                if status >= 400 and record is not None and len(error_body) < _ERROR_BODY:
+                    error_body += message.get("body", b"")
+            await send(message)
+
+        if record is None:
+            await self.app(scope, receive, send_with_id)
+            return
+        token = bind(record)
+        try:
+            await self.app(scope, receive, send_with_id)
+        except BaseException as exc:
+            if not status:
+                status, record.error = 500, f"internal error: {type(exc).__name__}"
+            raise
+        finally:
+            unbind(token)
+            if status and not complete and not record.error:
+                record.error = "the response was cut short (the client went away)"
+            self._finish(scope, record, status or 499, error_body)
+
+    def _finish(self, scope: Any, record: RequestRecord, status: int, error_body: bytes) -> None:
+        ended = time.perf_counter()
+        path, method = scope["path"], scope["method"]
+        protocol = protocol_of(path, scope["headers"])
+        model = self._model(record)
+        if self.metrics is not None:
+            endpoint = scope.get("path_template") or "other"  # set by Litestar's router when a route matched
+            self.metrics.observe(record, protocol, endpoint, model, str(status), ended)
+        quiet = status < 400 and path in _PROBES and method in ("GET", "HEAD")
+        level = logging.DEBUG if quiet else logging.INFO
+        if not log.isEnabledFor(level):
+            return
+        caller = scope.get("state", {}).get("caller")
+        bucket: str = getattr(caller, "bucket", "")
+        first = record.first_token_at
+        fields: dict[str, str | int | None] = {
+            "id": record.id,
+            "protocol": protocol,
+            "method": method,
+            "path": path[:512],
+            "model": (record.asked or "-")[:256] if model in ("-", "other") else model,
+            "key": bucket.removeprefix("key:") if bucket.startswith(("key:", "boot:")) else None,
+            "status": status,
+            "prompt_tokens": record.prompt_tokens,
+            "generated_tokens": record.generated_tokens,
+            "ttft_ms": None if first is None else round((first - record.started) * 1000),
+            "duration_ms": round((ended - record.started) * 1000),
+            "instance": record.instance,
+        }
+        error = _reason(error_body, status) if status >= 400 else record.error
+        if error:
+            fields["error"] = error[:1024]
+        # handle(makeRecord(...)) is log.log(...) without its search of the stack for the caller's file and line
+        log.handle(log.makeRecord(log.name, level, "", 0, Fields("request", fields), (), None))
+
+    def _model(self, record: RequestRecord) -> str:
+        """The ``model`` label: the catalog model that served or was asked for, ``other``, or ``-`` (none)."""
+        if record.model is not None:
+            return record.model
+        if record.asked is None:
+            return "-"
+        catalog = getattr(getattr(self.state, "plane", None), "catalog", None)
+        try:
+            return catalog.resolve(record.asked).name if catalog is not None else "other"
+        except Exception:  # UnknownModel: a name the catalog lacks
+            return "other"
+
+
+def _reason(body: bytes, status: int) -> str:
+    """The message an error response gave its client (each protocol's envelope), else the status' phrase."""
+    try:
+        decoded = msgspec.json.decode(body)
+    except msgspec.DecodeError:
+        decoded = None
+    if isinstance(decoded, dict):
+        error = decoded.get("error")
+        if isinstance(error, dict) and isinstance(error.get("message"), str):
+            return error["message"]  # OpenAI, Anthropic
+        if isinstance(error, str):
+            return error  # Ollama, the agent
+        if isinstance(decoded.get("detail"), str):
+            return decoded["detail"]  # Litestar's own
+    text = body.decode("utf-8", "replace").strip()
+    if text and decoded is None:
+        return text
+    try:
+        return HTTPStatus(status).phrase
+    except ValueError:
+        return f"status {status}"

@@ -1,0 +1,76 @@
+"""One request's facts as the gateway learns them, in a context variable the request's tasks share.
+
+``gateway.telemetry.middleware`` creates a ``RequestRecord`` when a request arrives (its id is the one the
+response carries in ``x-request-id``) and reads it when the response is done, for the request log line and the
+metrics. In between, the code that knows a fact writes it: the auth guard's caller is read from the connection
+state; the dispatcher notes the model asked for (``note_model``) and, for a generation, the instance, the first
+token's time, the last ``Usage`` and how the stream ended (``gateway.dispatch._relay``). Tasks a request starts
+copy the context, so they see the same record; code that runs outside a request sees ``None``.
+
+Imports the standard library only.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import secrets
+import time
+
+__all__ = ["RequestRecord", "current", "new_request_id", "note_model"]
+
+
+class RequestRecord:
+    """What one request did; ``None`` where it does not apply (no model, no generation)."""
+
+    __slots__ = (
+        "asked",
+        "error",
+        "first_token_at",
+        "generated_tokens",
+        "id",
+        "instance",
+        "ended_at",
+        "model",
+        "prompt_tokens",
+        "started",
+    )
+
+    def __init__(self, request_id: str) -> None:
+        self.id = request_id
+        self.started = time.perf_counter()
+        self.asked: str | None = None  # the model name the client sent
+        self.model: str | None = None  # the catalog model that served it
+        self.instance: str | None = None
+        self.prompt_tokens: int | None = None
+        self.generated_tokens: int | None = None
+        self.first_token_at: float | None = None  # perf_counter of the first generated token (text, reasoning, tool)
+        self.ended_at: float | None = None  # perf_counter of the stream's end (its terminal event)
+        self.error: str | None = None  # why a stream that had started failed (the status was sent already)
+
+
+_current: contextvars.ContextVar[RequestRecord | None] = contextvars.ContextVar("meshgate_request", default=None)
+
+
+def current() -> RequestRecord | None:
+    """The record of the request this code runs for, if any (and if telemetry is on)."""
+    return _current.get()
+
+
+def bind(record: RequestRecord | None) -> contextvars.Token[RequestRecord | None]:
+    return _current.set(record)
+
+
+def unbind(token: contextvars.Token[RequestRecord | None]) -> None:
+    _current.reset(token)
+
+
+def note_model(asked: str) -> None:
+    """The model name a request asked for (the dispatcher calls it as it resolves the name)."""
+    record = _current.get()
+    if record is not None:
+        record.asked = asked
+
+
+def new_request_id() -> str:
+    """``req_`` and 24 hex digits, as the responses' ``x-request-id`` always looked."""
+    return f"req_{secrets.token_hex(12)}"

@@ -1,0 +1,152 @@
+"""The request log (issue 17, part 3): one line per request on ``meshgate.requests``, in text or JSON, read from
+real gateways' output. The gateways run the scripted backend with a bootstrap admin key, so each line can be
+checked against exact token counts and a stored key's id."""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+
+import anthropic
+import httpx
+import ollama
+import openai
+import pytest
+
+from tests.conftest import Server
+
+BOOT = "boot-admin-key"
+FIELDS = [
+    "id",
+    "protocol",
+    "method",
+    "path",
+    "model",
+    "key",
+    "status",
+    "prompt_tokens",
+    "generated_tokens",
+    "ttft_ms",
+    "duration_ms",
+    "instance",
+]
+_PAIR = re.compile(r'(\w+)=("(?:[^"\\]|\\.)*"|\S+)')
+
+
+def parse(line: str) -> dict[str, str]:
+    """A text line's ``key=value`` pairs after ``request``, in order (quoted values unescaped)."""
+    text = line.split("meshgate.requests: request ", 1)[1]
+    return {k: json.loads(v) if v.startswith('"') else v for k, v in _PAIR.findall(text)}
+
+
+def logged(server: Server, request_id: str, timeout: float = 10.0) -> dict:
+    """The log line of ``request_id`` (written when its response is done), as a dict."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        for line in server.log.read_text(errors="replace").splitlines():
+            if f"id={request_id} " in line:
+                return parse(line)
+            if line.startswith("{") and json.loads(line).get("id") == request_id:
+                return json.loads(line)
+        time.sleep(0.05)
+    raise AssertionError(f"no log line for {request_id}:\n{server.log.read_text()[-3000:]}")
+
+
+def make_key(server: Server) -> dict:
+    made = httpx.post(
+        f"{server.url}/keys",
+        json={"name": "app", "scope": "inference"},
+        headers={"authorization": f"Bearer {BOOT}"},
+        timeout=30,
+    )
+    assert made.status_code == 201, made.text
+    return made.json()
+
+
+@pytest.fixture(scope="module")
+def text_server(tmp_path_factory):
+    server = Server(
+        tmp_path_factory.mktemp("log-text"),
+        "--plugin",
+        "tests.scripted_plugin",
+        "--api-key",
+        BOOT,
+        "--log-level",
+        "info",
+    )
+    yield server
+    server.stop()
+
+
+def test_a_request_logs_one_line_with_its_id_key_tokens_and_instance(text_server):
+    key = make_key(text_server)
+    client = openai.OpenAI(base_url=f"{text_server.url}/v1", api_key=key["key"], max_retries=0)
+    raw = client.chat.completions.with_raw_response.create(
+        model="scripted", messages=[{"role": "user", "content": "hello"}]
+    )
+    rid = raw.headers["x-request-id"]
+    assert raw.headers["request-id"] == rid and rid.startswith("req_")
+    line = logged(text_server, rid)
+    assert list(line) == FIELDS
+    assert line["protocol"] == "openai" and line["method"] == "POST" and line["path"] == "/v1/chat/completions"
+    assert (line["model"], line["key"], line["status"]) == ("scripted", key["id"], "200")
+    assert (line["prompt_tokens"], line["generated_tokens"]) == ("7", "2")
+    assert int(line["ttft_ms"]) <= int(line["duration_ms"]) and re.fullmatch(r"[0-9a-f]{12}", line["instance"])
+    assert key["key"] not in text_server.log.read_text()  # the id, never the key
+
+    stream = anthropic.Anthropic(base_url=text_server.url, api_key=key["key"], max_retries=0).messages.create(
+        model="scripted", max_tokens=16, messages=[{"role": "user", "content": "hello"}], stream=True
+    )
+    events = list(stream)
+    rid = stream.response.headers["request-id"]
+    line = logged(text_server, rid)
+    assert events and (line["protocol"], line["status"], line["generated_tokens"]) == ("anthropic", "200", "2")
+    assert "error" not in line
+
+
+def test_refused_requests_log_the_reason_the_client_got(text_server):
+    unknown = anthropic.Anthropic(base_url=text_server.url, api_key=BOOT, max_retries=0)
+    with pytest.raises(anthropic.NotFoundError) as refused:
+        unknown.messages.create(model="no-such-model", max_tokens=4, messages=[{"role": "user", "content": "hi"}])
+    line = logged(text_server, refused.value.response.headers["request-id"])
+    assert (line["status"], line["model"], line["key"]) == ("404", "no-such-model", "boot:0")
+    assert line["error"] == refused.value.body["error"]["message"]
+    assert list(line) == [*FIELDS, "error"]
+
+    with pytest.raises(ollama.ResponseError) as anonymous:
+        ollama.Client(host=text_server.url).chat(model="scripted", messages=[{"role": "user", "content": "hi"}])
+    assert anonymous.value.status_code == 401
+    answer = httpx.post(f"{text_server.url}/api/chat", json={"model": "scripted", "messages": []}, timeout=30)
+    line = logged(text_server, answer.headers["x-request-id"])
+    assert (line["protocol"], line["status"], line["key"]) == ("ollama", "401", "-")
+    assert line["error"] == answer.json()["error"] and "API key" in line["error"]
+
+    missing = httpx.get(f"{text_server.url}/v1/no such thing", timeout=30)
+    line = logged(text_server, missing.headers["x-request-id"])
+    assert (line["status"], line["path"]) == ("404", "/v1/no such thing") and "no such endpoint" in line["error"]
+
+
+def test_probes_are_quiet(text_server):
+    probe = httpx.get(f"{text_server.url}/api/version", timeout=30)
+    listing = httpx.get(f"{text_server.url}/api/tags", headers={"authorization": f"Bearer {BOOT}"}, timeout=30)
+    logged(text_server, listing.headers["x-request-id"])  # logged after the probe, so the probe's line would be there
+    assert probe.headers["x-request-id"] not in text_server.log.read_text()
+
+
+def test_json_format_turns_every_line_into_an_object_with_the_same_keys(tmp_path):
+    server = Server(tmp_path, "--plugin", "tests.scripted_plugin", "--log-level", "info", "--log-format", "json")
+    try:
+        answer = httpx.post(
+            f"{server.url}/api/generate", json={"model": "scripted", "prompt": "hello", "stream": False}, timeout=30
+        )
+        assert answer.status_code == 200
+        line = logged(server, answer.headers["x-request-id"])
+    finally:
+        server.stop()
+    assert list(line) == ["time", "level", "logger", "message", *FIELDS]
+    assert (line["level"], line["logger"], line["message"]) == ("INFO", "meshgate.requests", "request")
+    assert (line["protocol"], line["path"], line["status"], line["key"]) == ("ollama", "/api/generate", 200, None)
+    assert line["prompt_tokens"] == answer.json()["prompt_eval_count"] and isinstance(line["duration_ms"], int)
+    objects = [json.loads(text) for text in server.log.read_text().splitlines() if text.strip()]
+    assert {"uvicorn.error", "meshgate", "meshgate.requests"} <= {o["logger"] for o in objects}

@@ -18,8 +18,12 @@ Decisions worth knowing:
 - A user message's ``tool_result`` blocks become one ``tool`` message each, placed before the user's remaining
   content (PROTOCOLS.md 4.4 item 6); each result gets the tool name of the ``tool_use`` it answers.
 - Server tools (a dated ``type`` such as ``web_search_20250305``) are refused with ``UnsupportedFeature``.
-- Tool arguments that are not a JSON object (a model can emit broken JSON) are sent as ``input: {}`` in a
-  non-streamed reply, as llama.cpp does; a stream forwards the fragments as they came.
+- A non-streamed reply's ``input`` is the object the arguments hold so far (``formats.json_object_prefix``): a
+  call cut short by ``max_tokens`` keeps what the anthropic SDK would have built from the stream, and
+  arguments that are not a JSON object (a model can emit broken JSON) read ``{}``, as in llama.cpp; a stream
+  forwards the fragments as they came.
+- ``tool_choice`` ``{"type": "tool"}`` must name one of ``tools``; ``tool`` (and ``any`` with one tool) makes the
+  backend generate that tool's arguments only (``Request.forced_tool``).
 - A backend that reports ``stop`` after making tool calls is reported as ``tool_use``: Anthropic clients run
   tools only on that stop reason.
 - ``input_tokens`` excludes cached prompt tokens, which go to ``cache_read_input_tokens`` (ANT-27).
@@ -36,7 +40,7 @@ import msgspec
 from msgspec import UNSET, UnsetType
 
 from meshgate.protocols import sse
-from meshgate.protocols.formats import decode_base64, rfc3339
+from meshgate.protocols.formats import decode_base64, json_object_prefix, rfc3339
 from meshgate.protocols.model import (
     BackendProtocolError,
     ContextLengthExceeded,
@@ -208,11 +212,12 @@ def messages_to_internal(wire: MessagesRequest) -> Request:
 def count_tokens_to_internal(wire: CountTokensRequest) -> Request:
     """Translate a decoded ``/v1/messages/count_tokens`` body into a ``Request`` (no output limit)."""
     messages, prefill = _conversation(wire)
+    tools = tuple(_tool(tool, i) for i, tool in enumerate(wire.tools or ()))
     return Request(
         model=wire.model,
         messages=messages,
-        tools=tuple(_tool(tool, i) for i, tool in enumerate(wire.tools or ())),
-        tool_choice=_tool_choice(wire.tool_choice),
+        tools=tools,
+        tool_choice=_tool_choice(wire.tool_choice, tools),
         response_format=_response_format(wire.output_config),
         prefill=prefill,
         reasoning=UNSET if wire.thinking is None else wire.thinking.type != "disabled",
@@ -312,11 +317,14 @@ def _tool(tool: WireTool, index: int) -> Tool:
     return Tool(name=tool.name, description=tool.description, parameters=tool.input_schema)
 
 
-def _tool_choice(choice: WireToolChoice | None) -> ToolChoice:
+def _tool_choice(choice: WireToolChoice | None, tools: tuple[Tool, ...]) -> ToolChoice:
     if choice is None:
         return ToolChoice()
     if choice.type == "tool" and not choice.name:
         raise InvalidRequest("tool_choice of type 'tool' needs a name", param="tool_choice.name")
+    if choice.type == "tool" and choice.name not in {t.name for t in tools}:
+        message = f"tool_choice names '{choice.name}', which is not among tools; name one of the tools you send"
+        raise InvalidRequest(message, param="tool_choice.name")
     modes: dict[str, Literal["auto", "none", "required", "tool"]] = {
         "auto": "auto",
         "any": "required",
@@ -364,12 +372,8 @@ def _usage(usage: Usage) -> dict[str, int]:
 
 
 def _tool_input(arguments: str) -> dict[str, Any]:
-    """The arguments as an object; anything that is not a JSON object becomes ``{}``."""
-    try:
-        parsed = msgspec.json.decode(arguments or "{}")
-    except msgspec.DecodeError:
-        return {}
-    return parsed if isinstance(parsed, dict) else {}
+    """The arguments as an object: what a call cut short holds so far; ``{}`` for anything not an object."""
+    return json_object_prefix(arguments)
 
 
 def _message(meta: Meta, content: list[dict[str, Any]], stop: dict[str, str | None], usage: Usage) -> dict[str, Any]:

@@ -13,8 +13,12 @@ words its own errors, so the functions raise plain ``ValueError`` and the caller
 - ``rfc3339``: a Unix time as an RFC 3339 UTC timestamp, either with six fractional digits and ``+00:00``
   (Ollama's ``created_at``/``modified_at``; every ``datetime.fromisoformat`` reads it) or in whole seconds with
   ``Z`` (Anthropic's ``created_at``). Cached: a stream stamps every line with the same time.
+- ``json_object_prefix``: tool-call arguments as an object for the protocols that send them as one (Anthropic's
+  ``input``, Ollama's ``arguments``), even when the model was cut short mid-JSON: what the text holds so far,
+  read by jiter in partial mode as the anthropic SDK reads a streamed ``input`` (an unfinished string or
+  value is left out).
 
-Imports only the standard library. No I/O.
+Imports only the standard library and jiter. No I/O.
 """
 
 from __future__ import annotations
@@ -22,9 +26,11 @@ from __future__ import annotations
 import base64
 import functools
 from datetime import UTC, datetime
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
-__all__ = ["DataURI", "decode_base64", "encode_data_uri", "parse_data_uri", "rfc3339"]
+import jiter
+
+__all__ = ["DataURI", "decode_base64", "encode_data_uri", "json_object_prefix", "parse_data_uri", "rfc3339"]
 
 
 def decode_base64(text: str, *, wrapped: bool = False) -> bytes:
@@ -81,3 +87,13 @@ def rfc3339(timestamp: float, *, fraction: bool = True) -> str:
     if fraction:
         return moment.isoformat(timespec="microseconds")
     return moment.strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def json_object_prefix(text: str) -> dict[str, Any]:
+    """The object that ``text``, JSON or the start of JSON, holds so far; ``{}`` for text that is neither an
+    object nor the start of one (a model can write broken arguments in ``auto`` mode)."""
+    try:
+        value = jiter.from_json(text.encode(), partial_mode=True)
+    except ValueError:
+        return {}
+    return value if isinstance(value, dict) else {}

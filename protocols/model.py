@@ -226,6 +226,22 @@ class Request(_Frozen, frozen=True):
     logprobs: bool = False
     top_logprobs: int = 0
 
+    @property
+    def calls_forced(self) -> bool:
+        """Whether the answer must be a tool call: tools offered and ``tool_choice`` ``required`` or ``tool``."""
+        return bool(self.tools) and self.tool_choice.mode in ("required", "tool")
+
+    @property
+    def forced_tool(self) -> Tool | None:
+        """The tool the answer must call when the client leaves the model no choice of tool: the one
+        ``tool_choice`` names, or the only tool offered under ``required``. A backend then generates only that
+        tool's arguments. ``None`` otherwise (the model picks the name, or need not call at all)."""
+        if not self.calls_forced:
+            return None
+        if self.tool_choice.mode == "tool":
+            return next((t for t in self.tools if t.name == self.tool_choice.name), None)
+        return self.tools[0] if len(self.tools) == 1 else None
+
 
 class EmbedRequest(_Frozen, frozen=True):
     """Embed each input: a text, or token ids the client already tokenized (used as given, no BOS added).

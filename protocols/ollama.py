@@ -11,8 +11,13 @@ Ollama-specific choices, each pinned by a test named after its checklist item:
 - ``options`` with a ``null`` value are skipped by the Ollama server (``Options.FromMap``), so here null and
   missing both become ``UNSET`` ("backend default"). ``num_predict`` of 0, -1 or -2 means "no limit".
 - Tool call arguments are objects on the wire (OLL-24). Streamed fragments are buffered per call and sent
-  whole, in a ``done:false`` chunk, when the next call starts or the stream ends (OLL-26). Arguments that do
-  not decode to a JSON object are sent as ``{}`` (llama.cpp's policy).
+  whole, in a ``done:false`` chunk, when the next call starts or the stream ends (OLL-26). Arguments cut short
+  by ``num_predict`` are sent as the object they hold so far (``formats.json_object_prefix``); arguments that
+  are not a JSON object at all are sent as ``{}`` (llama.cpp's policy).
+- Ollama has no ``tool_choice`` (4.4 item 8). ``tools`` together with ``format`` asks for structured output
+  while offering tools, which here means the answer must be a call: ``tool_choice`` ``required`` (with one
+  tool, that tool's arguments only, ``Request.forced_tool``), the arguments held to the tool's parameters
+  in place of ``format``.
 - Ollama histories carry tool results by ``tool_name`` without ids (OLL-25). Calls without an id get
   ``call_<n>`` (``n`` counts the calls in the conversation, so the id is stable as the history grows), and a
   result without ``tool_call_id`` is paired with the earliest unanswered call of the same name (4.4 item 5).
@@ -31,7 +36,7 @@ from typing import Annotated, Any
 
 import msgspec
 
-from meshgate.protocols.formats import decode_base64, parse_data_uri, rfc3339
+from meshgate.protocols.formats import decode_base64, json_object_prefix, parse_data_uri, rfc3339
 from meshgate.protocols.model import (
     UNSET,
     ContextLengthExceeded,
@@ -56,6 +61,7 @@ from meshgate.protocols.model import (
     Tool,
     ToolCallDelta,
     ToolCallPart,
+    ToolChoice,
     ToolResultPart,
     UnsupportedFeature,
     Usage,
@@ -207,7 +213,12 @@ def chat_to_internal(wire: ChatRequest) -> Request:
         else Tool(name=t.function.name, description=t.function.description)
         for t in wire.tools or ()
     )
-    return _request(wire, messages=_messages(wire.messages or ()), tools=tools)
+    request = _request(wire, messages=_messages(wire.messages or ()), tools=tools)
+    if tools and request.response_format.kind != "text":  # tools with a format: the answer is a call
+        return msgspec.structs.replace(
+            request, tool_choice=ToolChoice(mode="required"), response_format=ResponseFormat()
+        )
+    return request
 
 
 def generate_to_internal(wire: GenerateRequest) -> Request:
@@ -483,14 +494,7 @@ def _finish(chunk: dict[str, Any], finish: Finished, usage: Usage) -> dict[str, 
 
 def _tool_call(index: int, call_id: str, name: str, arguments: str) -> dict[str, Any]:
     """A whole tool call with ``arguments`` as an object (OLL-24)."""
-    try:
-        parsed = msgspec.json.decode(arguments or "{}")
-    except msgspec.DecodeError:
-        parsed = {}
-    return {
-        "id": call_id,
-        "function": {"index": index, "name": name, "arguments": parsed if isinstance(parsed, dict) else {}},
-    }
+    return {"id": call_id, "function": {"index": index, "name": name, "arguments": json_object_prefix(arguments)}}
 
 
 def _line(obj: dict[str, Any]) -> bytes:

@@ -19,6 +19,7 @@ import httpx
 import pluggy
 
 from meshgate.backends.base import Backend, ModelCard, ModelSource
+from meshgate.backends.registry import ModelRegistry
 from meshgate.backends.runner import secret as cluster_secret
 from meshgate.gateway.admission import Admission
 from meshgate.gateway.cluster.agent import NodeAgent
@@ -26,6 +27,7 @@ from meshgate.gateway.cluster.instances import InstanceManager
 from meshgate.gateway.cluster.planner import default_rank
 from meshgate.gateway.cluster.store import MemoryStore, RedisStore, StateStore
 from meshgate.gateway.dispatch import Catalog, Dispatcher
+from meshgate.gateway.model_defaults import UserModels
 from meshgate.plugins.policy import by_preference
 from meshgate.plugins.settings import Settings
 
@@ -110,6 +112,7 @@ async def control_plane(
                     keepalive=settings.keepalive,
                     admission=Admission(settings.parallel, settings.max_queue),
                     max_tokens=settings.max_tokens,
+                    user_models=UserModels(ModelRegistry.in_data_dir(settings.data_dir)),
                 )
             yield plane
         finally:

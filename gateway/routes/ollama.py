@@ -2,6 +2,10 @@
 
 Model management (show, ps, copy, delete, create, pull, push) lives in ``gateway.routes.ollama_models`` and is
 registered on this router; ``keep_alive`` is applied through ``gateway.model_admin``.
+
+``HEAD`` answers where Ollama registers it (``/``, ``/api/version``, ``/api/tags``; tools probe a server with it):
+the GET handler's status and headers, ``content-length`` included, and no body. Ollama has no ``HEAD /api/ps``
+(nor on the other GET routes), so neither has meshgate.
 """
 
 from __future__ import annotations
@@ -36,24 +40,53 @@ log = logging.getLogger("meshgate.ollama")
 VERSION = "0.13.0"  # the Ollama API version we follow; clients gate features on it
 
 
+def _root() -> Response[str]:
+    return Response("Ollama is running", media_type="text/plain")
+
+
+def _version() -> Response[bytes]:
+    return json_response(ollama.encode_version(VERSION))
+
+
+def _tags(request: HttpRequest) -> Response[bytes]:
+    return json_response(ollama.encode_tags(model_infos(dispatcher_of(request), request)))
+
+
+def _head(response: Response[bytes] | Response[str]) -> Response[None]:
+    """The answer to ``HEAD``: ``response``'s status and headers, its length included, without its body."""
+    body = response.content.encode() if isinstance(response.content, str) else response.content
+    headers = {**response.headers, "content-length": str(len(body))}
+    return Response(None, status_code=response.status_code, media_type=response.media_type, headers=headers)
+
+
 @get("/", sync_to_thread=False, include_in_schema=False, opt={"scope": "public"})
 def root() -> Response[str]:
-    return Response("Ollama is running", media_type="text/plain")
+    return _root()
 
 
 @head("/", sync_to_thread=False, include_in_schema=False, opt={"scope": "public"})
 def root_head() -> Response[None]:
-    return Response(None, media_type="text/plain")
+    return _head(_root())
 
 
 @get(["/api/version"], sync_to_thread=False, opt={"scope": "public"})
 def version() -> Response[bytes]:
-    return json_response(ollama.encode_version(VERSION))
+    return _version()
+
+
+@head(["/api/version"], sync_to_thread=False, include_in_schema=False, opt={"scope": "public"})
+def version_head() -> Response[None]:
+    return _head(_version())
 
 
 @get(["/api/tags"], sync_to_thread=False)
 def tags(request: HttpRequest) -> Response[bytes]:
-    return json_response(ollama.encode_tags(model_infos(dispatcher_of(request), request)))
+    return _tags(request)
+
+
+@head(["/api/tags"], sync_to_thread=False, include_in_schema=False)
+def tags_head(request: HttpRequest) -> Response[None]:
+    return _head(_tags(request))
 
 
 @post("/api/chat", status_code=200, opt={"limited": True})
@@ -131,7 +164,19 @@ async def _then(lines: AsyncIterator[bytes], after: Callable[[], Awaitable[None]
 
 router = Router(
     path="/",
-    route_handlers=[root, root_head, version, tags, chat, generate, embed, embeddings, *MODEL_ROUTES],
+    route_handlers=[
+        root,
+        root_head,
+        version,
+        version_head,
+        tags,
+        tags_head,
+        chat,
+        generate,
+        embed,
+        embeddings,
+        *MODEL_ROUTES,
+    ],
     exception_handlers={GatewayError: error_handler(ollama.error_body)},
     tags=["ollama"],
     opt={"scope": "inference"},

@@ -163,8 +163,9 @@ def test_oai_59_unsupported_features_are_400s_naming_the_param(scripted_server):
             model="scripted",
             input="hello",
             tools=[{"type": "function", "name": "f", "parameters": {"type": "object"}, "strict": False}],
+            tool_choice={"type": "function", "name": "g"},
         )
-    assert exc.value.body["param"] == "tools"
+    assert exc.value.body["param"] == "tool_choice"
 
 
 def test_oai_59_unknown_model_is_a_404(scripted_server):

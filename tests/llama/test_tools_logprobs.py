@@ -1,6 +1,7 @@
 """The llama.cpp backend's tool-call and logprob plumbing as plain functions (no model loaded): the tools prompt
-block, the call schema and its grammar, the gate between the token loop and the events, and logprobs kept with
-their text past the stop matcher (OAI-21, OAI-36, OAI-49; PROTOCOLS.md 4.4 items 5 to 8).
+block, the call schema and its grammar, the gate between the token loop and the events in ``auto`` mode (forced
+calls: ``test_forced_calls.py``), and logprobs kept with their text past the stop matcher (OAI-21, OAI-36, OAI-49;
+PROTOCOLS.md 4.4 items 5 to 8).
 """
 
 from __future__ import annotations
@@ -21,7 +22,6 @@ from meshgate.protocols.model import (
     TextPart,
     TokenLogprob,
     Tool,
-    ToolCallDelta,
     ToolCallPart,
     ToolChoice,
     ToolResultPart,
@@ -133,29 +133,6 @@ def _lp(token: str) -> TokenLogprob:
     return TokenLogprob(token=token, logprob=-1.0)
 
 
-def test_oai_21_forced_call_is_held_and_sent_once_whole():
-    gate = CallGate(request("required"))
-    assert gate.feed('{"name": "get_weather", ') == [] and not gate.done
-    assert gate.feed('"arguments": {"city": "Paris"}}') == [] and gate.done
-    events, finish = gate.close(Finished(reason="stop"))
-    assert finish == Finished(reason="tool_calls")
-    [call] = events
-    assert isinstance(call, ToolCallDelta) and (call.index, call.name, call.arguments) == (
-        0,
-        "get_weather",
-        '{"city":"Paris"}',
-    )
-    assert call.id.startswith("call_") and len(call.id) == 29 and int(call.id[5:], 16) >= 0
-
-
-def test_oai_21_forced_call_cut_short_goes_out_as_text_with_the_finish_it_had():
-    gate = CallGate(request("required", logprobs=True))
-    gate.feed('{"name": "get_wea', (_lp('{"'), _lp("name")))
-    events, finish = gate.close(Finished(reason="length"))
-    assert events == [TextDelta(text='{"name": "get_wea', logprobs=(_lp('{"'), _lp("name")))]
-    assert finish == Finished(reason="length")
-
-
 def test_oai_21_auto_streams_text_that_cannot_be_a_call():
     gate = CallGate(request("auto"))
     assert gate.feed("  ") == []
@@ -176,12 +153,6 @@ def test_oai_21_auto_exact_call_becomes_a_call():
     assert gate.done
     events, finish = gate.close(Finished())
     assert [(e.name, e.arguments) for e in events] == [("get_time", '{"tz":"UTC"}')] and finish.reason == "tool_calls"
-
-
-def test_oai_21_named_choice_does_not_accept_another_tool():
-    gate = CallGate(request("tool", "get_time"))
-    gate.feed('{"name": "get_weather", "arguments": {"city": "Paris"}}')
-    assert not gate.done and isinstance(gate.close(Finished())[0][0], TextDelta)
 
 
 def test_oai_36_off_gate_passes_text_and_ends_asked_for_logprobs_with_an_empty_delta():

@@ -514,7 +514,7 @@ def test_ant_26_blocks_in_order_thinking_text_tool_use_with_object_input():
 
 def test_ant_26_empty_text_is_omitted_beside_tool_calls_and_bad_arguments_become_empty_input():
     calls = (
-        ToolCall(id="toolu_01A", name="get_weather", arguments='{"location": "SF"'),
+        ToolCall(id="toolu_01A", name="get_weather", arguments='{"location" "SF"}'),
         ToolCall(id="toolu_01B", name="get_time", arguments="[1, 2]"),
         ToolCall(id="toolu_01C", name="ping", arguments=""),
     )

@@ -15,6 +15,7 @@ from typing import Literal, NewType
 import msgspec
 
 __all__ = [
+    "Calibration",
     "Candidate",
     "InstanceId",
     "Link",
@@ -36,12 +37,41 @@ class _Data(msgspec.Struct, frozen=True, kw_only=True):
     pass
 
 
+class Calibration(_Data, frozen=True):
+    """One runtime's measured speed on one node, with that runtime's own kernels (``Backend.calibrate``).
+
+    The planner's cost model reads it (``gateway.cluster.planner``): a decoded token costs ``step_seconds`` plus
+    the weight and KV bytes it reads over ``decode_bytes_per_s``; a prompt token costs its matmul FLOPs (weight
+    bytes times ``params_per_byte`` times 2) over ``prefill_flops``.
+
+    Attributes:
+        decode_bytes_per_s: Weight bytes a one-token decode streams per second (the memory-bound rate).
+        prefill_flops: FLOP/s of prompt matmuls over a batch of tokens (the compute-bound rate).
+        step_seconds: What a decode step costs beyond reading weights: graph, sampling, the runner's loop.
+        params_per_byte: Parameters per weight byte of the model it was measured on (for FLOPs from bytes).
+        threads: Threads the runtime ran with.
+        key: What the measurement holds for (CPU model, runtime version, threads): another key, measure again.
+        measured_at: Unix seconds.
+        load: The machine's load average per core while it was measured (above 1, other work slowed it).
+    """
+
+    decode_bytes_per_s: float
+    prefill_flops: float
+    step_seconds: float = 0.0
+    params_per_byte: float = 2.0
+    threads: int = 0
+    key: str = ""
+    measured_at: float = 0.0
+    load: float = 0.0
+
+
 class Node(_Data, frozen=True):
     """One machine as its agent reports it.
 
     ``flops`` is a relative compute speed (the agent's own measurement, e.g. GFLOP/s of a small matmul), used to
-    weigh pipeline splits and estimate tok/s. ``address`` is the cluster interface runtimes bind to;
-    ``agent_url`` is where the agent answers link probes.
+    weigh pipeline splits and estimate tok/s where no runtime measured the node. ``calibration`` holds each
+    runtime's own measurement, by backend name (``Backend.calibrate``); the planner prefers it. ``address`` is
+    the cluster interface runtimes bind to; ``agent_url`` is where the agent answers link probes.
     """
 
     id: NodeId
@@ -54,6 +84,7 @@ class Node(_Data, frozen=True):
     flops: float = 1.0e10
     accelerators: tuple[str, ...] = ()
     runtimes: dict[str, str] = msgspec.field(default_factory=dict)
+    calibration: dict[str, Calibration] = msgspec.field(default_factory=dict)
     heartbeat_at: float = 0.0
 
 
@@ -85,7 +116,8 @@ class ModelSpec(_Data, frozen=True):
 
     ``layer_bytes`` is the weight size of one transformer block; ``embedding_bytes`` the token embedding (which
     may double as the output layer, ``tied_output``), placed whole on one shard; ``output_bytes`` a separate
-    output layer if untied.
+    output layer if untied. ``vocab_size`` is the tokens the output layer scores (0 when unknown): a split model
+    returns a row of logits per token to its head.
     """
 
     name: str
@@ -100,6 +132,7 @@ class ModelSpec(_Data, frozen=True):
     output_bytes: int = 0
     tied_output: bool = True
     kv_bytes_per_element: int = 2
+    vocab_size: int = 0
 
     @property
     def weight_bytes(self) -> int:
@@ -152,7 +185,8 @@ class Candidate(_Data, frozen=True):
     """A placement record: where a model's shards go, what it costs, and whether it fits.
 
     ``link_cost`` is the estimated seconds per decoded token spent on links; ``tok_s`` the estimated decode
-    speed. A rejected candidate has ``fits=False`` and the reason in words.
+    speed and ``prompt_tok_s`` the estimated prompt (prefill) speed of one request of typical size
+    (``planner.TYPICAL_PROMPT`` tokens). A rejected candidate has ``fits=False`` and the reason in words.
     """
 
     id: str
@@ -164,6 +198,7 @@ class Candidate(_Data, frozen=True):
     memory_per_node: dict[NodeId, int]
     link_cost: float = 0.0
     tok_s: float = 0.0
+    prompt_tok_s: float = 0.0
     fits: bool = True
     reason: str | None = None
     score: float = 0.0

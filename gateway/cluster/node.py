@@ -1,4 +1,5 @@
-"""What a node agent reports about its machine: memory, cores, accelerators, runtimes, a compute estimate."""
+"""What a node agent reports about its machine: memory, cores, accelerators, runtimes, a compute estimate, and
+the speed each runtime measured with its own kernels (``Backend.calibrate``, run by the agent)."""
 
 from __future__ import annotations
 
@@ -8,9 +9,10 @@ import shutil
 import socket
 import subprocess
 import time
+from collections.abc import Mapping
 from importlib import metadata
 
-from meshgate.backends.placement import Node, NodeId
+from meshgate.backends.placement import Calibration, Node, NodeId
 
 __all__ = ["describe_node", "measure_flops"]
 
@@ -55,7 +57,8 @@ def _runtimes() -> dict[str, str]:
 
 
 def measure_flops(seconds: float = 0.05) -> float:
-    """A rough float32 GFLOP/s figure from a short numpy matmul loop (1e10 when numpy is missing)."""
+    """A rough float32 FLOP/s figure from a short numpy matmul loop (1e10 when numpy is missing): the planner's
+    fallback where no runtime calibrated the node (numpy's BLAS is not the runtime's kernels)."""
     try:
         import numpy as np
     except ImportError:
@@ -69,11 +72,17 @@ def measure_flops(seconds: float = 0.05) -> float:
 
 
 def describe_node(
-    name: str | None, address: str, agent_url: str, flops: float | None = None, memory: int | None = None
+    name: str | None,
+    address: str,
+    agent_url: str,
+    flops: float | None = None,
+    memory: int | None = None,
+    calibration: Mapping[str, Calibration] | None = None,
 ) -> Node:
     """This machine, as a ``Node`` record (memory read now; call again to refresh).
 
-    ``memory`` caps what the node offers (a reservation for other work, or a test's smaller node).
+    ``memory`` caps what the node offers (a reservation for other work, or a test's smaller node);
+    ``calibration`` is each backend's measured speed here, by backend name.
     """
     total, available = _meminfo()
     if memory is not None:
@@ -90,5 +99,6 @@ def describe_node(
         flops=flops if flops is not None else measure_flops(),
         accelerators=_accelerators(),
         runtimes=dict(_runtimes()),
+        calibration=dict(calibration or {}),
         heartbeat_at=time.time(),
     )

@@ -2,33 +2,35 @@
 ranked candidate placements (``plan``), plus the default ranking policy (``default_rank``).
 
 No I/O, no Redis, no asyncio: previews, ``meshgate place`` and instance creation call the same function over a
-frozen ``Topology``. Imports only ``backends.placement``, the standard library and msgspec.
+frozen ``Topology``. Imports only ``backends.placement``, ``costs`` (the speed model), the standard library and
+msgspec.
 
-Estimates, per decoded token at batch size one (units: bytes, seconds, bytes/second):
+Estimates (units: bytes, seconds, bytes/second); the speed model is ``costs``' (its docstring):
 
 * Memory of a shard = its weights + KV cache for ``context`` tokens (times the sequences a runner batches,
   ``kv_sequences``) over its layers (``ModelSpec.kv_bytes``) +
   the backend's runtime overhead. It fits when that is at most the node's ``memory_available``.
-* Compute: a shard's matmuls cost ``2 * PARAMS_PER_BYTE * bytes`` FLOPs (2 FLOPs per parameter; a ~4-bit
-  quantized model has about 2 parameters per byte), taking that over ``Node.flops`` seconds. Agents report no
-  memory bandwidth, so the bandwidth bound is not modelled apart from what the flops measurement captures.
-  An untied embedding is a lookup, not a matmul, and costs nothing.
-* single: time = compute.  pipeline: stages run one after another, time = sum of stage times + link cost, where
-  each of the k-1 hops carries one hidden state of ``hidden_size * 2`` bytes: latency + bytes / bandwidth.
+* Speed: each node's measured speed for the backend (``Node.calibration``, else ``Node.flops``). A decoded token
+  reads every weight its stage multiplies by (an untied embedding is a lookup and costs nothing) and the KV
+  cache a typical request uses (not the context reserved) at the node's decode rate, plus the head's per-step
+  cost; a prompt costs its matmul FLOPs at the node's prefill rate. ``tok_s`` = 1 / decode time,
+  ``prompt_tok_s`` = prompt tokens / prefill time.
+* single: one stage.  pipeline: stages run one after another, time = sum of stage times + link cost, where
+  each of the k-1 hops carries one hidden state of ``hidden_size * 2`` bytes: latency + bytes / bandwidth, and
+  the last stage returns the token's logits to the head over its link.
   tensor: ranks work at once, time = slowest rank's compute (1/k of the model) + link cost, where every layer
   runs two all-reduces of ``hidden_size * 2`` bytes, each a ring of 2(k-1) steps of latency + bytes/k/bandwidth
   on the group's worst link; latency dominates, so every pair of ranks must be under ``TENSOR_MAX_LATENCY``.
-  tok_s = 1 / time.
 * Links: a hop uses the measured ``src -> dst`` link, else the reverse one (paths are taken as symmetric);
   neither measured means unknown, and a candidate that needs it is rejected. A node needs no link to itself.
 
 Node choice, so 1,000 nodes plan in well under 100 ms: nodes are ordered greedily (most available memory, then
-fastest, then id). Single tries the fastest nodes that fit (or, when none does, the roomiest). Pipeline and
-tensor start from each of the first ``ALTERNATIVES`` nodes and grow one node at a time, pipeline through the
-tail's best linked neighbour, tensor through the best node with fast links to every rank so far; sizes below
-the smallest k whose k roomiest nodes could hold the model are skipped, and growth stops at the first size
-that fits (so the smallest set wins) or once a link is missing or too slow. Hybrid (tensor inside pipeline
-stages) is not planned: an offer of "hybrid" alone yields nothing.
+fastest, then id). Single tries the fastest nodes (measured decode rate) that fit (or, when none does, the
+roomiest). Pipeline and tensor start from each of the first ``ALTERNATIVES`` nodes and grow one node at a time,
+pipeline through the tail's best linked neighbour, tensor through the best node with fast links to every rank so
+far; sizes below the smallest k whose k roomiest nodes could hold the model are skipped, and growth stops at the
+first size that fits (so the smallest set wins) or once a link is missing or too slow. Hybrid (tensor inside
+pipeline stages) is not planned: an offer of "hybrid" alone yields nothing.
 """
 
 from __future__ import annotations
@@ -42,6 +44,8 @@ from itertools import accumulate, combinations, pairwise
 import msgspec
 
 from meshgate.backends.placement import Candidate, Link, ModelSpec, Node, NodeId, Shard, Strategy, Topology
+from meshgate.gateway.cluster import costs
+from meshgate.gateway.cluster.costs import ACTIVATION_BYTES, PARAMS_PER_BYTE, Stage
 
 __all__ = [
     "ACTIVATION_BYTES",
@@ -56,10 +60,6 @@ __all__ = [
 
 MiB = 1 << 20
 GiB = 1 << 30
-PARAMS_PER_BYTE = 2.0
-"""Parameters per weight byte, for the FLOP estimate (2 for ~4-bit quantized weights, 0.5 for fp16)."""
-ACTIVATION_BYTES = 2
-"""Bytes per hidden-state element sent between nodes (fp16)."""
 TENSOR_MAX_LATENCY = 0.002
 """Slowest link (seconds) tensor parallel ranks may be joined by."""
 ALTERNATIVES = 3
@@ -197,13 +197,23 @@ class _Planner:
     def __init__(self, spec: ModelSpec, offer: BackendOffer, context: int, view: _View) -> None:
         self.spec, self.offer, self.ctx, self.view = spec, offer, context, view
         self.kv_tokens = context * max(1, offer.kv_sequences)  # KV cells: the context for each batched sequence
+        self._speeds: dict[NodeId, costs.Speed] = {}
+
+    def _speed(self, node: Node) -> costs.Speed:
+        found = self._speeds.get(node.id)
+        if found is None:
+            found = self._speeds[node.id] = costs.speed(node, self.offer.backend)
+        return found
+
+    def _rate(self, node: Node) -> float:
+        return self._speed(node).decode_bytes_per_s
 
     def candidates(self, max_nodes: int | None, min_nodes: int = 1) -> Iterator[Candidate]:
         offered = [s for s in _STRATEGIES if s in self.offer.strategies]
         if not offered:
             return
         if not self.view.order:
-            yield self._finish(offered[0], (), 0.0, 0.0, [self._nobody()])
+            yield self._finish(offered[0], (), 0.0, 0.0, 0.0, [self._nobody()])
             return
         limit = len(self.view.order) if max_nodes is None else min(max_nodes, len(self.view.order))
         if "single" in offered and limit >= 1 and min_nodes <= 1:
@@ -222,7 +232,7 @@ class _Planner:
 
     def _singles(self) -> Iterator[Candidate]:
         need = self.spec.weight_bytes + self.spec.kv_bytes(self.kv_tokens) + self.offer.overhead(self.ctx, head=True)
-        fit = sorted((n for n in self.view.order if n.memory_available >= need), key=lambda n: (-n.flops, n.id))
+        fit = sorted((n for n in self.view.order if n.memory_available >= need), key=lambda n: (-self._rate(n), n.id))
         for node in fit[:ALTERNATIVES] or self.view.order[:1]:
             yield self.pipeline([node], "single")
 
@@ -317,7 +327,7 @@ class _Planner:
         remaining = spec.n_layers - k
 
         def stage_time_with_one_more(i: int) -> float:
-            return _seconds(work[i] + (layers[i] + 1) * spec.layer_bytes, chain[i])
+            return (work[i] + (layers[i] + 1) * spec.layer_bytes) / self._rate(chain[i])
 
         for within_caps in (True, False):  # first within memory; what is left over shows where memory runs out
             heap = [(stage_time_with_one_more(i), i) for i in range(k) if not within_caps or layers[i] < caps[i]]
@@ -342,15 +352,22 @@ class _Planner:
                 )
             )
             first += layers[i]
-        compute = sum(_seconds(work[i] + layers[i] * spec.layer_bytes, node) for i, node in enumerate(chain))
-        link_cost, missing = 0.0, []
+        stages = [
+            Stage(self._speed(node), work[i] + layers[i] * spec.layer_bytes, layers[i]) for i, node in enumerate(chain)
+        ]
+        hops, missing = [], []
         for a, b in pairwise(chain):
             link = self.view.link(a.id, b.id)
             if link is None:
                 missing.append((a, b))
             else:
-                link_cost += link.latency + spec.hidden_size * ACTIVATION_BYTES / link.bandwidth
-        return self._finish(strategy, tuple(shards), compute, link_cost, _unmeasured(missing))
+                hops.append(link)
+        back = (self.view.link(chain[-1].id, chain[0].id) or hops[-1]) if hops else None  # unmeasured: as the last hop
+        link_cost = costs.pipeline_links(spec, hops, back)
+        prompt_links = costs.pipeline_links(spec, hops, back, tokens=costs.prompt_tokens(self.ctx))
+        decode = costs.decode_seconds(spec, stages, self.ctx, link_cost)
+        prefill = costs.prefill_seconds(spec, stages, self.ctx, prompt_links)
+        return self._finish(strategy, tuple(shards), decode, prefill, link_cost, _unmeasured(missing))
 
     def tensor(self, group: list[Node]) -> Candidate:
         """Every layer split across ``group`` (ranks in greedy order), each rank holding 1/k of all weights
@@ -399,13 +416,24 @@ class _Planner:
             for r, n in enumerate(ranks)
         )
         work = spec.weight_bytes - (0 if spec.tied_output else spec.embedding_bytes)
-        compute = max(_seconds(work / k, n) for n in ranks)
-        return self._finish("tensor", shards, compute, link_cost, problems)
+        slowest = min(ranks, key=lambda n: (self._rate(n), self._speed(n).prefill_flops))
+        stage = Stage(self._speed(slowest), work / k, spec.n_layers, 1 / k)
+        reduce_prompt = 2 * spec.n_layers * 2 * (k - 1) * (step - latency) * costs.prompt_tokens(self.ctx)
+        decode = costs.decode_seconds(spec, [stage], self.ctx, link_cost)
+        prefill = costs.prefill_seconds(spec, [stage], self.ctx, link_cost + reduce_prompt)
+        return self._finish("tensor", shards, decode, prefill, link_cost, problems)
 
     def _finish(
-        self, strategy: Strategy, shards: tuple[Shard, ...], compute: float, link_cost: float, problems: list[str]
+        self,
+        strategy: Strategy,
+        shards: tuple[Shard, ...],
+        decode: float,
+        prefill: float,
+        link_cost: float,
+        problems: list[str],
     ) -> Candidate:
-        """The record: memory per node, tok/s, the first node short of memory (if any), a content id."""
+        """The record: memory per node, tok/s (``decode`` and ``prefill``: seconds per token and per typical
+        prompt), the first node short of memory (if any), a content id."""
         memory = {s.node_id: s.memory_bytes for s in shards}
         short = next((s for s in shards if s.memory_bytes > self.view.nodes[s.node_id].memory_available), None)
         if short is not None:
@@ -416,7 +444,6 @@ class _Planner:
             if short.kv_bytes:
                 reason += f", including {_size(short.kv_bytes)} of KV cache for {self.kv_tokens:,} tokens"
             problems = [*problems, reason]
-        time = compute + link_cost
         content = msgspec.json.encode([self.spec.name, self.offer.backend, strategy, self.ctx, shards])
         return Candidate(
             id=hashlib.blake2b(content, digest_size=6).hexdigest(),
@@ -427,7 +454,8 @@ class _Planner:
             shards=shards,
             memory_per_node=memory,
             link_cost=link_cost,
-            tok_s=1.0 / time if time > 0 else 0.0,
+            tok_s=1.0 / decode if decode > 0 else 0.0,
+            prompt_tok_s=costs.prompt_tokens(self.ctx) / prefill if prefill > 0 else 0.0,
             fits=not problems,
             reason="; ".join(problems) or None,
         )
@@ -442,10 +470,6 @@ def _unmeasured(pairs: list[tuple[Node, Node]]) -> list[str]:
 
 def _greedy(node: Node) -> tuple[int, float, str]:
     return -node.memory_available, -node.flops, node.id
-
-
-def _seconds(matmul_bytes: float, node: Node) -> float:
-    return 2 * PARAMS_PER_BYTE * matmul_bytes / max(node.flops, 1.0)
 
 
 def _size(n: int) -> str:

@@ -128,7 +128,7 @@ class Launched:
         await self.process.stop()
 
 
-class RelayBackend:
+class RelayBackend(Backend):  # inherits the defaults (context, describe)
     name = "relay"
 
     def __init__(self, http) -> None:

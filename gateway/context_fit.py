@@ -22,7 +22,10 @@ when its bytes already bound its tokens well inside the context: every token of 
 byte of its rendered text, so the UTF-8 size of the messages plus a generous allowance for the chat template
 (role markers, a template's default system text) is an upper bound. Requests with tools or images (rendered by
 the backend at sizes the gateway cannot bound) are always counted; a backend that cannot count
-(``UnsupportedFeature``) leaves the check to its runner.
+(``UnsupportedFeature``) leaves the check to its runner. The other way round, a prompt's bytes over the most bytes
+one of the model's tokens stands for (``Backend.token_bytes``) is a lower bound: a prompt that cannot fit by that
+bound alone (1 MB of text for a 4,096-token context) is refused without being counted, so it costs the runner
+nothing; its error names that lower bound as the prompt's tokens.
 
 Imports ``protocols.model`` only; the count is passed in.
 """
@@ -66,7 +69,7 @@ class Fit(enum.Enum):
     DROP_OLDEST = "drop_oldest"
 
 
-async def fit_context(request: Request, context: int, count: Count, fit: Fit) -> Request:
+async def fit_context(request: Request, context: int, count: Count, fit: Fit, token_bytes: int = 0) -> Request:
     """``request`` as it will run (for ``DROP_OLDEST``, maybe without its oldest messages).
 
     Args:
@@ -74,6 +77,9 @@ async def fit_context(request: Request, context: int, count: Count, fit: Fit) ->
         context: Tokens the instance holds per sequence; 0 or less when unknown (nothing is checked).
         count: The runner's token count for a request.
         fit: The protocol's rule.
+        token_bytes: The most bytes one token stands for (``Backend.token_bytes``; 0: unknown). A prompt whose
+            bytes alone show it cannot fit is refused without counting, unless
+            ``DROP_OLDEST`` may still make it fit.
 
     Raises:
         ContextLengthExceeded: it does not fit.
@@ -83,9 +89,12 @@ async def fit_context(request: Request, context: int, count: Count, fit: Fit) ->
         return request
     output = request.max_tokens if fit is Fit.PROMPT_AND_OUTPUT else None
     room = output or 1
-    bound = token_bound(request)
+    bound, text = _sizes(request)
     if bound is not None and bound + room <= context:
         return request
+    least = text // token_bytes if token_bytes > 0 else 0
+    if least + room > context and not (fit is Fit.DROP_OLDEST and len(request.messages) > 1):
+        raise ContextLengthExceeded(prompt_tokens=least, completion_tokens=output, context=context)
     try:
         prompt = await count(request)
     except UnsupportedFeature:
@@ -120,27 +129,31 @@ def cap_output(request: Request, limit: int, *, clamp: bool, context: int = 0) -
 
 def token_bound(request: Request) -> int | None:
     """An upper bound on the prompt's tokens from its bytes alone; ``None`` with tools or images."""
-    if request.tools:
-        return None
+    return _sizes(request)[0]
+
+
+def _sizes(request: Request) -> tuple[int | None, int]:
+    """(``token_bound``, the UTF-8 bytes of the prompt's text alone)."""
     if request.raw_prompt is not None:
-        return TEMPLATE_BYTES + len(request.raw_prompt.encode())
-    total = TEMPLATE_BYTES
+        text = len(request.raw_prompt.encode())
+        return (None if request.tools else TEMPLATE_BYTES + text), text
+    text, extra, bounded = 0, TEMPLATE_BYTES, not request.tools
     for message in request.messages:
-        total += TURN_BYTES
+        extra += TURN_BYTES
         for part in message.parts:
             match part:
-                case TextPart(text=text) | ReasoningPart(text=text):
-                    total += len(text.encode())
+                case TextPart(text=content) | ReasoningPart(text=content):
+                    text += len(content.encode())
                 case ToolCallPart(name=name, arguments=arguments):
-                    total += TURN_BYTES + len(name.encode()) + len(arguments.encode())
+                    extra += TURN_BYTES + len(name.encode())
+                    text += len(arguments.encode())
                 case ToolResultPart(name=name, content=content):
-                    if any(isinstance(c, ImagePart) for c in content):
-                        return None
-                    total += TURN_BYTES + len((name or "").encode())
-                    total += sum(len(c.text.encode()) for c in content if isinstance(c, TextPart))
+                    bounded = bounded and not any(isinstance(c, ImagePart) for c in content)
+                    extra += TURN_BYTES + len((name or "").encode())
+                    text += sum(len(c.text.encode()) for c in content if isinstance(c, TextPart))
                 case _:  # an image
-                    return None
-    return total
+                    bounded = False
+    return (text + extra if bounded else None), text
 
 
 async def _drop_oldest(request: Request, context: int, count: Count) -> Request | None:

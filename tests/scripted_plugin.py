@@ -2,7 +2,8 @@
 
 Model ``scripted`` plays back a script chosen by the last user message's text (``SCRIPTS``); ``sleep <seconds>``
 answers ``slept`` after that long (a slow request, for queue tests); ``how long`` answers how many messages and
-words (its token count) reached the backend; anything else is echoed back word by word. Its embeddings are
+words (its token count) reached the backend; counts take turns on one core (a runner's CPU) and a prompt with
+the word ``slowcount`` holds it a second; anything else is echoed back word by word. Its embeddings are
 ``scripted_vector`` of each input (4 dimensions, unit length, float32 values; ``prompt_tokens`` counts words, or
 token ids). It never ships as a default: only tests load it.
 """
@@ -118,6 +119,9 @@ SCRIPTS: dict[str, list[Event]] = {
 }
 
 
+_CORE = asyncio.Lock()  # the scripted runner's one core, which costly counts take in turn
+
+
 class ScriptedRunner:
     async def generate(self, request: Request) -> AsyncIterator[Event]:
         last = request.messages[-1].text.strip() if request.messages else (request.raw_prompt or "")
@@ -154,6 +158,8 @@ class ScriptedRunner:
 
     async def count_tokens(self, request: Request) -> int:
         text = " ".join([m.text for m in request.messages] + [t.name for t in request.tools])
+        async with _CORE:  # counts take the runner's core in turn; ``slowcount`` holds it as 1 MB of text would
+            await asyncio.sleep(1.0 if "slowcount" in text else 0)
         return len(text.split())
 
     async def embed(self, request: EmbedRequest) -> Embeddings:

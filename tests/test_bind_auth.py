@@ -9,11 +9,11 @@ from meshgate.gateway import cli
 
 @pytest.fixture
 def served(monkeypatch, tmp_path):
-    """Calls to uvicorn.run (nothing is bound here) and a clean environment."""
+    """The configs uvicorn servers were run with (nothing is bound here) and a clean environment."""
     import uvicorn
 
     calls = []
-    monkeypatch.setattr(uvicorn, "run", lambda app, **kw: calls.append(kw))
+    monkeypatch.setattr(uvicorn.Server, "run", lambda self, sockets=None: calls.append(self.config))
     for name in ("MESHGATE_API_KEYS", "MESHGATE_REDIS", "MESHGATE_HOST"):
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("MESHGATE_DATA_DIR", str(tmp_path))

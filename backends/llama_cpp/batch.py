@@ -11,8 +11,8 @@ the way llama.cpp's own server drives its slots:
   cached prefix) and each chunk is decoded on its own: llama.cpp's CPU kernels give a token slightly
   different numbers when the tokens beside it in a ubatch differ (seen on Gemma 3 270M: up to 1.1 in a
   logit), which flips near-ties in greedy output. Decode tokens batched together get exactly the numbers
-  they get alone, in groups of up to ``DECODE_GROUP``, so a request's greedy text does not depend on load,
-  and alone it is what it was before batching.
+  they get alone (``decode_group``: all in one call, with ggml's tiled K-quant kernel off), so a request's
+  greedy text does not depend on load, and alone it is what it was before batching.
 - A new job joins at the next step. It takes the free slot whose cached tokens share the longest prefix with
   its prompt (chats and agents resend the same history), keeps that prefix in the KV cache and evaluates only
   the rest; at least the last prompt token is evaluated again, for its logits. A prompt cut into other chunks
@@ -33,7 +33,9 @@ Runs only in the runner process; imports llama_cpp, numpy and ``sampling``.
 
 from __future__ import annotations
 
+import os
 import queue
+import re
 import threading
 from collections import deque
 from collections.abc import Callable
@@ -42,13 +44,36 @@ from typing import Any
 
 from meshgate.backends.llama_cpp.sampling import GrammarStuck, Sampler
 
-__all__ = ["DECODE_GROUP", "Job", "Scheduler"]
+__all__ = ["DECODE_GROUP", "TILED_ENV", "Job", "Scheduler", "decode_group"]
+
+TILED_ENV = "GGML_CPU_TILED_MM"
+"""ggml-cpu's switch for its tiled K-quant matmul (``ggml-cpu/tiled/tiled.cpp``, on unless ``0``), read once per
+process at the first matmul. The kernel takes a Q2_K-Q6_K/IQ weight times a batch of ``>= 8`` token rows
+(``ggml_tiled_min_batch``); fewer rows go through ``vec_dot``, which sums each row's blocks in another order.
+So a token decoded beside 7 or more others got other numbers than alone (Gemma 3 270M Q4_K_M: the first to
+differ is layer 0's Q4_K ``attn_output`` matmul, 5e-6, up to 1.2 in a logit; ``benchmarks/row_exactness.py``)."""
 
 DECODE_GROUP = 7
-"""Sequences decoded in one call at most (unless the runner is told ``--inexact``): with 8 or more tokens in a
-ubatch, llama.cpp's CPU matrix kernels take another path (seen on x86-64 with AVX-512: decoding 16 sequences
-in one call, rows 0, 2, 5, 7, 11 and 15 were off by 0.26-1.2 in a logit, every row exact up to 7), so more
-sequences are decoded in balanced groups of up to 7, each giving exactly the single-sequence numbers."""
+"""Sequences decoded in one call at most while the tiled kernel is on (below its 8-row gate, every row gets the
+single-sequence numbers); balanced groups of up to 7."""
+
+
+def decode_group(exact: bool, parallel: int) -> int:
+    """How many sequences to decode in one call; for ``exact``, turns the tiled kernel off for this process.
+
+    Call before llama.cpp's first matmul in the process (ggml reads ``TILED_ENV`` once). With the kernel off,
+    every row of a batch is bit-identical to the same token decoded alone at any batch size, so all ``parallel``
+    sequences share one call: on a 2-core AVX-512 x86-64 the 8- and 16-sequence decode runs as fast as with
+    the kernel (it pays off on prompts: ~10% faster prefill there), while groups of 7 cost a second graph.
+    ``GGML_CPU_TILED_MM`` set in the environment is kept; on, exact decoding falls back to ``DECODE_GROUP``.
+    Not exact: one call, llama.cpp's kernels as they are (faster prefill; greedy text may depend on load).
+    """
+    if not exact:
+        return parallel
+    os.environ.setdefault(TILED_ENV, "0")
+    match = re.match(r"\s*[+-]?\d+", os.environ[TILED_ENV])  # as ggml's atoi reads it
+    return parallel if not match or int(match.group()) == 0 else min(parallel, DECODE_GROUP)
+
 
 MIN_REUSE = 32
 """Cached prefixes shorter than this are evaluated again: the few tokens saved are not worth a prompt whose

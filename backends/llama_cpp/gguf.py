@@ -9,7 +9,7 @@ from __future__ import annotations
 import struct
 from typing import Any, BinaryIO
 
-__all__ = ["FILE_TYPES", "read_metadata", "tensor_sizes"]
+__all__ = ["FILE_TYPES", "longest_token", "read_metadata", "tensor_sizes"]
 
 _SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
 _STRING, _ARRAY = 8, 9
@@ -81,6 +81,34 @@ def read_metadata(path: str) -> dict[str, Any]:
     """The GGUF key/value metadata; arrays are replaced by their length."""
     with open(path, "rb") as f:
         return _header(f, path)[1]
+
+
+def longest_token(path: str) -> int:
+    """Bytes of the longest entry of the GGUF's token table (``tokenizer.ggml.tokens``); 0 if it has none.
+
+    A token's text as stored is never shorter than the prompt text it stands for (SentencePiece writes a space
+    as the 3-byte ``▁``, a byte token as ``<0xAB>``), so this bounds the bytes one token consumes.
+    """
+    with open(path, "rb") as f:
+        if f.read(4) != b"GGUF" or _read(f, "<I") < 2:
+            raise ValueError(f"{path} is not a GGUF file of version 2 or later")
+        _, count = _read(f, "<Q"), _read(f, "<Q")
+        for _ in range(count):
+            key = _string(f)
+            kind = _read(f, "<I")
+            if key != "tokenizer.ggml.tokens" or kind != _ARRAY:
+                _value(f, kind, keep_arrays=False)
+                continue
+            item_kind, n = _read(f, "<I"), _read(f, "<Q")
+            if item_kind != _STRING:
+                return 0
+            longest = 0
+            for _ in range(n):
+                size = _read(f, "<Q")
+                f.seek(size, 1)
+                longest = max(longest, size)
+            return longest
+    return 0
 
 
 def tensor_sizes(path: str) -> dict[str, int]:

@@ -40,7 +40,10 @@ async def messages(request: HttpRequest) -> Response:
 async def count_tokens(request: HttpRequest) -> Response:
     """ANT-3/50/51: system, tools and messages counted with the model's own tokenizer and chat template."""
     wire = decode_body(await request.body(), anthropic.CountTokensRequest)
-    count = await dispatcher_of(request).count_tokens(anthropic.count_tokens_to_internal(wire), may_use(request))
+    caller = who(request)["caller"]
+    count = await dispatcher_of(request).count_tokens(
+        anthropic.count_tokens_to_internal(wire), may_use(request), caller=caller
+    )
     return json_response(anthropic.encode_count_tokens(count))
 
 

@@ -155,3 +155,26 @@ def test_a_follow_up_turn_reuses_the_cached_history(server):
     client.chat.completions.create(model=MODEL, messages=history, max_tokens=8, temperature=0)
     reused = _runner_health(server)["reused_tokens"] - before
     assert reused >= first.usage.prompt_tokens - 1  # the whole first prompt came from the slot's cache
+
+
+def test_a_long_prefill_sends_keep_alives(real_server):
+    """A prompt that takes the runner seconds to prefill keeps its stream alive: a ``ping`` every 2 s (the
+    keep-alive setting) until the first token, where it used to stay silent (Claude Code gives up on a stream
+    silent for 300 s, proxies often after 60 s)."""
+    prompt = "A slow river bends past seven old mills at dawn. " * 140  # ~1,550 tokens, not cached by other tests
+    body = {"model": MODEL, "max_tokens": 2, "stream": True, "messages": [{"role": "user", "content": prompt}]}
+    pings, started, first = 0, None, None
+    with httpx.stream("POST", f"{real_server.url}/v1/messages", json=body, timeout=600) as r:
+        assert r.status_code == 200
+        for line in r.iter_lines():
+            if line == "event: message_start":
+                started = time.monotonic()
+            elif line == "event: ping" and first is None:
+                pings += 1
+            elif line.startswith("event: content_block") and first is None:
+                first = time.monotonic()
+    assert started is not None and first is not None
+    silent = first - started
+    print(f"\nprefill of ~1,550 tokens: {silent:.1f} s silent, {pings} pings")
+    assert pings >= int(silent // 2) - 1, f"{pings} pings in {silent:.1f} s of prefill"
+    assert silent < 3 or pings >= 1, f"no ping in {silent:.1f} s of prefill"

@@ -91,3 +91,22 @@ def test_ollama_chat_drops_oldest_turns(real_server, ant):
         timeout=60,
     )
     assert (r.status_code, r.json()) == (400, {"error": "the input length exceeds the context length"})
+
+
+HUGE = "Tell me everything about foxes. " * 65_536  # 2 MiB of text
+
+
+def test_a_prompt_too_big_by_its_bytes_alone_is_refused_without_counting(oai, ant, context, real_server):
+    """2 MiB of text cannot fit 4,096 tokens whatever its tokens: the gateway refuses it from its bytes over the
+    longest token of the model's vocabulary (48 bytes for Gemma 3), so the runner never spends seconds counting
+    it; the error names that lower bound (the runner's own count would be about 460,000)."""
+    least = len(HUGE.encode()) // 48
+    with pytest.raises(anthropic.BadRequestError) as refused:
+        ant.messages.create(model=MODEL, max_tokens=16, messages=[{"role": "user", "content": HUGE}], timeout=60)
+    assert refused.value.body["error"]["message"] == f"prompt is too long: {least} tokens > {context - 1} maximum"
+    with pytest.raises(openai.BadRequestError) as too_long:
+        oai.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": HUGE}], max_tokens=16)
+    assert too_long.value.code == "context_length_exceeded" and f"requested {least + 16} tokens" in str(too_long.value)
+    with pytest.raises(ollama.ResponseError) as ollama_refused:
+        ollama.Client(host=real_server.url).generate(MODEL, prompt=HUGE, options={"num_predict": 2})
+    assert ollama_refused.value.status_code == 400

@@ -154,6 +154,27 @@ async def test_round_robin_across_api_keys(keyed):
     assert done.index("b") == 2, f"B went second in the queue, after one of A's: {done}"
 
 
+async def test_costly_counts_take_turns_across_api_keys(keyed):
+    """Key A sends five prompts too long for the context whose counting costs the runner a second each; key B
+    then one short request with a tool (always counted). B is counted after at most one of A's, not after all
+    five, and A's prompts are still refused as too long."""
+    done: list[str] = []
+    huge = " ".join(["slowcount"] + ["word"] * 2000)
+    tool = {"type": "function", "function": {"name": "lookup", "parameters": {"type": "object"}}}
+
+    async def ask(http: httpx.AsyncClient, key: str, name: str, body: dict, status: int) -> None:
+        r = await http.post("/v1/chat/completions", json=body, headers={"authorization": f"Bearer {key}"})
+        assert r.status_code == status, r.text
+        done.append(name)
+
+    async with httpx.AsyncClient(base_url=keyed.url, timeout=30) as http:
+        tasks = [asyncio.create_task(ask(http, "A", f"a{n}", _chat(huge), 400)) for n in range(5)]
+        await asyncio.sleep(0.3)  # A's counts have begun
+        tasks.append(asyncio.create_task(ask(http, "B", "b", _chat("hello", tools=[tool]), 200)))
+        await asyncio.gather(*tasks)
+    assert done.index("b") <= 2, f"B waited for more than two of A's counts: {done}"
+
+
 async def test_a_streaming_client_that_leaves_while_queued_leaves_the_queue(server):
     async with httpx.AsyncClient(base_url=server.url, timeout=30) as http:
         running = asyncio.create_task(http.post("/v1/chat/completions", json=_chat("sleep 3")))

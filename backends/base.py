@@ -22,7 +22,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import msgspec
 
-from meshgate.backends.placement import Candidate, ModelSpec, Shard, ShardCosts, Strategy
+from meshgate.backends.placement import Calibration, Candidate, ModelSpec, Shard, ShardCosts, Strategy
 from meshgate.protocols.model import Embeddings, EmbedRequest, Event, ImagePart, Request, UnsupportedFeature
 
 __all__ = [
@@ -257,6 +257,28 @@ class Backend(Protocol):
         template and no parameters.
         """
         return ModelDescription(model_info=basic_model_info(card, self.context(card)))
+
+    def token_bytes(self, card: ModelCard) -> int:
+        """The most bytes of prompt text one of ``card``'s tokens can stand for (its longest vocabulary entry), or
+        0 when unknown. The gateway divides a prompt's bytes by it for a lower bound on its tokens, so a prompt
+        that cannot fit the context is refused without asking the runner to count it. Called once per model;
+        may read the model's files.
+
+        The default (inherited by subclasses of ``Backend``) is 0: every doubtful prompt is counted.
+        """
+        return 0
+
+    def calibrate(self) -> Calibration | None:
+        """This node's speed with the runtime's own kernels (decode bytes/s, a step's overhead, prompt FLOP/s),
+        for the planner's tok/s estimates; ``None`` when the backend does not measure.
+
+        Blocking and maybe slow (seconds: a real decode): the node agent calls it once at start, in a worker
+        thread, and stores the result with its node record. Cache it (by CPU model and runtime version), so an
+        agent's next start is fast; never load the runtime into the calling process if it could crash it.
+
+        The default (inherited by subclasses of ``Backend``) is ``None``: the planner uses ``Node.flops``.
+        """
+        return None
 
 
 @runtime_checkable

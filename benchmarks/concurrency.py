@@ -29,7 +29,6 @@ import asyncio
 import ctypes
 import itertools
 import json
-import math
 import os
 import statistics
 import sys
@@ -38,6 +37,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import httpx
+
+from meshgate.gateway.bench import percentile  # the nearest-rank quantile `meshgate bench` reports
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -91,14 +92,6 @@ def listening_pid(port: int) -> int | None:
         except OSError:
             continue
     return None
-
-
-def percentile(values: list[float], q: float) -> float:
-    """The ``q`` quantile (0..1) by nearest rank; nan for no values."""
-    if not values:
-        return float("nan")
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, max(0, math.ceil(q * len(ordered)) - 1))]
 
 
 # ------------------------------------------------------------------------------------------------ through meshgate

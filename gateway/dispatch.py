@@ -11,7 +11,13 @@ Before a generation may wait for a slot, its prompt is checked against the insta
 (``gateway.context_fit``, the protocol's rule); then it takes its place in the instance's bounded, fair queue
 (``gateway.admission``, the caller named by the route). What cannot fit and a full queue are refused at once; a
 streaming request that waits for its turn gets keep-alives and leaves the queue if its client goes away. The slot
-is held until the event stream ends or is closed. Embeddings and token counts are not queued.
+is held until the event stream ends or is closed. Embeddings are not queued.
+
+Counting a prompt's tokens costs the runner CPU time in proportion to its size (about 2 s for 1 MB of text), and
+only prompts whose size does not already show they fit are counted. Those counts (and Anthropic's count_tokens)
+go through a second fair queue per instance, one count at a time (``counting``): a client sending many huge
+prompts waits for its own counts, while another client's request is counted after at most one of them and never
+competes with a pile of them for the runner's cores.
 """
 
 from __future__ import annotations
@@ -19,16 +25,20 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 import weakref
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from meshgate.backends.base import Backend, ModelCard, ModelSource, Runner, check_capabilities, check_embeddings
+from meshgate.backends.registry import UserModel
 from meshgate.gateway.admission import Admission, Ticket
 from meshgate.gateway.cluster.instances import InstanceManager
 from meshgate.gateway.cluster.records import Instance, Ready
 from meshgate.gateway.context_fit import Fit, cap_output, fit_context
+from meshgate.gateway.model_defaults import apply_defaults, end_turn_at_default_stops
+from meshgate.gateway.telemetry import record as telemetry
 from meshgate.protocols.model import (
     BackendUnavailable,
     Embeddings,
@@ -39,7 +49,10 @@ from meshgate.protocols.model import (
     GatewayError,
     KeepAlive,
     NoCapacity,
+    ReasoningDelta,
     Request,
+    TextDelta,
+    ToolCallDelta,
     UnknownModel,
     Usage,
     error_from_info,
@@ -114,11 +127,15 @@ class Dispatcher:
         keepalive: float = 2.0,
         admission: Admission | None = None,
         max_tokens: int = 65536,
+        user_models: Callable[[str], UserModel | None] = lambda name: None,
     ) -> None:
         self.catalog = catalog
+        self.user_models = user_models  # a user model's stored defaults, by name (gateway.model_defaults)
         self.max_tokens = max_tokens
         self.keepalive = keepalive
         self.admission = admission or Admission()
+        self.counting = Admission(parallel=1, max_queue=self.admission.max_queue)
+        self._longest_token: dict[str, int] = {}  # model -> Backend.token_bytes
         self.backends = list(backends)
         self._choose = choose
         self.instances = instances
@@ -129,6 +146,7 @@ class Dispatcher:
     def resolve(self, name: str, may_use: Callable[[str], bool] | None = None) -> ModelCard:
         """The model ``name`` names; ``UnknownModel`` when there is none or ``may_use`` (the caller's key) allows
         neither the name asked for nor the model's own."""
+        telemetry.note_model(name)  # the request log's model, and the metrics' label once resolved
         card = self.catalog.resolve(name)
         if may_use is not None and not (may_use(name) or may_use(card.name)):
             raise UnknownModel(name)
@@ -170,18 +188,20 @@ class Dispatcher:
         ``clamp_output`` cuts a ``max_tokens`` above the ``max_tokens`` setting to it (Ollama) instead of raising
         ``OutputTooLarge``. Raises ``ContextLengthExceeded`` and ``Overloaded`` before waiting for anything but the
         model itself. ``may_use`` restricts the models (a key's list); ``on_usage`` gets the last ``Usage`` when
-        the stream ends (a key's token budget).
+        the stream ends (a key's token budget). A user model's stored parameters and system prompt fill what the
+        request leaves unset (``gateway.model_defaults``).
         """
         request = cap_output(request, self.max_tokens, clamp=clamp_output)
         card = self.resolve(request.model, may_use)
+        asked, request = request, apply_defaults(request, self.user_models(card.name))  # a Modelfile's defaults
         backend = self.backend_for(card)
         check_capabilities(request, backend.capabilities(card), card.name)
         context = request.num_ctx if isinstance(request.num_ctx, int) else None
         instance = await self.instances.acquire(card, context=context)
         job = _Job(card=card, backend=backend, request=request, caller=caller, fit=fit, on_usage=on_usage)
         if not isinstance(instance.state, Ready) and request.stream:
-            return self._keepalive_until(lambda: self._start(instance, job))
-        return await self._start(instance, job)
+            return end_turn_at_default_stops(self._keepalive_until(lambda: self._start(instance, job)), asked, request)
+        return end_turn_at_default_stops(await self._start(instance, job), asked, request)
 
     async def _start(self, instance: Instance, job: _Job, retry: bool = True) -> AsyncIterator[Event]:
         """Check the context, take a place in the queue, generate (a waiting stream gets keep-alives)."""
@@ -189,7 +209,9 @@ class Dispatcher:
             instance = await self.instances.wait_ready(instance.id)
         runner = self._connect(instance, job.card, job.backend)
         try:
-            request = await fit_context(job.request, instance.placement.context, runner.count_tokens, job.fit)
+            count = self._counter(instance.id, job.caller, runner)
+            token_bytes = await self._token_bytes(job.card, job.backend)
+            request = await fit_context(job.request, instance.placement.context, count, job.fit, token_bytes)
         except BackendUnavailable as error:
             if not retry:
                 raise
@@ -220,7 +242,7 @@ class Dispatcher:
             if retry and isinstance(error, BackendUnavailable):
                 return await self._start(await self._replace(instance, job.card, error), job, retry=False)
             raise error
-        return _chain(first, events, ticket.release, job.on_usage)
+        return _chain(first, events, ticket.release, job.on_usage, served=(job.card.name, instance.id))
 
     def _connect(self, instance: Instance, card: ModelCard, backend: Backend) -> Runner:
         urls = {node: status.url for node, status in instance.runners.items() if status.url}
@@ -243,12 +265,40 @@ class Dispatcher:
         instance = await self.instances.acquire(card)
         return await self._embed(instance, card, backend, request)
 
-    async def count_tokens(self, request: Request, may_use: Callable[[str], bool] | None = None) -> int:
-        """Tokens of ``request``'s prompt as the model reads it (Anthropic's count_tokens)."""
+    async def count_tokens(
+        self, request: Request, may_use: Callable[[str], bool] | None = None, caller: str = "-"
+    ) -> int:
+        """Tokens of ``request``'s prompt as the model reads it (Anthropic's count_tokens), counted in turn with
+        every other count on the instance (``caller``'s line)."""
         card = self.resolve(request.model, may_use)
         backend = self.backend_for(card)
         instance = await self.instances.acquire(card)
-        return await self._on_ready(instance, card, backend, lambda runner: runner.count_tokens(request))
+        return await self._on_ready(
+            instance, card, backend, lambda runner: self._counter(instance.id, caller, runner)(request)
+        )
+
+    async def _token_bytes(self, card: ModelCard, backend: Backend) -> int:
+        """``backend.token_bytes(card)``, read once per model in a worker thread (it may read the model's files)."""
+        key = f"{card.name}\0{card.path}"
+        known = self._longest_token.get(key)
+        if known is None:
+            read = getattr(backend, "token_bytes", None)  # a Backend not derived from the base class may lack it
+            known = self._longest_token[key] = await asyncio.to_thread(read, card) if read else 0
+        return known
+
+    def _counter(self, instance_id: str, caller: str, runner: Runner) -> Callable[[Request], Awaitable[int]]:
+        """``runner.count_tokens`` in ``caller``'s turn on the instance's counting queue (see the module
+        docstring); a full counting queue is ``Overloaded``, a caller that goes away leaves it."""
+
+        async def count(request: Request) -> int:
+            ticket = self.counting.enter(instance_id, caller)
+            try:
+                await ticket.wait()
+                return await runner.count_tokens(request)
+            finally:
+                ticket.release()
+
+        return count
 
     async def _embed(self, instance: Instance, card: ModelCard, backend: Backend, request: EmbedRequest) -> Embeddings:
         if not request.inputs:
@@ -306,10 +356,17 @@ def _chain(
     rest: AsyncIterator[Event],
     release: Callable[[], None],
     on_usage: Callable[[Usage], None] | None = None,
+    served: tuple[str, str] | None = None,
 ) -> AsyncIterator[Event]:
     """``first`` then ``rest``; ``release`` (the queue slot) when it ends, is closed, or is dropped unstarted;
-    ``on_usage`` with the last ``Usage`` seen when it ends or is closed."""
-    stream = _relay(first, rest, release) if on_usage is None else _metered(_relay(first, rest, release), on_usage)
+    ``on_usage`` with the last ``Usage`` seen when it ends or is closed. ``served`` (model, instance id) and what
+    the stream shows go to the request's telemetry record, if it has one."""
+    record = telemetry.current()
+    if record is not None and served is not None:
+        record.model, record.instance = served
+    stream = _relay(first, rest, release, record)
+    if on_usage is not None:
+        stream = _metered(stream, on_usage)
     _on_drop(stream, release)  # a generator closed before it started never runs its ``finally``
     return stream
 
@@ -319,21 +376,55 @@ def _on_drop(stream: AsyncIterator[Event], release: Callable[[], None]) -> None:
     weakref.finalize(stream, release).atexit = False
 
 
-async def _relay(first: Event, rest: AsyncIterator[Event], release: Callable[[], None]) -> AsyncIterator[Event]:
-    """``first`` then ``rest``; an unexpected exception becomes a ``Failed`` event, never a crash."""
+_AFTER_FIRST_TOKEN: frozenset[type] = frozenset({Usage, Finished, Failed})
+_UNTIL_FIRST_TOKEN: frozenset[type] = _AFTER_FIRST_TOKEN | {TextDelta, ReasoningDelta, ToolCallDelta}
+
+
+async def _relay(
+    first: Event,
+    rest: AsyncIterator[Event],
+    release: Callable[[], None],
+    record: telemetry.RequestRecord | None = None,
+) -> AsyncIterator[Event]:
+    """``first`` then ``rest``; an unexpected exception becomes a ``Failed`` event, never a crash. With a
+    ``record``, the first token's time, the last ``Usage`` and the end go into it: one set lookup per event."""
+    watch: frozenset[type] = _UNTIL_FIRST_TOKEN if record is not None else frozenset()
     try:
         async with closing(rest):
+            if type(first) in watch:
+                watch = _note(record, first)
             yield first
             try:
                 async for event in rest:
+                    if type(event) in watch:
+                        watch = _note(record, event)
                     yield event
             except GatewayError as exc:
-                yield Failed(error=exc.info())
+                failed = Failed(error=exc.info())
+                _note(record, failed)
+                yield failed
             except Exception as exc:
                 log.exception("backend stream raised")
-                yield Failed(error=GatewayError(f"internal error: {exc!r}").info())
+                failed = Failed(error=GatewayError(f"internal error: {exc!r}").info())
+                _note(record, failed)
+                yield failed
     finally:
         release()
+
+
+def _note(record: telemetry.RequestRecord | None, event: Event) -> frozenset[type]:
+    """Put what ``event`` tells into ``record``; the event types to watch from now on."""
+    if record is None:
+        return frozenset()
+    if isinstance(event, Usage):
+        record.prompt_tokens, record.generated_tokens = event.prompt_tokens, event.completion_tokens
+    elif isinstance(event, Finished | Failed):
+        record.ended_at = time.perf_counter()
+        if isinstance(event, Failed):
+            record.error = event.error.message
+    elif record.first_token_at is None:
+        record.first_token_at = time.perf_counter()
+    return _UNTIL_FIRST_TOKEN if record.first_token_at is None else _AFTER_FIRST_TOKEN
 
 
 async def _metered(events: AsyncIterator[Event], on_usage: Callable[[Usage], None]) -> AsyncIterator[Event]:

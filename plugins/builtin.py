@@ -39,13 +39,18 @@ class LlamaCppSettings(PluginSettings, frozen=True):
     Attributes:
         llama_repack: Let llama.cpp repack CPU weights (faster on some CPUs; a split model then no longer gives
             exactly the tokens of a single process, so it is off by default).
-        exact_batches: llama.cpp runners decode at most 7 sequences per call, so a request's greedy text is the
-            same alone and under load (``MESHGATE_EXACT_BATCHES=0``: every sequence in one call, ~1.3x the
-            throughput at 8 streams on a CPU, but about a quarter of greedy texts then differ under load).
+        exact_batches: llama.cpp runners turn ggml's tiled K-quant matmul off (it sums in another order once 8
+            tokens share a call), so every row of a batch is exactly the token decoded alone and a request's
+            greedy text is the same alone and under load (``MESHGATE_EXACT_BATCHES=0``: llama.cpp's kernels as
+            they are, ~10% faster prompts, but about a quarter of greedy texts then differ under load).
+        llama_calibrate: Measure this node's llama.cpp speed once (on the packaged model, a few seconds, cached
+            for the machine in ``~/.cache/meshgate``) for the planner's tok/s estimates
+            (``MESHGATE_LLAMA_CALIBRATE=0``: estimate from a numpy matmul instead).
     """
 
     llama_repack: bool = False
     exact_batches: bool = True
+    llama_calibrate: bool = True
 
 
 def _gguf_card(path: str) -> ModelCard | None:
@@ -68,8 +73,15 @@ def meshgate_register_backends(
             repack=own.llama_repack,
             parallel=settings.parallel,
             exact=own.exact_batches,
+            calibration_model=(lambda: _packaged_path(settings)) if own.llama_calibrate else None,
         )
     )
+
+
+def _packaged_path(settings: Settings) -> str | None:
+    """The packaged GGUF's path (assembled on first use), the model a node's llama.cpp speed is measured on."""
+    cards = PackagedGGUFSource(settings.models_dir).models()
+    return cards[0].path if cards else None
 
 
 @hookimpl
@@ -129,7 +141,7 @@ def _convert(settings: Settings, args: argparse.Namespace) -> int:
     name = args.name or default_name(model, args.dtype)
     out = Path(args.out) if args.out else settings.models_dir / "hf" / name.replace(":", "-")
     started = time.monotonic()
-    convert(path, out, dtype=args.dtype, name=name)
+    convert(path, out, dtype=args.dtype, name=name, progress=lambda step: print(step, file=sys.stderr, flush=True))
     print(f"{out}\n{name}")
     print(f"converted {path} in {time.monotonic() - started:.1f}s", file=sys.stderr)
     return 0

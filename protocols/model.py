@@ -331,11 +331,14 @@ class Finished(_Frozen, frozen=True, tag="finished"):
 
 
 class ErrorInfo(_Frozen, frozen=True):
-    """A serializable error: ``kind`` is a ``GatewayError`` subclass name; ``param`` the field it is about."""
+    """A serializable error: ``kind`` is a ``GatewayError`` subclass name; ``param`` the field it is about;
+    ``detail`` the numbers a protocol words its own message from (``ContextLengthExceeded``'s token counts), so
+    an error that reaches a client mid-stream reads as it would have as an HTTP error."""
 
     kind: str
     message: str
     param: str | None = None
+    detail: dict[str, int | None] | None = None
 
 
 class Failed(_Frozen, frozen=True, tag="failed"):
@@ -400,6 +403,10 @@ class ContextLengthExceeded(InvalidRequest):
         self.prompt_tokens = prompt_tokens
         self.completion_tokens = completion_tokens
         self.context = context
+
+    def info(self) -> ErrorInfo:
+        detail = {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens}
+        return msgspec.structs.replace(super().info(), detail={**detail, "context": self.context})
 
 
 class OutputTooLarge(InvalidRequest):
@@ -505,6 +512,8 @@ def error_from_info(info: ErrorInfo) -> GatewayError:
     cls = _subclasses(GatewayError).get(info.kind, GatewayError)
     if cls is UnknownModel:
         err: GatewayError = NotFound(info.message, param="model")
+    elif cls is ContextLengthExceeded and info.detail:
+        err = ContextLengthExceeded(info.message, **info.detail)  # type: ignore[arg-type]  # its own info()'s keys
     else:
         err = cls(info.message)
         err.param = info.param

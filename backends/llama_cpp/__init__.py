@@ -9,16 +9,18 @@ only ever imported inside the runner process, so a crash in the runtime cannot t
 
 from __future__ import annotations
 
+import functools
 import json
+import os
 import sys
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping
 from typing import Any
 
 import httpx
 
 from meshgate.backends.base import Backend, Capabilities, ModelCard, ModelDescription, Peers
-from meshgate.backends.llama_cpp.gguf import read_metadata, tensor_sizes
-from meshgate.backends.placement import Candidate, ModelSpec, Shard, ShardCosts, Strategy
+from meshgate.backends.llama_cpp.gguf import longest_token, read_metadata, tensor_sizes
+from meshgate.backends.placement import Calibration, Candidate, ModelSpec, Shard, ShardCosts, Strategy
 from meshgate.backends.runner.client import RunnerClient
 from meshgate.backends.runner.net import url_host
 from meshgate.backends.runner.process import RunnerProcess
@@ -100,8 +102,10 @@ class LlamaCppBackend(Backend):
         repack: bool = False,
         parallel: int = 4,
         exact: bool = True,
+        calibration_model: Callable[[], str | None] | None = None,
     ) -> None:
         self.http = http
+        self.calibration_model = calibration_model  # a small GGUF's path to measure the node with (calibrate)
         self.python = python or sys.executable
         self.n_ctx = n_ctx
         self.threads = threads
@@ -139,8 +143,25 @@ class LlamaCppBackend(Backend):
     def describe(self, card: ModelCard) -> ModelDescription:
         return describe_gguf(card, self.context(card))
 
+    def token_bytes(self, card: ModelCard) -> int:
+        try:
+            return _longest_token(card.path, os.stat(card.path).st_mtime_ns)
+        except (OSError, ValueError):
+            return 0
+
     def spec(self, card: ModelCard) -> ModelSpec:
         return spec_from_gguf(card.name, card.path)
+
+    def calibrate(self) -> Calibration | None:
+        """This node's llama.cpp speed, measured on ``calibration_model`` in a subprocess and cached for the
+        machine (``backends.llama_cpp.calibrate``); ``None`` without a model to measure with."""
+        from meshgate.backends.llama_cpp.calibrate import calibrate
+
+        model = self.calibration_model() if self.calibration_model else None
+        if not model:
+            return None
+        threads = self.threads or os.cpu_count() or 1
+        return calibrate(model, python=self.python, threads=threads, parallel=self.parallel)
 
     async def launch(
         self, card: ModelCard, placement: Candidate, shard: Shard, *, host: str, peers: Peers
@@ -188,6 +209,12 @@ class LlamaCppBackend(Backend):
         return LlamaCppRunner(RunnerClient(urls[head], self.http))
 
 
+@functools.lru_cache(maxsize=64)
+def _longest_token(path: str, mtime_ns: int) -> int:
+    """``longest_token`` of a GGUF file, read once per version of the file."""
+    return longest_token(path)
+
+
 def describe_gguf(card: ModelCard, context: int) -> ModelDescription:
     """What ``/api/show`` shows of the GGUF ``card`` names, from its header (read again: the file may have changed).
 
@@ -230,4 +257,5 @@ def spec_from_gguf(name: str, path: str) -> ModelSpec:
         embedding_bytes=sizes.get("token_embd.weight", 0),
         output_bytes=output + sum(v for k, v in sizes.items() if k.startswith("output_norm")),
         tied_output=output == 0,
+        vocab_size=int(meta.get("tokenizer.ggml.tokens") or 0),  # the token table's length (arrays are not kept)
     )

@@ -3,7 +3,8 @@
 Requests run side by side: each ``generate`` call (one thread per request, from the runner server) renders and
 tokenizes its prompt, hands a ``batch.Job`` to the one ``Scheduler`` thread that decodes every running sequence
 in one batch per step, and turns the tokens that come back into events on its own thread: text, stop strings
-(``StopMatcher``), tool calls (``tools.CallGate``, grammar-forced for ``required`` or a named tool) and
+(``StopMatcher``; not for forced calls), tool calls (``tools.CallGate``, grammar-forced for ``required`` or a named
+tool, whose prompt then ends in the start of the call: ``tools.call_prefix``) and
 per-token logprobs (``logprobs.py``, kept with their text past the stop matcher). When the answer is complete
 (a stop string, a whole tool call) the job is told to stop and leaves its slot at the next step. Grammars are
 checked against each sampled token as llama.cpp's server does (``sampling.py``). llama-cpp-python's exceptions
@@ -26,13 +27,13 @@ from typing import Any
 import msgspec
 import numpy as np
 
-from meshgate.backends.llama_cpp.batch import DECODE_GROUP, Job, Scheduler
+from meshgate.backends.llama_cpp.batch import Job, Scheduler, decode_group
 from meshgate.backends.llama_cpp.embed import Embedder
 from meshgate.backends.llama_cpp.grammar import schema_grammar
 from meshgate.backends.llama_cpp.logprobs import LogprobAligner, token_logprob
 from meshgate.backends.llama_cpp.prompt import render_prompt
 from meshgate.backends.llama_cpp.sampling import GrammarStuck, Sampler
-from meshgate.backends.llama_cpp.tools import CallGate, call_mode, call_schema
+from meshgate.backends.llama_cpp.tools import CallGate, call_mode, call_prefix, forced_schema
 from meshgate.backends.runner.stops import StopMatcher
 from meshgate.protocols.model import (
     UNSET,
@@ -42,6 +43,7 @@ from meshgate.protocols.model import (
     Finished,
     GatewayError,
     InvalidRequest,
+    KeepAlive,
     Request,
     RequestTooLarge,
     Unprocessable,
@@ -49,6 +51,11 @@ from meshgate.protocols.model import (
 )
 
 __all__ = ["LlamaEngine", "StopMatcher"]  # StopMatcher re-exported from backends.runner.stops
+
+PREFILL_PING = float(os.environ.get("MESHGATE_KEEPALIVE") or 2.0)
+"""Seconds between keep-alives while a prompt is prefilled (the gateway's ``keepalive`` setting, which runners
+inherit from its environment): a long prompt on a CPU takes minutes, and clients give up on a stream that stays
+silent (Claude Code after 300 s, proxies often after 60 s)."""
 
 _DEFAULTS = {
     "temperature": 0.8,
@@ -93,8 +100,9 @@ class LlamaEngine:
         """Load ``path``; with ``shards`` (``(endpoint or None for local, layer_start, layer_end)`` in pipeline
         order) the blocks are split over llama.cpp RPC workers. ``repack`` lets llama.cpp repack CPU weights
         (faster on some CPUs, but different numerics from a split run). Each of the ``parallel`` sequences holds
-        up to ``n_ctx`` tokens; ``exact=False`` decodes them all in one call instead of in groups of
-        ``DECODE_GROUP`` (faster, but greedy text may then depend on the load)."""
+        up to ``n_ctx`` tokens, all decoded in one call per step; ``exact`` turns ggml's tiled K-quant kernel off
+        for this process (``batch.decode_group``: each row then gets its single-sequence numbers); ``False``
+        keeps it (faster prefill, but greedy text may then depend on the load)."""
         import llama_cpp
 
         from meshgate.backends.llama_cpp.gguf import read_metadata
@@ -109,6 +117,7 @@ class LlamaEngine:
             n_layers = int(meta.get(f"{meta.get('general.architecture', '')}.block_count", 0))
             split = split_kwargs(shards, n_layers, add_rpc_servers(remote))
         threads = n_threads or os.cpu_count() or 1
+        group = decode_group(exact, max(1, parallel))  # before the first matmul: ggml reads its switch once
         with weight_repacking(repack):
             # The model, its tokenizer and metadata; its own context is a token one: the scheduler's decodes.
             self.llm = llama_cpp.Llama(
@@ -128,7 +137,7 @@ class LlamaEngine:
             parallel=self.parallel,
             n_threads=threads,
             is_eog=self._is_eog,
-            group=DECODE_GROUP if exact else self.parallel,
+            group=group,
         )
         threading.Thread(target=self.scheduler.run, name="llama-scheduler", daemon=True).start()
         self.load_ns = time.perf_counter_ns() - started
@@ -172,7 +181,9 @@ class LlamaEngine:
         eos = self.llm._model.token_get_text(self.llm.token_eos())
         prompt = render_prompt(request, self.family, self.chat_template, bos, eos)
         add_bos = not prompt.startswith(bos)
-        return self.llm.tokenize(prompt.encode(), add_bos=add_bos, special=request.raw_prompt is None)
+        tokens = self.llm.tokenize(prompt.encode(), add_bos=add_bos, special=request.raw_prompt is None)
+        # a forced call's start, tokenized on its own as if the model had written it after its turn opened
+        return tokens + self.llm.tokenize(call_prefix(request).encode(), add_bos=False, special=False)
 
     def generate(self, request: Request, cancel: threading.Event) -> Iterator[Event]:
         tokens = self.tokenize(request)
@@ -204,19 +215,23 @@ class LlamaEngine:
         self, job: Job, request: Request, n_prompt: int, load_ns: int, started: int, cancel: threading.Event
     ) -> Iterator[Event]:
         """The job's tokens as events, on the request's thread."""
-        stopper = StopMatcher(request.stop)
+        stopper = StopMatcher(request.stop if call_mode(request) != "forced" else ())  # the grammar ends a call
         gate = CallGate(request)
         aligner = LogprobAligner() if request.logprobs else None
         decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
         first_token_at = None
         finish = Finished(reason="length")
         count = 0
+        ping_at = time.monotonic() + PREFILL_PING
         while True:
             try:
                 item = job.out.get(timeout=0.1)
             except queue.Empty:
                 if cancel.is_set():
                     return
+                if first_token_at is None and time.monotonic() >= ping_at:
+                    ping_at += PREFILL_PING
+                    yield KeepAlive()  # still prefilling: tell the client the stream is alive
                 continue
             if item is None:
                 break
@@ -292,7 +307,7 @@ class LlamaEngine:
         from llama_cpp.llama_grammar import JSON_GBNF, LLAMA_GRAMMAR_DEFAULT_ROOT
 
         if forced or (fmt.kind == "json_schema" and fmt.schema):
-            schema = call_schema(request) if forced else fmt.schema
+            schema = forced_schema(request) if forced else fmt.schema
             assert schema is not None  # tested just above
             what = "the tools' parameter schemas" if forced else "the response format's JSON schema"
             return schema_grammar(schema, what), LLAMA_GRAMMAR_DEFAULT_ROOT  # checked and escaped (grammar.py)

@@ -5,10 +5,15 @@ every shard the stored instances place on this node gets a process (``Backend.la
 ``RunnerStatus``; processes whose instance is gone, failed or re-placed are stopped; a process that dies is
 reported failed. Runtime processes bind to the node's cluster address, never a public one by default.
 
-It serves two tiny endpoints for link probes (``GET /ping``, ``GET /blob?bytes=N``) on the cluster address, to
-callers presenting the cluster secret only (``backends.runner.secret``: ``authorization: Bearer`` or
+It serves two tiny endpoints for link probes (``GET /ping``, ``GET /blob?bytes=N``) and its Prometheus metrics
+(``GET /metrics``, ``gateway.telemetry.node_metrics``) on the cluster address, to callers presenting the cluster
+secret only (``backends.runner.secret``: ``authorization: Bearer`` or
 ``x-meshgate-secret``; others get 401), and presents it when it probes the other agents. The runners it launches
 get the same secret from ``RunnerProcess.start``.
+
+Once at start, in worker threads, it asks each backend to measure this node with the runtime's own kernels
+(``Backend.calibrate``) and adds what they measured to its node record (``Node.calibration``), the planner's
+speed estimates; until then (and for a backend that does not measure) the planner uses ``Node.flops``.
 """
 
 from __future__ import annotations
@@ -24,11 +29,14 @@ from typing import Any
 import httpx
 
 from meshgate.backends.base import Backend, Launched, ModelCard
-from meshgate.backends.placement import Link, NodeId
+from meshgate.backends.placement import Calibration, Link, NodeId
 from meshgate.backends.runner import secret as cluster_secret
 from meshgate.gateway.cluster.node import describe_node, measure_flops
 from meshgate.gateway.cluster.records import Failed, Instance, RunnerState, RunnerStatus
 from meshgate.gateway.cluster.store import StateStore
+from meshgate.gateway.cluster.ticks import tick_once_a_second
+from meshgate.gateway.telemetry.instruments import exposition
+from meshgate.gateway.telemetry.node_metrics import NodeMetrics
 
 __all__ = ["NodeAgent"]
 
@@ -77,7 +85,17 @@ class NodeAgent:
         self._tasks: list[asyncio.Task] = []
         self._flops = flops if flops is not None else measure_flops()
         self._server: Any = None
-        self._wake = asyncio.Event()
+        self._wake = asyncio.Event()  # the instances changed: reconcile
+        self._nodes_changed = asyncio.Event()  # a node joined, left or beat: the probe loop looks
+        self._calibration: dict[str, Calibration] = {}  # each backend's measured speed here (``_calibrate``)
+        self._measured: list[Link] = []  # the last probe's links from here
+        self._epochs: dict[str, int] = {}  # instance id -> the epoch last launched here (restarts are counted)
+        self.metrics = NodeMetrics(
+            self.name,
+            node=lambda: describe_node(self.name, self.address, self.agent_url, flops=self._flops, memory=self.memory),
+            links=lambda: self._measured,
+            runners=lambda: len(self.launched),
+        )
 
     @property
     def agent_url(self) -> str:
@@ -95,6 +113,7 @@ class NodeAgent:
                 ("agent-reconcile", self._reconcile_loop()),
                 ("agent-watch", self._watch()),
                 ("agent-probe", self._probe_loop()),
+                ("agent-calibrate", self._calibrate()),
             )
         ]
 
@@ -116,8 +135,29 @@ class NodeAgent:
     # ------------------------------------------------------------------------------------------- heartbeat
 
     async def _register(self) -> None:
-        node = describe_node(self.name, self.address, self.agent_url, flops=self._flops, memory=self.memory)
+        node = describe_node(
+            self.name,
+            self.address,
+            self.agent_url,
+            flops=self._flops,
+            memory=self.memory,
+            calibration=self._calibration,
+        )
         await self.store.put_node(node, self.ttl)
+
+    async def _calibrate(self) -> None:
+        """Each backend's speed on this node (``Backend.calibrate``, blocking: in a worker thread), registered as
+        soon as it is known."""
+        for backend in self.backends:
+            try:
+                found = await asyncio.to_thread(backend.calibrate)
+            except Exception:
+                log.exception("calibrating %s failed; the planner estimates its speed from flops", backend.name)
+                continue
+            if found is not None:
+                self._calibration = {**self._calibration, backend.name: found}
+                log.info("%s on %s: %s", backend.name, self.name, found)
+                await self._register()
 
     async def _heartbeat_loop(self) -> None:
         while True:
@@ -130,13 +170,18 @@ class NodeAgent:
     # ------------------------------------------------------------------------------------------- shards
 
     async def _watch(self) -> None:
-        async for _ in self.store.watch():
-            self._wake.set()
+        async for kind in self.store.watch():
+            if kind == "instances":  # what runs here follows the instances only (heartbeats change "nodes")
+                self._wake.set()
+            elif kind == "nodes":
+                self._nodes_changed.set()
 
     async def _reconcile_loop(self) -> None:
+        """Reconcile when the instances change, and every 0.5 s (a runner process that died is seen then)."""
         while True:
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._wake.wait(), 0.5)
+                async with asyncio.timeout(0.5):  # no task per wait, as ``wait_for`` makes in Python 3.11
+                    await self._wake.wait()
             self._wake.clear()
             try:
                 await self.reconcile()
@@ -146,7 +191,9 @@ class NodeAgent:
     async def reconcile(self) -> None:
         """Start what is placed here, stop what is not, report processes that died."""
         wanted: dict[str, Instance] = {}
-        for instance in await self.store.instances():
+        stored = await self.store.instances()
+        self._epochs = {i.id: self._epochs[i.id] for i in stored if i.id in self._epochs}  # forget deleted ones
+        for instance in stored:
             if isinstance(instance.state, Failed):
                 continue
             if any(s.node_id == self.node_id for s in instance.placement.shards):
@@ -172,6 +219,9 @@ class NodeAgent:
     async def _launch(self, instance: Instance) -> None:
         try:
             shard = next(s for s in instance.placement.shards if s.node_id == self.node_id)
+            if instance.id in self._epochs:  # ran here before: re-placed, or its runner died
+                self.metrics.restarted(instance.model)
+            self._epochs[instance.id] = instance.epoch
             await self._report(instance, "starting")
             card = self.resolve(instance.model)
             backend = next((b for b in self.backends if b.name == instance.placement.backend), None)
@@ -228,11 +278,18 @@ class NodeAgent:
     # ------------------------------------------------------------------------------------------- links
 
     async def _probe_loop(self) -> None:
-        """Probe every ``probe_every`` seconds, and at once when the set of nodes changes."""
+        """Probe every ``probe_every`` seconds, and at once when the set of nodes changes: looked at when the
+        store says the nodes changed (heartbeats included), at most twice a second, with no timer of its own."""
         known: set[NodeId] = set()
-        last = 0.0
+        last = looked = 0.0
         while True:
-            await asyncio.sleep(0.5)
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(max(0.5, last + self.probe_every - time.monotonic())):
+                    await self._nodes_changed.wait()
+            if (early := looked + 0.5 - time.monotonic()) > 0:  # many nodes beating: not a look per beat
+                await asyncio.sleep(early)
+            self._nodes_changed.clear()
+            looked = time.monotonic()
             try:
                 peers = {n.id for n in await self.store.nodes()} - {self.node_id}
                 if peers != known or time.monotonic() - last > self.probe_every:
@@ -282,6 +339,7 @@ class NodeAgent:
                 )
                 await self.store.put_link(link)
                 links.append(link)
+        self._measured = links
         return links
 
     async def _serve_probes(self) -> None:
@@ -293,17 +351,20 @@ class NodeAgent:
         sock.bind((self.address, self.port))
         sock.listen(64)
         self.port = sock.getsockname()[1]
-        config = uvicorn.Config(_ProbeApp(self.secret.encode()), log_level="warning", access_log=False, lifespan="off")
+        app = _ProbeApp(self.secret.encode(), self.metrics)
+        config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off", log_config=None)
         self._server = uvicorn.Server(config)
         self._server.install_signal_handlers = lambda: None
+        tick_once_a_second(self._server)  # an idle agent wakes once a second, not ten times
         self._tasks.append(asyncio.create_task(self._server.serve(sockets=[sock]), name="agent-probes"))
 
 
 class _ProbeApp:
-    """The probe endpoints, to callers with ``secret`` only."""
+    """The probe endpoints and ``/metrics``, to callers with ``secret`` only."""
 
-    def __init__(self, secret: bytes) -> None:
+    def __init__(self, secret: bytes, metrics: NodeMetrics) -> None:
         self.secret = secret
+        self.metrics = metrics
 
     async def __call__(self, scope: dict[str, Any], receive: Callable[..., Any], send: Callable[..., Any]) -> None:
         if scope["type"] != "http":
@@ -317,6 +378,13 @@ class _ProbeApp:
                 }
             )
             await send({"type": "http.response.body", "body": b'{"error":"missing or wrong cluster secret"}'})
+            return
+        if scope["path"] == "/metrics":
+            accept = next((v.decode("latin-1") for k, v in scope["headers"] if k == b"accept"), "")
+            body, content_type = exposition(self.metrics.registry, accept)
+            headers = [(b"content-type", content_type.encode()), (b"content-length", str(len(body)).encode())]
+            await send({"type": "http.response.start", "status": 200, "headers": headers})
+            await send({"type": "http.response.body", "body": body})
             return
         await _probe_app(scope, receive, send)
 

@@ -59,20 +59,23 @@ single-sequence numbers); balanced groups of up to 7."""
 
 
 def decode_group(exact: bool, parallel: int) -> int:
-    """How many sequences to decode in one call; for ``exact``, turns the tiled kernel off for this process.
+    """How many sequences to decode in one call.
 
-    Call before llama.cpp's first matmul in the process (ggml reads ``TILED_ENV`` once). With the kernel off,
-    every row of a batch is bit-identical to the same token decoded alone at any batch size, so all ``parallel``
-    sequences share one call: on a 2-core AVX-512 x86-64 the 8- and 16-sequence decode runs as fast as with
-    the kernel (it pays off on prompts: ~10% faster prefill there), while groups of 7 cost a second graph.
-    ``GGML_CPU_TILED_MM`` set in the environment is kept; on, exact decoding falls back to ``DECODE_GROUP``.
-    Not exact: one call, llama.cpp's kernels as they are (faster prefill; greedy text may depend on load).
+    ``exact`` with the tiled kernel on (ggml's default: ``TILED_ENV`` unset or not ``0``): balanced groups of up
+    to ``DECODE_GROUP``, so every row gets its single-sequence numbers and prompts keep the kernel's numbers, so
+    greedy texts are the ones meshgate gave before batching (8 streams: ~0.7x llama.cpp's raw batched decode on
+    a 2-core x86-64). With ``GGML_CPU_TILED_MM=0`` in the environment of the runners and RPC workers, every row is
+    bit-identical to the token decoded alone at any batch size, so all ``parallel`` sequences share one call
+    (~0.88x raw at 8 streams, as fast as with the kernel; prompts ~10% slower); greedy texts are then those of
+    the untiled prompt numbers, as exact but not the same as the default's. Not exact: one call, the kernels as
+    they are (greedy text may depend on the load). ggml reads the switch once per process, at the first matmul.
     """
     if not exact:
         return parallel
-    os.environ.setdefault(TILED_ENV, "0")
-    match = re.match(r"\s*[+-]?\d+", os.environ[TILED_ENV])  # as ggml's atoi reads it
-    return parallel if not match or int(match.group()) == 0 else min(parallel, DECODE_GROUP)
+    value = os.environ.get(TILED_ENV)
+    match = re.match(r"\s*[+-]?\d+", value) if value is not None else None  # as ggml's atoi reads it
+    tiled = value is None or (match is not None and int(match.group()) != 0)
+    return min(parallel, DECODE_GROUP) if tiled else parallel
 
 
 MIN_REUSE = 32

@@ -100,9 +100,10 @@ class LlamaEngine:
         """Load ``path``; with ``shards`` (``(endpoint or None for local, layer_start, layer_end)`` in pipeline
         order) the blocks are split over llama.cpp RPC workers. ``repack`` lets llama.cpp repack CPU weights
         (faster on some CPUs, but different numerics from a split run). Each of the ``parallel`` sequences holds
-        up to ``n_ctx`` tokens, all decoded in one call per step; ``exact`` turns ggml's tiled K-quant kernel off
-        for this process (``batch.decode_group``: each row then gets its single-sequence numbers); ``False``
-        keeps it (faster prefill, but greedy text may then depend on the load)."""
+        up to ``n_ctx`` tokens; ``exact`` decodes them so each row gets its single-sequence numbers (in groups of
+        ``DECODE_GROUP`` while ggml's tiled K-quant kernel is on, in one call with ``GGML_CPU_TILED_MM=0``; see
+        ``batch.decode_group``); ``False`` decodes all in one call with the kernels as they are (greedy text may
+        then depend on the load)."""
         import llama_cpp
 
         from meshgate.backends.llama_cpp.gguf import read_metadata
@@ -117,7 +118,7 @@ class LlamaEngine:
             n_layers = int(meta.get(f"{meta.get('general.architecture', '')}.block_count", 0))
             split = split_kwargs(shards, n_layers, add_rpc_servers(remote))
         threads = n_threads or os.cpu_count() or 1
-        group = decode_group(exact, max(1, parallel))  # before the first matmul: ggml reads its switch once
+        group = decode_group(exact, max(1, parallel))
         with weight_repacking(repack):
             # The model, its tokenizer and metadata; its own context is a token one: the scheduler's decodes.
             self.llm = llama_cpp.Llama(

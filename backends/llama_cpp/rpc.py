@@ -397,9 +397,6 @@ def main(argv: list[str] | None = None) -> None:
         parser.error("ggml's RPC server binds IPv4 addresses only")
     if not 0 <= args.port < 65536:
         parser.error("--port must be in 0-65535")
-    # the head runner decodes with ggml's tiled K-quant kernel off (``batch.decode_group``); a worker computing
-    # its layers with it on would give other numbers, so a split model would no longer match a single process
-    os.environ.setdefault("GGML_CPU_TILED_MM", "0")
     port = args.port
     if port == 0 and not os.path.isdir("/proc/self/fd"):  # no way to read the port back: choose one now
         with socket.socket() as s:

@@ -34,8 +34,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--inexact",
         action="store_true",
-        help="keep llama.cpp's tiled K-quant kernel (faster prompts), though "
-        "greedy text may then depend on the load (see batch.decode_group)",
+        help="decode every sequence in one call with llama.cpp's kernels as they are: faster, "
+        "but greedy text may then depend on the load (see batch.decode_group)",
     )
     args = parser.parse_args(argv)
     try:

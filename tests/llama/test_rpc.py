@@ -24,7 +24,7 @@ from meshgate.backends.runner.process import RunnerProcess
 from meshgate.protocols.model import BackendUnavailable
 
 ROOT = Path(__file__).resolve().parents[2]
-ENV = {"PYTHONPATH": str(ROOT), "GGML_CPU_TILED_MM": "0"}  # as meshgate's runners and workers decode
+ENV = {"PYTHONPATH": str(ROOT)}
 N_TOKENS = 16
 MiB = 1 << 20
 

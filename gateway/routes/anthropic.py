@@ -5,6 +5,7 @@ from __future__ import annotations
 from litestar import Request as HttpRequest
 from litestar import Response, Router, post
 
+from meshgate.gateway.auth import caller_of
 from meshgate.gateway.context_fit import Fit
 from meshgate.gateway.routes.common import (
     collect_or_cancel,
@@ -40,9 +41,8 @@ async def messages(request: HttpRequest) -> Response:
 async def count_tokens(request: HttpRequest) -> Response:
     """ANT-3/50/51: system, tools and messages counted with the model's own tokenizer and chat template."""
     wire = decode_body(await request.body(), anthropic.CountTokensRequest)
-    caller = who(request)["caller"]
     count = await dispatcher_of(request).count_tokens(
-        anthropic.count_tokens_to_internal(wire), may_use(request), caller=caller
+        anthropic.count_tokens_to_internal(wire), may_use(request), caller=caller_of(request).bucket
     )
     return json_response(anthropic.encode_count_tokens(count))
 

@@ -86,6 +86,7 @@ def create_app(settings: Settings, plugins: pluggy.PluginManager) -> Litestar:
             try:
                 yield
             finally:
+                app.state.telemetry.flush()  # the last requests' lines and counts
                 await accounts.close()
 
     app = Litestar(
@@ -112,5 +113,6 @@ def create_app(settings: Settings, plugins: pluggy.PluginManager) -> Litestar:
     # every response carries its request id (``x-request-id`` for OpenAI SDKs, ``request-id`` for Anthropic's);
     # each request is logged and counted (gateway.telemetry), its own registry per app
     app.state.metrics = GatewayMetrics() if settings.metrics else None
-    app.asgi_handler = RequestTelemetry(app.asgi_handler, app.state, app.state.metrics)
+    app.state.telemetry = RequestTelemetry(app.asgi_handler, app.state, app.state.metrics)
+    app.asgi_handler = app.state.telemetry
     return app

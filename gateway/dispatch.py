@@ -269,8 +269,10 @@ class Dispatcher:
         self, request: Request, may_use: Callable[[str], bool] | None = None, caller: str = "-"
     ) -> int:
         """Tokens of ``request``'s prompt as the model reads it (Anthropic's count_tokens), counted in turn with
-        every other count on the instance (``caller``'s line)."""
+        every other count on the instance (``caller``'s line). A user model's stored system prompt is counted
+        when the request has none, as ``open_stream`` would send it (``gateway.model_defaults``)."""
         card = self.resolve(request.model, may_use)
+        request = apply_defaults(request, self.user_models(card.name))
         backend = self.backend_for(card)
         instance = await self.instances.acquire(card)
         return await self._on_ready(
@@ -377,7 +379,7 @@ def _on_drop(stream: AsyncIterator[Event], release: Callable[[], None]) -> None:
 
 
 _AFTER_FIRST_TOKEN: frozenset[type] = frozenset({Usage, Finished, Failed})
-_UNTIL_FIRST_TOKEN: frozenset[type] = _AFTER_FIRST_TOKEN | {TextDelta, ReasoningDelta, ToolCallDelta}
+_UNTIL_FIRST_TOKEN: frozenset[type] = _AFTER_FIRST_TOKEN | {TextDelta, ReasoningDelta, ToolCallDelta, KeepAlive}
 
 
 async def _relay(
@@ -387,8 +389,13 @@ async def _relay(
     record: telemetry.RequestRecord | None = None,
 ) -> AsyncIterator[Event]:
     """``first`` then ``rest``; an unexpected exception becomes a ``Failed`` event, never a crash. With a
-    ``record``, the first token's time, the last ``Usage`` and the end go into it: one set lookup per event."""
+    ``record``, the first token's time, the last ``Usage`` and the end go into it: one set lookup per event.
+
+    The events not watched (the deltas after the first token) are counted with one integer increment: a stream
+    that ends without finishing (its client went away, or it failed) never got its final ``Usage``, so its record
+    then says how many deltas were relayed (``_note_relayed``)."""
     watch: frozenset[type] = _UNTIL_FIRST_TOKEN if record is not None else frozenset()
+    unwatched = 0  # events relayed without a look: after the first token, each a delta (about a token)
     try:
         async with closing(rest):
             if type(first) in watch:
@@ -398,6 +405,8 @@ async def _relay(
                 async for event in rest:
                     if type(event) in watch:
                         watch = _note(record, event)
+                    else:
+                        unwatched += 1
                     yield event
             except GatewayError as exc:
                 failed = Failed(error=exc.info())
@@ -410,6 +419,8 @@ async def _relay(
                 yield failed
     finally:
         release()
+        if record is not None:
+            _note_relayed(record, unwatched)
 
 
 def _note(record: telemetry.RequestRecord | None, event: Event) -> frozenset[type]:
@@ -422,9 +433,19 @@ def _note(record: telemetry.RequestRecord | None, event: Event) -> frozenset[typ
         record.ended_at = time.perf_counter()
         if isinstance(event, Failed):
             record.error = event.error.message
-    elif record.first_token_at is None:
+    elif record.first_token_at is None and not isinstance(event, KeepAlive):  # a prefill's keep-alive is no token
         record.first_token_at = time.perf_counter()
     return _UNTIL_FIRST_TOKEN if record.first_token_at is None else _AFTER_FIRST_TOKEN
+
+
+def _note_relayed(record: telemetry.RequestRecord, after_first: int) -> None:
+    """A stream that did not finish has no final ``Usage`` (its first one counts the prompt only): its generated
+    tokens are the deltas relayed, the first token and ``after_first`` more, unless a ``Usage`` said more."""
+    finished = record.ended_at is not None and record.error is None
+    if finished or record.first_token_at is None:
+        return
+    if after_first + 1 > (record.generated_tokens or 0):
+        record.generated_tokens = after_first + 1
 
 
 async def _metered(events: AsyncIterator[Event], on_usage: Callable[[Usage], None]) -> AsyncIterator[Event]:

@@ -2,8 +2,9 @@
 
 ``/api/create`` stores a system prompt and parameters with a model (``backends.registry.UserModel``); Ollama applies
 them to every request for that model, whatever API it came through, and so does meshgate, in one place: the
-dispatcher calls ``apply_defaults`` once the model is resolved. The request always wins: a stored value fills only
-what the client left unset.
+dispatcher calls ``apply_defaults`` once the model is resolved, for a generation and for Anthropic's count_tokens
+(so a count includes the stored system prompt the generation will send). The request always wins: a stored value
+fills only what the client left unset.
 
 - ``stop`` is added when the request sets none. A turn ended by such a stop is a plain end of turn
   (``end_turn_at_default_stops``): Anthropic ``end_turn``, OpenAI and Ollama ``stop``; ``stop_sequence`` (with

@@ -39,7 +39,7 @@ from meshgate.protocols import (
     openai,
     openai_completions,
     openai_embeddings,
-    openai_responses,
+    openai_responses_request,
 )
 
 __all__ = ["BODIES", "describe_request_bodies"]
@@ -48,8 +48,8 @@ BODIES: dict[tuple[str, str], type[msgspec.Struct]] = {
     ("post", "/v1/chat/completions"): openai.ChatRequest,
     ("post", "/chat/completions"): openai.ChatRequest,
     ("post", "/v1/completions"): openai_completions.CompletionRequest,
-    ("post", "/v1/responses"): openai_responses.ResponsesRequest,
-    ("post", "/responses"): openai_responses.ResponsesRequest,
+    ("post", "/v1/responses"): openai_responses_request.ResponsesRequest,
+    ("post", "/responses"): openai_responses_request.ResponsesRequest,
     ("post", "/v1/embeddings"): openai_embeddings.EmbeddingRequest,
     ("post", "/embeddings"): openai_embeddings.EmbeddingRequest,
     ("post", "/v1/messages"): anthropic.MessagesRequest,

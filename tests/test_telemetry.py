@@ -3,6 +3,8 @@ record, and the gateway's and the agent's registries read back with ``prometheus
 
 from __future__ import annotations
 
+import asyncio
+import io
 import json
 import logging
 
@@ -12,9 +14,9 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from meshgate.gateway.cluster.runtime import control_plane
 from meshgate.gateway.telemetry.instruments import Counter, Histogram, Instruments, exposition
-from meshgate.gateway.telemetry.logs import Fields, JsonFormatter, logfmt
+from meshgate.gateway.telemetry.logs import Fields, JsonFormatter, LineHandler, TextFormatter, logfmt
 from meshgate.gateway.telemetry.metrics import GatewayMetrics
-from meshgate.gateway.telemetry.middleware import _reason, protocol_of
+from meshgate.gateway.telemetry.middleware import REPORT_DELAY, RequestTelemetry, _reason, protocol_of
 from meshgate.gateway.telemetry.record import RequestRecord, bind, unbind
 from meshgate.plugins.manager import build_plugin_manager
 from meshgate.plugins.settings import Settings
@@ -173,3 +175,59 @@ def test_settings_switch_the_format_and_the_metrics_off(tmp_path):
     on = create_app(settings.replace(metrics=True), build_plugin_manager(settings))
     assert "/metrics" not in {route.path for route in off.routes} and off.state.metrics is None
     assert "/metrics" in {route.path for route in on.routes} and on.state.metrics.registry is not None
+
+
+class _Writes(io.StringIO):
+    def __init__(self) -> None:
+        super().__init__()
+        self.writes = 0
+
+    def write(self, text: str) -> int:
+        self.writes += 1
+        return super().write(text)
+
+
+async def test_finished_requests_are_logged_and_counted_in_batches(monkeypatch):
+    stream = _Writes()
+    handler = LineHandler(stream)
+    handler.setFormatter(TextFormatter())
+    monkeypatch.setattr(logging.getLogger(), "handlers", [handler])
+    monkeypatch.setattr(logging.getLogger(), "level", logging.INFO)
+
+    async def app(scope, receive, send) -> None:
+        await send({"type": "http.response.start", "status": 404, "headers": []})
+        await send({"type": "http.response.body", "body": b'{"error": {"message": "no such thing"}}'})
+
+    async def ignore(_message) -> None:
+        pass
+
+    metrics = GatewayMetrics()
+    telemetry = RequestTelemetry(app, None, metrics)
+    for path in ("/v1/one", "/v1/two", "/v1/three"):
+        scope = {"type": "http", "method": "GET", "path": path, "headers": [], "state": {}}
+        await telemetry(scope, None, ignore)
+    assert stream.getvalue() == "" and not metrics.requests.values  # nothing reported on the request's path
+    await asyncio.sleep(REPORT_DELAY * 4)  # the batch goes out by itself: three lines, one write
+    lines = stream.getvalue().splitlines()
+    assert [line.split(" path=")[1].split()[0] for line in lines] == ["/v1/one", "/v1/two", "/v1/three"]
+    assert all(line.endswith('error="no such thing"') for line in lines) and stream.writes == 1
+    assert sum(metrics.requests.values.values()) == 3
+
+    await telemetry({"type": "http", "method": "GET", "path": "/v1/four", "headers": [], "state": {}}, None, ignore)
+    telemetry.flush()  # a scrape or a stop does not wait for the batch
+    assert "path=/v1/four" in stream.getvalue() and sum(metrics.requests.values.values()) == 4
+
+    seen: list[logging.LogRecord] = []
+    handler.addFilter(lambda record: seen.append(record) or True)  # logging as configured otherwise: one record each
+    await telemetry({"type": "http", "method": "GET", "path": "/v1/five", "headers": [], "state": {}}, None, ignore)
+    telemetry.flush()
+    assert [str(r.msg).split(" path=")[1].split()[0] for r in seen] == ["/v1/five"] and stream.writes == 3
+
+
+def test_a_line_made_for_a_batch_reads_as_the_record_would():
+    fields = Fields("request", {"id": "req_1", "path": "/v1/x y", "status": 200, "error": None})
+    record = logging.LogRecord("meshgate.requests", logging.INFO, "", 0, fields, (), None)
+    for formatter in (TextFormatter(), JsonFormatter()):
+        handler = LineHandler(io.StringIO())
+        handler.setFormatter(formatter)
+        assert handler.line(record.created, "INFO", "meshgate.requests", fields) == formatter.format(record)

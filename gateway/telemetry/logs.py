@@ -24,7 +24,7 @@ import sys
 import time
 from collections.abc import Mapping
 
-__all__ = ["Fields", "configure", "logfmt"]
+__all__ = ["Fields", "JsonFormatter", "LineHandler", "TextFormatter", "configure", "logfmt", "plain_handler"]
 
 _BARE = re.compile(r"[A-Za-z0-9_.:/@+\-]+")
 _QUOTED = frozenset({"error"})  # always quoted, even when one word
@@ -60,12 +60,7 @@ class JsonFormatter(logging.Formatter):
     """One JSON object per record: ``time`` (UTC, ms), ``level``, ``logger``, ``message``, then its fields."""
 
     def format(self, record: logging.LogRecord) -> str:
-        stamp = time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(record.created))
-        out: dict[str, object] = {
-            "time": f"{stamp}.{int(record.msecs):03d}Z",
-            "level": record.levelname,
-            "logger": record.name,
-        }
+        out = self._head(record.created, record.levelname, record.name)
         if isinstance(record.msg, Fields):
             out["message"] = record.msg.message
             out.update(record.msg.values)
@@ -75,6 +70,18 @@ class JsonFormatter(logging.Formatter):
             out["exception"] = self.formatException(record.exc_info)
         return json.dumps(out, default=str)
 
+    def line(self, created: float, level: str, logger: str, fields: Fields) -> str:
+        """What ``format`` makes of a record with these values and ``fields`` as its message."""
+        out = self._head(created, level, logger)
+        out["message"] = fields.message
+        out.update(fields.values)
+        return json.dumps(out, default=str)
+
+    @staticmethod
+    def _head(created: float, level: str, logger: str) -> dict[str, object]:
+        stamp = time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(created))
+        return {"time": f"{stamp}.{int(created * 1000) % 1000:03d}Z", "level": level, "logger": logger}
+
 
 class TextFormatter(logging.Formatter):
     """``%(asctime)s %(levelname)s %(name)s: %(message)s``, the date and time formatted once per second."""
@@ -83,16 +90,59 @@ class TextFormatter(logging.Formatter):
         super().__init__("%(asctime)s %(levelname)s %(name)s: %(message)s")
         self._second, self._stamp = -1, ""
 
+    def line(self, created: float, level: str, logger: str, fields: Fields) -> str:
+        """What ``format`` makes of a record with these values and ``fields`` as its message."""
+        return f"{self._time(created)} {level} {logger}: {fields}"
+
     def formatTime(self, record: logging.LogRecord, datefmt: str | None = None) -> str:  # noqa: N802 (logging's name)
-        second = int(record.created)
+        return self._time(record.created)
+
+    def _time(self, created: float) -> str:
+        second = int(created)
         if second != self._second:
             self._second, self._stamp = second, time.strftime("%Y-%m-%d %H:%M:%S", self.converter(second))
-        return f"{self._stamp},{int(record.msecs):03d}"
+        return f"{self._stamp},{int(created * 1000) % 1000:03d}"
+
+
+class LineHandler(logging.StreamHandler):
+    """The ``StreamHandler`` ``configure`` installs; it also takes lines made already (``write_lines``)."""
+
+    def line(self, created: float, level: str, logger: str, fields: Fields) -> str:
+        """The line this handler writes for a record of these values with ``fields`` as its message (its
+        formatter is ``configure``'s: ``plain_handler`` checks)."""
+        formatter: TextFormatter | JsonFormatter = self.formatter  # type: ignore[assignment]
+        return formatter.line(created, level, logger, fields)
+
+    def write_lines(self, lines: list[str]) -> None:
+        """``lines`` (formatted by this handler's formatter's ``line``) in one write."""
+        if lines:
+            with self.lock:  # type: ignore[union-attr]  # made by Handler.__init__
+                self.stream.write("\n".join(lines) + "\n")
+                self.flush()
+
+
+def plain_handler(logger: logging.Logger, level: int) -> LineHandler | None:
+    """The one handler ``logger``'s records at ``level`` reach when the process's logging is ``configure``'s and
+    nothing on the way filters or copies them, else ``None``. Then a batch of lines can go to it at once, made by
+    its formatter's ``line`` (the request log: a ``LogRecord`` and the handler chain per line cost more than
+    making the line)."""
+    root = logging.getLogger()
+    if len(root.handlers) != 1 or type(root.handlers[0]) is not LineHandler or not logger.isEnabledFor(level):
+        return None
+    handler = root.handlers[0]
+    node: logging.Logger | None = logger
+    while node is not None and node is not root:
+        if node.filters or node.handlers or not node.propagate or node.disabled:
+            return None
+        node = node.parent
+    if root.filters or handler.filters or level < handler.level:
+        return None
+    return handler if isinstance(handler.formatter, TextFormatter | JsonFormatter) else None
 
 
 def configure(level: str, fmt: str = "text") -> None:
     """The root logger at ``level``, writing to stderr in ``fmt`` (``text`` or ``json``)."""
-    handler = logging.StreamHandler(sys.stderr)
+    handler = LineHandler(sys.stderr)
     if fmt == "json":
         handler.setFormatter(JsonFormatter())
     else:

@@ -4,8 +4,9 @@
 response carries in ``x-request-id``) and reads it when the response is done, for the request log line and the
 metrics. In between, the code that knows a fact writes it: the auth guard's caller is read from the connection
 state; the dispatcher notes the model asked for (``note_model``) and, for a generation, the instance, the first
-token's time, the last ``Usage`` and how the stream ended (``gateway.dispatch._relay``). Tasks a request starts
-copy the context, so they see the same record; code that runs outside a request sees ``None``.
+token's time, the last ``Usage`` (or, for a stream that did not finish, the deltas it relayed) and how the
+stream ended (``gateway.dispatch._relay``). Tasks a request starts copy the context, so they see the same
+record; code that runs outside a request sees ``None``.
 
 Imports the standard library only.
 """
@@ -15,6 +16,7 @@ from __future__ import annotations
 import contextvars
 import secrets
 import time
+from typing import Any
 
 __all__ = ["RequestRecord", "current", "new_request_id", "note_model"]
 
@@ -33,6 +35,15 @@ class RequestRecord:
         "model",
         "prompt_tokens",
         "started",
+        # set when the response is done (``finished``), for the report that follows in a batch
+        "bucket",
+        "endpoint",
+        "error_body",
+        "finished_at",
+        "method",
+        "path",
+        "protocol",
+        "status",
     )
 
     def __init__(self, request_id: str) -> None:
@@ -46,6 +57,15 @@ class RequestRecord:
         self.first_token_at: float | None = None  # perf_counter of the first generated token (text, reasoning, tool)
         self.ended_at: float | None = None  # perf_counter of the stream's end (its terminal event)
         self.error: str | None = None  # why a stream that had started failed (the status was sent already)
+
+    def finished(self, scope: Any, status: int, error_body: bytes, protocol: str) -> None:
+        """The response is done: what its report needs from the ASGI ``scope``, which is not kept."""
+        self.finished_at = time.perf_counter()
+        self.status, self.error_body, self.protocol = status, error_body, protocol
+        self.method, self.path = scope["method"], scope["path"]
+        self.endpoint: str = scope.get("path_template") or "other"  # Litestar's router sets it when a route matched
+        caller = scope.get("state", {}).get("caller")  # the auth guard's ``Caller``
+        self.bucket: str = getattr(caller, "bucket", "")
 
 
 _current: contextvars.ContextVar[RequestRecord | None] = contextvars.ContextVar("meshgate_request", default=None)

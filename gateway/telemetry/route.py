@@ -17,6 +17,7 @@ __all__ = ["metrics"]
 @get("/metrics", include_in_schema=False)
 async def metrics(request: Request) -> Response[bytes]:
     collected: GatewayMetrics = request.app.state.metrics
+    request.app.state.telemetry.flush()  # requests finished since the last report
     await collected.refresh(getattr(request.app.state, "plane", None))
     body, content_type = exposition(collected.registry, request.headers.get("accept", ""))
     if content_type.startswith("text/"):  # Litestar appends the charset to text types itself

@@ -29,6 +29,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from meshgate.gateway.telemetry.middleware import REPORT_DELAY
 from tests.conftest import MODEL, Server
 from tests.e2e import agent_clients
 from tests.e2e.agent_clients import request_lines
@@ -74,6 +75,7 @@ def roomy(data_dir: Path) -> Iterator[Server]:
 
 def _requests(server: Server, since: int = 0) -> list[dict]:
     """The request log lines of model API calls the gateway wrote after ``since`` of them."""
+    time.sleep(REPORT_DELAY * 4)  # the gateway writes its request lines in batches
     lines = request_lines(server.log.read_text(errors="replace"))
     return [r for r in lines if r["path"].startswith("/v1/")][since:]
 

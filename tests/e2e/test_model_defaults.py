@@ -69,3 +69,13 @@ def test_the_requests_own_stop_wins_and_num_predict_limits_the_output(oai, ant, 
     assert answer.choices[0].finish_reason == "length" and answer.usage.completion_tokens == 24, answer
     own = ant.messages.create(model=brief, max_tokens=64, messages=QUESTION, stop_sequences=["\n", " "])
     assert own.stop_reason == "stop_sequence" and own.stop_sequence in ("\n", " "), own
+
+
+def test_anthropic_count_tokens_counts_the_stored_system_prompt(ant, brief):
+    """count_tokens for a created model counts its stored system prompt as the generation sends it: the count is
+    the ``input_tokens`` the same request then reports, and more than the parent model's count."""
+    counted = ant.messages.count_tokens(model=brief, messages=QUESTION).input_tokens
+    answer = ant.messages.create(model=brief, max_tokens=1, messages=QUESTION)
+    assert counted == answer.usage.input_tokens, (counted, answer.usage)
+    plain = ant.messages.count_tokens(model=MODEL, messages=QUESTION).input_tokens
+    assert counted >= plain + 5, (plain, counted)

@@ -14,7 +14,7 @@ import ollama
 import openai
 import pytest
 
-from tests.conftest import Server
+from tests.conftest import MODEL, Server
 
 BOOT = "boot-admin-key"
 FIELDS = [
@@ -150,3 +150,27 @@ def test_json_format_turns_every_line_into_an_object_with_the_same_keys(tmp_path
     assert line["prompt_tokens"] == answer.json()["prompt_eval_count"] and isinstance(line["duration_ms"], int)
     objects = [json.loads(text) for text in server.log.read_text().splitlines() if text.strip()]
     assert {"uvicorn.error", "meshgate", "meshgate.requests"} <= {o["logger"] for o in objects}
+
+
+def test_a_stream_cut_short_logs_the_tokens_it_relayed(data_dir):
+    """A client that goes away mid-stream never gets the final ``Usage`` (the runner's first one counts only the
+    prompt); the line still counts the tokens relayed: at least the deltas the client read, short of the limit."""
+    server = Server(data_dir, "--n-ctx", "1024", "--log-level", "info")
+    try:
+        ask = [{"role": "user", "content": "Count from 1 to 300, one number per line."}]
+        body = {"model": MODEL, "messages": ask, "max_tokens": 400, "stream": True}
+        read = 0
+        with httpx.stream("POST", f"{server.url}/v1/chat/completions", json=body, timeout=120) as answer:
+            assert answer.status_code == 200
+            rid = answer.headers["x-request-id"]
+            for text in answer.iter_lines():
+                if text.startswith("data: {"):
+                    chunk = json.loads(text.removeprefix("data: "))
+                    read += bool(chunk["choices"] and chunk["choices"][0]["delta"].get("content"))
+                if read == 3:
+                    break  # leaving the block closes the connection mid-stream
+        line = logged(server, rid)
+    finally:
+        server.stop()
+    assert line["status"] == "200" and line["prompt_tokens"] != "-", line
+    assert 3 <= int(line["generated_tokens"]) < 400, line

@@ -7,15 +7,17 @@ has its own ``HOME``, a fake key and no traffic but to the gateway. Which endpoi
 status, prompt tokens and TTFT, is read from the gateway's request log (``meshgate.requests`` lines) and printed.
 
 Claude Code's own system prompt and tool definitions are about 18,700 tokens. At the default context (4,096) the
-gateway refuses that with Anthropic's ``prompt is too long`` 400, which Claude Code reports as its result. Its turn
-on the model runs with ``--bare``, a short ``--system-prompt`` and one tool (``Read``), about 450 tokens. Codex
-runs with its instructions replaced by one line (``model_instructions_file``) and its function tools kept, about
-2,200 tokens. The packaged model is a base model that never ends a turn by itself: on it Claude Code's answers stop
-at ``max_tokens`` (``CLAUDE_CODE_MAX_OUTPUT_TOKENS=8``) and Codex's answer is held to a JSON schema
+gateway refuses that with Anthropic's ``prompt is too long`` 400, which Claude Code reports as its result; at
+32,768 it fits, and its first prefill takes about 4 minutes on 2 cores. Its turn loop on the packaged model runs
+with ``--bare``, a short ``--system-prompt`` and one tool (``Read``), about 450 tokens. Codex runs with its
+instructions replaced by one line (``model_instructions_file``) and its function tools kept, about 2,200 tokens.
+The packaged model is a base model that never ends a turn by itself: on it Claude Code's answers stop at
+``max_tokens`` (``CLAUDE_CODE_MAX_OUTPUT_TOKENS=8``) and Codex's answer is held to a JSON schema
 (``--output-schema``), whose grammar ends it. A model created from it with a stored ``stop`` (Ollama's Modelfile
-``PARAMETER stop``, through ``/api/create``) ends its turns, and Claude Code reports success on it.
+``PARAMETER stop``, through ``/api/create``) ends its turns: on it Claude Code, with its whole default prompt, and
+a plain ``codex exec`` report success.
 
-Slow (long): every test starts a gateway and the model; the file took 130 s on a busy 2-core box (load ~12).
+Slow (long): every test starts a gateway and the model; Claude Code's whole prompt alone takes about 4 minutes.
 """
 
 from __future__ import annotations
@@ -71,6 +73,29 @@ def roomy(data_dir: Path) -> Iterator[Server]:
     server = _gateway(data_dir, 16384)
     yield server
     server.stop()
+
+
+@pytest.fixture(scope="module")
+def large(data_dir: Path) -> Iterator[Server]:
+    """A context of 32,768 tokens: room for Claude Code's whole default prompt (~18.7k tokens)."""
+    server = _gateway(data_dir, 32768)
+    yield server
+    server.stop()
+
+
+def _create_brief(server: Server) -> None:
+    """``BRIEF``: the packaged model with ``stop: ["\\n"]`` stored (Ollama's ``PARAMETER stop``), made through
+    ``/api/create``. The packaged model is a base model: its ``<end_of_turn>`` is untrained, so it never ends a turn
+    by itself; with the stored stop its one-line answer ends the turn (``end_turn``)."""
+    body = {
+        "model": BRIEF,
+        "from": MODEL,
+        "parameters": {"stop": ["\n"], "num_predict": 24},  # clients send their own max_tokens and system
+        "system": "Answer in one short line.",
+        "stream": False,
+    }
+    created = httpx.post(f"{server.url}/api/create", json=body, timeout=120)
+    assert created.status_code == 200 and created.json()["status"] == "success", created.text
 
 
 def _requests(server: Server, since: int = 0) -> list[dict]:
@@ -151,46 +176,26 @@ def test_claude_code_runs_its_turn_loop_on_the_model(bin_dir, roomy, tmp_path):
     assert result["usage"]["output_tokens"] == 32 and result["usage"]["input_tokens"] == sum(prompts), result
 
 
-def test_claude_code_succeeds_on_a_model_with_a_stored_stop(bin_dir, roomy, tmp_path):
-    """A model created through ``/api/create`` from the packaged one with ``stop: ["\\n"]`` (Ollama's ``PARAMETER
-    stop``): its one-line answer ends the turn (``stop_reason: end_turn``), so Claude Code's single request is
-    its whole turn and it reports success with the answer as its result."""
-    body = {
-        "model": BRIEF,
-        "from": MODEL,
-        "parameters": {"stop": ["\n"], "num_predict": 24},  # Claude Code sends its own max_tokens and system
-        "system": "Answer in one short line.",
-        "stream": False,
-    }
-    created = httpx.post(f"{roomy.url}/api/create", json=body, timeout=120)
-    assert created.status_code == 200 and created.json()["status"] == "success", created.text
-    before = len(_requests(roomy))
-    run = agent_clients.claude(
-        bin_dir,
-        roomy.url,
-        tmp_path / "home",
-        "Say hello",
-        "--model",
-        BRIEF,
-        "--bare",
-        "--system-prompt",
-        "You are a helpful assistant. Answer in one short sentence.",
-        "--tools",
-        "Read",
-        "--max-turns",
-        "1",
-        timeout=400,
-    )
+def test_claude_code_completes_a_turn_with_its_whole_default_prompt(bin_dir, large, tmp_path):
+    """``claude -p "Say hello" --model gemma3-brief``, nothing else changed: its whole system prompt and tool set
+    (~18.7k tokens) fit the 32k context; the first prefill is the long part (about 4 minutes on 2 cores, kept
+    alive by the runner's keep-alives). The stored stop ends the one-line answer, so Claude Code's single request
+    is its whole turn and it reports success with the answer as its result."""
+    _create_brief(large)
+    before = len(_requests(large))
+    run = agent_clients.claude(bin_dir, large.url, tmp_path / "home", "Say hello", "--model", BRIEF, timeout=900)
     result = run.json()
-    lines = _requests(roomy, before)
-    _report("claude brief", lines)
-    print(f"claude brief: {run.seconds:.1f} s, result {result.get('result')!r}")
+    lines = _requests(large, before)
+    _report("claude default@32768", lines)
+    print(f"claude default@32768: {run.seconds:.1f} s, result {result.get('result')!r}")
     calls = _api_calls(lines)
     assert calls == [("POST", "/v1/messages", 200)], calls  # one request: the turn ended by itself
-    assert lines[0]["error"] is None and lines[0]["prompt_tokens"] > 300, lines
+    assert lines[0]["error"] is None and lines[0]["prompt_tokens"] > 15_000, lines  # its system prompt and tools
     assert result["is_error"] is False and result["subtype"] == "success", result
+    assert result["stop_reason"] == "end_turn" and result["num_turns"] == 1, result
     assert result["result"].strip() and "\n" not in result["result"].strip(), result
-    assert result["num_turns"] == 1 and result["usage"]["output_tokens"] == lines[0]["generated_tokens"], result
+    assert result["usage"]["input_tokens"] == lines[0]["prompt_tokens"], result
+    assert result["usage"]["output_tokens"] == lines[0]["generated_tokens"], result
 
 
 # ---------------------------------------------------------------------------------------------------- Codex CLI
@@ -225,6 +230,22 @@ def test_codex_exec_completes_a_turn(bin_dir, roomy, tmp_path):
     assert calls == [("POST", "/v1/responses", 200)], calls
     assert lines[0]["error"] is None and lines[0]["generated_tokens"] >= 5
     assert lines[0]["prompt_tokens"] > 1000  # its function tools were offered to the model
+
+
+def test_codex_exec_completes_a_plain_turn_on_a_model_with_a_stored_stop(bin_dir, roomy, tmp_path):
+    """``codex exec "Say hello"`` with nothing but the model changed (``gemma3-brief``): its one-line answer ends
+    the turn, Codex exits 0 and prints it as the final message."""
+    _create_brief(roomy)
+    before = len(_requests(roomy))
+    run = agent_clients.codex(bin_dir, roomy.url, tmp_path / "home", BRIEF, "Say hello", context=16384)
+    lines = _requests(roomy, before)
+    _report("codex brief", lines)
+    print(f"codex brief: {run.seconds:.1f} s, final message {run.stdout.strip()!r}")
+    assert run.returncode == 0, (run.stdout, run.stderr)
+    assert run.stdout.strip() and "\n" not in run.stdout.strip(), run.stdout
+    calls = _api_calls(lines)
+    assert calls == [("POST", "/v1/responses", 200)], calls
+    assert lines[0]["error"] is None and lines[0]["prompt_tokens"] > 1000 and lines[0]["generated_tokens"] >= 1
 
 
 # ---------------------------------------------------------------------------------------------------- long prefills

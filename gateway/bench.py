@@ -38,7 +38,7 @@ import random
 import statistics
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -207,11 +207,12 @@ async def calibrate(client: httpx.AsyncClient, model: str, target: int, tries: i
     return words
 
 
-async def run_cell(client: httpx.AsyncClient, model: str, cell: Cell, words: int, repetition: int) -> Run:
-    """``cell.concurrency`` streams at once, each with its own word order."""
-    seeds = range(repetition * cell.concurrency + 1, (repetition + 1) * cell.concurrency + 1)
+async def run_cell(client: httpx.AsyncClient, model: str, cell: Cell, words: int, seeds: Iterator[int]) -> Run:
+    """``cell.concurrency`` streams at once, each with a word order of its own (the next of ``seeds``: no prompt of
+    the whole bench, or of an earlier one on the same gateway, is reused from a slot's cache)."""
+    mine = [next(seeds) for _ in range(cell.concurrency)]
     streams = await asyncio.gather(
-        *(stream_completion(client, model, prompt_text(words, seed), cell.gen_tokens) for seed in seeds)
+        *(stream_completion(client, model, prompt_text(words, seed), cell.gen_tokens) for seed in mine)
     )
     return Run(list(streams))
 
@@ -255,12 +256,13 @@ async def bench(args: argparse.Namespace, say: Callable[[str], None]) -> dict[st
             words[n] = await calibrate(client, args.model, n)
         cells = [Cell(p, g, c) for p in args.prompt_tokens for g in args.gen_tokens for c in args.concurrency]
         total, done = len(cells) * args.repetitions, 0
+        seeds = itertools.count(random.SystemRandom().randrange(1, 1 << 40))  # seed 0 sized the prompts
         for cell in cells:
             for rep in range(args.repetitions):
                 done += 1
                 label = f"c={cell.concurrency} prompt={cell.prompt_tokens} gen={cell.gen_tokens}"
                 say(f"[{done}/{total}] {label} rep {rep + 1}/{args.repetitions}")
-                cell.runs.append(await run_cell(client, args.model, cell, words[cell.prompt_tokens], rep))
+                cell.runs.append(await run_cell(client, args.model, cell, words[cell.prompt_tokens], seeds))
         where = await placement(client, args.model)
     return {
         "url": args.url,

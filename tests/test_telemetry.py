@@ -13,6 +13,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from meshgate.gateway.cluster.runtime import control_plane
+from meshgate.gateway.telemetry import middleware
 from meshgate.gateway.telemetry.instruments import Counter, Histogram, Instruments, exposition
 from meshgate.gateway.telemetry.logs import Fields, JsonFormatter, LineHandler, TextFormatter, logfmt
 from meshgate.gateway.telemetry.metrics import GatewayMetrics
@@ -207,7 +208,7 @@ async def test_finished_requests_are_logged_and_counted_in_batches(monkeypatch):
         scope = {"type": "http", "method": "GET", "path": path, "headers": [], "state": {}}
         await telemetry(scope, None, ignore)
     assert stream.getvalue() == "" and not metrics.requests.values  # nothing reported on the request's path
-    await asyncio.sleep(REPORT_DELAY * 4)  # the batch goes out by itself: three lines, one write
+    await asyncio.sleep(REPORT_DELAY + 0.3)  # the batch goes out by itself: three lines, one write
     lines = stream.getvalue().splitlines()
     assert [line.split(" path=")[1].split()[0] for line in lines] == ["/v1/one", "/v1/two", "/v1/three"]
     assert all(line.endswith('error="no such thing"') for line in lines) and stream.writes == 1
@@ -217,11 +218,16 @@ async def test_finished_requests_are_logged_and_counted_in_batches(monkeypatch):
     telemetry.flush()  # a scrape or a stop does not wait for the batch
     assert "path=/v1/four" in stream.getvalue() and sum(metrics.requests.values.values()) == 4
 
+    monkeypatch.setattr(middleware, "REPORT_MAX", 2)  # a full batch goes out at once
+    for path in ("/v1/six", "/v1/seven"):
+        await telemetry({"type": "http", "method": "GET", "path": path, "headers": [], "state": {}}, None, ignore)
+    assert "path=/v1/seven" in stream.getvalue() and sum(metrics.requests.values.values()) == 6
+
     seen: list[logging.LogRecord] = []
     handler.addFilter(lambda record: seen.append(record) or True)  # logging as configured otherwise: one record each
     await telemetry({"type": "http", "method": "GET", "path": "/v1/five", "headers": [], "state": {}}, None, ignore)
     telemetry.flush()
-    assert [str(r.msg).split(" path=")[1].split()[0] for r in seen] == ["/v1/five"] and stream.writes == 3
+    assert [str(r.msg).split(" path=")[1].split()[0] for r in seen] == ["/v1/five"] and stream.writes == 4
 
 
 def test_a_line_made_for_a_batch_reads_as_the_record_would():

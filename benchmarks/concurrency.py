@@ -33,6 +33,7 @@ import os
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -311,6 +312,22 @@ def table(levels: list[Level]) -> str:
     return "\n".join(rows)
 
 
+def calibrated(url: str, timeout: float, say: Callable[..., None]) -> None:
+    """Wait until the node agent has measured llama.cpp on this machine (``Backend.calibrate``: a subprocess that
+    decodes for seconds when a setting is new, e.g. this ``MESHGATE_PARALLEL``), so it does not share the CPU with
+    a measured level."""
+    deadline, told = time.monotonic() + timeout, False
+    while time.monotonic() < deadline:
+        nodes = httpx.get(f"{url}/cluster", timeout=10).json()["nodes"]
+        if nodes and all("llama_cpp" in n.get("calibration", {}) for n in nodes):
+            return
+        if not told:
+            say("waiting for the node to calibrate llama.cpp ...")
+            told = True
+        time.sleep(1.0)
+    raise RuntimeError(f"the node did not calibrate in {timeout:g} s")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--levels", default="1,4,8,16", help="concurrent streams per level, comma-separated")
@@ -356,6 +373,8 @@ def main() -> None:
     try:
         say(f"gateway {url} (pid {pid or '?'}); loading {args.model} ...")
         asyncio.run(run_level(url, args.model, 1, 1, 8, None, args.timeout))  # loads the model, warms up
+        if server is not None:
+            calibrated(url, args.timeout, say)
         idle = idle_rate(pid) if pid else 0.0
         raw = None
         if not args.no_raw:

@@ -7,6 +7,7 @@ import asyncio
 import io
 import json
 import logging
+import time
 
 import httpx
 import pytest
@@ -226,7 +227,10 @@ async def test_finished_requests_are_logged_and_counted_in_batches(monkeypatch):
     seen: list[logging.LogRecord] = []
     handler.addFilter(lambda record: seen.append(record) or True)  # logging as configured otherwise: one record each
     await telemetry({"type": "http", "method": "GET", "path": "/v1/five", "headers": [], "state": {}}, None, ignore)
+    ended = time.time()
+    await asyncio.sleep(0.2)
     telemetry.flush()
+    assert seen and abs(seen[0].created - ended) < 0.1  # the record's time is the request's end, not the batch's
     assert [str(r.msg).split(" path=")[1].split()[0] for r in seen] == ["/v1/five"] and stream.writes == 4
 
 
@@ -237,3 +241,15 @@ def test_a_line_made_for_a_batch_reads_as_the_record_would():
         handler = LineHandler(io.StringIO())
         handler.setFormatter(formatter)
         assert handler.line(record.created, "INFO", "meshgate.requests", fields) == formatter.format(record)
+
+
+def test_a_broken_log_stream_is_reported_not_raised(monkeypatch):
+    class Broken(io.StringIO):
+        def write(self, text: str) -> int:
+            raise OSError("the disk is full")
+
+    reported: list[logging.LogRecord] = []
+    handler = LineHandler(Broken())
+    monkeypatch.setattr(handler, "handleError", reported.append)
+    handler.write_lines(["a line", "another"])
+    assert [r.name for r in reported] == ["meshgate.requests"]

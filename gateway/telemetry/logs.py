@@ -115,10 +115,14 @@ class LineHandler(logging.StreamHandler):
 
     def write_lines(self, lines: list[str]) -> None:
         """``lines`` (formatted by this handler's formatter's ``line``) in one write."""
-        if lines:
+        if not lines:
+            return
+        try:
             with self.lock:  # type: ignore[union-attr]  # made by Handler.__init__
                 self.stream.write("\n".join(lines) + "\n")
                 self.flush()
+        except Exception:  # as ``StreamHandler.emit``: a broken stream is reported, never raised to the caller
+            self.handleError(logging.makeLogRecord({"name": "meshgate.requests", "msg": f"{len(lines)} lines"}))
 
 
 def plain_handler(logger: logging.Logger, level: int) -> LineHandler | None:

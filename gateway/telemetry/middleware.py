@@ -140,7 +140,10 @@ class RequestTelemetry:
                 if handler is not None and level == logging.INFO:
                     lines.append(handler.line(wall + record.finished_at, "INFO", log.name, fields))
                 else:  # logged as ``log.log`` would, without its search of the stack for the caller's line
-                    log.handle(log.makeRecord(log.name, level, "", 0, fields, (), None))
+                    entry = log.makeRecord(log.name, level, "", 0, fields, (), None)
+                    entry.created = wall + record.finished_at
+                    entry.msecs = int(entry.created * 1000) % 1000
+                    log.handle(entry)
             except Exception:  # a request that cannot be reported must not lose the others' lines
                 log.exception("could not report request %s", record.id)
         if handler is not None:

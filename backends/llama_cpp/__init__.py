@@ -9,7 +9,6 @@ only ever imported inside the runner process, so a crash in the runtime cannot t
 
 from __future__ import annotations
 
-import functools
 import json
 import os
 import sys
@@ -145,7 +144,7 @@ class LlamaCppBackend(Backend):
 
     def token_bytes(self, card: ModelCard) -> int:
         try:
-            return _longest_token(card.path, os.stat(card.path).st_mtime_ns)
+            return longest_token(card.path)  # read once per model: the dispatcher keeps it
         except (OSError, ValueError):
             return 0
 
@@ -207,12 +206,6 @@ class LlamaCppBackend(Backend):
     def connect(self, card: ModelCard, placement: Candidate, urls: Mapping[str, str]) -> LlamaCppRunner:
         head = next(s.node_id for s in placement.shards if s.layer_start == 0)
         return LlamaCppRunner(RunnerClient(urls[head], self.http))
-
-
-@functools.lru_cache(maxsize=64)
-def _longest_token(path: str, mtime_ns: int) -> int:
-    """``longest_token`` of a GGUF file, read once per version of the file."""
-    return longest_token(path)
 
 
 def describe_gguf(card: ModelCard, context: int) -> ModelDescription:

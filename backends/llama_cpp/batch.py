@@ -11,8 +11,9 @@ the way llama.cpp's own server drives its slots:
   cached prefix) and each chunk is decoded on its own: llama.cpp's CPU kernels give a token slightly
   different numbers when the tokens beside it in a ubatch differ (seen on Gemma 3 270M: up to 1.1 in a
   logit), which flips near-ties in greedy output. Decode tokens batched together get exactly the numbers
-  they get alone (``decode_group``: all in one call, with ggml's tiled K-quant kernel off), so a request's
-  greedy text does not depend on load, and alone it is what it was before batching.
+  they get alone (``decode_group``: in groups of up to ``DECODE_GROUP`` while ggml's tiled K-quant kernel is
+  on, the default; all in one call with it off), so a request's greedy text does not depend on load, and alone
+  it is what it was before batching.
 - A new job joins at the next step. It takes the free slot whose cached tokens share the longest prefix with
   its prompt (chats and agents resend the same history), keeps that prefix in the KV cache and evaluates only
   the rest; at least the last prompt token is evaluated again, for its logits. A prompt cut into other chunks

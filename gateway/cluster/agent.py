@@ -29,7 +29,7 @@ from typing import Any
 import httpx
 
 from meshgate.backends.base import Backend, Launched, ModelCard
-from meshgate.backends.placement import Calibration, Link, NodeId
+from meshgate.backends.placement import Calibration, Link, Node, NodeId
 from meshgate.backends.runner import secret as cluster_secret
 from meshgate.gateway.cluster.node import describe_node, measure_flops
 from meshgate.gateway.cluster.records import Failed, Instance, RunnerState, RunnerStatus
@@ -92,7 +92,7 @@ class NodeAgent:
         self._epochs: dict[str, int] = {}  # instance id -> the epoch last launched here (restarts are counted)
         self.metrics = NodeMetrics(
             self.name,
-            node=lambda: describe_node(self.name, self.address, self.agent_url, flops=self._flops, memory=self.memory),
+            node=self._describe,
             links=lambda: self._measured,
             runners=lambda: len(self.launched),
         )
@@ -134,8 +134,9 @@ class NodeAgent:
 
     # ------------------------------------------------------------------------------------------- heartbeat
 
-    async def _register(self) -> None:
-        node = describe_node(
+    def _describe(self) -> Node:
+        """This node as it stands now (memory read again), with what it has measured."""
+        return describe_node(
             self.name,
             self.address,
             self.agent_url,
@@ -143,7 +144,9 @@ class NodeAgent:
             memory=self.memory,
             calibration=self._calibration,
         )
-        await self.store.put_node(node, self.ttl)
+
+    async def _register(self) -> None:
+        await self.store.put_node(self._describe(), self.ttl)
 
     async def _calibrate(self) -> None:
         """Each backend's speed on this node (``Backend.calibrate``, blocking: in a worker thread), registered as

@@ -151,13 +151,7 @@ class RequestTelemetry:
 
     def _report(self, record: RequestRecord) -> tuple[int, Fields] | None:
         """Counts ``record`` in the metrics; its log line's level and fields, ``None`` if it is not logged."""
-        path, method, status, protocol, bucket = (
-            record.path,
-            record.method,
-            record.status,
-            record.protocol,
-            record.bucket,
-        )
+        path, method, status, protocol = record.path, record.method, record.status, record.protocol
         ended = record.finished_at
         model = self._model(record)
         if self.metrics is not None:
@@ -173,7 +167,7 @@ class RequestTelemetry:
             "method": method,
             "path": path[:512],
             "model": (record.asked or "-")[:256] if model in ("-", "other") else model,
-            "key": bucket.removeprefix("key:") if bucket.startswith(("key:", "boot:")) else None,
+            "key": record.bucket.removeprefix("key:") if record.bucket.startswith(("key:", "boot:")) else None,
             "status": status,
             "prompt_tokens": record.prompt_tokens,
             "generated_tokens": record.generated_tokens,

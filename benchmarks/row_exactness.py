@@ -3,25 +3,29 @@
 Greedy text that does not depend on load needs every row of a batched decode to be bit-identical to the same
 token decoded alone. This prefills ``--sequences`` different prompts (each on its own, as the runner does), then
 decodes one more token of each: alone (the reference), then the first ``B`` sequences together for every batch
-size ``B`` in ``--sizes``, and prints per size which rows differ and by how much (max |logit difference|). The
-context is made as ``batch.Scheduler`` makes it, with ggml's tiled K-quant matmul off as the exact runner has
-it (``batch.decode_group``); ``--tiled on`` keeps llama.cpp's default (the kernel takes matmuls of 8 or more
-rows), ``--tiled force`` takes it for every size; ``--flash-attn``, ``--kv-unified``, ``--ubatch``, ``--type-k``
-and ``--repack`` try other options. ``--trace B`` dumps every graph tensor (llama.cpp's ``cb_eval``) of the
-decode of ``B`` sequences and of each alone, and prints for the first differing row the first op whose output
-differs: where the numbers part.
+size ``B`` in ``--sizes``, and prints per size which rows differ and by how much (max |logit difference|) and
+what the batch's decode took. The context is made as ``batch.Scheduler`` makes it. ``--tiled off`` (the default
+here) turns ggml's tiled K-quant matmul off, ``--tiled on`` keeps llama.cpp's default (the kernel takes matmuls of
+8 or more rows), ``--tiled force`` takes it for every size; ``--reference`` decodes the batches (not the single
+rows) on ggml's reference matmuls, as the runner does (``backends.llama_cpp.cpu_kernels``; use it with ``--tiled
+on``); ``--flash-attn``, ``--kv-unified``, ``--ubatch``, ``--type-k`` and ``--repack`` try other options.
+``--trace B`` dumps every graph tensor (llama.cpp's ``cb_eval``) of the decode of ``B`` sequences and of each
+alone, and prints for the first differing row the first op whose output differs: where the numbers part.
 
     .venv/bin/python benchmarks/row_exactness.py --sizes 1-16 [--tiled on|off|force]
     .venv/bin/python benchmarks/row_exactness.py --tiled on --trace 8
+    .venv/bin/python benchmarks/row_exactness.py --tiled on --reference --sizes 2,4,7,8,9,12,16
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import ctypes
 import os
 import sys
 import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.determinism import prompts  # noqa: E402
 from meshgate.backends.llama_cpp.batch import TILED_ENV  # noqa: E402
+from meshgate.backends.llama_cpp.cpu_kernels import ReferenceKernels, cpu_backend  # noqa: E402
 from meshgate.backends.llama_cpp.rpc import weight_repacking  # noqa: E402
 from meshgate.backends.llama_cpp.sources import PackagedGGUFSource  # noqa: E402
 
@@ -220,6 +225,7 @@ def main() -> None:
     parser.add_argument("--ubatch", type=int, default=0, help="n_ubatch (default: n_batch, as the runner)")
     parser.add_argument("--type-k", default="f16", choices=["f16", "f32", "q8_0"], help="KV cache type (K and V)")
     parser.add_argument("--repack", action="store_true", help="let llama.cpp repack weights (use_extra_bufts)")
+    parser.add_argument("--reference", action="store_true", help="batches on ggml's reference matmuls (as the runner)")
     parser.add_argument("--trace", type=int, default=0, help="find the first differing op at this batch size")
     parser.add_argument("--model", default="", help="a GGUF (default: the packaged Gemma 3 270M)")
     parser.add_argument(
@@ -235,14 +241,23 @@ def main() -> None:
             trace(bench, args.trace)
             return
         single = np.array([bench.step([s])[0] for s in range(args.sequences)])
+        kernels: Any = contextlib.nullcontext()
+        if args.reference:
+            backend = cpu_backend(bench.ctx)
+            if backend is None:
+                sys.exit("this context's CPU backend was not found")
+            kernels = ReferenceKernels(backend)
         exact = True
         for width in sizes(args.sizes):
-            logits = bench.step(list(range(width)))
+            started = time.perf_counter()
+            with kernels:
+                logits = bench.step(list(range(width)))
+            took = (time.perf_counter() - started) * 1000
             diffs = np.max(np.abs(logits - single[:width]), axis=1)
             bad = {r: float(d) for r, d in enumerate(diffs) if d > 0}
             exact &= not bad
             detail = ", ".join(f"{r}: {d:.3g}" for r, d in bad.items()) or "all exact"
-            print(f"{width:3d} sequences: {len(bad)} rows differ ({detail})")
+            print(f"{width:3d} sequences: {len(bad)} rows differ ({detail}); {took:.1f} ms")
         print("every row exact" if exact else "some rows differ")
 
 

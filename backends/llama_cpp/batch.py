@@ -11,9 +11,11 @@ the way llama.cpp's own server drives its slots:
   cached prefix) and each chunk is decoded on its own: llama.cpp's CPU kernels give a token slightly
   different numbers when the tokens beside it in a ubatch differ (seen on Gemma 3 270M: up to 1.1 in a
   logit), which flips near-ties in greedy output. Decode tokens batched together get exactly the numbers
-  they get alone (``decode_group``: in groups of up to ``DECODE_GROUP`` while ggml's tiled K-quant kernel is
-  on, the default; all in one call with it off), so a request's greedy text does not depend on load, and alone
-  it is what it was before batching.
+  they get alone: all in one call, on ggml's reference matmuls while more than ``DECODE_GROUP`` share it
+  (``cpu_kernels``; ggml's tiled K-quant kernel would take them); where those cannot be had (RPC workers,
+  repacked weights, a llama.cpp whose context hides its CPU backend) in groups of up to ``DECODE_GROUP``
+  (``decode_group``). So a request's greedy text does not depend on load, and alone it is what it was before
+  batching.
 - A new job joins at the next step. It takes the free slot whose cached tokens share the longest prefix with
   its prompt (chats and agents resend the same history), keeps that prefix in the KV cache and evaluates only
   the rest; at least the last prompt token is evaluated again, for its logits. A prompt cut into other chunks
@@ -34,6 +36,7 @@ Runs only in the runner process; imports llama_cpp, numpy and ``sampling``.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import queue
 import re
@@ -43,6 +46,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from meshgate.backends.llama_cpp.cpu_kernels import ReferenceKernels, cpu_backend
 from meshgate.backends.llama_cpp.sampling import GrammarStuck, Sampler
 
 __all__ = ["DECODE_GROUP", "TILED_ENV", "Job", "Scheduler", "decode_group"]
@@ -55,8 +59,8 @@ So a token decoded beside 7 or more others got other numbers than alone (Gemma 3
 differ is layer 0's Q4_K ``attn_output`` matmul, 5e-6, up to 1.2 in a logit; ``benchmarks/row_exactness.py``)."""
 
 DECODE_GROUP = 7
-"""Sequences decoded in one call at most while the tiled kernel is on (below its 8-row gate, every row gets the
-single-sequence numbers); balanced groups of up to 7."""
+"""Sequences decoded in one call at most while the tiled kernel is on and the reference matmuls cannot be had
+(below its 8-row gate, every row gets the single-sequence numbers); balanced groups of up to 7."""
 
 
 def decode_group(exact: bool, parallel: int) -> int:
@@ -65,9 +69,10 @@ def decode_group(exact: bool, parallel: int) -> int:
     ``exact`` with the tiled kernel on (ggml's default: ``TILED_ENV`` unset or not ``0``): balanced groups of up
     to ``DECODE_GROUP``, so every row gets its single-sequence numbers and prompts keep the kernel's numbers, so
     greedy texts are the ones meshgate gave before batching (8 streams: ~0.7x llama.cpp's raw batched decode on
-    a 2-core x86-64). With ``GGML_CPU_TILED_MM=0`` in the environment of the runners and RPC workers, every row is
-    bit-identical to the token decoded alone at any batch size, so all ``parallel`` sequences share one call
-    (~0.88x raw at 8 streams, as fast as with the kernel; prompts ~10% slower); greedy texts are then those of
+    a 2-core x86-64). The scheduler widens this to every sequence where it can run wide decodes on ggml's
+    reference matmuls (``Scheduler(reference=True)``, ``cpu_kernels``). With ``GGML_CPU_TILED_MM=0`` in the
+    environment of the runners and RPC workers, every row is bit-identical to the token decoded alone at any
+    batch size, so all ``parallel`` sequences share one call (prompts ~10% slower); greedy texts are then those of
     the untiled prompt numbers, as exact but not the same as the default's. Not exact: one call, the kernels as
     they are (greedy text may depend on the load). ggml reads the switch once per process, at the first matmul.
     """
@@ -130,6 +135,7 @@ class Scheduler:
         n_threads: int,
         is_eog: Callable[[int], bool],
         group: int = DECODE_GROUP,
+        reference: bool = False,
     ) -> None:
         import llama_cpp as lib
 
@@ -151,6 +157,12 @@ class Scheduler:
         if not self.ctx:
             raise RuntimeError(f"llama.cpp could not make a context of {n_ctx} x {parallel} tokens")
         self.memory = lib.llama_get_memory(self.ctx)
+        self._reference: ReferenceKernels | None = None  # decodes wider than DECODE_GROUP run on ggml's vec_dot
+        if reference and self.group < parallel:
+            backend = cpu_backend(self.ctx)
+            if backend is not None:
+                self._reference = ReferenceKernels(backend)
+                self.group = parallel
         self.n_vocab = lib.llama_vocab_n_tokens(lib.llama_model_get_vocab(model))
         self.batch = lib.llama_batch_init(n_batch, 0, 1)
         self.slots = [_Slot(seq) for seq in range(parallel)]
@@ -175,6 +187,7 @@ class Scheduler:
             "waiting": len(self.waiting),
             "steps": self.steps,
             "widest_batch": self.widest,
+            "decode_group": self.group,
             "reused_tokens": self.reused,
         }
 
@@ -235,7 +248,10 @@ class Scheduler:
             for slot in group:
                 assert slot.job is not None
                 n = self._add(n, slot, slot.job.last, True)
-            if self._decode(n, group):
+            wide = self._reference if self._reference is not None and n > DECODE_GROUP else contextlib.nullcontext()
+            with wide:  # ggml's tiled kernel would give these rows other numbers than alone
+                decoded = self._decode(n, group)
+            if decoded:
                 for row, slot in enumerate(group):
                     self._sample(slot, row)
         prompts = [slot for slot in self.slots if slot.job and slot.job.fed < len(slot.job.prompt)]

@@ -100,10 +100,10 @@ class LlamaEngine:
         """Load ``path``; with ``shards`` (``(endpoint or None for local, layer_start, layer_end)`` in pipeline
         order) the blocks are split over llama.cpp RPC workers. ``repack`` lets llama.cpp repack CPU weights
         (faster on some CPUs, but different numerics from a split run). Each of the ``parallel`` sequences holds
-        up to ``n_ctx`` tokens; ``exact`` decodes them so each row gets its single-sequence numbers (in groups of
-        ``DECODE_GROUP`` while ggml's tiled K-quant kernel is on, in one call with ``GGML_CPU_TILED_MM=0``; see
-        ``batch.decode_group``); ``False`` decodes all in one call with the kernels as they are (greedy text may
-        then depend on the load)."""
+        up to ``n_ctx`` tokens; ``exact`` decodes them so each row gets its single-sequence numbers: all in one
+        call on ggml's reference matmuls (``cpu_kernels``) when the whole model is local and not repacked, else in
+        groups of ``DECODE_GROUP`` while ggml's tiled K-quant kernel is on (see ``batch.decode_group``); ``False``
+        decodes all in one call with the kernels as they are (greedy text may then depend on the load)."""
         import llama_cpp
 
         from meshgate.backends.llama_cpp.gguf import read_metadata
@@ -139,6 +139,7 @@ class LlamaEngine:
             n_threads=threads,
             is_eog=self._is_eog,
             group=group,
+            reference=exact and not remote and not repack,  # RPC workers' and repacked kernels are their own
         )
         threading.Thread(target=self.scheduler.run, name="llama-scheduler", daemon=True).start()
         self.load_ns = time.perf_counter_ns() - started

@@ -105,7 +105,9 @@ def test_eight_concurrent_streams_get_their_own_text(server):
     with ThreadPoolExecutor(len(calls)) as pool:
         together = list(pool.map(run, calls))
     assert together == alone  # greedy text does not depend on load; no stream got another's tokens
-    assert _runner_health(server)["widest_batch"] >= 4  # and they really shared decode steps
+    health = _runner_health(server)
+    assert health["decode_group"] == 8  # all eight decode in one call, on ggml's reference matmuls
+    assert health["widest_batch"] >= 4  # and they really shared decode steps
 
 
 def test_a_cancelled_stream_frees_its_slot(data_dir):

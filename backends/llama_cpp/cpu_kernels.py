@@ -1,0 +1,93 @@
+"""ggml's CPU reference kernels for batched decodes, so every row of a decode gets the numbers it gets alone.
+
+ggml-cpu takes a K-quant weight times 8 or more token rows through its tiled matmul (``batch.TILED_ENV``) and
+fewer through ``vec_dot``, which sums each row's blocks in another order. So a token decoded beside 7 or more
+others gets other numbers than alone, and greedy text that flips at a near-tie would depend on the load.
+``ggml_backend_cpu_set_use_ref(backend, true)`` sends the CPU backend's matmuls back to ``vec_dot`` whatever
+their width. The scheduler turns it on for each decode of several sequences and off again for prompt chunks,
+which keep the tiled kernel's numbers (the ones every prompt had before batching) and its speed. Measured on
+Gemma 3 270M Q4_K_M, 2 threads (``benchmarks/row_exactness.py --reference``): every row of 8, 9, 12 and 16
+sequences is bit-identical to its single decode, and a decode of 8 costs what it costs with the tiled kernel
+(65.9 ms against 68.8 ms); without it 5 of 8 rows differ by up to 0.67 in a logit.
+
+llama.h does not hand out a context's CPU backend, so ``cpu_backend(ctx)`` looks for it among the pointer-sized
+words at the start of the ``llama_context`` object (the context keeps its CPU backend there): the word that
+``ggml_backend_is_cpu`` recognises. Each word, and the guid it points to, is first read through
+``/proc/self/mem``, where an unmapped address is an error rather than a crash, so only readable backends are
+ever passed to ggml. Nothing found (another llama.cpp layout, no ``/proc``) gives ``None``, and the scheduler
+decodes in groups below the tiled kernel's gate instead (``batch.DECODE_GROUP``).
+
+Runs only in the runner process; imports llama_cpp (its bundled libggml-cpu) and ctypes.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+from pathlib import Path
+from typing import Any
+
+__all__ = ["ReferenceKernels", "cpu_backend"]
+
+_SCAN = 4096
+"""Bytes of the ``llama_context`` object searched for its CPU backend (the pointer sits ~700 bytes in)."""
+
+
+@functools.cache
+def _ggml_cpu() -> Any:
+    import llama_cpp
+
+    lib = ctypes.CDLL(str(Path(llama_cpp.__file__).parent / "lib" / "libggml-cpu.so"))  # llama_cpp's own copy
+    lib.ggml_backend_is_cpu.argtypes = [ctypes.c_void_p]
+    lib.ggml_backend_is_cpu.restype = ctypes.c_bool
+    lib.ggml_backend_cpu_set_use_ref.argtypes = [ctypes.c_void_p, ctypes.c_bool]
+    lib.ggml_backend_cpu_set_use_ref.restype = None
+    return lib
+
+
+def cpu_backend(ctx: Any) -> int | None:
+    """The address of ``ctx``'s (a ``llama_context_p``) CPU backend, or ``None`` where it cannot be found."""
+    try:
+        lib = _ggml_cpu()
+        memory = open("/proc/self/mem", "rb", buffering=0)  # noqa: SIM115  # closed below
+    except (OSError, AttributeError):
+        return None
+    with memory:
+
+        def word(address: int) -> int | None:
+            try:
+                memory.seek(address)
+                raw = memory.read(8)
+            except (OSError, ValueError, OverflowError):
+                return None
+            return int.from_bytes(raw, "little") if len(raw) == 8 else None
+
+        base = ctypes.cast(ctx, ctypes.c_void_p).value or 0
+        found: set[int] = set()
+        for offset in range(0, _SCAN, 8) if base else ():
+            candidate = word(base + offset)
+            if candidate is None:
+                break  # the end of what is mapped
+            if candidate < 1 << 16 or candidate % 8:
+                continue
+            guid = word(candidate)  # a backend starts with its guid's address; the guid is 16 bytes
+            if guid is None or guid < 1 << 16 or word(guid) is None or word(guid + 8) is None:
+                continue
+            if lib.ggml_backend_is_cpu(candidate):
+                found.add(candidate)
+    return found.pop() if len(found) == 1 else None
+
+
+class ReferenceKernels:
+    """``with kernels:`` runs what it holds on ggml's reference (``vec_dot``) matmuls; the CPU backend of one
+    context, used from the thread that decodes on it."""
+
+    def __init__(self, backend: int) -> None:
+        self._set = _ggml_cpu().ggml_backend_cpu_set_use_ref
+        self._backend = ctypes.c_void_p(backend)
+
+    def __enter__(self) -> None:
+        self._set(self._backend, True)
+
+    def __exit__(self, *exc: object) -> None:
+        self._set(self._backend, False)

@@ -40,10 +40,11 @@ class LlamaCppSettings(PluginSettings, frozen=True):
         llama_repack: Let llama.cpp repack CPU weights (faster on some CPUs; a split model then no longer gives
             exactly the tokens of a single process, so it is off by default).
         exact_batches: llama.cpp runners decode so every row of a batch is exactly the token decoded alone, and a
-            request's greedy text is the same alone and under load: in groups of 7 while ggml's tiled K-quant
-            matmul is on (it sums in another order once 8 tokens share a call), in one call with
-            ``GGML_CPU_TILED_MM=0`` (``batch.decode_group``). ``MESHGATE_EXACT_BATCHES=0``: one call, the kernels
-            as they are (fastest, but about a quarter of greedy texts then differ under load).
+            request's greedy text is the same alone and under load: in one call on ggml's reference matmuls
+            (``cpu_kernels``; ggml's tiled K-quant matmul sums in another order once 8 tokens share a call), in
+            groups of 7 where those cannot be had (RPC workers, repacked weights; ``batch.decode_group``).
+            ``MESHGATE_EXACT_BATCHES=0``: one call, the kernels as they are (about a quarter of greedy texts then
+            differ under load).
         llama_calibrate: Measure this node's llama.cpp speed once (on the packaged model, a few seconds, cached
             for the machine in ``~/.cache/meshgate``) for the planner's tok/s estimates
             (``MESHGATE_LLAMA_CALIBRATE=0``: estimate from a numpy matmul instead).

@@ -1,14 +1,13 @@
 """ggml's CPU reference kernels for batched decodes, so every row of a decode gets the numbers it gets alone.
 
-ggml-cpu takes a K-quant weight times 8 or more token rows through its tiled matmul (``batch.TILED_ENV``) and
-fewer through ``vec_dot``, which sums each row's blocks in another order. So a token decoded beside 7 or more
-others gets other numbers than alone, and greedy text that flips at a near-tie would depend on the load.
-``ggml_backend_cpu_set_use_ref(backend, true)`` sends the CPU backend's matmuls back to ``vec_dot`` whatever
-their width. The scheduler turns it on for each decode of several sequences and off again for prompt chunks,
-which keep the tiled kernel's numbers (the ones every prompt had before batching) and its speed. Measured on
-Gemma 3 270M Q4_K_M, 2 threads (``benchmarks/row_exactness.py --reference``): every row of 8, 9, 12 and 16
-sequences is bit-identical to its single decode, and a decode of 8 costs what it costs with the tiled kernel
-(65.9 ms against 68.8 ms); without it 5 of 8 rows differ by up to 0.67 in a logit.
+ggml's tiled K-quant matmul takes decodes of 8 or more sequences and sums in another order than a single
+sequence's ``vec_dot`` (``batch.TILED_ENV``). ``ggml_backend_cpu_set_use_ref(backend, true)`` sends the CPU
+backend's matmuls back to ``vec_dot`` whatever their width. The scheduler turns it on for each decode of several
+sequences and off again for prompt chunks, which keep the tiled kernel's numbers (the ones every prompt had
+before batching) and its speed. Measured on Gemma 3 270M Q4_K_M, 2 threads (``benchmarks/row_exactness.py
+--reference``): every row of 8, 9, 12 and 16 sequences is bit-identical to its single decode, and a decode of 8
+costs what it costs with the tiled kernel (65.9 ms against 68.8 ms); without it 5 of 8 rows differ by up to
+0.67 in a logit.
 
 llama.h does not hand out a context's CPU backend, so ``cpu_backend(ctx)`` looks for it among the pointer-sized
 words at the start of the ``llama_context`` object (the context keeps its CPU backend there): the word that

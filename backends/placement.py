@@ -187,6 +187,7 @@ class Candidate(_Data, frozen=True):
     ``link_cost`` is the estimated seconds per decoded token spent on links; ``tok_s`` the estimated decode
     speed and ``prompt_tok_s`` the estimated prompt (prefill) speed of one request of typical size
     (``planner.TYPICAL_PROMPT`` tokens). A rejected candidate has ``fits=False`` and the reason in words.
+    ``sequences`` is how many requests the head runner batches (its slots), each with the whole ``context``.
     """
 
     id: str
@@ -202,3 +203,4 @@ class Candidate(_Data, frozen=True):
     fits: bool = True
     reason: str | None = None
     score: float = 0.0
+    sequences: int = 1

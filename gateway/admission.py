@@ -139,21 +139,27 @@ class _Gate:
 class Admission:
     """The gates of every instance this gateway sends generations to, keyed by instance id."""
 
-    def __init__(self, parallel: int = 4, max_queue: int = 64) -> None:
-        self.parallel = max(1, parallel)
+    def __init__(self, parallel: int | None = None, max_queue: int = 64) -> None:
+        self.parallel = max(1, parallel) if parallel else None  # None: each instance's own slots
         self.max_queue = max(0, max_queue)
         self._gates: dict[str, _Gate] = {}
 
-    def enter(self, instance_id: str, caller: str) -> Ticket:
-        """A ticket for ``caller`` on ``instance_id``: granted if a slot is free, else waiting in line.
+    def enter(self, instance_id: str, caller: str, slots: int = 4) -> Ticket:
+        """A ticket for ``caller`` on ``instance_id``: granted if a slot is free, else waiting in line. The gate
+        has the ``parallel`` slots it was made with, else the instance's runner's ``slots``.
 
         Raises:
             Overloaded: ``max_queue`` requests already wait for the instance.
         """
         gate = self._gates.get(instance_id)
         if gate is None:
-            gate = self._gates[instance_id] = _Gate(self.parallel, self.max_queue)
+            gate = self._gates[instance_id] = _Gate(self.parallel or max(1, slots), self.max_queue)
         return gate.enter(caller)
+
+    def forget(self, live: set[str]) -> None:
+        """Drop the idle gates of instances that no longer exist (their ids are never used again)."""
+        for instance_id in [i for i, g in self._gates.items() if i not in live and not g.active and not g.queued]:
+            del self._gates[instance_id]
 
     def loads(self) -> dict[str, Load]:
         """Every instance's queue this gateway has sent generations to, by instance id (for ``/metrics``)."""
@@ -162,5 +168,5 @@ class Admission:
     def load(self, instance_id: str) -> Load:
         """``instance_id``'s queue now (zeros when this gateway has sent it nothing)."""
         gate = self._gates.get(instance_id)
-        active, queued = (gate.active, gate.queued) if gate else (0, 0)
-        return Load(active=active, queued=queued, parallel=self.parallel, max_queue=self.max_queue)
+        active, queued, parallel = (gate.active, gate.queued, gate.parallel) if gate else (0, 0, self.parallel or 0)
+        return Load(active=active, queued=queued, parallel=parallel, max_queue=self.max_queue)

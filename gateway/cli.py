@@ -4,7 +4,7 @@
     meshgate node --redis URL [--name N] [--address A]     a node agent
     meshgate models                                        what this machine can serve
     meshgate ps [--url U]                                  instances of a running gateway
-    meshgate place MODEL [--preview] [--nodes a,b] [--no-wait] [--url U]   progress on stderr until ready
+    meshgate place MODEL [--preview] [--nodes a,b] [--replicas N] [--no-wait] [--url U]   progress until ready
     meshgate convert MODEL [--dtype D] [--name NAME] [--out DIR]   a GGUF as a Hugging Face checkpoint (MLX, vLLM)
     meshgate keys create NAME [--scope S] [--model M ...] [--rpm N] [--tpm N] | keys list | keys revoke ID
     meshgate bench [--model M] [-p 128,512] [-n 64,128] [-c 1,4,8] [-r 3] [--json] [--plot FILE]   (gateway.bench)
@@ -226,12 +226,23 @@ def _ps(settings: Settings, args: argparse.Namespace) -> int:
             f"{n['name']:20} {n['address']:16} {n['memory_available'] / 2**30:10.1f}Gi {n['cpu_count']:5} "
             f"{', '.join(f'{k} {v}' for k, v in n['runtimes'].items())}"
         )
-    print(f"\n{'INSTANCE':14} {'MODEL':24} {'STATE':10} {'BACKEND':10} {'STRATEGY':9} NODES")
+    print(
+        f"\n{'INSTANCE':14} {'MODEL':24} {'REPLICA':>7} {'STATE':10} {'BACKEND':10} {'STRATEGY':9} {'CTX':>6} "
+        f"{'SLOTS':>5} {'RUN':>4} {'WAIT':>4} {'TOK/S':>6} NODES"
+    )
+    replica: dict[str, int] = {}
     for i in cluster["instances"]:
+        replica[i["model"]] = replica.get(i["model"], 0) + 1
+        of = sum(1 for j in cluster["instances"] if j["model"] == i["model"])
         nodes = ", ".join(f"{s['node_id']}[{s['layer_start']}:{s['layer_end']}]" for s in i["placement"]["shards"])
+        load = i.get("load") or {}
+        placement = i["placement"]
+        nth = f"{replica[i['model']]}/{of}"
         print(
-            f"{i['id']:14} {i['model']:24} {i['state']['state']:10} {i['placement']['backend']:10} "
-            f"{i['placement']['strategy']:9} {nodes}"
+            f"{i['id']:14} {i['model']:24} {nth:>7} {i['state']['state']:10} "
+            f"{placement['backend']:10} {placement['strategy']:9} {placement['context']:6} "
+            f"{placement.get('sequences', 1):5} {load.get('running', 0):4} {load.get('queued', 0):4} "
+            f"{load.get('tokens_per_s', 0.0):6.1f} {nodes}" + (f"  ({i['note']})" if i.get("note") else "")
         )
     return 0
 
@@ -253,19 +264,23 @@ def _place(settings: Settings, args: argparse.Namespace) -> int:
                 print(f"{c['id']:12} {c['backend']:10} {c['strategy']:9} {memory:40} {verdict}")
             return 0
         payload = {"model": args.model_name, **({"nodes": args.nodes.split(",")} if args.nodes else {})}
+        if args.replicas != 1:
+            payload["replicas"] = args.replicas
         response = http.post("/instances", json=payload)
         if response.status_code != 201:
             print(response.json().get("error", {}).get("message", response.text), file=sys.stderr)
             return 1
-        instance = response.json()
+        placed = response.json().pop("replicas", None) or [response.json()]
         if not args.no_wait:
             from meshgate.gateway.place_progress import describe_placement, follow
 
-            print(f"placing {describe_placement(instance)}", file=sys.stderr, flush=True)
-            instance = follow(http, instance["id"], lambda line: print(line, file=sys.stderr, flush=True))
-            if instance is None or instance["state"]["state"] != "ready":
-                return 1
-        print(json.dumps(instance, indent=2))
+            for n, instance in enumerate(placed):
+                name = f"replica {n + 1}/{len(placed)}: " if len(placed) > 1 else ""
+                print(f"placing {name}{describe_placement(instance)}", file=sys.stderr, flush=True)
+                placed[n] = follow(http, instance["id"], lambda line: print(line, file=sys.stderr, flush=True))
+                if placed[n] is None or placed[n]["state"]["state"] != "ready":
+                    return 1
+        print(json.dumps(placed[0] if len(placed) == 1 else placed, indent=2))
         return 0
 
 
@@ -324,6 +339,7 @@ def main(argv: list[str] | None = None) -> int:
             p.add_argument("model_name", metavar="MODEL")
             p.add_argument("--preview", action="store_true", help="list candidates instead of creating")
             p.add_argument("--nodes", help="comma-separated node names to place on")
+            p.add_argument("--replicas", type=int, default=1, help="replicas to place, over distinct nodes (1)")
             p.add_argument("--no-wait", action="store_true", help="return once created, not when ready or failed")
     commands: dict[str, Callable[[Settings, argparse.Namespace], int]] = {
         "serve": _serve,

@@ -35,7 +35,9 @@ from meshgate.backends.base import Backend, ModelCard, ModelSource, Runner, chec
 from meshgate.backends.registry import UserModel
 from meshgate.gateway.admission import Admission, Ticket
 from meshgate.gateway.cluster.instances import InstanceManager
+from meshgate.gateway.cluster.loads import LoadBoard, Tally
 from meshgate.gateway.cluster.records import Instance, Ready
+from meshgate.gateway.cluster.routing import prefix_key
 from meshgate.gateway.context_fit import Fit, cap_output, fit_context
 from meshgate.gateway.model_defaults import apply_defaults, end_turn_at_default_stops
 from meshgate.gateway.telemetry import record as telemetry
@@ -112,6 +114,7 @@ class _Job:
     caller: str
     fit: Fit
     on_usage: Callable[[Usage], None] | None = None
+    key: bytes | None = None  # the prompt's prefix key, for routing (``routing.prefix_key``)
 
 
 class Dispatcher:
@@ -128,6 +131,7 @@ class Dispatcher:
         admission: Admission | None = None,
         max_tokens: int = 65536,
         user_models: Callable[[str], UserModel | None] = lambda name: None,
+        loads: LoadBoard | None = None,
     ) -> None:
         self.catalog = catalog
         self.user_models = user_models  # a user model's stored defaults, by name (gateway.model_defaults)
@@ -139,6 +143,7 @@ class Dispatcher:
         self.backends = list(backends)
         self._choose = choose
         self.instances = instances
+        self.loads = loads  # the shared load: its tallies count what this gateway streams per instance
 
     def models(self) -> list[ModelCard]:
         return self.catalog.models()
@@ -197,8 +202,9 @@ class Dispatcher:
         backend = self.backend_for(card)
         check_capabilities(request, backend.capabilities(card), card.name)
         context = request.num_ctx if isinstance(request.num_ctx, int) else None
-        instance = await self.instances.acquire(card, context=context)
-        job = _Job(card=card, backend=backend, request=request, caller=caller, fit=fit, on_usage=on_usage)
+        key = request_key(request)
+        instance = await self.instances.acquire(card, context=context, key=key)
+        job = _Job(card=card, backend=backend, request=request, caller=caller, fit=fit, on_usage=on_usage, key=key)
         if not isinstance(instance.state, Ready) and request.stream:
             return end_turn_at_default_stops(self._keepalive_until(lambda: self._start(instance, job)), asked, request)
         return end_turn_at_default_stops(await self._start(instance, job), asked, request)
@@ -217,7 +223,7 @@ class Dispatcher:
                 raise
             return await self._start(await self._replace(instance, job.card, error), job, retry=False)
         request = cap_output(request, self.max_tokens, clamp=True, context=instance.placement.context)  # no limit
-        ticket = self.admission.enter(instance.id, job.caller)
+        ticket = self.admission.enter(instance.id, job.caller, instance.placement.sequences)
         if not ticket.granted and request.stream:
             stream = self._keepalive_until(lambda: self._generate(instance, job, runner, request, ticket, retry))
             _on_drop(stream, ticket.release)  # dropped before it started: leave the queue all the same
@@ -242,7 +248,8 @@ class Dispatcher:
             if retry and isinstance(error, BackendUnavailable):
                 return await self._start(await self._replace(instance, job.card, error), job, retry=False)
             raise error
-        return _chain(first, events, ticket.release, job.on_usage, served=(job.card.name, instance.id))
+        tally = self.loads.tally(instance.id) if self.loads is not None else None
+        return _chain(first, events, ticket.release, job.on_usage, served=(job.card.name, instance.id), tally=tally)
 
     def _connect(self, instance: Instance, card: ModelCard, backend: Backend) -> Runner:
         urls = {node: status.url for node, status in instance.runners.items() if status.url}
@@ -252,7 +259,7 @@ class Dispatcher:
         """Fail an instance whose runner cannot be reached (so it is re-placed); the instance to use now."""
         log.warning("instance %s unreachable (%s); re-placing", instance.id, error.message)
         await self.instances.report_unreachable(instance, error.message)
-        return await self.instances.acquire(card)
+        return await self.instances.acquire(card, context=instance.placement.context)
 
     async def embed(self, request: EmbedRequest, may_use: Callable[[str], bool] | None = None) -> Embeddings:
         """``request``'s vectors, placing the model and waiting for it if needed; raise its ``GatewayError``.
@@ -353,12 +360,24 @@ class Dispatcher:
                 waiting.cancel()
 
 
+def request_key(request: Request) -> bytes:
+    """``request``'s prefix key for routing: its system prompt and tools, and its first other message (a plain
+    completion: its prompt)."""
+    if request.raw_prompt is not None:
+        return prefix_key((), request.raw_prompt)
+    preamble = [m.text for m in request.messages if m.role == "system"][:1]
+    preamble += [f"{t.name}\0{t.description or ''}" for t in request.tools]
+    first = next((m.text for m in request.messages if m.role != "system"), "")
+    return prefix_key(preamble, first)
+
+
 def _chain(
     first: Event,
     rest: AsyncIterator[Event],
     release: Callable[[], None],
     on_usage: Callable[[Usage], None] | None = None,
     served: tuple[str, str] | None = None,
+    tally: Tally | None = None,
 ) -> AsyncIterator[Event]:
     """``first`` then ``rest``; ``release`` (the queue slot) when it ends, is closed, or is dropped unstarted;
     ``on_usage`` with the last ``Usage`` seen when it ends or is closed. ``served`` (model, instance id) and what
@@ -366,7 +385,7 @@ def _chain(
     record = telemetry.current()
     if record is not None and served is not None:
         record.model, record.instance = served
-    stream = _relay(first, rest, release, record)
+    stream = _relay(first, rest, release, record, tally)
     if on_usage is not None:
         stream = _metered(stream, on_usage)
     _on_drop(stream, release)  # a generator closed before it started never runs its ``finally``
@@ -387,6 +406,7 @@ async def _relay(
     rest: AsyncIterator[Event],
     release: Callable[[], None],
     record: telemetry.RequestRecord | None = None,
+    tally: Tally | None = None,
 ) -> AsyncIterator[Event]:
     """``first`` then ``rest``; an unexpected exception becomes a ``Failed`` event, never a crash. With a
     ``record``, the first token's time, the last ``Usage`` and the end go into it: one set lookup per event.
@@ -421,6 +441,10 @@ async def _relay(
         release()
         if record is not None:
             _note_relayed(record, unwatched)
+        if tally is not None:  # the shared load's counts (``loads``): tokens streamed, prompts that reused a prefix
+            tally.tokens += unwatched + 1
+            if record is not None and record.cached_tokens:
+                tally.prefix_hits += 1
 
 
 def _note(record: telemetry.RequestRecord | None, event: Event) -> frozenset[type]:
@@ -429,6 +453,7 @@ def _note(record: telemetry.RequestRecord | None, event: Event) -> frozenset[typ
         return frozenset()
     if isinstance(event, Usage):
         record.prompt_tokens, record.generated_tokens = event.prompt_tokens, event.completion_tokens
+        record.cached_tokens = event.cached_tokens
     elif isinstance(event, Finished | Failed):
         record.ended_at = time.perf_counter()
         if isinstance(event, Failed):

@@ -79,8 +79,10 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
         max_body_bytes: Largest request body accepted (413 above it).
         keepalive: Seconds between keep-alives while a streaming request waits for its model to come up (or for
             its turn in the queue).
-        parallel: Sequences a runner generates at once (its batch), and so the most requests one gateway has in
-            flight on an instance.
+        parallel: Sequences a runner generates at once (its slots), and so the most requests one gateway has in
+            flight on an instance. Unset (the default), the planner sizes them per placement from the nodes'
+            memory: as many whole-context KV caches as a quarter of the smallest node's available memory holds,
+            1 to 16 (``gateway.cluster.planner.auto_sequences``).
         max_queue: Requests of one gateway that may wait for an instance's runner; beyond it a request is refused
             at once as overloaded (429/529/503 with ``retry-after``).
         max_tokens: The most output tokens one request may ask for (``MESHGATE_MAX_TOKENS``). More is refused
@@ -115,7 +117,7 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     node_memory: int | None = None
     node_flops: float | None = None
     keepalive: float = 2.0
-    parallel: Annotated[int, msgspec.Meta(ge=1)] = 4
+    parallel: Annotated[int, msgspec.Meta(ge=1)] | None = None
     max_queue: Annotated[int, msgspec.Meta(ge=0)] = 64
     max_tokens: Annotated[int, msgspec.Meta(ge=1)] = 65536
     rate_limit: int = 0

@@ -75,6 +75,7 @@ class LaunchedRunner:
 
 
 MiB = 1 << 20
+CALIBRATION_SLOTS = 8  # the slots a node's speed is measured with when the planner sizes them
 
 
 class LlamaCppBackend(Backend):
@@ -99,7 +100,7 @@ class LlamaCppBackend(Backend):
         ready_timeout: float = 120.0,
         cache_dir: str | None = None,
         repack: bool = False,
-        parallel: int = 4,
+        parallel: int | None = None,
         exact: bool = True,
         calibration_model: Callable[[], str | None] | None = None,
     ) -> None:
@@ -133,7 +134,7 @@ class LlamaCppBackend(Backend):
             head_bytes=70 * MiB,
             per_token_bytes=23 << 10,
             tied_output_copy=True,
-            sequences=self.parallel,
+            sequences=self.parallel or 0,  # 0: the planner sizes the slots from the nodes' memory
         )
 
     def context(self, card: ModelCard) -> int:
@@ -160,7 +161,7 @@ class LlamaCppBackend(Backend):
         if not model:
             return None
         threads = self.threads or os.cpu_count() or 1
-        return calibrate(model, python=self.python, threads=threads, parallel=self.parallel)
+        return calibrate(model, python=self.python, threads=threads, parallel=self.parallel or CALIBRATION_SLOTS)
 
     async def launch(
         self, card: ModelCard, placement: Candidate, shard: Shard, *, host: str, peers: Peers
@@ -190,7 +191,8 @@ class LlamaCppBackend(Backend):
         ]
         argv += ["--threads", str(self.threads)] if self.threads else []
         argv += ["--repack"] if self.repack else []
-        argv += ["--parallel", str(self.parallel)] + ([] if self.exact else ["--inexact"])
+        slots = self.parallel or placement.sequences  # the planner's count unless the operator set one
+        argv += ["--parallel", str(slots)] + ([] if self.exact else ["--inexact"])
         process = await RunnerProcess.start(
             argv, name=card.name, ready_timeout=self.ready_timeout, env={"GGML_NO_BACKTRACE": "1"}
         )

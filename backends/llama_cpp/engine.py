@@ -272,6 +272,7 @@ class LlamaEngine:
         yield Usage(
             prompt_tokens=n_prompt,
             completion_tokens=count,
+            cached_tokens=job.cached,  # taken from the slot's cache (prefix reuse), not evaluated again
             load_ns=load_ns,
             prompt_ns=first - started,
             eval_ns=ended - first,

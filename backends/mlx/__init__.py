@@ -105,7 +105,7 @@ class MlxBackend(Backend):
         runtime_dir: str | None = None,
         ready_timeout: float = 300.0,
         dtype: str | None = _CPU_DTYPE,
-        parallel: int = 4,
+        parallel: int | None = None,
     ) -> None:
         self.http = http
         self.parallel = parallel
@@ -133,7 +133,7 @@ class MlxBackend(Backend):
             head_bytes=25 * MiB,
             per_token_bytes=16 << 10,
             vocab_parallel=False,
-            sequences=self.parallel,
+            sequences=self.parallel or 0,  # 0: the planner sizes the slots from the nodes' memory
         )
 
     def spec(self, card: ModelCard) -> ModelSpec:
@@ -180,7 +180,7 @@ class MlxBackend(Backend):
             "--ready-timeout",
             str(self.ready_timeout),
             "--parallel",
-            str(self.parallel),
+            str(self.parallel or placement.sequences),
         ]
         if mode == "pipeline":
             argv += ["--layers", f"{shard.layer_start}:{shard.layer_end}"]

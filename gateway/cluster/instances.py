@@ -6,7 +6,17 @@ shards. Its reconcile loop (in every gateway; compare-and-set on state keeps two
 moves an instance to ``Ready`` when every shard's runner reports ready, to ``Failed(reason)`` when a node
 leaves or a runner fails, and re-places a failed instance on the nodes that remain when it fits.
 
-The hot path (``ready``) reads a cached view that is refreshed only when the store says something changed.
+A model may have several instances, its **replicas**: ``deploy`` places N at once, each on nodes no other
+replica of the model uses where any fit (anti-affinity; an instance that shares a node says why in ``note``),
+and keeps the desired count in the store as the model's ``Deployment``, so every gateway and a restarted one
+agree on it; the reconcile loop places replicas a deployment misses (one gateway at a time: a store lease).
+Deleting an instance (by the API, ``keep_alive`` expiry, Ollama's unload) lowers its deployment's count.
+
+The hot path (``acquire``) reads a cached view that is refreshed only when the store says something changed,
+and picks among the ready replicas that hold the request's context with ``routing.route`` on the shared load
+(``loads``). A request for more context than every replica holds gets a bigger replica placed beside the others,
+never instead of them; an instance is never deleted by a request, and ``keep_alive`` expiry waits while any
+gateway still runs or queues generations on it.
 """
 
 from __future__ import annotations
@@ -17,17 +27,19 @@ import logging
 import time
 import uuid
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import msgspec
 
 from meshgate.backends.base import Backend, ModelCard
 from meshgate.backends.placement import Candidate, InstanceId, NodeId, Topology
 from meshgate.gateway.cluster.planner import BackendOffer, plan
-from meshgate.gateway.cluster.records import Failed, Instance, Ready, Starting
+from meshgate.gateway.cluster.records import Deployment, Failed, Instance, Ready, Starting
+from meshgate.gateway.cluster.routing import Replica, route
 from meshgate.gateway.cluster.store import StateStore
 from meshgate.protocols.model import BackendUnavailable, NoCapacity, NotFound
 
-__all__ = ["InstanceManager"]
+__all__ = ["InstanceManager", "missing_replicas"]
 
 log = logging.getLogger("meshgate.instances")
 MAX_ATTEMPTS = 3
@@ -47,6 +59,8 @@ class InstanceManager:
         auto_place: bool = True,
         context: Callable[[Backend, ModelCard], int | None] | None = None,
         reconcile_every: float = 0.5,
+        load: Callable[[str], int] = lambda instance_id: 0,
+        holder: str | None = None,
     ) -> None:
         self.store = store
         self.backends = list(backends)
@@ -62,6 +76,9 @@ class InstanceManager:
         self._tasks: list[asyncio.Task] = []
         self._create_lock = asyncio.Lock()
         self.replacements: dict[str, int] = {}  # model -> instances this gateway re-placed (``/metrics``)
+        self.load = load  # instance id -> generations running + queued on it, every gateway's (``loads``)
+        self.holder = holder or uuid.uuid4().hex[:12]  # this gateway, as the holder of store leases
+        self.routed: dict[tuple[str, str], int] = {}  # (model, routing rule) -> requests (``/metrics``)
 
     # ------------------------------------------------------------------------------------------- lifecycle
 
@@ -136,17 +153,28 @@ class InstanceManager:
         strategy: str | None = None,
         min_nodes: int | None = None,
         context: int | None = None,
+        reserved: dict[str, int] | None = None,
     ) -> list[Candidate]:
         """Every candidate placement for ``model``, fitting ones first, best first (``context``: tokens of KV
-        cache to hold; the backend's default for the model when None)."""
+        cache to hold; the backend's default for the model when None). ``reserved``: bytes per node already
+        promised to instances placed but not loaded yet, taken off what the nodes report available."""
         card = self.resolve(model)
         offers = self._offers(card)
         backend = offers[0][0]
         if context is None and self.context:
             context = self.context(backend, card)
+        topology = await self.topology()
+        if reserved:
+            topology = Topology(
+                nodes=tuple(
+                    msgspec.structs.replace(n, memory_available=max(0, n.memory_available - reserved.get(n.id, 0)))
+                    for n in topology.nodes
+                ),
+                links=topology.links,
+            )
         return plan(
             backend.spec(card),
-            await self.topology(),
+            topology,
             [o for _, o in offers],
             context=context,
             nodes=nodes,
@@ -165,10 +193,28 @@ class InstanceManager:
         min_nodes: int | None = None,
         context: int | None = None,
         reason: str = "requested",
+        reserved: dict[str, int] | None = None,
     ) -> Instance:
-        """Place ``model`` (a previewed candidate by id, or the best under the constraints); store the instance."""
+        """Place ``model`` (a previewed candidate by id, or the best under the constraints); store the instance.
+
+        Without ``nodes`` or ``candidate_id``, nodes that hold no replica of the model come first (anti-affinity);
+        a replica placed beside another says why in its ``note``."""
         card = self.resolve(model)
-        candidates = await self.preview(card.name, nodes=nodes, strategy=strategy, min_nodes=min_nodes, context=context)
+        plan_with: dict[str, Any] = dict(strategy=strategy, min_nodes=min_nodes, context=context, reserved=reserved)
+        note = None
+        occupied = {s.node_id: i.id for i in self.cached(card.name) for s in i.placement.shards}
+        candidates: list[Candidate] = []
+        if occupied and nodes is None and candidate_id is None:
+            free = [n.id for n in (await self.topology()).nodes if n.id not in occupied]
+            if free:
+                candidates = await self.preview(card.name, nodes=free, **plan_with)
+        if not any(c.fits for c in candidates):
+            candidates = await self.preview(card.name, nodes=nodes, **plan_with)
+            shared = [c for c in candidates if c.fits][:1]
+            if occupied and shared and nodes is None and candidate_id is None:
+                beside = sorted({f"{n} (replica {occupied[n]})" for n in shared[0].memory_per_node if n in occupied})
+                if beside:
+                    note = f"shares {', '.join(beside)}: no node without a replica of {card.name} has room for it"
         fitting = [c for c in candidates if c.fits]
         if candidate_id is not None:
             fitting = [c for c in candidates if c.id == candidate_id]
@@ -189,23 +235,82 @@ class InstanceManager:
             runners={},
             strategy=strategy,
             min_nodes=min_nodes,
+            note=note,
         )
         await self.store.put_instance(instance)
+        where = ", ".join(s.node_id for s in fitting[0].shards)
         await self.store.append_event(
             "instance.placed",
-            f"placed {card.name} ({reason}) on {', '.join(s.node_id for s in fitting[0].shards)}",
+            f"placed {card.name} ({reason}) on {where}" + (f"; {note}" if note else ""),
             instance_id=instance.id,
-            data={"placement": msgspec.json.encode(fitting[0]).decode(), "reason": reason},
+            data={"placement": msgspec.json.encode(fitting[0]).decode(), "reason": reason, "note": note or ""},
         )
         self._view[instance.id] = instance
         return instance
 
+    async def deploy(
+        self,
+        model: str,
+        *,
+        replicas: int = 1,
+        candidate_id: str | None = None,
+        nodes: Sequence[str] | None = None,
+        strategy: str | None = None,
+        min_nodes: int | None = None,
+        context: int | None = None,
+        reason: str = "requested",
+    ) -> list[Instance]:
+        """Place ``replicas`` more instances of ``model`` (see ``create``), spread over distinct nodes where they
+        fit, and record the model's desired count (its ``Deployment``) as the instances it has now."""
+        card = self.resolve(model)
+        placed: list[Instance] = []
+        reserved: dict[str, int] = {}
+        async with self._create_lock:
+            await self._refresh()
+            for _ in range(replicas):
+                instance = await self.create(
+                    card.name,
+                    candidate_id=candidate_id,
+                    nodes=nodes,
+                    strategy=strategy,
+                    min_nodes=min_nodes,
+                    context=context,
+                    reason=reason if replicas == 1 else f"{reason}: {replicas} replicas",
+                    reserved=reserved,
+                )
+                placed.append(instance)
+                for node_id, size in instance.placement.memory_per_node.items():
+                    reserved[node_id] = reserved.get(node_id, 0) + size
+            await self._record_deployment(card.name, context=context)
+        return placed
+
+    async def _record_deployment(self, model: str, *, context: int | None = None) -> None:
+        """Make ``model``'s deployment ask for the instances it has now (none: forget the deployment)."""
+        count = len(self.cached(model))
+        current = next((d for d in await self.store.deployments() if d.model == model), None)
+        if count == 0:
+            if current is not None:
+                await self.store.delete_deployment(model)
+            return
+        base = current or Deployment(model=model, replicas=count, min_replicas=1, max_replicas=count, context=context)
+        await self.store.put_deployment(
+            msgspec.structs.replace(
+                base,
+                replicas=count,
+                min_replicas=min(base.min_replicas, count),
+                max_replicas=max(base.max_replicas, count),
+                updated_at=time.time(),
+            )
+        )
+
     async def delete(self, instance_id: InstanceId) -> None:
-        if await self.store.get_instance(instance_id) is None:
+        found = await self.store.get_instance(instance_id)
+        if found is None:
             raise NotFound(f"instance '{instance_id}' not found")
         await self.store.delete_instance(instance_id)
         await self.store.append_event("instance.deleted", f"deleted instance {instance_id}", instance_id=instance_id)
         self._view.pop(instance_id, None)
+        await self._record_deployment(found.model)
 
     async def set_expiry(self, model: str, expires_at: float | None) -> None:
         """Set when ``model``'s ready instances are unloaded (``None``: never; Ollama's ``keep_alive``)."""
@@ -222,35 +327,56 @@ class InstanceManager:
     def cached(self, model: str) -> list[Instance]:
         return [i for i in self._view.values() if i.model == model]
 
-    async def acquire(self, card: ModelCard, *, context: int | None = None) -> Instance:
-        """A ready instance of ``card`` if one exists; else one that is starting (placing it if allowed).
+    async def acquire(self, card: ModelCard, *, context: int | None = None, key: bytes | None = None) -> Instance:
+        """The replica of ``card`` a request goes to: among the ready ones that hold ``context`` tokens (Ollama's
+        ``num_ctx``; any when None), the one ``routing.route`` picks for the prompt's prefix ``key`` on the shared
+        load; else one that is starting; else a new one, placed beside the others (when placement is automatic).
 
-        With ``context`` (Ollama's ``num_ctx``), only an instance holding that many tokens will do: others of
-        the model are replaced by one that does, as Ollama reloads a model for a new context size.
+        When no replica holds ``context`` and none can be placed (or placement is off), the replica with the
+        largest context serves: the prompt is still checked against what it holds.
         """
         if context is not None and card.context_length:
             context = min(context, card.context_length)
-
-        def matching() -> list[Instance]:
-            return [i for i in self.cached(card.name) if context is None or i.placement.context == context]
-
-        found = _usable(matching())
+        found = self._pick(card.name, context, key)
         if found is not None:
             return found
         async with self._create_lock:
             await self._refresh()
-            found = _usable(matching())
+            found = self._pick(card.name, context, key)
             if found is not None:
                 return found
+            largest = _usable(sorted(self.cached(card.name), key=lambda i: -i.placement.context))
             if not self.auto_place:
+                if largest is not None:
+                    return largest
                 raise NoCapacity(
                     f"model '{card.name}' has no instance and automatic placement is off; "
                     f"create one with POST /instances"
                 )
-            for other in self.cached(card.name):  # a different context size: reload, as Ollama does
-                await self.delete(other.id)
-            why = "automatic: first request" if context is None else f"automatic: a request for {context} tokens"
-            return await self.create(card.name, context=context, reason=why)
+            if largest is None:
+                why = "automatic: first request"
+            else:
+                why = f"automatic: a request for {context} tokens, more than every replica holds"
+            try:
+                created = await self.create(card.name, context=context, reason=why)
+            except NoCapacity:
+                if largest is None:
+                    raise
+                log.warning("no room for a %s replica of %s tokens; serving on %s", card.name, context, largest.id)
+                return largest
+            await self._record_deployment(card.name, context=context)
+            return created
+
+    def _pick(self, model: str, context: int | None, key: bytes | None) -> Instance | None:
+        """A ready replica holding ``context`` tokens, routed; else one holding it that is coming up."""
+        holding = [i for i in self.cached(model) if context is None or i.placement.context >= context]
+        ready = [i for i in holding if isinstance(i.state, Ready)]
+        if not ready:
+            return _usable(holding)
+        choice = route([Replica(i.id, self.load(i.id)) for i in ready], key)
+        rule = (model, choice.rule)
+        self.routed[rule] = self.routed.get(rule, 0) + 1
+        return next(i for i in ready if i.id == choice.id)
 
     async def wait_ready(self, instance_id: InstanceId, timeout: float = 300.0) -> Instance:
         """Wait until the instance is ready; raise if it fails (and is not re-placed) or times out."""
@@ -284,11 +410,14 @@ class InstanceManager:
         for instance in list(self._view.values()):
             state = instance.state
             if isinstance(state, Ready) and instance.expires_at is not None and instance.expires_at <= now:
+                if self.load(instance.id):
+                    continue  # still serving (on some gateway): it expires once idle
                 if await self.store.delete_instance(instance.id):
                     await self.store.append_event(
                         "instance.expired", f"{instance.model} expired (keep_alive)", instance_id=instance.id
                     )
                 self._view.pop(instance.id, None)
+                await self._record_deployment(instance.model)
                 continue
             if isinstance(state, Starting | Ready):
                 problem = _problem(instance, node_ids)
@@ -304,6 +433,26 @@ class InstanceManager:
             elif isinstance(state, Failed) and instance.attempts < MAX_ATTEMPTS:
                 await self._replace(instance, state.reason)
         await self._refresh()
+        await self._fill_deployments()
+
+    async def _fill_deployments(self) -> None:
+        """Place the replicas deployments miss (``missing_replicas``), one gateway at a time per model."""
+        if not self.auto_place:
+            return
+        for model in missing_replicas(await self.store.deployments(), list(self._view.values())):
+            if not await self.store.claim(f"deploy:{model}", self.holder, ttl=10.0):
+                continue  # another gateway is on it
+            await self._refresh(force=True)
+            if missing_replicas(await self.store.deployments(), list(self._view.values())).get(model, 0) <= 0:
+                continue
+            try:
+                deployment = next(d for d in await self.store.deployments() if d.model == model)
+                async with self._create_lock:
+                    await self.create(
+                        model, context=deployment.context, reason=f"deployment: {deployment.replicas} replicas"
+                    )
+            except Exception as exc:  # no room, the model left the catalog: say so, try again next pass
+                log.warning("cannot place a replica of %s: %s", model, exc)
 
     async def _replace(self, instance: Instance, why: str) -> None:
         """Plan again on the nodes that remain: with the instance's own constraints if it still fits so, else
@@ -345,6 +494,16 @@ class InstanceManager:
             instance_id=instance.id,
             data={"placement": msgspec.json.encode(fitting[0]).decode(), "reason": why},
         )
+
+
+def missing_replicas(deployments: Sequence[Deployment], instances: Sequence[Instance]) -> dict[str, int]:
+    """Replicas each deployment lacks: its desired count less the instances of its model (in any state: a failed
+    one is being re-placed, or has said why it cannot be)."""
+    have: dict[str, int] = {}
+    for instance in instances:
+        have[instance.model] = have.get(instance.model, 0) + 1
+    lacking = {d.model: d.replicas - have.get(d.model, 0) for d in deployments}
+    return {model: n for model, n in lacking.items() if n > 0}
 
 
 def _usable(instances: Sequence[Instance]) -> Instance | None:

@@ -82,7 +82,8 @@ class BackendOffer(msgspec.Struct, frozen=True, kw_only=True):
         tied_output_copy: Split over several stages, the last stage holds its own copy of a tied embedding as
             the output layer (llama.cpp does); otherwise the tied embedding is held once, by stage 0.
         vocab_parallel: Tensor ranks split the embedding and output layer; otherwise each holds them whole.
-        kv_sequences: Sequences the runner batches, each with a KV cache of the whole context.
+        kv_sequences: Sequences the runner batches, each with a KV cache of the whole context; 0 lets the
+            planner size them from the nodes' memory (``auto_sequences``).
         required_runtime: When set, only nodes whose ``Node.runtimes`` has this key are eligible.
     """
 
@@ -196,7 +197,8 @@ class _Planner:
 
     def __init__(self, spec: ModelSpec, offer: BackendOffer, context: int, view: _View) -> None:
         self.spec, self.offer, self.ctx, self.view = spec, offer, context, view
-        self.kv_tokens = context * max(1, offer.kv_sequences)  # KV cells: the context for each batched sequence
+        self.sequences = offer.kv_sequences or auto_sequences(spec, context, view.order)
+        self.kv_tokens = context * self.sequences  # KV cells: the context for each batched sequence
         self._speeds: dict[NodeId, costs.Speed] = {}
 
     def _speed(self, node: Node) -> costs.Speed:
@@ -458,7 +460,28 @@ class _Planner:
             prompt_tok_s=costs.prompt_tokens(self.ctx) / prefill if prefill > 0 else 0.0,
             fits=not problems,
             reason="; ".join(problems) or None,
+            sequences=self.sequences,
         )
+
+
+SLOT_MEMORY_SHARE = 0.25
+"""Of a node's available memory, the share a runner's slots may fill with KV cache when they are sized
+automatically (the rest stays for weights, other replicas and the machine)."""
+MAX_SEQUENCES = 16
+"""Slots sized automatically are at most this many: beyond it a CPU decode step of every running sequence
+gets slower than clients wait for their next token, and more requests queue at the gateway instead."""
+
+
+def auto_sequences(spec: ModelSpec, context: int, nodes: Sequence[Node]) -> int:
+    """How many sequences a runner batches when the operator does not say (as vLLM sizes its batch from free
+    memory): as many whole-context KV caches of ``spec`` as ``SLOT_MEMORY_SHARE`` of the smallest available
+    memory among ``nodes`` holds, between 1 and ``MAX_SEQUENCES``. The smallest node, so any of them can hold the
+    head; 1 with no nodes."""
+    per_sequence = spec.kv_bytes(max(1, context))
+    if not nodes or per_sequence <= 0:
+        return 1
+    room = SLOT_MEMORY_SHARE * min(n.memory_available for n in nodes)
+    return max(1, min(MAX_SEQUENCES, int(room // per_sequence)))
 
 
 def _unmeasured(pairs: list[tuple[Node, Node]]) -> list[str]:

@@ -8,6 +8,9 @@ status each node's agent reports for its runner. The state is a tagged union of 
 started for, so a report from a superseded placement is recognisable. ``attempts`` counts re-placement tries.
 ``strategy`` and ``min_nodes`` are the constraints it was created with, kept for re-placement. ``expires_at``
 (Unix seconds) is when a ready instance is unloaded (Ollama's ``keep_alive``); ``None``, the default, never.
+``note`` says why a replica shares a node with another replica of its model.
+A ``Deployment`` is the desired number of a model's replicas (its instances); a ``LoadReport`` one gateway's
+current load on one instance, which routers on every gateway read.
 
 All frozen msgspec Structs, serializable as they are (``msgspec.json``). Imports only msgspec, the standard
 library and ``backends.placement``.
@@ -23,6 +26,8 @@ from meshgate.backends.placement import Candidate, InstanceId, NodeId
 
 __all__ = [
     "STATE_TYPES",
+    "Deployment",
+    "LoadReport",
     "Draining",
     "Failed",
     "Instance",
@@ -94,6 +99,7 @@ class Instance(msgspec.Struct, frozen=True):
     strategy: str | None = None
     min_nodes: int | None = None
     expires_at: float | None = None
+    note: str | None = None
 
 
 class StoreEvent(msgspec.Struct, frozen=True):
@@ -106,3 +112,28 @@ class StoreEvent(msgspec.Struct, frozen=True):
     node_id: str | None = None
     message: str = ""
     data: dict[str, str] | None = None
+
+
+class Deployment(msgspec.Struct, frozen=True, kw_only=True):
+    """How many replicas (instances) of ``model`` the cluster should run: the desired count every gateway, and a
+    restarted one, agree on. ``context`` is the tokens each replica holds (``None``: the backend's default);
+    ``min_replicas`` and ``max_replicas`` bound autoscaling; ``updated_at`` is Unix seconds."""
+
+    model: str
+    replicas: int = 1
+    min_replicas: int = 1
+    max_replicas: int = 1
+    context: int | None = None
+    updated_at: float = 0.0
+
+
+class LoadReport(msgspec.Struct, frozen=True, array_like=True):
+    """One gateway's load on one instance, as it publishes it about four times a second: generations
+    ``running`` and ``queued`` for a slot, and since it started, ``tokens`` streamed and ``prefix_hits``
+    (generations whose prompt began with tokens the runner still held). ``at`` is the gateway's Unix time."""
+
+    running: int = 0
+    queued: int = 0
+    tokens: int = 0
+    prefix_hits: int = 0
+    at: float = 0.0

@@ -24,6 +24,7 @@ from meshgate.backends.runner import secret as cluster_secret
 from meshgate.gateway.admission import Admission
 from meshgate.gateway.cluster.agent import NodeAgent
 from meshgate.gateway.cluster.instances import InstanceManager
+from meshgate.gateway.cluster.loads import LoadBoard
 from meshgate.gateway.cluster.planner import default_rank
 from meshgate.gateway.cluster.store import MemoryStore, RedisStore, StateStore
 from meshgate.gateway.dispatch import Catalog, Dispatcher
@@ -94,6 +95,8 @@ async def control_plane(
                 def context(backend: Backend, card: ModelCard) -> int | None:
                     return backend.context(card) or None  # 0: the model's own (the planner reads its spec)
 
+                admission = Admission(settings.parallel, settings.max_queue)
+                loads = LoadBoard(store, admission)
                 plane.instances = InstanceManager(
                     store,
                     backends,
@@ -102,20 +105,26 @@ async def control_plane(
                     rank=_rank(plugins),
                     auto_place=settings.placement != "never",
                     context=context,
+                    load=loads.load,
+                    holder=loads.gateway_id,
                 )
                 await plane.instances.start()
+                await loads.start()
                 plane.dispatcher = Dispatcher(
                     catalog,
                     backends,
                     choose,
                     plane.instances,
                     keepalive=settings.keepalive,
-                    admission=Admission(settings.parallel, settings.max_queue),
+                    admission=admission,
                     max_tokens=settings.max_tokens,
                     user_models=UserModels(ModelRegistry.in_data_dir(settings.data_dir)),
+                    loads=loads,
                 )
             yield plane
         finally:
+            if plane.dispatcher is not None and plane.dispatcher.loads is not None:
+                await plane.dispatcher.loads.close()
             if plane.instances is not None:
                 await plane.instances.close()
             if plane.agent is not None:

@@ -17,6 +17,12 @@ Redis keys, all under ``prefix`` (default ``meshgate:``)::
     generation           int     bumped by every write that changes nodes, links or instances
     changes              pub/sub channel; messages "nodes" | "links" | "instances" (wake-ups only)
     cluster_secret       string  the secret runners and agents demand of callers; set once (SET NX), never changed
+    deployments          hash    model -> Deployment JSON (desired replicas; a write bumps the generation and
+                                 publishes "instances")
+    loads                hash    field "{instance_id} {gateway_id}" -> LoadReport JSON; each gateway rewrites its
+                                 fields every ~0.25 s; fields older than ``LOAD_STALE`` are ignored and, past
+                                 ``LOAD_FORGET``, deleted by the next reader (no generation bump, no wake-up)
+    claim:{name}         string  a short lease (SET NX PX) so that one gateway of many carries out a decision
 
 Decisions:
     * State lives in keys, never in pub/sub: notifications only say "look again", so a lost message costs a
@@ -57,14 +63,26 @@ from redis.exceptions import RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from meshgate.backends.placement import InstanceId, Link, Node, NodeId
-from meshgate.gateway.cluster.records import Instance, InstanceState, RunnerStatus, StoreEvent, state_tag
+from meshgate.gateway.cluster.records import (
+    Deployment,
+    Instance,
+    InstanceState,
+    LoadReport,
+    RunnerStatus,
+    StoreEvent,
+    state_tag,
+)
 
-__all__ = ["KINDS", "MAX_EVENTS", "MemoryStore", "RedisStore", "StateStore"]
+__all__ = ["KINDS", "LOAD_FORGET", "LOAD_STALE", "MAX_EVENTS", "MemoryStore", "RedisStore", "StateStore"]
 
 log = logging.getLogger(__name__)
 
 KINDS = ("nodes", "links", "instances")
 MAX_EVENTS = 10_000
+LOAD_STALE = 2.0
+"""Seconds after which a gateway's load report no longer counts (it stopped, or lost Redis)."""
+LOAD_FORGET = 30.0
+"""Seconds after which a reader deletes a stale load report."""
 
 _encode = msgspec.json.Encoder().encode
 _node = msgspec.json.Decoder(Node)
@@ -74,6 +92,22 @@ _state = msgspec.json.Decoder(InstanceState)
 _runner = msgspec.json.Decoder(RunnerStatus)
 _event = msgspec.json.Decoder(StoreEvent)
 _ends = msgspec.json.Decoder(tuple[str, str])
+_deployment = msgspec.json.Decoder(Deployment)
+_load = msgspec.json.Decoder(LoadReport)
+
+
+def _fresh_loads(fields: Iterable[tuple[str, bytes]], now: float) -> tuple[dict[str, list[LoadReport]], list[str]]:
+    """Load reports by instance id (fresh ones only), and the fields old enough to delete."""
+    found: dict[str, list[LoadReport]] = {}
+    forget = []
+    for field, value in fields:
+        report = _load.decode(value)
+        age = now - report.at
+        if age <= LOAD_STALE:
+            found.setdefault(field.split(" ", 1)[0], []).append(report)
+        elif age > LOAD_FORGET:
+            forget.append(field)
+    return found, forget
 
 
 @runtime_checkable
@@ -130,6 +164,24 @@ class StateStore(Protocol):
     async def generation(self) -> int:
         """A counter bumped by every change of nodes, links or instances."""
 
+    async def put_deployment(self, deployment: Deployment) -> None:
+        """Create or replace ``deployment.model``'s deployment."""
+
+    async def deployments(self) -> list[Deployment]:
+        """Every deployment, by model."""
+
+    async def delete_deployment(self, model: str) -> bool:
+        """Forget ``model``'s deployment. True if it existed."""
+
+    async def put_loads(self, gateway_id: str, reports: dict[str, LoadReport], gone: Iterable[str] = ()) -> None:
+        """Publish this gateway's load on each instance (by id); drop its reports on the instances in ``gone``."""
+
+    async def loads(self) -> dict[str, list[LoadReport]]:
+        """Every gateway's fresh load report, by instance id (reports older than ``LOAD_STALE`` are left out)."""
+
+    async def claim(self, name: str, holder: str, ttl: float) -> bool:
+        """Take the lease ``name`` for ``ttl`` seconds unless another holder has it: True if ``holder`` has it."""
+
     async def cluster_secret(self, proposed: str) -> str:
         """The cluster's secret: the one stored, else ``proposed``, stored now (the first caller's wins)."""
 
@@ -184,6 +236,9 @@ class MemoryStore:
         self._last_id = (0, 0)
         self._generation = 0
         self._secret: str | None = None
+        self._deployments: dict[str, bytes] = {}
+        self._loads: dict[str, bytes] = {}
+        self._claims: dict[str, tuple[str, float]] = {}
         self._watchers = _Watchers()
 
     def _changed(self, *kinds: str) -> None:
@@ -280,6 +335,37 @@ class MemoryStore:
         if self._secret is None:
             self._secret = proposed
         return self._secret
+
+    async def put_deployment(self, deployment: Deployment) -> None:
+        self._deployments[deployment.model] = _encode(deployment)
+        self._changed("instances")
+
+    async def deployments(self) -> list[Deployment]:
+        return [_deployment.decode(v) for _, v in sorted(self._deployments.items())]
+
+    async def delete_deployment(self, model: str) -> bool:
+        if existed := (self._deployments.pop(model, None) is not None):
+            self._changed("instances")
+        return existed
+
+    async def put_loads(self, gateway_id: str, reports: dict[str, LoadReport], gone: Iterable[str] = ()) -> None:
+        for instance_id in gone:
+            self._loads.pop(f"{instance_id} {gateway_id}", None)
+        self._loads.update({f"{i} {gateway_id}": _encode(report) for i, report in reports.items()})
+
+    async def loads(self) -> dict[str, list[LoadReport]]:
+        found, forget = _fresh_loads(self._loads.items(), time.time())
+        for field in forget:
+            del self._loads[field]
+        return found
+
+    async def claim(self, name: str, holder: str, ttl: float) -> bool:
+        now = time.monotonic()
+        current = self._claims.get(name)
+        if current is None or current[1] <= now or current[0] == holder:
+            self._claims[name] = (holder, now + ttl)
+            return True
+        return False
 
     def watch(self) -> AsyncIterator[str]:
         return self._watchers.stream(lambda: asyncio.sleep(0))
@@ -487,6 +573,42 @@ class RedisStore:
         async with self._r.pipeline(transaction=True) as pipe:
             _, stored = await pipe.set(key, proposed, nx=True).get(key).execute()
         return stored.decode()
+
+    async def put_deployment(self, deployment: Deployment) -> None:
+        await self._write(
+            "instances", lambda p: p.hset(self._key("deployments"), deployment.model, _encode(deployment))
+        )
+
+    async def deployments(self) -> list[Deployment]:
+        stored = await self._r.hgetall(self._key("deployments"))
+        return [_deployment.decode(v) for _, v in sorted(stored.items())]
+
+    async def delete_deployment(self, model: str) -> bool:
+        deleted, *_ = await self._write("instances", lambda p: p.hdel(self._key("deployments"), model))
+        return bool(deleted)
+
+    async def put_loads(self, gateway_id: str, reports: dict[str, LoadReport], gone: Iterable[str] = ()) -> None:
+        key = self._key("loads")
+        async with self._r.pipeline(transaction=False) as pipe:
+            if reports:
+                pipe.hset(key, mapping={f"{i} {gateway_id}": _encode(r) for i, r in reports.items()})
+            fields = [f"{i} {gateway_id}" for i in gone]
+            if fields:
+                pipe.hdel(key, *fields)
+            await pipe.execute()
+
+    async def loads(self) -> dict[str, list[LoadReport]]:
+        stored = await self._r.hgetall(self._key("loads"))
+        found, forget = _fresh_loads(((k.decode(), v) for k, v in stored.items()), time.time())
+        if forget:
+            await self._r.hdel(self._key("loads"), *forget)
+        return found
+
+    async def claim(self, name: str, holder: str, ttl: float) -> bool:
+        key = self._key("claim", name)
+        if await self._r.set(key, holder, nx=True, px=max(1, round(ttl * 1000))):
+            return True
+        return (await self._r.get(key) or b"").decode() == holder
 
     def watch(self) -> AsyncIterator[str]:
         return self._watchers.stream(self._ready)

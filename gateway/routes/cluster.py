@@ -1,7 +1,10 @@
 """The cluster API: topology, placement previews and instances (``/cluster``, ``/instances``, ``/events``).
 
 Errors use OpenAI's envelope (``{"error": {"message", "type", ...}}``), the most widely parsed one. Instances are
-shown with this gateway's queue for each (``queue``: requests generating, waiting, and the bounds).
+shown with this gateway's queue for each (``queue``: requests generating, waiting, and the bounds) and their
+load across every gateway (``load``: running, queued, tokens/s, prefix hits). ``POST /instances`` with
+``replicas: N`` places N replicas at once, over distinct nodes where they fit; ``/deployments`` lists the desired
+replica count of each model.
 """
 
 from __future__ import annotations
@@ -9,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import re
 from collections.abc import AsyncIterator
-from typing import Literal
+from typing import Annotated, Literal
 
 import msgspec
 from litestar import Request as HttpRequest
@@ -20,16 +23,24 @@ from sse_starlette.event import ServerSentEvent
 from meshgate.backends.placement import Candidate, InstanceId, Link, Node
 from meshgate.gateway.admission import Load
 from meshgate.gateway.cluster.instances import InstanceManager
-from meshgate.gateway.cluster.records import Failed, Instance, Ready, StoreEvent
+from meshgate.gateway.cluster.loads import ReplicaLoad
+from meshgate.gateway.cluster.records import Deployment, Failed, Instance, Ready, StoreEvent
 from meshgate.gateway.routes.common import error_handler
 from meshgate.protocols import openai
 from meshgate.protocols.model import GatewayError, InvalidRequest, NotFound
 
 
 class InstanceView(Instance, frozen=True):
-    """A stored instance and this gateway's queue for it."""
+    """A stored instance, this gateway's queue for it and its load across every gateway."""
 
     queue: Load | None = None
+    load: ReplicaLoad | None = None
+
+
+class Placed(Instance, frozen=True):
+    """The first instance placed, and every replica placed by the request (itself included) in ``replicas``."""
+
+    replicas: list[Instance] = msgspec.field(default_factory=list)
 
 
 class ClusterView(msgspec.Struct, frozen=True):
@@ -44,13 +55,17 @@ class Preview(msgspec.Struct, frozen=True):
 
 
 class CreateInstance(msgspec.Struct, frozen=True, kw_only=True):
-    """Create from a preview (``candidate_id``) or from constraints (``nodes``); the best fit otherwise."""
+    """Create from a preview (``candidate_id``) or from constraints (``nodes``); the best fit otherwise.
+    ``replicas``: how many to place at once (each a whole placement, over distinct nodes where they fit);
+    ``context``: tokens each holds (the backend's default when unset)."""
 
     model: str
     candidate_id: str | None = None
     nodes: list[str] | None = None
-    strategy: Literal["single", "pipeline", "tensor"] | None = None
+    strategy: Literal["single", "pipeline", "tensor", "hybrid"] | None = None
     min_nodes: int | None = None
+    replicas: Annotated[int, msgspec.Meta(ge=1, le=64)] = 1
+    context: Annotated[int, msgspec.Meta(ge=1)] | None = None
 
 
 def _instances(request: HttpRequest) -> InstanceManager:
@@ -59,7 +74,9 @@ def _instances(request: HttpRequest) -> InstanceManager:
 
 def _view(request: HttpRequest, instance: Instance) -> InstanceView:
     fields = {name: getattr(instance, name) for name in instance.__struct_fields__}
-    return InstanceView(**fields, queue=request.app.state.dispatcher.admission.load(instance.id))
+    dispatcher = request.app.state.dispatcher
+    load = dispatcher.loads.view(instance.id) if dispatcher.loads is not None else None
+    return InstanceView(**fields, queue=dispatcher.admission.load(instance.id), load=load)
 
 
 def _nodes(value: str | None) -> list[str] | None:
@@ -92,11 +109,26 @@ async def previews(
     return Preview(model=card.name, candidates=candidates)
 
 
-@post("/instances", summary="Create an instance from a preview or from constraints", status_code=201)
-async def create_instance(request: HttpRequest, data: CreateInstance) -> Instance:
-    return await _instances(request).create(
-        data.model, candidate_id=data.candidate_id, nodes=data.nodes, strategy=data.strategy, min_nodes=data.min_nodes
+@post("/instances", summary="Create an instance (or N replicas) from a preview or from constraints", status_code=201)
+async def create_instance(request: HttpRequest, data: CreateInstance) -> Placed:
+    if data.candidate_id is not None and data.replicas > 1:
+        raise InvalidRequest("a candidate_id places one instance; leave out replicas or candidate_id", param="replicas")
+    placed = await _instances(request).deploy(
+        data.model,
+        replicas=data.replicas,
+        candidate_id=data.candidate_id,
+        nodes=data.nodes,
+        strategy=data.strategy,
+        min_nodes=data.min_nodes,
+        context=data.context,
     )
+    first = placed[0]
+    return Placed(**{name: getattr(first, name) for name in first.__struct_fields__}, replicas=placed)
+
+
+@get("/deployments", summary="Each model's desired replicas (its deployment record)")
+async def deployments(request: HttpRequest) -> list[Deployment]:
+    return await _instances(request).store.deployments()
 
 
 @get("/instances", summary="All instances, with this gateway's queue for each")
@@ -169,6 +201,7 @@ router = Router(
         delete_instance,
         instance_events,
         events,
+        deployments,
     ],
     exception_handlers={GatewayError: error_handler(openai.error_body)},
     tags=["cluster"],

@@ -18,6 +18,11 @@ one of five words, ``endpoint`` a route template (``other`` when no route matche
     meshgate_node_memory_bytes{node,kind}   kind: offered (the node's memory for models), available (free now, the
                                             planner's input), used (what the placed instances reserve there)
     meshgate_node_cores{node}, meshgate_link_bandwidth_bytes_per_second{src,dst}, meshgate_link_latency_seconds
+    meshgate_prefix_cache_hits_total / meshgate_prompt_tokens_cached_total{model,instance}   counters: generations
+                                            whose prompt reused a prefix the runner held, and the tokens reused
+    meshgate_route_decisions_total{model,rule}   requests this gateway routed, by rule (``routing``: only,
+                                            affinity, spill, least_loaded)
+    meshgate_replica_load{instance,kind}    gauges, every gateway's: kind running, queued (``loads``)
     meshgate_replacements_total{model}      instances this gateway re-placed after a failure
     meshgate_runner_restarts_total{node,model}   runners the embedded agent started again (single machine; a
                                             ``meshgate node`` agent serves its own on its ``/metrics``)
@@ -78,6 +83,16 @@ class GatewayMetrics(Instruments):
         self.instance_requests = Counter(
             "meshgate_instance_requests_total", "Generations sent to an instance", ("model", "instance")
         )
+        self.prefix_hits = Counter(
+            "meshgate_prefix_cache_hits_total",
+            "Generations whose prompt began with tokens the runner still held (prefix reuse)",
+            ("model", "instance"),
+        )
+        self.cached_tokens = Counter(
+            "meshgate_prompt_tokens_cached_total",
+            "Prompt tokens taken from a runner's cache instead of evaluated",
+            ("model", "instance"),
+        )
         super().__init__(
             [
                 self.requests,
@@ -87,6 +102,8 @@ class GatewayMetrics(Instruments):
                 self.prompt_tokens,
                 self.generated_tokens,
                 self.instance_requests,
+                self.prefix_hits,
+                self.cached_tokens,
             ]
         )
         self.registry = CollectorRegistry()
@@ -114,6 +131,9 @@ class GatewayMetrics(Instruments):
             self.instance_requests.inc(key)
             self.prompt_tokens.inc(key, record.prompt_tokens or 0)
             self.generated_tokens.inc(key, record.generated_tokens or 0)
+            if record.cached_tokens:
+                self.prefix_hits.inc(key)
+                self.cached_tokens.inc(key, record.cached_tokens)
 
     async def refresh(self, plane: Any) -> None:
         """Read what the scrape reports from ``plane`` (the app's ``ControlPlane``) and its state store."""
@@ -192,6 +212,22 @@ class GatewayMetrics(Instruments):
         for model, count in getattr(getattr(self.plane, "instances", None), "replacements", {}).items():
             replaced.add_metric((model,), count)
         yield replaced
+        routed = CounterMetricFamily(
+            "meshgate_route_decisions", "Requests routed to a replica, by rule", labels=("model", "rule")
+        )
+        for (model, rule), count in getattr(getattr(self.plane, "instances", None), "routed", {}).items():
+            routed.add_metric((model, rule), count)
+        yield routed
+        loads = getattr(getattr(self.plane, "dispatcher", None), "loads", None)
+        if loads is not None:
+            load = GaugeMetricFamily(
+                "meshgate_replica_load", "Generations on a replica, every gateway's", labels=("instance", "kind")
+            )
+            for i in self._instances:
+                view = loads.view(i.id)
+                load.add_metric((i.id, "running"), view.running)
+                load.add_metric((i.id, "queued"), view.queued)
+            yield load
         agent = getattr(self.plane, "agent", None)
         if agent is not None:  # embedded (one machine): its runners are this gateway's
             yield agent.metrics.restarts.family()

@@ -1,0 +1,116 @@
+"""The routing rule as a table (``gateway.cluster.routing``): affinity under bounded loads, spill, power of two
+choices; and the prefix key of a request (``gateway.dispatch.request_key``). Pure functions, no processes."""
+
+from __future__ import annotations
+
+import random
+import time
+from collections import Counter
+
+import pytest
+
+from meshgate.gateway.cluster.routing import EPSILON, Replica, prefix_key, route
+from meshgate.gateway.dispatch import request_key
+from meshgate.protocols.model import Message, Request, TextPart, Tool
+
+KEY = prefix_key(["You are a coding agent."], "Fix the bug in main.py")
+
+
+def _first_choice(key: bytes, ids: list[str]) -> str:
+    return route([Replica(i, 0) for i in ids], key, random.Random(0)).id
+
+
+def test_one_replica_takes_everything() -> None:
+    assert route([Replica("a", 99)], KEY).rule == "only"
+
+
+def test_a_key_keeps_its_replica_whatever_the_order_or_the_gateway() -> None:
+    first = _first_choice(KEY, ["a", "b", "c"])
+    assert _first_choice(KEY, ["c", "a", "b"]) == first  # rendezvous hashing: no shared table, no order
+    assert route([Replica("a", 0), Replica("b", 0), Replica("c", 0)], KEY).rule == "affinity"
+
+
+def test_removing_another_replica_does_not_move_a_key() -> None:
+    ids = ["a", "b", "c", "d"]
+    keys = [prefix_key([], f"conversation {n}") for n in range(200)]
+    before = {k: _first_choice(k, ids) for k in keys}
+    after = {k: _first_choice(k, [i for i in ids if i != "d"]) for k in keys}
+    assert all(after[k] == before[k] for k in keys if before[k] != "d")
+    assert all(after[k] != "d" for k in keys)
+
+
+def test_keys_spread_over_replicas() -> None:
+    counts = Counter(_first_choice(prefix_key([], f"conversation {n}"), ["a", "b"]) for n in range(400))
+    assert 150 < counts["a"] < 250
+
+
+@pytest.mark.parametrize(
+    ("home", "other", "rule"),
+    [  # the bound with two replicas: ceil(1.5 * (total + 1) / 2); home takes one more while within it
+        (0, 0, "affinity"),  # bound 1
+        (1, 0, "affinity"),  # bound 2
+        (2, 0, "affinity"),  # bound 3
+        (3, 0, "spill"),  # bound 3: a fourth would exceed it
+        (6, 4, "affinity"),  # bound 9
+        (15, 4, "spill"),  # bound 15
+    ],
+)
+def test_affinity_holds_until_the_bound_then_spills(home: int, other: int, rule: str) -> None:
+    assert EPSILON == 0.5
+    first = _first_choice(KEY, ["r1", "r2"])
+    second = "r2" if first == "r1" else "r1"
+    choice = route([Replica(first, home), Replica(second, other)], KEY)
+    assert (choice.rule, choice.id) == (rule, first if rule == "affinity" else second)
+
+
+def test_without_a_key_the_less_loaded_of_two_wins_and_ties_spread() -> None:
+    rng = random.Random(1)
+    assert {route([Replica("a", 5), Replica("b", 1)], None, rng).id for _ in range(20)} == {"b"}
+    ties = Counter(route([Replica("a", 2), Replica("b", 2)], None, rng).id for _ in range(200))
+    assert ties["a"] > 50 and ties["b"] > 50  # two gateways seeing the same snapshot do not herd
+    many = [Replica(f"r{n}", 10) for n in range(7)] + [Replica("idle", 0)]
+    picks = Counter(route(many, None, rng).id for _ in range(400))
+    assert picks["idle"] > 400 / 8  # drawn in ~1/4 of the pairs, always chosen then
+    assert all(route(many, None, rng).rule == "least_loaded" for _ in range(5))
+
+
+def test_under_steady_arrivals_bounded_affinity_keeps_loads_near_the_mean() -> None:
+    """One hot key (an agent's shared preamble) sent 200 times while nothing finishes: loads stay within the
+    bound of each other instead of piling on the key's replica."""
+    loads = {"a": 0, "b": 0, "c": 0}
+    for _ in range(200):
+        choice = route([Replica(i, n) for i, n in loads.items()], KEY)
+        loads[choice.id] += 1
+    assert max(loads.values()) <= (1 + EPSILON) * 200 / 3 + 1
+
+
+def test_routing_costs_microseconds() -> None:
+    replicas = [Replica(f"replica-{n:02}", n % 5) for n in range(8)]
+    started = time.perf_counter()
+    for n in range(2000):
+        route(replicas, KEY if n % 2 else None)
+    assert (time.perf_counter() - started) / 2000 < 1e-3  # far under a millisecond even on a busy CI box
+
+
+def _chat(system: str, *turns: str, tools: tuple[Tool, ...] = ()) -> Request:
+    messages = [Message(role="system", parts=(TextPart(text=system),))] if system else []
+    roles = ["user", "assistant"]
+    messages += [Message(role=roles[n % 2], parts=(TextPart(text=t),)) for n, t in enumerate(turns)]  # type: ignore[arg-type]
+    return Request(model="m", messages=tuple(messages), tools=tools)
+
+
+def test_every_turn_of_a_conversation_has_its_first_turns_key() -> None:
+    one = request_key(_chat("Be brief.", "Tell me about Paris."))
+    three = request_key(_chat("Be brief.", "Tell me about Paris.", "Paris is a city.", "And its museums?"))
+    assert one == three
+
+
+def test_conversations_behind_one_system_prompt_have_their_own_keys() -> None:
+    system = "You are an agent. " * 300  # longer than a key reads of it
+    tools = (Tool(name="read_file", description="Read a file"),)
+    a = request_key(_chat(system, "Fix the tests", tools=tools))
+    b = request_key(_chat(system, "Write the docs", tools=tools))
+    assert a != b
+    short = "Be brief."
+    assert request_key(_chat(short, "Hi")) != request_key(_chat(short, "Hi", tools=tools))  # tools: preamble
+    assert request_key(Request(model="m", raw_prompt="Once upon a time")) == prefix_key([], "Once upon a time")

@@ -83,6 +83,10 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
             flight on an instance. Unset (the default), the planner sizes them per placement from the nodes'
             memory: as many whole-context KV caches as a quarter of the smallest node's available memory holds,
             1 to 16 (``gateway.cluster.planner.auto_sequences``).
+        routing: How a gateway picks among a model's ready replicas: ``affinity`` (the default: a prompt's prefix
+            keeps its replica while that replica's load is within bounds, else the less loaded of two;
+            ``gateway.cluster.routing``), ``least_loaded`` (the less loaded of two, no affinity) or ``round_robin``
+            (in turn; for comparison, ``benchmarks/replicas.py``).
         max_queue: Requests of one gateway that may wait for an instance's runner; beyond it a request is refused
             at once as overloaded (429/529/503 with ``retry-after``).
         max_tokens: The most output tokens one request may ask for (``MESHGATE_MAX_TOKENS``). More is refused
@@ -118,6 +122,7 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     node_flops: float | None = None
     keepalive: float = 2.0
     parallel: Annotated[int, msgspec.Meta(ge=1)] | None = None
+    routing: Literal["affinity", "least_loaded", "round_robin"] = "affinity"
     max_queue: Annotated[int, msgspec.Meta(ge=0)] = 64
     max_tokens: Annotated[int, msgspec.Meta(ge=1)] = 65536
     rate_limit: int = 0

@@ -35,7 +35,7 @@ from meshgate.backends.base import Backend, ModelCard
 from meshgate.backends.placement import Candidate, InstanceId, NodeId, Topology
 from meshgate.gateway.cluster.planner import BackendOffer, plan
 from meshgate.gateway.cluster.records import Deployment, Failed, Instance, Ready, Starting
-from meshgate.gateway.cluster.routing import Replica, route
+from meshgate.gateway.cluster.routing import Choice, Replica, route
 from meshgate.gateway.cluster.store import StateStore
 from meshgate.protocols.model import BackendUnavailable, NoCapacity, NotFound
 
@@ -61,6 +61,7 @@ class InstanceManager:
         reconcile_every: float = 0.5,
         load: Callable[[str], int] = lambda instance_id: 0,
         holder: str | None = None,
+        routing: str = "affinity",
     ) -> None:
         self.store = store
         self.backends = list(backends)
@@ -79,6 +80,8 @@ class InstanceManager:
         self.load = load  # instance id -> generations running + queued on it, every gateway's (``loads``)
         self.holder = holder or uuid.uuid4().hex[:12]  # this gateway, as the holder of store leases
         self.routed: dict[tuple[str, str], int] = {}  # (model, routing rule) -> requests (``/metrics``)
+        self.routing = routing  # "affinity", "least_loaded" (no prefix key) or "round_robin" (in turn)
+        self._turn = 0
 
     # ------------------------------------------------------------------------------------------- lifecycle
 
@@ -373,7 +376,11 @@ class InstanceManager:
         ready = [i for i in holding if isinstance(i.state, Ready)]
         if not ready:
             return _usable(holding)
-        choice = route([Replica(i.id, self.load(i.id)) for i in ready], key)
+        if self.routing == "round_robin":
+            self._turn += 1
+            choice = Choice(sorted(ready, key=lambda i: i.id)[self._turn % len(ready)].id, "round_robin")
+        else:
+            choice = route([Replica(i.id, self.load(i.id)) for i in ready], key if self.routing == "affinity" else None)
         rule = (model, choice.rule)
         self.routed[rule] = self.routed.get(rule, 0) + 1
         return next(i for i in ready if i.id == choice.id)

@@ -107,6 +107,7 @@ async def control_plane(
                     context=context,
                     load=loads.load,
                     holder=loads.gateway_id,
+                    routing=settings.routing,
                 )
                 await plane.instances.start()
                 await loads.start()

@@ -138,6 +138,31 @@ def reference(cluster: Server) -> dict[str, list[str]]:
     return found
 
 
+def test_two_replicas_on_two_nodes_both_serve_the_reference_text(cluster, reference):
+    first = place(cluster, replicas=2)
+    mine = [i["id"] for i in httpx.get(f"{cluster.url}/instances").json() if i["model"] == MODEL]
+    replicas = [
+        wait_for(lambda i=i: (found := instance(cluster, i))["state"]["state"] == "ready" and found, 180, "ready")
+        for i in mine
+    ]
+    assert first["id"] in mine and len(replicas) == 2
+    assert sorted(r["placement"]["shards"][0]["node_id"] for r in replicas) == ["a", "b"]
+    assert all(r["placement"]["backend"] == "mlx" and r["placement"]["strategy"] == "single" for r in replicas)
+    oai = openai.OpenAI(base_url=f"{cluster.url}/v1", api_key="x", max_retries=0)
+
+    def one(prompt: str) -> str:
+        return oai.completions.create(model=MODEL, prompt=prompt, max_tokens=TOKENS, temperature=0).choices[0].text
+
+    with ThreadPoolExecutor(4) as pool:  # concurrent, so bounded loads spread them even if both keys hash alike
+        found = list(pool.map(one, PROMPTS * 2))
+    assert found == reference["openai"] * 2
+    steps = [
+        httpx.get(f"{r['runners'][r['placement']['shards'][0]['node_id']]['url']}/health", headers=RUNNER).json()
+        for r in replicas
+    ]
+    assert all(h["batch"]["steps"] > 0 for h in steps), "each replica decoded some of them"
+
+
 @pytest.mark.parametrize("strategy", ["pipeline", "tensor"])
 def test_two_ranks_give_the_single_rank_text_through_all_protocols(cluster, reference, strategy):
     ready = place(cluster, strategy=strategy, min_nodes=2)

@@ -26,7 +26,10 @@ import msgspec
 
 from meshgate.protocols.model import Overloaded
 
-__all__ = ["Admission", "Load", "Ticket"]
+__all__ = ["SHARED_SLOTS", "Admission", "Load", "Ticket"]
+
+SHARED_SLOTS = 4
+"""Generations one gateway sends at once to a runner whose placement declares no slots of its own."""
 
 
 class Load(msgspec.Struct, frozen=True):
@@ -144,16 +147,19 @@ class Admission:
         self.max_queue = max(0, max_queue)
         self._gates: dict[str, _Gate] = {}
 
-    def enter(self, instance_id: str, caller: str, slots: int = 4) -> Ticket:
+    def enter(self, instance_id: str, caller: str, slots: int = 1) -> Ticket:
         """A ticket for ``caller`` on ``instance_id``: granted if a slot is free, else waiting in line. The gate
-        has the ``parallel`` slots it was made with, else the instance's runner's ``slots``.
+        has the ``parallel`` slots it was made with, else the instance's runner's ``slots``; a runner that batches
+        on its own terms (vLLM's scheduler: its placement says 1) gets ``SHARED_SLOTS``.
 
         Raises:
             Overloaded: ``max_queue`` requests already wait for the instance.
         """
         gate = self._gates.get(instance_id)
         if gate is None:
-            gate = self._gates[instance_id] = _Gate(self.parallel or max(1, slots), self.max_queue)
+            gate = self._gates[instance_id] = _Gate(
+                self.parallel or (slots if slots > 1 else SHARED_SLOTS), self.max_queue
+            )
         return gate.enter(caller)
 
     def forget(self, live: set[str]) -> None:

@@ -180,7 +180,8 @@ class StateStore(Protocol):
         """Every gateway's fresh load report, by instance id (reports older than ``LOAD_STALE`` are left out)."""
 
     async def claim(self, name: str, holder: str, ttl: float) -> bool:
-        """Take the lease ``name`` for ``ttl`` seconds unless another holder has it: True if ``holder`` has it."""
+        """Take the lease ``name`` for ``ttl`` seconds unless another holder has it (its holder renews it): True if
+        ``holder`` has it now."""
 
     async def cluster_secret(self, proposed: str) -> str:
         """The cluster's secret: the one stored, else ``proposed``, stored now (the first caller's wins)."""
@@ -606,9 +607,13 @@ class RedisStore:
 
     async def claim(self, name: str, holder: str, ttl: float) -> bool:
         key = self._key("claim", name)
-        if await self._r.set(key, holder, nx=True, px=max(1, round(ttl * 1000))):
+        px = max(1, round(ttl * 1000))
+        if await self._r.set(key, holder, nx=True, px=px):
             return True
-        return (await self._r.get(key) or b"").decode() == holder
+        if (await self._r.get(key) or b"").decode() != holder:
+            return False
+        await self._r.pexpire(key, px)  # its holder renews it
+        return True
 
     def watch(self) -> AsyncIterator[str]:
         return self._watchers.stream(self._ready)

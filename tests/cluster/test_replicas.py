@@ -201,11 +201,12 @@ async def test_loads_from_two_gateways_and_stale_ones_dropped(store: StateStore,
 
 
 async def test_a_lease_has_one_holder_until_it_lapses(store: StateStore, peer: StateStore) -> None:
-    assert await store.claim("deploy:m", "gw1", ttl=0.3)
-    assert not await peer.claim("deploy:m", "gw2", ttl=0.3)
-    assert await store.claim("deploy:m", "gw1", ttl=0.3)  # its holder keeps it
-    await asyncio.sleep(0.4)
-    assert await peer.claim("deploy:m", "gw2", ttl=0.3)
+    assert await store.claim("deploy:m", "gw1", ttl=5.0)
+    assert not await peer.claim("deploy:m", "gw2", ttl=5.0)
+    assert await store.claim("deploy:m", "gw1", ttl=0.5)  # its holder keeps it, for as long as it asks now
+    await asyncio.sleep(0.6)
+    assert await peer.claim("deploy:m", "gw2", ttl=5.0)
+    assert not await store.claim("deploy:m", "gw1", ttl=5.0)
 
 
 async def test_two_load_boards_see_each_others_load_and_tokens_per_second() -> None:

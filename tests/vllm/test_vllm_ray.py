@@ -20,6 +20,7 @@ import subprocess
 import tempfile
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
@@ -127,16 +128,40 @@ def texts(gateway: Server) -> list[str]:
     ]
 
 
+def served(gateway: Server) -> dict[str, float]:
+    """``meshgate_instance_requests_total`` by instance."""
+    pattern = re.compile(r'^meshgate_instance_requests_total\{[^}]*instance="([^"]+)"[^}]*\} ([0-9.e+]+)$', re.M)
+    return {i: float(v) for i, v in pattern.findall(httpx.get(f"{gateway.url}/metrics").text)}
+
+
 @pytest.fixture(scope="module")
 def pipeline(cluster: Server, runtime_dir: Path) -> dict:
-    """The single-node reference texts, then the PP=2 instance over Ray (left running for the tests below)."""
+    """The single-node reference texts from two single-node replicas (one on each agent, both serving), then the
+    PP=2 instance over Ray (left running for the tests below)."""
     before = _snapshot()
     started = time.monotonic()
-    single = place(cluster, nodes=["a"])
-    assert single["placement"]["backend"] == "vllm" and single["placement"]["strategy"] == "single"
+    first = place(cluster, replicas=2)
+    ids = [i["id"] for i in httpx.get(f"{cluster.url}/instances").json()]
+    replicas = [
+        wait_for(lambda i=i: (f := instance(cluster, i))["state"]["state"] == "ready" and f, 400, i) for i in ids
+    ]
+    assert first["id"] in ids and sorted(r["placement"]["shards"][0]["node_id"] for r in replicas) == ["a", "b"]
+    assert all(r["placement"]["backend"] == "vllm" and r["placement"]["strategy"] == "single" for r in replicas)
     reference = texts(cluster)
     assert all(reference)
-    print(f"single node: ready and answered in {time.monotonic() - started:.1f}s")
+    client = openai.OpenAI(base_url=f"{cluster.url}/v1", api_key="x", max_retries=0, timeout=120)
+    with ThreadPoolExecutor(4) as pool:  # at once: bounded loads spread them even if both prompts hash alike
+        together = list(
+            pool.map(
+                lambda p: (
+                    client.completions.create(model=MODEL, prompt=p, max_tokens=TOKENS, temperature=0).choices[0].text
+                ),
+                PROMPTS * 2,
+            )
+        )
+    assert together == reference * 2
+    assert all(served(cluster).get(i, 0) > 0 for i in ids), "both replicas served"
+    print(f"two single-node replicas: ready and answered in {time.monotonic() - started:.1f}s")
     remove_all(cluster, runtime_dir)
     started = time.monotonic()
     ready = place(cluster, strategy="pipeline", min_nodes=2)

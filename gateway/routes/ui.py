@@ -1,11 +1,13 @@
-"""The dashboard at ``/ui``: a static page (HTML, two vanilla JS modules, CSS) shipped in ``gateway/ui/``.
+"""The dashboard at ``/ui``: a static page (HTML, vanilla JS modules, CSS) shipped in ``gateway/ui/``.
 
 Not at ``/``: Ollama clients probe that. There is no build step and nothing is fetched from elsewhere at run
 time; the Content-Security-Policy below lets the page load and call only this gateway. The files are public
 (``scope: public``); the page asks for an admin key, keeps it in ``sessionStorage`` and sends it on every call
 to the admin API (``/cluster``, ``/instances``, ``/events``, ``/metrics``), reading the server-sent streams
-with ``fetch`` because ``EventSource`` cannot send headers. Served by Litestar's static-files router (it
-resolves paths inside the folder and sets types and ETags).
+with ``fetch`` because ``EventSource`` cannot send headers. The cluster map and the load charts are SVG that the
+page builds itself (``cluster_map.js``, ``load_chart.js``), coloured from the stylesheet, so the policy needs no
+inline styles and no other origin. Served by Litestar's static-files router (it resolves paths inside the folder
+and sets types and ETags).
 
 Imports only Litestar and the standard library.
 """

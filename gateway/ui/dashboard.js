@@ -1,16 +1,22 @@
-// meshgate dashboard: nodes, links, instances and placement, kept live from the gateway's own API.
+// meshgate dashboard: the cluster drawn (nodes, links, replicas), live load charts, and tables of nodes, links,
+// instances and placement, kept live from the gateway's own API.
 //
-// Sources: GET /cluster (nodes, links, instances; every 5 s and after each audit event), GET /events (the audit
-// stream: polled with `since`, or read as server-sent events if the gateway streams it), GET
-// /instances/{id}/events (server-sent state changes of a starting instance), GET /metrics (Prometheus text,
-// every 2 s: this gateway's requests/s and tokens/s per instance over the last 10 s; "-" when it is not
-// served), GET /instances/previews, POST /instances and DELETE /instances/{id}. An admin key typed in the page is
-// kept in sessionStorage and sent as `authorization: Bearer` (wire.js). Everything the server says is put in the
-// page as text, never as HTML.
-import { AuthError, adminKey, errorText, parseMetrics, readSSE, setAdminKey, sleep } from "/ui/wire.js";
+// Sources: GET /cluster (nodes, links, instances with their load; about once a second, and after each audit
+// event: each read is a sample for the load charts), GET /events (the audit stream: polled with `since`, or read
+// as server-sent events if the gateway streams it), GET /instances/{id}/events (server-sent state changes of a
+// starting instance), GET /metrics (Prometheus text, every 2 s: this gateway's requests/s and tokens/s per
+// instance over the last 10 s; "-" when it is not served; the charts' tokens/s when /cluster sends no `load`),
+// GET /instances/previews, POST /instances and DELETE /instances/{id}. An admin key typed in the page is kept in
+// sessionStorage and sent as `authorization: Bearer` (wire.js). Everything the server says is put in the page as
+// text, never as HTML. The drawing is cluster_map.js, the charts load_chart.js.
+import { clusterMap } from "/ui/cluster_map.js";
+import { ago, bandwidth, bytes, clock, latency } from "/ui/format.js";
+import { LoadHistory, loadCharts } from "/ui/load_chart.js";
+import { AuthError, adminKey, errorText, loadOf, parseMetrics, readSSE, setAdminKey, sleep } from "/ui/wire.js";
 import { api as wireApi, json as wireJson } from "/ui/wire.js";
 
 const RATE_WINDOW = 10; // seconds of /metrics scrapes (every 2 s) a rate is computed over
+const POLL = 1000; // ms between reads of /cluster: the load charts' sampling period
 const $ = (selector) => document.querySelector(selector);
 const state = {
   abort: new AbortController(), // aborted (and replaced) when the key changes: ends every loop and stream
@@ -23,6 +29,8 @@ const state = {
   metrics: null, // null: not scraped yet; false: /metrics not served; else the scrapes of the last RATE_WINDOW s
   rates: new Map(), // instance id -> {rps, tps}
   previewed: null, // the constraints of the last preview, sent again with "place"
+  load: new LoadHistory(), // instance id -> its samples for the charts (the last few minutes)
+  drawn: null, // what the cluster map shows, to redraw it only when that changed
 };
 
 // ---------------------------------------------------------------- helpers
@@ -42,11 +50,6 @@ function el(tag, props = {}, ...children) {
   return node;
 }
 
-const bytes = (n) => (n >= 2 ** 30 ? `${(n / 2 ** 30).toFixed(2)} GiB` : `${(n / 2 ** 20).toFixed(0)} MiB`);
-const bandwidth = (bps) =>
-  bps >= 1.25e8 ? `${((bps * 8) / 1e9).toFixed(2)} Gbit/s` : `${((bps * 8) / 1e6).toFixed(1)} Mbit/s`;
-const ago = (t) => (t ? `${Math.max(0, Date.now() / 1000 - t).toFixed(1)} s ago` : "-");
-const clock = (t) => new Date(t * 1000).toLocaleTimeString();
 const nodeName = (id) => state.nodes.get(id)?.name ?? id;
 const shortKind = (event) => event.kind.replace(/^instance\./, "");
 const button = (label, onclick) => el("button", { class: label, type: "button", onclick }, label);
@@ -72,8 +75,30 @@ async function refresh() {
   renderNodes(view.nodes);
   renderLinks(view.links);
   renderInstances();
+  drawLoad(view);
   for (const instance of view.instances) if (instance.state.state === "starting") watchInstance(instance.id);
   setStatus(`live: ${view.nodes.length} node(s), ${view.links.length} link(s), ${view.instances.length} instance(s)`);
+}
+
+// ---------------------------------------------------------------- the cluster map and the load charts
+
+// An instance's load; without a cluster-wide `load`, tokens/s is this gateway's /metrics rate (0 without it).
+const instanceLoad = (instance) => loadOf(instance, (state.metrics && state.rates.get(instance.id)?.tps) || 0);
+
+function drawLoad(view) {
+  const now = Date.now() / 1000;
+  for (const instance of view.instances) {
+    state.load.add(now, instance.id, `${instance.model} (${instance.id})`, instanceLoad(instance));
+  }
+  state.load.prune(now);
+  $("#load-charts").replaceChildren(...loadCharts(state.load, now));
+  const nodes = view.nodes.map(({ heartbeat_at, ...node }) => node); // a heartbeat alone changes nothing drawn
+  const instances = view.instances.map((i) => [i.id, i.model, i.state, i.placement, instanceLoad(i)]);
+  const drawn = JSON.stringify([nodes, view.links, instances]);
+  if (drawn !== state.drawn) {
+    state.drawn = drawn;
+    $("#cluster-drawing").replaceChildren(clusterMap(view, instanceLoad));
+  }
 }
 
 let pending = null;
@@ -116,7 +141,7 @@ function renderLinks(links) {
         el("td", {}, nodeName(link.src)),
         el("td", {}, nodeName(link.dst)),
         el("td", { class: "bandwidth" }, bandwidth(link.bandwidth)),
-        el("td", { class: "latency" }, `${(link.latency * 1000).toFixed(2)} ms`),
+        el("td", { class: "latency" }, latency(link.latency)),
         el("td", {}, ago(link.measured_at)),
       ),
     ),
@@ -184,7 +209,8 @@ function renderInstances() {
   const wanted = ordered.map((instance) => {
     const { id } = instance;
     const history = state.history.get(id)?.length;
-    const signature = JSON.stringify([instance, history, rate(id, "rps"), rate(id, "tps"), [...state.nodes.keys()]]);
+    const { load, ...shown } = instance; // the load moves every second: the charts show it, not the row
+    const signature = JSON.stringify([shown, history, rate(id, "rps"), rate(id, "tps"), [...state.nodes.keys()]]);
     const old = rows.get(id);
     if (old && old.dataset.signature === signature) return old;
     const row = instanceRow(instance);
@@ -362,15 +388,19 @@ function start() {
   state.abort = new AbortController();
   const signal = state.abort.signal;
   state.lastEventId = null;
+  state.drawn = null;
   state.history.clear();
   state.streams.clear();
   $("#events").replaceChildren();
-  refresh().catch(report);
   followEvents(signal);
   (async () => {
     while (!signal.aborted) {
-      await sleep(5000, signal);
-      if (!signal.aborted) refresh().catch(report);
+      const started = performance.now();
+      const refused = await refresh().then(
+        () => false,
+        (error) => (report(error), error instanceof AuthError),
+      );
+      await sleep(refused ? 5 * POLL : Math.max(100, POLL - (performance.now() - started)), signal); // no key: slower
     }
   })();
   (async () => {

@@ -94,3 +94,27 @@ export const sleep = (ms, signal) =>
     const timer = setTimeout(wake, ms);
     signal.addEventListener("abort", wake);
   });
+
+const count = (x) => (Number.isFinite(x) ? x : 0);
+
+/**
+ * An instance's load as {running, queued, tokensPerS, scope}: the cluster-wide `load` (summed over gateways) when
+ * the gateway sends one, else this gateway's `queue` with `fallbackTokensPerS` (the page's /metrics rate, or 0).
+ */
+export function loadOf(instance, fallbackTokensPerS = 0) {
+  const load = instance.load;
+  if (load && typeof load === "object") {
+    return {
+      running: count(load.running),
+      queued: count(load.queued),
+      tokensPerS: count(load.tokens_per_s),
+      scope: "cluster",
+    };
+  }
+  return {
+    running: count(instance.queue?.active),
+    queued: count(instance.queue?.queued),
+    tokensPerS: count(fallbackTokensPerS),
+    scope: "this gateway",
+  };
+}

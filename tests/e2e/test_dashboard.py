@@ -3,14 +3,16 @@
 The browser test starts redis-server, two ``meshgate node`` agents (a, b) and a gateway with an admin key, then
 drives Debian's ``chromium`` through ``/usr/bin/chromedriver`` with Selenium (never Selenium Manager, which would
 download a browser): the page asks for the key, lists both nodes, previews the packaged Gemma 3 270M, places it
-with the "place" button, shows it ready with its history from the audit stream, and deletes it. A screenshot is
-saved under the test's ``tmp_path``.
+with the "place" button, shows it ready with its history from the audit stream, draws it on its node in the
+cluster map, charts its load while requests run, and deletes it. A screenshot is saved under the test's
+``tmp_path``.
 """
 
 from __future__ import annotations
 
 import re
 import shutil
+import threading
 from collections.abc import Iterator
 from html.parser import HTMLParser
 from pathlib import Path
@@ -66,10 +68,12 @@ def test_ui_is_public_static_html_that_loads_nothing_from_elsewhere(tmp_path):
             assert asset.status_code == 200 and asset.text
         served = {f.name: client.get(f"/ui/{f.name}").text for f in UI_DIR.iterdir() if f.suffix in (".js", ".css")}
         assert {"dashboard.js", "wire.js", "dashboard.css"} <= set(served)
-        assert not [name for name, text in served.items() if re.search(r"https?://", text)]
+        elsewhere = re.compile(r"https?://(?!www\.w3\.org/2000/svg\b)")  # the SVG namespace is a name, not a load
+        assert not [name for name, text in served.items() if elsewhere.search(text)]
         assert not re.search(r"https?://", page.text)
-        assert re.findall(r'from "([^"]+)"', served["dashboard.js"]) == ["/ui/wire.js"] * 2  # its only imports
-        script = served["dashboard.js"] + served["wire.js"]
+        imports = {ref for text in served.values() for ref in re.findall(r'from "([^"]+)"', text)}
+        assert imports == {f"/ui/{name}" for name in served if name.endswith(".js") and name != "dashboard.js"}
+        script = "".join(text for name, text in served.items() if name.endswith(".js"))
         assert "EventSource(" not in script, "EventSource cannot send the admin key"
         assert client.get("/cluster").status_code == 401, "the data behind the page still needs the key"
         assert client.get("/cluster", headers={"authorization": "Bearer k"}).status_code == 200
@@ -162,6 +166,8 @@ def test_the_dashboard_places_a_model_and_shows_it_ready(cluster, browser, tmp_p
     placed = f'#nodes tr[data-node="{node}"] .placed'  # the memory the node's placements reserve
     until.until(lambda d: _text(d, placed) not in ("", "0 MiB"))
     assert _text(browser, f"{row} .memory") == f"{node}: {_text(browser, placed)}"
+    _the_map_draws_it(browser, until, instance_id, node)
+    _the_charts_sample_it(browser, gateway, instance_id)
     until.until(lambda d: "ready" in _text(d, f"{row} .history"))  # the instance's history from the audit stream
     assert "placed" in _text(browser, f"{row} .history")
     assert "instance.ready" in _text(browser, "#events")
@@ -198,3 +204,62 @@ def test_the_dashboard_places_a_model_and_shows_it_ready(cluster, browser, tmp_p
         30,
         "the instance gone from the API",
     )
+
+
+def _the_map_draws_it(driver: webdriver.Chrome, until: WebDriverWait, instance_id: str, node: str) -> None:
+    """The SVG cluster map: both nodes with their memory, the measured link between them, and the ready instance
+    on the node that holds its shard, with its request counts."""
+    until.until(lambda d: set(_texts(d, "#cluster-map g.node", "data-node")) == {"a", "b"})
+    assert "1.50 GiB" in _text(driver, f'#cluster-map g.node[data-node="{node}"] .memory')
+    assert {"a>b", "b>a"} <= set(" ".join(_texts(driver, "#cluster-map g.link", "data-link")).split())
+    assert "ms" in _text(driver, "#cluster-map g.link text") and "bit/s" in _text(driver, "#cluster-map g.link text")
+    replica = f'#cluster-map g.node[data-node="{node}"] g.replica[data-instance="{instance_id}"]'
+    until.until(lambda d: "state-ready" in " ".join(_texts(d, replica, "class")))
+    assert "running" in _text(driver, replica) and "waiting" in _text(driver, replica)
+    assert MODEL in _text(driver, "#cluster-map desc")  # what a screen reader is told
+
+
+def _the_charts_sample_it(driver: webdriver.Chrome, gateway: Server, instance_id: str) -> None:
+    """While completions run back to back, the charts get a sample a second with the running request and a
+    tokens/s above 0 (cluster-wide ``load``, or this gateway's queue and /metrics rate where there is none)."""
+    client = openai.OpenAI(base_url=f"{gateway.url}/v1", api_key=ADMIN_KEY, max_retries=0, timeout=60)
+    done, failures, chunks = threading.Event(), [], []  # chunks: how many each stream relayed
+
+    def generate() -> None:  # short streams back to back, each left at once when the test is done
+        while not done.is_set():
+            try:
+                prompt = "List the colours of a rainbow:"
+                with client.completions.create(model=MODEL, prompt=prompt, max_tokens=8, stream=True) as stream:
+                    chunks.append(0)
+                    for _ in stream:
+                        chunks[-1] += 1
+                        if done.is_set():
+                            break
+            except Exception as exc:  # reported by the test below: a thread cannot fail it
+                failures.append(exc)
+                return
+
+    def peak(metric: str) -> tuple[float, int]:
+        """The instance's line in one chart: its highest value and its number of samples."""
+        line = f'#load-charts svg[data-metric="{metric}"] path[data-instance="{instance_id}"]'
+        peaks, points = _texts(driver, line, "data-peak"), _texts(driver, line, "data-points")
+        return (float(peaks[0]), int(points[0])) if peaks else (0.0, 0)
+
+    worker = threading.Thread(target=generate, daemon=True)
+    worker.start()
+    try:
+        WebDriverWait(driver, 30, poll_frequency=0.5).until(
+            lambda d: failures or (peak("running")[0] >= 1 and peak("running")[1] >= 5 and peak("tokensPerS")[0] > 0)
+        )
+    except TimeoutException:
+        charted = [peak(m) for m in ("tokensPerS", "running", "queued")]
+        served = httpx.get(f"{gateway.url}/instances/{instance_id}", headers=AUTH).json()
+        load, queue = served.get("load"), served.get("queue")
+        raise AssertionError(
+            f"charted {charted}; load {load}, queue {queue}; chunks of each stream: {chunks}"
+        ) from None
+    finally:
+        done.set()
+        worker.join(30)
+    assert not failures, failures
+    assert "tok/s" in _text(driver, f'#load-charts .legend li[data-instance="{instance_id}"]')

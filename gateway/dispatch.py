@@ -37,7 +37,7 @@ from meshgate.gateway.admission import Admission, Ticket
 from meshgate.gateway.cluster.instances import InstanceManager
 from meshgate.gateway.cluster.loads import LoadBoard, Tally
 from meshgate.gateway.cluster.records import Instance, Ready
-from meshgate.gateway.cluster.routing import prefix_key
+from meshgate.gateway.cluster.routing import Routing, prefix_blocks, prefix_key
 from meshgate.gateway.context_fit import Fit, cap_output, fit_context
 from meshgate.gateway.model_defaults import apply_defaults, end_turn_at_default_stops
 from meshgate.gateway.telemetry import record as telemetry
@@ -60,7 +60,7 @@ from meshgate.protocols.model import (
     error_from_info,
 )
 
-__all__ = ["Dispatcher", "normalize_model_name"]
+__all__ = ["Dispatcher", "normalize_model_name", "request_routing"]
 
 log = logging.getLogger("meshgate.dispatch")
 T = TypeVar("T")
@@ -114,7 +114,7 @@ class _Job:
     caller: str
     fit: Fit
     on_usage: Callable[[Usage], None] | None = None
-    key: bytes | None = None  # the prompt's prefix key, for routing (``routing.prefix_key``)
+    routing: Routing | None = None  # what routing reads of the prompt (``request_routing``)
 
 
 class Dispatcher:
@@ -202,28 +202,38 @@ class Dispatcher:
         backend = self.backend_for(card)
         check_capabilities(request, backend.capabilities(card), card.name)
         context = request.num_ctx if isinstance(request.num_ctx, int) else None
-        key = request_key(request)
-        instance = await self.instances.acquire(card, context=context, key=key)
-        job = _Job(card=card, backend=backend, request=request, caller=caller, fit=fit, on_usage=on_usage, key=key)
+        routing = request_routing(request)
+        instance = await self.instances.acquire(card, context=context, routing=routing)
+        job = _Job(
+            card=card, backend=backend, request=request, caller=caller, fit=fit, on_usage=on_usage, routing=routing
+        )
         if not isinstance(instance.state, Ready) and request.stream:
             return end_turn_at_default_stops(self._keepalive_until(lambda: self._start(instance, job)), asked, request)
         return end_turn_at_default_stops(await self._start(instance, job), asked, request)
 
     async def _start(self, instance: Instance, job: _Job, retry: bool = True) -> AsyncIterator[Event]:
-        """Check the context, take a place in the queue, generate (a waiting stream gets keep-alives)."""
-        if not isinstance(instance.state, Ready):
-            instance = await self.instances.wait_ready(instance.id)
-        runner = self._connect(instance, job.card, job.backend)
+        """Check the context, take a place in the queue, generate (a waiting stream gets keep-alives). The
+        request was routed to ``instance``: it is settled there once in the queue, or on the way out before."""
+        settled = False
         try:
-            count = self._counter(instance.id, job.caller, runner)
-            token_bytes = await self._token_bytes(job.card, job.backend)
-            request = await fit_context(job.request, instance.placement.context, count, job.fit, token_bytes)
-        except BackendUnavailable as error:
-            if not retry:
-                raise
-            return await self._start(await self._replace(instance, job.card, error), job, retry=False)
-        request = cap_output(request, self.max_tokens, clamp=True, context=instance.placement.context)  # no limit
-        ticket = self.admission.enter(instance.id, job.caller, instance.placement.sequences)
+            if not isinstance(instance.state, Ready):
+                instance = await self.instances.wait_ready(instance.id)
+            runner = self._connect(instance, job.card, job.backend)
+            try:
+                count = self._counter(instance.id, job.caller, runner)
+                token_bytes = await self._token_bytes(job.card, job.backend)
+                request = await fit_context(job.request, instance.placement.context, count, job.fit, token_bytes)
+            except BackendUnavailable as error:
+                if not retry:
+                    raise
+                self._settle(instance.id)
+                settled = True
+                return await self._start(await self._replace(instance, job.card, error, job), job, retry=False)
+            request = cap_output(request, self.max_tokens, clamp=True, context=instance.placement.context)
+            ticket = self.admission.enter(instance.id, job.caller, instance.placement.sequences)
+        finally:
+            if not settled:
+                self._settle(instance.id)
         if not ticket.granted and request.stream:
             stream = self._keepalive_until(lambda: self._generate(instance, job, runner, request, ticket, retry))
             _on_drop(stream, ticket.release)  # dropped before it started: leave the queue all the same
@@ -246,7 +256,7 @@ class Dispatcher:
             ticket.release()
             error = error_from_info(first.error)
             if retry and isinstance(error, BackendUnavailable):
-                return await self._start(await self._replace(instance, job.card, error), job, retry=False)
+                return await self._start(await self._replace(instance, job.card, error, job), job, retry=False)
             raise error
         tally = self.loads.tally(instance.id) if self.loads is not None else None
         return _chain(first, events, ticket.release, job.on_usage, served=(job.card.name, instance.id), tally=tally)
@@ -255,11 +265,19 @@ class Dispatcher:
         urls = {node: status.url for node, status in instance.runners.items() if status.url}
         return backend.connect(card, instance.placement, urls)
 
-    async def _replace(self, instance: Instance, card: ModelCard, error: GatewayError) -> Instance:
-        """Fail an instance whose runner cannot be reached (so it is re-placed); the instance to use now."""
+    async def _replace(
+        self, instance: Instance, card: ModelCard, error: GatewayError, job: _Job | None = None
+    ) -> Instance:
+        """Fail an instance whose runner cannot be reached (so it is re-placed); the instance to use now (a
+        generation's ``job`` is routed to it)."""
         log.warning("instance %s unreachable (%s); re-placing", instance.id, error.message)
         await self.instances.report_unreachable(instance, error.message)
-        return await self.instances.acquire(card, context=instance.placement.context)
+        routing = job.routing if job is not None else None
+        return await self.instances.acquire(card, context=instance.placement.context, routing=routing)
+
+    def _settle(self, instance_id: str) -> None:
+        if self.loads is not None:
+            self.loads.settled(instance_id)
 
     async def embed(self, request: EmbedRequest, may_use: Callable[[str], bool] | None = None) -> Embeddings:
         """``request``'s vectors, placing the model and waiting for it if needed; raise its ``GatewayError``.
@@ -360,15 +378,16 @@ class Dispatcher:
                 waiting.cancel()
 
 
-def request_key(request: Request) -> bytes:
-    """``request``'s prefix key for routing: its system prompt and tools, and its first other message (a plain
-    completion: its prompt)."""
+def request_routing(request: Request) -> Routing:
+    """What routing reads of ``request``: its prefix key (its system prompt and tools, and its first other message;
+    a plain completion: its prompt) and the blocks of its whole text in order (``routing.prefix_blocks``)."""
     if request.raw_prompt is not None:
-        return prefix_key((), request.raw_prompt)
-    preamble = [m.text for m in request.messages if m.role == "system"][:1]
-    preamble += [f"{t.name}\0{t.description or ''}" for t in request.tools]
+        return Routing(prefix_key((), request.raw_prompt), prefix_blocks((request.raw_prompt,)))
+    system = [m.text for m in request.messages if m.role == "system"][:1]
+    preamble = system + [f"{t.name}\0{t.description or ''}" for t in request.tools]
     first = next((m.text for m in request.messages if m.role != "system"), "")
-    return prefix_key(preamble, first)
+    turns = (f"{m.role}\x1f{m.text}" for m in request.messages if m.role != "system")
+    return Routing(prefix_key(preamble, first), prefix_blocks([*preamble, *turns]))
 
 
 def _chain(

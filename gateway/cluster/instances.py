@@ -35,7 +35,7 @@ from meshgate.backends.base import Backend, ModelCard
 from meshgate.backends.placement import Candidate, InstanceId, NodeId, Topology
 from meshgate.gateway.cluster.planner import BackendOffer, plan
 from meshgate.gateway.cluster.records import Deployment, Failed, Instance, Ready, Starting
-from meshgate.gateway.cluster.routing import Choice, Replica, route
+from meshgate.gateway.cluster.routing import Choice, PrefixTable, Replica, Routing, route
 from meshgate.gateway.cluster.store import StateStore
 from meshgate.protocols.model import BackendUnavailable, NoCapacity, NotFound
 
@@ -62,6 +62,7 @@ class InstanceManager:
         load: Callable[[str], int] = lambda instance_id: 0,
         holder: str | None = None,
         routing: str = "affinity",
+        on_route: Callable[[str], None] = lambda instance_id: None,
     ) -> None:
         self.store = store
         self.backends = list(backends)
@@ -81,6 +82,8 @@ class InstanceManager:
         self.holder = holder or uuid.uuid4().hex[:12]  # this gateway, as the holder of store leases
         self.routed: dict[tuple[str, str], int] = {}  # (model, routing rule) -> requests (``/metrics``)
         self.routing = routing  # "affinity", "least_loaded" (no prefix key) or "round_robin" (in turn)
+        self.on_route = on_route  # told the replica of each generation routed (``loads.LoadBoard.routed``)
+        self.prefixes = PrefixTable()  # which replica this gateway sent each prompt prefix to
         self._turn = 0
 
     # ------------------------------------------------------------------------------------------- lifecycle
@@ -330,28 +333,30 @@ class InstanceManager:
     def cached(self, model: str) -> list[Instance]:
         return [i for i in self._view.values() if i.model == model]
 
-    async def acquire(self, card: ModelCard, *, context: int | None = None, key: bytes | None = None) -> Instance:
+    async def acquire(self, card: ModelCard, *, context: int | None = None, routing: Routing | None = None) -> Instance:
         """The replica of ``card`` a request goes to: among the ready ones that hold ``context`` tokens (Ollama's
-        ``num_ctx``; any when None), the one ``routing.route`` picks for the prompt's prefix ``key`` on the shared
-        load; else one that is starting; else a new one, placed beside the others (when placement is automatic).
+        ``num_ctx``; any when None), the one ``routing.route`` picks for a generation's prompt (``routing``) on the
+        shared load; else one that is starting; else a new one, placed beside the others (when placement is
+        automatic). A generation's replica is told to ``on_route`` at once, so it counts as load before the
+        request reaches its queue.
 
         When no replica holds ``context`` and none can be placed (or placement is off), the replica with the
         largest context serves: the prompt is still checked against what it holds.
         """
         if context is not None and card.context_length:
             context = min(context, card.context_length)
-        found = self._pick(card.name, context, key)
+        found = self._pick(card.name, context, routing)
         if found is not None:
             return found
         async with self._create_lock:
             await self._refresh()
-            found = self._pick(card.name, context, key)
+            found = self._pick(card.name, context, routing)
             if found is not None:
                 return found
             largest = _usable(sorted(self.cached(card.name), key=lambda i: -i.placement.context))
             if not self.auto_place:
                 if largest is not None:
-                    return largest
+                    return self._routed(largest, routing)
                 raise NoCapacity(
                     f"model '{card.name}' has no instance and automatic placement is off; "
                     f"create one with POST /instances"
@@ -366,24 +371,37 @@ class InstanceManager:
                 if largest is None:
                     raise
                 log.warning("no room for a %s replica of %s tokens; serving on %s", card.name, context, largest.id)
-                return largest
+                return self._routed(largest, routing)
             await self._record_deployment(card.name, context=context)
-            return created
+            return self._routed(created, routing)
 
-    def _pick(self, model: str, context: int | None, key: bytes | None) -> Instance | None:
+    def _pick(self, model: str, context: int | None, routing: Routing | None) -> Instance | None:
         """A ready replica holding ``context`` tokens, routed; else one holding it that is coming up."""
         holding = [i for i in self.cached(model) if context is None or i.placement.context >= context]
         ready = [i for i in holding if isinstance(i.state, Ready)]
         if not ready:
-            return _usable(holding)
+            found = _usable(holding)
+            return self._routed(found, routing) if found is not None else None
+        if routing is None:  # a load, an embedding, a count: no prompt to route by
+            return min(ready, key=lambda i: self.load(i.id))
         if self.routing == "round_robin":
             self._turn += 1
             choice = Choice(sorted(ready, key=lambda i: i.id)[self._turn % len(ready)].id, "round_robin")
+        elif self.routing == "least_loaded":
+            choice = route([Replica(i.id, self.load(i.id)) for i in ready], None)
         else:
-            choice = route([Replica(i.id, self.load(i.id)) for i in ready], key if self.routing == "affinity" else None)
+            replicas = [Replica(i.id, self.load(i.id)) for i in ready]
+            preferred = self.prefixes.match(routing.blocks, (r.id for r in replicas)) if len(ready) > 1 else None
+            choice = route(replicas, routing.key, preferred=preferred)
+            self.prefixes.learn(routing.blocks, choice.id)
         rule = (model, choice.rule)
         self.routed[rule] = self.routed.get(rule, 0) + 1
-        return next(i for i in ready if i.id == choice.id)
+        return self._routed(next(i for i in ready if i.id == choice.id), routing)
+
+    def _routed(self, instance: Instance, routing: Routing | None) -> Instance:
+        if routing is not None:
+            self.on_route(instance.id)
+        return instance
 
     async def wait_ready(self, instance_id: InstanceId, timeout: float = 300.0) -> Instance:
         """Wait until the instance is ready; raise if it fails (and is not re-placed) or times out."""

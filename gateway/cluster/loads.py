@@ -4,8 +4,10 @@ Each gateway keeps a ``LoadBoard``. Every ``PERIOD`` seconds it publishes one ``
 sends generations to (its admission gate's running and queued counts, the tokens it streamed and the prefix hits
 it saw) and reads every gateway's reports back (one store round trip each way). A router asks ``load(id)``: the
 other gateways' running + queued as of the last read (never older than about ``PERIOD`` plus one round trip)
-plus this gateway's own, live. Reports live in the state store's ``loads`` hash (``gateway.cluster.store``);
-a gateway that stops publishing drops out after ``store.LOAD_STALE`` seconds.
+plus this gateway's own, live: its admission gate's counts and the generations routed to the instance that have
+not reached the gate yet (``routed`` / ``settled``: between the two a request may wait for a model to load or
+its prompt to be counted, and a burst routed meanwhile must see it). Reports live in the state store's ``loads``
+hash (``gateway.cluster.store``); a gateway that stops publishing drops out after ``store.LOAD_STALE`` seconds.
 
 ``view(id)`` gives the cluster-wide figures shown by ``/cluster``, ``meshgate ps`` and ``/ui``: running,
 queued, tokens/s (the change of the summed token counts over the last ``RATE_WINDOW`` seconds) and prefix hits.
@@ -36,6 +38,8 @@ PERIOD = 0.25
 """Seconds between a gateway's publications (and reads) of the shared load."""
 RATE_WINDOW = 3.0
 """Seconds of token counts that one tokens/s figure spans."""
+PENDING_LIMIT = 60.0
+"""Seconds after which a routed request that never settled (its client left before it started) stops counting."""
 
 
 class ReplicaLoad(msgspec.Struct, frozen=True):
@@ -70,6 +74,7 @@ class LoadBoard:
         self._totals: dict[str, tuple[int, int]] = {}  # instance id -> (tokens, prefix hits), every gateway
         self._history: dict[str, deque[tuple[float, int]]] = {}  # instance id -> (time, tokens) samples
         self._sent: dict[str, LoadReport] = {}  # this gateway's reports as last published
+        self._pending: dict[str, deque[float]] = {}  # instance id -> when each routed, unsettled request was routed
         self._task: asyncio.Task[None] | None = None
 
     def tally(self, instance_id: str) -> Tally:
@@ -79,10 +84,24 @@ class LoadBoard:
         return found
 
     def load(self, instance_id: str) -> int:
-        """Generations running and queued on ``instance_id``, every gateway's (this one's live)."""
+        """Generations running and queued on ``instance_id``, every gateway's (this one's live, routed included)."""
         own = self.admission.load(instance_id)
         running, queued = self._others.get(instance_id, (0, 0))
-        return running + queued + own.active + own.queued
+        pending = self._pending.get(instance_id)
+        if pending:
+            while pending and time.monotonic() - pending[0] > PENDING_LIMIT:
+                pending.popleft()
+        return running + queued + own.active + own.queued + (len(pending) if pending else 0)
+
+    def routed(self, instance_id: str) -> None:
+        """A generation was routed to ``instance_id``; it counts as load until ``settled``."""
+        self._pending.setdefault(instance_id, deque()).append(time.monotonic())
+
+    def settled(self, instance_id: str) -> None:
+        """A routed generation reached the instance's gate (which counts it from now on) or ended before."""
+        pending = self._pending.get(instance_id)
+        if pending:
+            pending.popleft()
 
     def view(self, instance_id: str) -> ReplicaLoad:
         own = self.admission.load(instance_id)

@@ -4,19 +4,21 @@ of the replicas' load; no I/O, so the rule is tested as a table.
 The rule, in order:
 
 1. **One replica**: it.
-2. **Prefix affinity, under bounded loads.** A request with a prefix key (``prefix_key``: a hash of what its
-   prompt starts with) ranks the replicas by rendezvous hashing (highest ``hash(key, replica id)`` first), the
-   same order on every gateway with no shared table. It goes to the first replica in that order whose load is
-   under the bound ``ceil((1 + EPSILON) * (total load + 1) / replicas)`` (consistent hashing with bounded loads,
-   Mirrokni et al.): the replica whose runner still holds the prefix unless it already carries more than its
-   share, then the next one in the key's order, whose runner picks the prefix up for the key's later requests.
-   Requests of one conversation, or an agent's turns with the same system prompt and tools, keep one replica.
-3. **Least loaded, power of two choices.** A request without a key (or when hashing finds nothing under the
-   bound, which the bound rules out) goes to the less loaded of two replicas drawn at random; two gateways
-   reading the same snapshot then do not herd onto the one least loaded replica.
+2. **Prefix affinity, under bounded loads.** A replica may take a request only while its load stays within the
+   bound ``ceil((1 + EPSILON) * (total load + 1) / replicas)`` (consistent hashing with bounded loads, Mirrokni
+   et al.). Within it, the request goes to
+   a. the replica this gateway last sent the longest prefix of the prompt to (``PrefixTable``: cumulative hashes
+      of the prompt's text in ``BLOCK``-character blocks, as SGLang's router keeps a radix tree per worker), when
+      at least one block matches: a conversation's next turn finds the replica holding its history, and an
+      agent's next task the one holding its system prompt and tools;
+   b. else the first replica in the order of rendezvous hashing of the prompt's key (``prefix_key``: its
+      preamble and first message), the same order on every gateway with no shared table, so a conversation
+      that moves between gateways keeps its replica too; past the bound, the next one in that order.
+3. **Least loaded, power of two choices.** A request without a key goes to the less loaded of two replicas drawn
+   at random; two gateways reading the same snapshot then do not herd onto the one least loaded replica.
 
 A replica's load is its generations running plus those queued for a slot, summed over every gateway
-(``gateway.cluster.loads``), this gateway's own counted live.
+(``gateway.cluster.loads``), this gateway's own counted live (requests routed but not yet in its queue too).
 
 Imports only the standard library.
 """
@@ -24,12 +26,24 @@ Imports only the standard library.
 from __future__ import annotations
 
 import hashlib
+import itertools
 import math
 import random
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-__all__ = ["EPSILON", "PREFIX_CHARS", "Choice", "Replica", "prefix_key", "route"]
+__all__ = [
+    "BLOCK",
+    "EPSILON",
+    "PREFIX_CHARS",
+    "Choice",
+    "PrefixTable",
+    "Replica",
+    "Routing",
+    "prefix_blocks",
+    "prefix_key",
+    "route",
+]
 
 EPSILON = 0.5
 """How far above the mean load (as a fraction of it) a replica still takes the requests whose prefix it holds."""
@@ -39,6 +53,20 @@ PREFIX_CHARS = 1024
 and tools, an agent's fixed part) and the conversation's first message, which every later turn repeats. Two
 conversations behind one long system prompt get different keys, so they spread over the replicas, each of
 which soon holds the shared preamble too."""
+
+
+BLOCK = 256
+"""Characters of prompt text per block of ``prefix_blocks`` (about 64 tokens: more than a runner's shortest reuse)."""
+MAX_BLOCKS = 1024
+"""Blocks of a prompt that routing reads at most (256 KiB of text)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Routing:
+    """What routing reads of a request: its prefix ``key`` (``prefix_key``) and its text's ``blocks``."""
+
+    key: bytes | None = None
+    blocks: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,8 +79,9 @@ class Replica:
 
 @dataclass(frozen=True, slots=True)
 class Choice:
-    """The replica chosen and by which rule: ``only``, ``affinity`` (the key's first replica), ``spill`` (a
-    later one of the key's order: the first was at its bound) or ``least_loaded``."""
+    """The replica chosen and by which rule: ``only``, ``prefix`` (the replica that took the prompt's longest
+    known prefix), ``affinity`` (the key's first replica), ``spill`` (a later one of the key's order: the first
+    was at its bound) or ``least_loaded``."""
 
     id: str
     rule: str
@@ -75,12 +104,57 @@ def prefix_key(preamble: Iterable[str], first: str) -> bytes:
     return digest.digest()
 
 
-def route(replicas: Sequence[Replica], key: bytes | None, rng: random.Random | None = None) -> Choice:
-    """The replica for a request with prefix ``key`` (``None``: no affinity) among ``replicas`` (not empty)."""
+def prefix_blocks(parts: Iterable[str]) -> tuple[int, ...]:
+    """Cumulative hashes of the text ``parts`` make, one per whole ``BLOCK`` characters (the last partial block is
+    left out): two prompts share the first n hashes when their first n blocks are the same. Process-local
+    hashes (Python's ``hash``): a ``PrefixTable`` lives in one gateway."""
+    text = "\x1e".join(parts)
+    blocks = []
+    h = 0
+    for start in range(0, min(len(text), BLOCK * MAX_BLOCKS) - BLOCK + 1, BLOCK):
+        h = hash((h, text[start : start + BLOCK]))
+        blocks.append(h)
+    return tuple(blocks)
+
+
+class PrefixTable:
+    """Which replica this gateway last sent each prompt prefix to, by block hash; bounded (oldest out first)."""
+
+    def __init__(self, limit: int = 200_000) -> None:
+        self.limit = limit
+        self._where: dict[int, str] = {}
+
+    def match(self, blocks: Sequence[int], ids: Iterable[str]) -> str | None:
+        """The replica among ``ids`` that took the longest prefix of ``blocks``, if any took one."""
+        live = set(ids)
+        for h in reversed(blocks):
+            found = self._where.get(h)
+            if found in live:
+                return found
+        return None
+
+    def learn(self, blocks: Sequence[int], replica_id: str) -> None:
+        where = self._where
+        for h in blocks:
+            where.pop(h, None)
+            where[h] = replica_id
+        if len(where) > self.limit:
+            for h in list(itertools.islice(where, len(where) - self.limit // 2)):
+                del where[h]
+
+
+def route(
+    replicas: Sequence[Replica], key: bytes | None, rng: random.Random | None = None, preferred: str | None = None
+) -> Choice:
+    """The replica for a request with prefix ``key`` (``None``: no affinity) among ``replicas`` (not empty);
+    ``preferred``: the replica that took the prompt's longest known prefix (``PrefixTable.match``)."""
     if len(replicas) == 1:
         return Choice(replicas[0].id, "only")
     if key is not None:
         bound = math.ceil((1 + EPSILON) * (sum(r.load for r in replicas) + 1) / len(replicas))
+        known = next((r for r in replicas if r.id == preferred), None)
+        if known is not None and known.load + 1 <= bound:
+            return Choice(known.id, "prefix")
         order = sorted(replicas, key=lambda r: _score(key, r.id), reverse=True)
         for rank, replica in enumerate(order):
             if replica.load + 1 <= bound:

@@ -108,6 +108,7 @@ async def control_plane(
                     load=loads.load,
                     holder=loads.gateway_id,
                     routing=settings.routing,
+                    on_route=loads.routed,
                 )
                 await plane.instances.start()
                 await loads.start()

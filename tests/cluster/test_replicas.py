@@ -14,6 +14,7 @@ from meshgate.gateway.cluster.instances import InstanceManager, missing_replicas
 from meshgate.gateway.cluster.loads import LoadBoard
 from meshgate.gateway.cluster.planner import MAX_SEQUENCES, auto_sequences
 from meshgate.gateway.cluster.records import Deployment, LoadReport, RunnerStatus
+from meshgate.gateway.cluster.routing import Routing
 from meshgate.gateway.cluster.runtime import _rank
 from meshgate.gateway.cluster.store import LOAD_STALE, MemoryStore, StateStore
 from meshgate.gateway.dispatch import Catalog
@@ -151,13 +152,13 @@ async def test_requests_go_to_the_less_loaded_replica_and_a_prefix_keeps_its_rep
     a, b = await manager.deploy("scripted", replicas=2)
     await _ready(manager, a, b)
     busy[a.id] = 5
-    assert {(await manager.acquire(card)).id for _ in range(10)} == {b.id}
+    assert {(await manager.acquire(card, routing=Routing())).id for _ in range(10)} == {b.id}
     busy.clear()
-    key = b"conversation-1"
-    home = {(await manager.acquire(card, key=key)).id for _ in range(10)}
+    key = Routing(key=b"conversation-1")
+    home = {(await manager.acquire(card, routing=key)).id for _ in range(10)}
     assert len(home) == 1
     busy[home.pop()] = 10  # the prefix's replica carries more than its bounded share: the request spills
-    assert (await manager.acquire(card, key=key)).id != (a.id if busy.get(a.id) else b.id)
+    assert (await manager.acquire(card, routing=key)).id != (a.id if busy.get(a.id) else b.id)
     assert {rule for (_, rule) in manager.routed} >= {"least_loaded", "affinity", "spill"}
 
 
@@ -226,6 +227,10 @@ async def test_two_load_boards_see_each_others_load_and_tokens_per_second() -> N
     await board1.sync()
     await board2.sync()
     assert board2.view("i1").tokens_per_s > 50
+    board2.routed("i1")  # routed, not yet in the queue (its model loading, its prompt being counted): load
+    assert board2.load("i1") == 5
+    board2.settled("i1")
+    assert board2.load("i1") == 4
     for ticket in held:
         ticket.release()
     await board1.close()

@@ -9,8 +9,8 @@ from collections import Counter
 
 import pytest
 
-from meshgate.gateway.cluster.routing import EPSILON, Replica, prefix_key, route
-from meshgate.gateway.dispatch import request_key
+from meshgate.gateway.cluster.routing import EPSILON, PrefixTable, Replica, prefix_blocks, prefix_key, route
+from meshgate.gateway.dispatch import request_routing
 from meshgate.protocols.model import Message, Request, TextPart, Tool
 
 KEY = prefix_key(["You are a coding agent."], "Fix the bug in main.py")
@@ -92,6 +92,10 @@ def test_routing_costs_microseconds() -> None:
     assert (time.perf_counter() - started) / 2000 < 1e-3  # far under a millisecond even on a busy CI box
 
 
+def _key(request: Request) -> bytes | None:
+    return request_routing(request).key
+
+
 def _chat(system: str, *turns: str, tools: tuple[Tool, ...] = ()) -> Request:
     messages = [Message(role="system", parts=(TextPart(text=system),))] if system else []
     roles = ["user", "assistant"]
@@ -100,17 +104,40 @@ def _chat(system: str, *turns: str, tools: tuple[Tool, ...] = ()) -> Request:
 
 
 def test_every_turn_of_a_conversation_has_its_first_turns_key() -> None:
-    one = request_key(_chat("Be brief.", "Tell me about Paris."))
-    three = request_key(_chat("Be brief.", "Tell me about Paris.", "Paris is a city.", "And its museums?"))
+    one = _key(_chat("Be brief.", "Tell me about Paris."))
+    three = _key(_chat("Be brief.", "Tell me about Paris.", "Paris is a city.", "And its museums?"))
     assert one == three
 
 
 def test_conversations_behind_one_system_prompt_have_their_own_keys() -> None:
     system = "You are an agent. " * 300  # longer than a key reads of it
     tools = (Tool(name="read_file", description="Read a file"),)
-    a = request_key(_chat(system, "Fix the tests", tools=tools))
-    b = request_key(_chat(system, "Write the docs", tools=tools))
+    a = _key(_chat(system, "Fix the tests", tools=tools))
+    b = _key(_chat(system, "Write the docs", tools=tools))
     assert a != b
     short = "Be brief."
-    assert request_key(_chat(short, "Hi")) != request_key(_chat(short, "Hi", tools=tools))  # tools: preamble
-    assert request_key(Request(model="m", raw_prompt="Once upon a time")) == prefix_key([], "Once upon a time")
+    assert _key(_chat(short, "Hi")) != _key(_chat(short, "Hi", tools=tools))  # tools: preamble
+    assert _key(Request(model="m", raw_prompt="Once upon a time")) == prefix_key([], "Once upon a time")
+
+
+def test_the_replica_that_took_a_prefix_takes_its_continuations_within_the_bound() -> None:
+    table = PrefixTable()
+    system = "You are an agent with tools. " * 40  # ~1,100 characters: four blocks
+    first = request_routing(_chat(system, "Task 1: fix the tests"))
+    table.learn(first.blocks, "r2")
+    second = request_routing(_chat(system, "Task 2: write the docs"))  # another key, the same preamble
+    assert second.key != first.key and table.match(second.blocks, ["r1", "r2"]) == "r2"
+    assert table.match(second.blocks, ["r1"]) is None  # r2 gone: nothing known
+    replicas = [Replica("r1", 0), Replica("r2", 1)]
+    assert route(replicas, second.key, preferred="r2").rule == "prefix"
+    assert route([Replica("r1", 0), Replica("r2", 3)], second.key, preferred="r2").rule != "prefix"  # bound 2
+    turn = request_routing(_chat(system, "Task 1: fix the tests", "Done.", "Now the docs"))
+    assert turn.blocks[: len(first.blocks)] == first.blocks  # a conversation's next turn extends its blocks
+
+
+def test_prefix_blocks_cover_whole_blocks_and_the_table_stays_bounded() -> None:
+    assert prefix_blocks(["x" * 255]) == () and len(prefix_blocks(["x" * 512])) == 2
+    table = PrefixTable(limit=100)
+    for n in range(50):
+        table.learn(prefix_blocks([f"{n} " * 1000]), f"r{n % 3}")
+    assert len(table._where) <= 100

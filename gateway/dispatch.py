@@ -435,6 +435,8 @@ async def _relay(
     then says how many deltas were relayed (``_note_relayed``)."""
     watch: frozenset[type] = _UNTIL_FIRST_TOKEN if record is not None else frozenset()
     unwatched = 0  # events relayed without a look: after the first token, each a delta (about a token)
+    counts = tally or Tally()  # the shared load's counts (``loads``), live: tokens/s while the stream runs
+    counts.tokens += 1  # the first event
     try:
         async with closing(rest):
             if type(first) in watch:
@@ -446,6 +448,7 @@ async def _relay(
                         watch = _note(record, event)
                     else:
                         unwatched += 1
+                        counts.tokens += 1
                     yield event
             except GatewayError as exc:
                 failed = Failed(error=exc.info())
@@ -460,10 +463,8 @@ async def _relay(
         release()
         if record is not None:
             _note_relayed(record, unwatched)
-        if tally is not None:  # the shared load's counts (``loads``): tokens streamed, prompts that reused a prefix
-            tally.tokens += unwatched + 1
-            if record is not None and record.cached_tokens:
-                tally.prefix_hits += 1
+        if record is not None and record.cached_tokens:
+            counts.prefix_hits += 1
 
 
 def _note(record: telemetry.RequestRecord | None, event: Event) -> frozenset[type]:

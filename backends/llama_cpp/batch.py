@@ -4,9 +4,22 @@ One thread (``Scheduler.run``) owns a llama.cpp context with ``parallel`` sequen
 the way llama.cpp's own server drives its slots:
 
 - A step is one decode of the last sampled token of every generating sequence (one token each, its logits
-  asked for), then the next chunks of prompts still being prefilled, oldest first, up to ``CHUNK`` prompt
-  tokens a step. A long prompt is prefilled over several steps, so running streams keep decoding; a burst of
-  short prompts is prefilled in one step, so none waits behind the others' decodes.
+  asked for), then the next chunks of prompts still being prefilled, up to ``CHUNK`` prompt tokens a step. A
+  long prompt is prefilled over several steps, so running streams keep decoding; a burst of short prompts is
+  prefilled in one step, so none waits behind the others' decodes.
+- Prompts are prefilled shortest remaining first (fewest prompt tokens left to evaluate; ties first come, first
+  served): the order that gives the lowest mean time to first token (SRPT), so a short prompt never waits for a
+  long one; a long prompt cannot starve, since what it has left only shrinks. Before this, the oldest prompt had
+  the whole budget: a 2-token request behind a 28,891-token prompt waited 435 s. vLLM's chunked prefill lets short
+  prompts jump the queue the same way (``max_long_partial_prefills``, a per-step cap on long prompts); llama.cpp's
+  server fills its batch in slot order and has the problem this mends.
+- A chunk at depth is slow (Gemma 3 270M on 2 cores: ~1 s at the start of a context, ~3.5 s at 8k tokens, ~10 s
+  at 28k), so a chunk in flight is preempted: when a job that would go first (a shorter prompt than what is left
+  of the chunk's, with a free slot) is submitted, or the chunk's own job is cancelled, ggml's abort callback
+  (checked between graph nodes) stops the decode, llama.cpp drops the chunk's cells, and the chunk runs again
+  later on the same cells, with the same numbers (checked bit for bit). A chunk is preempted for newcomers at
+  most once (``PREEMPTIONS``), so a stream of short requests at most doubles a long prompt's prefill. Running
+  streams still get one token per step: while a deep chunk runs, they wait for it.
 - Prompts are cut where ``Llama.eval`` cut them before batching (every ``CHUNK`` tokens from the end of the
   cached prefix) and each chunk is decoded on its own: llama.cpp's CPU kernels give a token slightly
   different numbers when the tokens beside it in a ubatch differ (seen on Gemma 3 270M: up to 1.1 in a
@@ -91,6 +104,9 @@ numbers (and so its greedy text) depend on what the slot held before (see above)
 CHUNK = 512
 """Prompt tokens per step (``Llama``'s ``n_batch``, which fed prompts before batching)."""
 
+PREEMPTIONS = 1
+"""Times one prompt chunk may be stopped for a newcomer: each costs up to a chunk's work, done again."""
+
 
 @dataclass(eq=False)
 class Job:
@@ -108,12 +124,17 @@ class Job:
     cached: int = 0  # of those, taken from the slot's cache (prefix reuse)
     count: int = 0  # tokens sampled
     last: int = -1  # the sampled token not yet evaluated
-    admitted: int = 0  # order of admission: prompts are prefilled first come, first served
+    admitted: int = 0  # order of admission: prompts equally far from done are prefilled first come, first served
+    preempted: int = 0  # times the chunk at ``fed`` was stopped for a newcomer
     done: threading.Event = field(default_factory=threading.Event)  # the engine needs no more tokens
 
     def gone(self) -> bool:
         """The client went away or the engine has what it needs: the job leaves at the next step."""
         return self.cancel.is_set() or self.done.is_set()
+
+    def left(self) -> int:
+        """Prompt tokens still to evaluate."""
+        return len(self.prompt) - self.fed
 
 
 @dataclass(eq=False)
@@ -136,7 +157,10 @@ class Scheduler:
         is_eog: Callable[[int], bool],
         group: int = DECODE_GROUP,
         reference: bool = False,
+        fair: bool = True,
     ) -> None:
+        """``fair=False`` prefills oldest first and never stops a chunk (the policy before this one), to compare
+        (``benchmarks/prefill.py``)."""
         import llama_cpp as lib
 
         self._lib = lib
@@ -170,14 +194,35 @@ class Scheduler:
         self.steps = 0  # decodes run; ``stats`` reports them with the widest batch seen
         self.widest = 0
         self.reused = 0  # prompt tokens taken from a slot's cache instead of evaluated
+        self.preempted = 0  # prompt chunks stopped for a newcomer or a cancel, and evaluated again
         self._wake = threading.Condition()
         self._closed = False
         self._admitted = 0
+        self.fair = fair
+        self._inflight: Job | None = None  # the job whose prompt chunk is being decoded (set under ``_wake``)
+        self._preempt = False  # stop that chunk: a job that goes first is waiting, or the chunk's job is gone
+        self._abort = lib.ggml_abort_callback(self._should_abort)  # kept alive with the scheduler
+        self._no_abort = lib.ggml_abort_callback()
 
     def submit(self, job: Job) -> None:
         with self._wake:
             self.waiting.append(job)
             self._wake.notify()
+            if self._inflight is not None and self._jumps(job, self._inflight):
+                self._preempt = True
+
+    def _jumps(self, job: Job, inflight: Job) -> bool:
+        """Whether waiting ``job`` stops ``inflight``'s chunk (with the lock held): it would be prefilled first
+        (fewer tokens than ``inflight`` has left), a slot is free for it, and the chunk was not stopped already."""
+        free = sum(slot.job is None for slot in self.slots)
+        ahead = self.waiting.index(job)
+        shorter = len(job.prompt) < inflight.left()
+        return self.fair and shorter and ahead < free and inflight.preempted < PREEMPTIONS
+
+    def _should_abort(self, _data: Any) -> bool:
+        """ggml's abort callback, called on the decoding thread between graph nodes of a prompt chunk."""
+        job = self._inflight
+        return self._preempt or (job is not None and job.gone())
 
     def stats(self) -> dict[str, int]:
         active = sum(slot.job is not None for slot in self.slots)
@@ -189,6 +234,7 @@ class Scheduler:
             "widest_batch": self.widest,
             "decode_group": self.group,
             "reused_tokens": self.reused,
+            "preempted_chunks": self.preempted,
         }
 
     def close(self) -> None:
@@ -209,6 +255,7 @@ class Scheduler:
 
     def _admit(self) -> None:
         """Move waiting jobs into free slots (called with the lock held)."""
+        self._preempt = False
         for job in [job for job in self.waiting if job.gone()]:
             self.waiting.remove(job)
             self._end(job, "cancelled")
@@ -254,23 +301,56 @@ class Scheduler:
             if decoded:
                 for row, slot in enumerate(group):
                     self._sample(slot, row)
-        prompts = [slot for slot in self.slots if slot.job and slot.job.fed < len(slot.job.prompt)]
+        prompts = [slot for slot in self.slots if slot.job and slot.job.left() and not slot.job.gone()]
         budget = CHUNK
-        for slot in sorted(prompts, key=lambda slot: slot.job.admitted if slot.job else 0):
+        for slot in sorted(prompts, key=self._order):
             if budget <= 0:
                 break
-            budget -= self._prefill(slot)
+            n = self._prefill(slot)
+            if n == 0:  # stopped: admit the newcomer first
+                break
+            budget -= n
 
-    def _prefill(self, slot: _Slot) -> int:
-        """Decode the next chunk of ``slot``'s prompt on its own; sample after its last token. Returns its size."""
+    def _order(self, slot: _Slot) -> tuple[int, int]:
         job = slot.job
         assert job is not None
-        end = min(len(job.prompt), job.fed + CHUNK - (job.fed - job.cached) % CHUNK)
+        return (job.left() if self.fair else 0), job.admitted
+
+    def _prefill(self, slot: _Slot) -> int:
+        """Decode the next chunk of ``slot``'s prompt on its own; sample after its last token. Returns its size, or 0
+        when it was stopped before it began or while it ran (``_should_abort``): nothing of it is kept."""
+        job = slot.job
+        assert job is not None
+        start = job.fed
+        end = min(len(job.prompt), start + CHUNK - (start - job.cached) % CHUNK)
+        with self._wake:
+            if any(self._jumps(waiting, job) for waiting in self.waiting):  # came in since ``_admit``
+                return 0
+            self._inflight, self._preempt = job, False
         n = 0
-        for pos in range(job.fed, end):
+        for pos in range(start, end):
             n = self._add(n, slot, job.prompt[pos], pos == len(job.prompt) - 1)
-        job.fed = end
-        if self._decode(n, [slot]) and end == len(job.prompt):
+        self._lib.llama_set_abort_callback(self.ctx, self._abort, None)
+        try:
+            self.batch.n_tokens = n
+            code = self._lib.llama_decode(self.ctx, self.batch)
+        finally:
+            self._lib.llama_set_abort_callback(self.ctx, self._no_abort, None)
+            with self._wake:
+                self._inflight = None
+                stopped = self._preempt and not job.gone()
+        self.steps += 1
+        self.widest = max(self.widest, 1)
+        if code == 2:  # aborted: llama.cpp removed the chunk's cells; it runs again from ``start``
+            del slot.tokens[start:]
+            self.preempted += 1
+            job.preempted += stopped
+            return 0
+        if code != 0:
+            self._fail_batch(code)
+            return n
+        job.fed, job.preempted = end, 0
+        if end == len(job.prompt):
             self._sample(slot, n - 1)
         return n
 

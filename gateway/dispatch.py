@@ -170,11 +170,18 @@ class Dispatcher:
         return await self.instances.wait_ready(instance.id)
 
     async def unload(self, name: str) -> ModelCard:
-        """Delete ``name``'s instances (Ollama's ``keep_alive: 0``)."""
+        """Delete ``name``'s idle instances now and the busy ones once idle (Ollama's ``keep_alive: 0``): another
+        client's stream on a replica is never cut by it."""
         card = self.resolve(name)
+        busy = False
         for instance in self.instances.cached(card.name):
+            if self.loads is not None and self.loads.load(instance.id) > 0:
+                busy = True
+                continue
             with contextlib.suppress(GatewayError):
                 await self.instances.delete(instance.id)
+        if busy:
+            await self.instances.set_expiry(card.name, time.time())  # the reconcile loop expires them when idle
         return card
 
     async def open_stream(

@@ -290,9 +290,11 @@ class InstanceManager:
             await self._record_deployment(card.name, context=context)
         return placed
 
-    async def _record_deployment(self, model: str, *, context: int | None = None) -> None:
-        """Make ``model``'s deployment ask for the instances it has now (none: forget the deployment)."""
-        count = len(self.cached(model))
+    async def _record_deployment(self, model: str, *, context: int | None = None, without: str | None = None) -> None:
+        """Make ``model``'s deployment ask for the instances it has now, less ``without`` (none: forget the
+        deployment). Called after an instance is stored and before one is deleted, so another gateway never sees
+        fewer instances than the deployment asks for (and places one)."""
+        count = sum(1 for i in self.cached(model) if i.id != without)
         current = next((d for d in await self.store.deployments() if d.model == model), None)
         if count == 0:
             if current is not None:
@@ -313,10 +315,10 @@ class InstanceManager:
         found = await self.store.get_instance(instance_id)
         if found is None:
             raise NotFound(f"instance '{instance_id}' not found")
+        await self._record_deployment(found.model, without=instance_id)
         await self.store.delete_instance(instance_id)
         await self.store.append_event("instance.deleted", f"deleted instance {instance_id}", instance_id=instance_id)
         self._view.pop(instance_id, None)
-        await self._record_deployment(found.model)
 
     async def set_expiry(self, model: str, expires_at: float | None) -> None:
         """Set when ``model``'s ready instances are unloaded (``None``: never; Ollama's ``keep_alive``)."""
@@ -437,12 +439,12 @@ class InstanceManager:
             if isinstance(state, Ready) and instance.expires_at is not None and instance.expires_at <= now:
                 if self.load(instance.id):
                     continue  # still serving (on some gateway): it expires once idle
+                await self._record_deployment(instance.model, without=instance.id)
                 if await self.store.delete_instance(instance.id):
                     await self.store.append_event(
                         "instance.expired", f"{instance.model} expired (keep_alive)", instance_id=instance.id
                     )
                 self._view.pop(instance.id, None)
-                await self._record_deployment(instance.model)
                 continue
             if isinstance(state, Starting | Ready):
                 problem = _problem(instance, node_ids)

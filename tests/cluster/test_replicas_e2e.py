@@ -188,3 +188,38 @@ def test_pipeline_replicas_over_rpc(two_gateways, replicas):
     assert all(texts)
     served = _counter(two_gateways, "meshgate_instance_requests_total") - before
     assert set(+served) == {i["id"] for i in placed}, served
+
+
+def test_keep_alive_zero_unloads_idle_replicas_and_never_cuts_a_stream(two_gateways):
+    one, two = two_gateways
+    done: dict[str, object] = {}
+
+    def long_stream() -> None:
+        with httpx.stream(
+            "POST",
+            f"{one.url}/api/generate",
+            json={"model": MODEL, "prompt": "Count slowly:", "options": {"num_predict": 60}},
+            timeout=180,
+        ) as r:
+            for line in r.iter_lines():
+                if line:
+                    done.setdefault("started", True)
+                    done["last"] = line
+
+    streaming = threading.Thread(target=long_stream)
+    streaming.start()
+    wait_for(lambda: done.get("started"), 60, "the stream's first token")
+    busy = wait_for(
+        lambda: [i["id"] for i in httpx.get(f"{two.url}/instances").json() if (i.get("load") or {}).get("running")],
+        10,
+        "the stream's load seen by the other gateway",
+    )
+    r = httpx.post(
+        f"{two.url}/api/generate",
+        json={"model": MODEL, "prompt": "Hi", "stream": False, "keep_alive": 0, "options": {"num_predict": 2}},
+        timeout=60,
+    )
+    assert r.status_code == 200
+    assert {i["id"] for i in httpx.get(f"{one.url}/instances").json()} == set(busy), "idle replicas unloaded"  # type: ignore[arg-type]
+    streaming.join(180)
+    assert '"done":true' in str(done["last"]) and '"eval_count":60' in str(done["last"]), done["last"]

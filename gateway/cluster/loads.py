@@ -1,9 +1,10 @@
 """Shared load: what every gateway runs and queues on every instance, for routing and for the dashboard.
 
-Each gateway keeps a ``LoadBoard``. Every ``PERIOD`` seconds it publishes one ``LoadReport`` per instance it
-sends generations to (its admission gate's running and queued counts, the tokens it streamed and the prefix hits
-it saw) and reads every gateway's reports back (one store round trip each way). A router asks ``load(id)``: the
-other gateways' running + queued as of the last read (never older than about ``PERIOD`` plus one round trip)
+Each gateway keeps a ``LoadBoard``. Every ``PERIOD`` seconds (``IDLE_PERIOD`` while it serves nothing) it
+publishes one ``LoadReport`` per instance it sends generations to (its admission gate's running and queued
+counts, the tokens it streamed and the prefix hits it saw) and reads every gateway's reports back (one store round
+trip each way). A router asks ``load(id)``: the other gateways' running + queued as of the last read (at most
+about ``IDLE_PERIOD`` old, ``PERIOD`` while this gateway is busy)
 plus this gateway's own, live: its admission gate's counts and the generations routed to the instance that have
 not reached the gate yet (``routed`` / ``settled``: between the two a request may wait for a model to load or
 its prompt to be counted, and a burst routed meanwhile must see it). Reports live in the state store's ``loads``
@@ -30,12 +31,15 @@ from meshgate.gateway.admission import Admission
 from meshgate.gateway.cluster.records import LoadReport
 from meshgate.gateway.cluster.store import StateStore
 
-__all__ = ["PERIOD", "RATE_WINDOW", "LoadBoard", "ReplicaLoad", "Tally"]
+__all__ = ["IDLE_PERIOD", "PERIOD", "RATE_WINDOW", "LoadBoard", "ReplicaLoad", "Tally"]
 
 log = logging.getLogger("meshgate.loads")
 
 PERIOD = 0.25
-"""Seconds between a gateway's publications (and reads) of the shared load."""
+"""Seconds between a gateway's publications (and reads) of the shared load while it has requests in flight."""
+IDLE_PERIOD = 1.0
+"""The same while it has none: its reports stay fresh (``store.LOAD_STALE``) and what it reads of the others is
+at most about a second old, at a quarter of the wake-ups."""
 RATE_WINDOW = 3.0
 """Seconds of token counts that one tokens/s figure spans."""
 PENDING_LIMIT = 60.0
@@ -140,7 +144,8 @@ class LoadBoard:
                 await self.sync()
             except Exception as exc:  # Redis away for a moment: routing uses the last snapshot meanwhile
                 log.warning("could not share load (%r); retrying", exc)
-            await asyncio.sleep(PERIOD)
+            busy = any(r.running or r.queued for r in self._sent.values()) or any(self._pending.values())
+            await asyncio.sleep(PERIOD if busy else IDLE_PERIOD)
 
     async def sync(self, live: set[str] | None = None) -> None:
         """Publish this gateway's reports and read everyone's (one pass of the loop). ``live``: the instance ids

@@ -13,13 +13,14 @@ the way llama.cpp's own server drives its slots:
   the whole budget: a 2-token request behind a 28,891-token prompt waited 435 s. vLLM's chunked prefill lets short
   prompts jump the queue the same way (``max_long_partial_prefills``, a per-step cap on long prompts); llama.cpp's
   server fills its batch in slot order and has the problem this mends.
-- A chunk at depth is slow (Gemma 3 270M on 2 cores: ~1 s at the start of a context, ~3.5 s at 8k tokens, ~10 s
-  at 28k), so a chunk in flight is preempted: when a job that would go first (a shorter prompt than what is left
-  of the chunk's, with a free slot) is submitted, or the chunk's own job is cancelled, ggml's abort callback
-  (checked between graph nodes) stops the decode, llama.cpp drops the chunk's cells, and the chunk runs again
-  later on the same cells, with the same numbers (checked bit for bit). A chunk is preempted for newcomers at
-  most once (``PREEMPTIONS``), so a stream of short requests at most doubles a long prompt's prefill. Running
-  streams still get one token per step: while a deep chunk runs, they wait for it.
+- A chunk at depth is slow (Gemma 3 270M on 2 idle cores: ~1 s at the start of a context, ~3.5 s at 8k
+  tokens; 28,891 tokens took 438 s, 8 s a chunk on average), so a chunk in flight is preempted: when a job
+  that would go first (a shorter prompt than what is left of the chunk's, with a free slot) is submitted, or
+  the chunk's own job is cancelled, ggml's abort callback (checked between graph nodes, set only while a prompt
+  chunk runs) stops the decode, llama.cpp drops the chunk's cells, and the chunk runs again later on the same
+  cells, with the same numbers (checked bit for bit). A chunk is preempted for newcomers at most once
+  (``PREEMPTIONS``), so a stream of short requests at most doubles a long prompt's prefill. Running streams
+  still get one token per step: while a deep chunk runs, they wait for it.
 - Prompts are cut where ``Llama.eval`` cut them before batching (every ``CHUNK`` tokens from the end of the
   cached prefix) and each chunk is decoded on its own: llama.cpp's CPU kernels give a token slightly
   different numbers when the tokens beside it in a ubatch differ (seen on Gemma 3 270M: up to 1.1 in a
@@ -40,8 +41,10 @@ the way llama.cpp's own server drives its slots:
 
 Each sequence has its own KV stream of ``n_ctx`` cells (``kv_unified`` off: the cells of one sequence are
 laid out as a single-sequence context lays them out) with the full sliding window (``swa_full``, so a cached
-prefix can be cut back anywhere); every job is held to ``n_ctx`` tokens, so the cache never runs out.
-Tokens go to each job's queue as ``(token, logprob or None)``; ``None`` ends the job's tokens (its reason in
+prefix can be cut back anywhere) and no flash attention. A window-sized SWA cache and flash attention prefill
+faster at depth but give the prompt's last token other logits (``benchmarks/prefill.py``: up to ~1 apart at 8k
+tokens), so greedy texts would change: kept off. Every job is held to ``n_ctx`` tokens, so the cache never
+runs out. Tokens go to each job's queue as ``(token, logprob or None)``; ``None`` ends the job's tokens (its reason in
 ``Job.end``). Text, stop strings and tool calls are the engine's, on the request's own thread.
 
 Runs only in the runner process; imports llama_cpp, numpy and ``sampling``.
@@ -278,7 +281,7 @@ class Scheduler:
             slot.job = job
 
     def _step(self) -> None:
-        """One decode of every generating sequence, then one chunk of the oldest prompt still prefilling."""
+        """One decode of every generating sequence, then prompt chunks, shortest remaining prompt first."""
         generating = []
         for slot in self.slots:
             job = slot.job
@@ -344,7 +347,8 @@ class Scheduler:
         if code == 2:  # aborted: llama.cpp removed the chunk's cells; it runs again from ``start``
             del slot.tokens[start:]
             self.preempted += 1
-            job.preempted += stopped
+            if stopped:  # for a newcomer (not a cancel): this chunk is not stopped again
+                job.preempted += 1
             return 0
         if code != 0:
             self._fail_batch(code)

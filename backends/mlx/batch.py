@@ -1,15 +1,20 @@
 """Batched decoding for the MLX engine: one scheduler thread owns the model and a batched KV cache and advances
 every request in flight by one token per forward pass.
 
-``Batch`` is the model's side, identical on every rank: ``admit`` prefills a new prompt alone, on a fresh cache
-(exactly as a request alone is prefilled, so its first token is the one-at-a-time engine's), then adds that
-cache to the batch as its last row (a sequence alone keeps its plain cache and runs the one-at-a-time code; with
-two or more the caches are mlx-lm's ``BatchKVCache`` / ``BatchRotatingKVCache``, rows left-padded to the
-batch's length); ``step`` feeds one token per row through one forward pass; ``keep`` drops the other rows (a
-finished or cancelled sequence leaves before the next step).
+``Batch`` is the model's side, identical on every rank: ``admit`` prefills one chunk of a new prompt (``CHUNK``
+tokens, cut from the prompt's start) on that prompt's own fresh cache, exactly as the prompt alone is prefilled,
+and after its last chunk adds that cache to the batch as its last row (a sequence alone keeps its plain cache
+and runs the one-at-a-time code; with two or more the caches are mlx-lm's ``BatchKVCache`` /
+``BatchRotatingKVCache``, rows left-padded to the batch's length); ``step`` feeds one token per row through one
+forward pass; ``keep`` drops the other rows (a finished or cancelled sequence leaves before the next step).
 
 ``Scheduler`` is the head's side: ``submit`` hands it a ``Sequence`` (a request's prompt, limit and sampler); its
-thread admits waiting sequences (up to ``parallel`` rows) between steps, samples each row (greedy rows by one
+thread takes waiting sequences (up to ``parallel`` rows, prefilling ones included) and runs steps: one decode
+pass over the rows, then prompt chunks, up to ``CHUNK`` prompt tokens a step, shortest remaining prompt first
+(ties first come, first served), as the llama.cpp scheduler does (``backends.llama_cpp.batch``: the order with
+the lowest mean time to first token, and a long prompt cannot starve since what it has left only shrinks). So a
+short prompt waits for at most the one chunk in flight, never for a long prompt's whole prefill, and running
+rows keep decoding while a long prompt is prefilled. It samples each row (greedy rows by one
 argmax over the batch; a sampled row with its own seeded key, drawn as ``mx.random.seed(seed)`` then mlx-lm's
 sampler would draw, so a seed gives the same text under any load) and hands each pick to its sequence's queue,
 which the request's own ``generate`` thread reads. Over several ranks it sends every operation over the
@@ -23,8 +28,10 @@ prompts checked, on Gemma 3 270M), so a greedy pick can change only where two lo
 Over several ranks the head sends each operation before running it, so every rank holds the same batch; the
 tests check pipeline and tensor sharding batched against one process.
 
-Not done: a long prompt is prefilled in one piece, so running rows wait for it (chunking the prefill would
-change its float order, and so today's text); no prefix reuse between requests.
+Chunks are cut at the same places alone and under load, so a prompt's numbers do not depend on what else runs;
+a prompt longer than ``CHUNK`` gets other numbers than the one-piece prefill before chunking (as mlx-lm's own
+``generate_step``, which prefills in chunks of 2048). A chunk in flight is not stopped (an MLX evaluation cannot
+be): a short prompt may wait for one. Not done: prefix reuse between requests.
 
 Runs only in MLX processes; imports mlx and mlx_lm (lazily) and protocols, nothing else of ours.
 """
@@ -42,6 +49,11 @@ from meshgate.protocols.model import BackendUnavailable
 __all__ = ["Batch", "Sampler", "Scheduler", "Sequence"]
 
 _POLL_S = 0.05  # how often a waiting ``generate`` looks at its cancel flag
+
+CHUNK = 512
+"""Prompt tokens per forward pass and per step (a prompt's chunks start at its first token)."""
+
+_MORE, _LAST, _DROP = 0, 1, -1  # ``admit``'s second value: more chunks follow, the last chunk, drop the cache
 
 
 def _last(logits: Any) -> Any:
@@ -62,6 +74,7 @@ class Batch:
     def __init__(self, forward: Callable[..., Any], make_cache: Callable[[], list[Any]]) -> None:
         self._forward, self._make_cache = forward, make_cache
         self.cache: list[Any] | None = None
+        self.pending: dict[int, list[Any]] = {}  # the caches of prompts still being prefilled, by key
         self.rows = 0
         self.merged = False
         self.can_batch = all(c is None or hasattr(type(c), "merge") for c in make_cache())
@@ -70,12 +83,21 @@ class Batch:
         """A follower's way in: the operation the head sent."""
         return getattr(self, op)(values)
 
-    def admit(self, tokens: list[int]) -> Any:
-        """Prefill ``tokens`` alone on a fresh cache, then add it as the batch's last row; its logits."""
+    def admit(self, values: list[int]) -> Any:
+        """``[key, then, *tokens]``: prefill ``tokens`` on prompt ``key``'s own cache (made at its first chunk);
+        ``then`` is ``_LAST`` after the prompt's last chunk (its cache becomes the batch's last row), ``_MORE``
+        before, ``_DROP`` to forget the cache of a prompt given up part way. The logits of the chunk's last token."""
         import mlx.core as mx
 
-        cache = self._make_cache()
+        key, then, tokens = values[0], values[1], values[2:]
+        if then == _DROP:
+            self.pending.pop(key, None)
+            return None
+        cache = self.pending.pop(key, None) or self._make_cache()
         logits = self._eval(self._forward(mx.array(tokens)[None], cache=cache))
+        if then == _MORE:
+            self.pending[key] = cache
+            return logits
         if self.cache is None:
             self.cache, self.merged = cache, False
         else:
@@ -162,6 +184,8 @@ class Sequence:
         self.picks: queue.SimpleQueue[int | BaseException] = queue.SimpleQueue()
         self.last = -1  # the latest pick: the next step's input
         self.count = 0
+        self.fed = 0  # prompt tokens prefilled
+        self.key = 0  # its prompt's cache while prefilling (``Batch.pending``), numbered in order of arrival
         self.ended = self.closed = False
 
     @property
@@ -204,6 +228,9 @@ class Scheduler:
         self.batch, self.lockstep, self.parallel = batch, lockstep, max(1, parallel)
         self.steps = self.decoded = self.widest = 0
         self._rows: list[Sequence] = []
+        self._prefilling: list[Sequence] = []
+        self._current: Sequence | None = None  # the sequence whose prompt chunk is being evaluated
+        self._keys = 0
         self._waiting: collections.deque[Sequence] = collections.deque()
         self._wake = threading.Condition()
         self._thread: threading.Thread | None = None
@@ -214,6 +241,7 @@ class Scheduler:
         return {
             "parallel": self.parallel,
             "running": len(self._rows),
+            "prefilling": len(self._prefilling),
             "waiting": len(self._waiting),
             "steps": self.steps,
             "decoded": self.decoded,
@@ -245,38 +273,41 @@ class Scheduler:
 
     def _run(self) -> None:
         while (new := self._take()) is not None:
-            current = None
+            for seq in new:
+                self._keys += 1
+                seq.key = self._keys
+            self._prefilling += new
             try:
                 self._leave()
-                while new:
-                    current = new.pop(0)
-                    self._admit(current)
-                current = None
-                self._leave()  # a first pick may have ended its sequence already
                 if self._rows:
                     self._step()
-            except Exception as exc:  # the running sequences fail with it
-                self._fail(exc, [*self._rows, *([current] if current and current not in self._rows else [])])
-                self._rows = []
+                self._prefill()
+            except Exception as exc:  # the running sequences and those with chunks in the cache fail with it
+                untouched = [seq for seq in self._prefilling if not seq.fed and seq is not self._current]
+                self._current = None
+                self._fail(exc, [*self._rows, *[seq for seq in self._prefilling if seq not in untouched]])
+                self._rows, self._prefilling = [], []
                 with self._wake:
-                    self._waiting.extendleft(reversed(new))
+                    self._waiting.extendleft(reversed(untouched))
                     if self.lockstep.size > 1:  # followers stand at an unknown point: this ring is done
                         self._dead = exc
                         self._fail(exc, list(self._waiting))
                         self._waiting.clear()
                         return
                 self.batch.keep([])  # one process: start again with an empty batch
+                self.batch.pending.clear()
 
     def _take(self) -> list[Sequence] | None:
         """Wait for work; the sequences to admit now (``None``: closing)."""
         with self._wake:
-            while not (self._waiting or self._rows or self._closing):
+            while not (self._waiting or self._rows or self._prefilling or self._closing):
                 self._wake.wait()
             if self._closing:
-                self._fail(BackendUnavailable("this MLX runner is shutting down"), [*self._rows, *self._waiting])
+                closing = [*self._rows, *self._prefilling, *self._waiting]
+                self._fail(BackendUnavailable("this MLX runner is shutting down"), closing)
                 return None
             new: list[Sequence] = []
-            while self._waiting and len(self._rows) + len(new) < self.parallel:
+            while self._waiting and len(self._rows) + len(self._prefilling) + len(new) < self.parallel:
                 if not (seq := self._waiting.popleft()).over:
                     new.append(seq)
             return new
@@ -286,17 +317,35 @@ class Scheduler:
             seq.picks.put(exc)
 
     def _leave(self) -> None:
+        for seq in [seq for seq in self._prefilling if seq.over]:
+            if seq.fed:  # its cache holds chunks: forget them
+                self.lockstep.send("admit", [seq.key, _DROP])
+                self.batch.admit([seq.key, _DROP])
+            self._prefilling.remove(seq)
         keep = [i for i, seq in enumerate(self._rows) if not seq.over]
         if len(keep) < len(self._rows):
             self.lockstep.send("keep", keep)
             self.batch.keep(keep)
             self._rows = [self._rows[i] for i in keep]
 
-    def _admit(self, seq: Sequence) -> None:
-        self.lockstep.send("admit", seq.tokens)
-        logits = self.batch.admit(seq.tokens)
-        self._rows.append(seq)
-        seq.deliver(self._pick([seq], logits)[0])
+    def _prefill(self) -> None:
+        """Up to ``CHUNK`` prompt tokens, shortest remaining prompt first; a prompt done joins the rows."""
+        budget = CHUNK
+        for seq in sorted(self._prefilling, key=lambda seq: (len(seq.tokens) - seq.fed, seq.key)):
+            if budget <= 0:
+                break
+            chunk = seq.tokens[seq.fed : seq.fed + CHUNK]
+            then = _LAST if seq.fed + len(chunk) == len(seq.tokens) else _MORE
+            self._current = seq
+            self.lockstep.send("admit", [seq.key, then, *chunk])
+            logits = self.batch.admit([seq.key, then, *chunk])
+            self._current = None
+            seq.fed += len(chunk)
+            budget -= len(chunk)
+            if then == _LAST:
+                self._prefilling.remove(seq)
+                self._rows.append(seq)
+                seq.deliver(self._pick([seq], logits)[0])
 
     def _step(self) -> None:
         tokens = [seq.last for seq in self._rows]

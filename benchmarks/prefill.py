@@ -18,6 +18,7 @@ The box's load average is printed with each table: other work on the cores slows
     .venv/bin/python benchmarks/prefill.py                    # 8k, every variant; TTFT at 4k (~6 min, 2 cores)
     .venv/bin/python benchmarks/prefill.py --depths 8192,28672 --ttft-depth 28672   # ~1 h on 2 cores
     .venv/bin/python benchmarks/prefill.py --depths 28672 --variants swa-fa,swa --skip-ttft
+    .venv/bin/python benchmarks/prefill.py --skip-prefill --ttft-depth 28672 --policies new
 """
 
 from __future__ import annotations
@@ -211,6 +212,7 @@ def main() -> None:
     parser.add_argument("--greedy", type=int, default=16, help="greedy tokens compared after each prompt")
     parser.add_argument("--ttft-depth", type=int, default=4096, help="the long prompt of part 2")
     parser.add_argument("--ttft-at", type=int, default=None, help="submit the short one at this depth")
+    parser.add_argument("--policies", default="old,new", help="part 2's rows: old (oldest first), new")
     parser.add_argument("--parallel", type=int, default=4, help="the scheduler's slots (the runner's default)")
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     parser.add_argument("--skip-prefill", action="store_true")
@@ -254,7 +256,7 @@ def main() -> None:
         print(f"\nshort request ({SHORT!r}) submitted at depth {at} of a {len(tokens)}-token prompt", flush=True)
         print(f"(load average before: {load_avg()})")
         rows = []
-        for fair in (False, True):
+        for fair in [policy == "new" for policy in args.policies.split(",")]:
             r = ttft(llm, tokens, at, fair, args.parallel, args.threads)
             label = "shortest first, chunk preempted (new)" if fair else "oldest first (old)"
             rows.append((label, r))
@@ -266,7 +268,8 @@ def main() -> None:
                 f"| {label} | {r['short_ttft']:.2f} s | {r['short_done']:.2f} s | {r['long_prefill']:.1f} s "
                 f"| {r['preempted']} |"
             )
-        print(f"same short text: {rows[0][1]['short'] == rows[1][1]['short']}; load average after: {load_avg()}")
+        same = all(r["short"] == rows[0][1]["short"] for _, r in rows)
+        print(f"same short text under every policy: {same}; load average after: {load_avg()}")
 
 
 if __name__ == "__main__":

@@ -41,11 +41,12 @@ the way llama.cpp's own server drives its slots:
 
 Each sequence has its own KV stream of ``n_ctx`` cells (``kv_unified`` off: the cells of one sequence are
 laid out as a single-sequence context lays them out) with the full sliding window (``swa_full``, so a cached
-prefix can be cut back anywhere) and no flash attention. A window-sized SWA cache and flash attention prefill
-faster at depth but give the prompt's last token other logits (``benchmarks/prefill.py``: up to ~1 apart at 8k
-tokens), so greedy texts would change: kept off. Every job is held to ``n_ctx`` tokens, so the cache never
-runs out. Tokens go to each job's queue as ``(token, logprob or None)``; ``None`` ends the job's tokens (its reason in
-``Job.end``). Text, stop strings and tool calls are the engine's, on the request's own thread.
+prefix can be cut back anywhere) and no flash attention. A window-sized SWA cache (~2x faster at 8k tokens)
+and flash attention prefill faster at depth but give other numbers (``benchmarks/prefill.py``, 8k tokens: the
+last token's logits ~1 apart; with either one alone the next 16 greedy tokens differed), so greedy texts
+would change: kept off. Every job is held to ``n_ctx`` tokens, so the cache never runs out. Tokens go to
+each job's queue as ``(token, logprob or None)``; ``None`` ends the job's tokens (its reason in ``Job.end``).
+Text, stop strings and tool calls are the engine's, on the request's own thread.
 
 Runs only in the runner process; imports llama_cpp, numpy and ``sampling``.
 """

@@ -1,8 +1,9 @@
 """Hostile and careless requests against a real gateway and the real model (issue 15, items 1, 2 and 6).
 
 One request must never take the llama.cpp runner down (a NUL inside a grammar-constrained literal used to abort it:
-"Unexpected empty grammar stack"), output is bounded by ``MESHGATE_MAX_TOKENS`` (64 here) in each protocol's way,
-and malformed values are 400s in the protocol's envelope, never 500s or a runner that fails to load.
+"Unexpected empty grammar stack"), output is bounded by ``MESHGATE_MAX_TOKENS`` (16 here: small, so the tests
+that generate up to it stay short) in each protocol's way, and malformed values are 400s in the protocol's
+envelope, never 500s or a runner that fails to load.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import pytest
 from tests.conftest import MODEL, Server
 
 LONG = "Count from one to one thousand, one number per line."
-LIMIT = 64
+LIMIT = 16
 
 
 @pytest.fixture(scope="module")
@@ -63,7 +64,7 @@ def test_nul_in_a_forced_tool_name_is_called_not_fatal(server, runner):
         {
             "model": MODEL,
             "messages": [{"role": "user", "content": "Call the tool."}],
-            "max_tokens": 40,
+            "max_tokens": LIMIT,  # the forced call takes one token
             "tools": [
                 {
                     "type": "function",
@@ -97,21 +98,28 @@ def test_nul_in_an_ollama_format_enum_is_answered(server, runner):
 
 def test_a_grammar_that_allows_no_token_fails_only_its_own_request(server, runner):
     """A pattern that wants a NUL (no token produces one): that request fails with a 422, the one beside it on the
-    same runner goes on to its end."""
-    beside: dict = {}
+    same runner goes on to its end (the failing one is sent once the other has streamed its first token)."""
+    beside: dict = {"lines": []}
+    generating = threading.Event()
 
     def stream_beside() -> None:
-        with httpx.stream(
-            "POST",
-            f"{server.url}/api/generate",
-            timeout=120,
-            json={"model": MODEL, "prompt": LONG, "options": {"num_predict": 40, "temperature": 0}},
-        ) as r:
-            beside["lines"] = [json.loads(line) for line in r.iter_lines() if line]
+        try:
+            with httpx.stream(
+                "POST",
+                f"{server.url}/api/generate",
+                timeout=120,
+                json={"model": MODEL, "prompt": LONG, "options": {"num_predict": LIMIT, "temperature": 0}},
+            ) as r:
+                for line in r.iter_lines():
+                    if line:
+                        beside["lines"].append(json.loads(line))
+                        generating.set()
+        finally:
+            generating.set()
 
     thread = threading.Thread(target=stream_beside)
     thread.start()
-    time.sleep(0.5)
+    assert generating.wait(120), "the stream beside never started"
     r = post(
         server,
         "/api/generate",
@@ -125,7 +133,7 @@ def test_a_grammar_that_allows_no_token_fails_only_its_own_request(server, runne
     thread.join(120)
     assert r.status_code == 422 and "allows no token" in r.json()["error"]
     last = beside["lines"][-1]
-    assert last["done"] is True and last["eval_count"] == 40 and "error" not in last
+    assert last["done"] is True and last["eval_count"] == LIMIT and "error" not in last
 
 
 @pytest.mark.parametrize(
@@ -142,7 +150,7 @@ def test_schemas_beyond_the_grammar_bounds_are_refused(server, runner, schema):
         "/v1/messages",
         {
             "model": MODEL,
-            "max_tokens": 20,
+            "max_tokens": LIMIT,
             "messages": [{"role": "user", "content": "Go."}],
             "tools": [{"name": "t", "input_schema": {"type": "object", "properties": {"v": schema}}}],
             "tool_choice": {"type": "any"},

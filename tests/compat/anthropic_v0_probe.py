@@ -12,15 +12,15 @@ url, model = sys.argv[1], sys.argv[2]
 client = anthropic.Anthropic(base_url=url, api_key="unused", max_retries=0)
 seen = {"version": anthropic.__version__}
 message = client.messages.create(
-    model=model, max_tokens=16, temperature=0, system="Be brief.", messages=[{"role": "user", "content": "hello"}]
+    model=model, max_tokens=4, temperature=0, system="Be brief.", messages=[{"role": "user", "content": "hello"}]
 )
 seen["text"] = message.content[0].text
 seen["stop_reason"] = message.stop_reason
-with client.messages.stream(model=model, max_tokens=16, messages=[{"role": "user", "content": "hello"}]) as s:
+with client.messages.stream(model=model, max_tokens=4, messages=[{"role": "user", "content": "hello"}]) as s:
     seen["stream_text"] = "".join(s.text_stream)
     seen["stream_output_tokens"] = s.get_final_message().usage.output_tokens
 beta = client.beta.messages.create(
-    model=model, max_tokens=16, messages=[{"role": "user", "content": "hello"}], betas=["token-counting-2024-11-01"]
+    model=model, max_tokens=4, messages=[{"role": "user", "content": "hello"}], betas=["token-counting-2024-11-01"]
 )
 seen["beta_text"] = beta.content[0].text
 seen["models"] = [m.id for m in client.models.list()]

@@ -19,7 +19,7 @@ import pytest
 
 from tests.conftest import MODEL, Server
 
-TOKENS = 24
+TOKENS = 12  # enough for eight distinct texts and a dozen shared decode steps
 TOPICS = ["the sea", "a mountain", "bread", "the moon", "a violin", "winter", "a red bicycle", "the library"]
 
 

@@ -18,14 +18,14 @@ PROMPT = "Write one sentence about the sea."
 
 def test_openai_chat_not_streamed(oai):
     completion = oai.chat.completions.create(
-        model=MODEL, messages=[{"role": "user", "content": PROMPT}], max_tokens=24, temperature=0
+        model=MODEL, messages=[{"role": "user", "content": PROMPT}], max_tokens=8, temperature=0
     )
     choice = completion.choices[0]
     assert choice.message.role == "assistant"
     assert choice.message.content and choice.message.content.strip()
     assert choice.finish_reason in ("stop", "length")
     assert completion.usage.prompt_tokens > 5
-    assert 0 < completion.usage.completion_tokens <= 24
+    assert 0 < completion.usage.completion_tokens <= 8
     assert completion.model == MODEL
 
 
@@ -33,7 +33,7 @@ def test_openai_chat_streamed_with_usage(oai):
     stream = oai.chat.completions.create(
         model=MODEL,
         messages=[{"role": "user", "content": PROMPT}],
-        max_tokens=16,
+        max_tokens=8,
         temperature=0,
         stream=True,
         stream_options={"include_usage": True},
@@ -41,7 +41,7 @@ def test_openai_chat_streamed_with_usage(oai):
     chunks = list(stream)
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert text.strip()
-    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 16
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 8
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
 
 
@@ -95,7 +95,7 @@ def test_openai_malformed_json_is_400(real_server):
 def test_anthropic_message_not_streamed(ant):
     message = ant.messages.create(
         model=MODEL,
-        max_tokens=24,
+        max_tokens=8,
         extra_body={"temperature": 0},
         system="You are terse.",
         messages=[{"role": "user", "content": PROMPT}],
@@ -103,18 +103,18 @@ def test_anthropic_message_not_streamed(ant):
     assert message.type == "message" and message.role == "assistant"
     assert message.content[0].type == "text" and message.content[0].text.strip()
     assert message.stop_reason in ("end_turn", "max_tokens")
-    assert message.usage.input_tokens > 5 and 0 < message.usage.output_tokens <= 24
+    assert message.usage.input_tokens > 5 and 0 < message.usage.output_tokens <= 8
 
 
 def test_anthropic_message_streamed(ant):
     with ant.messages.stream(
-        model=MODEL, max_tokens=16, extra_body={"temperature": 0}, messages=[{"role": "user", "content": PROMPT}]
+        model=MODEL, max_tokens=8, extra_body={"temperature": 0}, messages=[{"role": "user", "content": PROMPT}]
     ) as stream:
         text = "".join(stream.text_stream)
         final = stream.get_final_message()
     assert text.strip() and final.content[0].text == text
     assert final.stop_reason == "max_tokens"
-    assert final.usage.output_tokens == 16 and final.usage.input_tokens > 5
+    assert final.usage.output_tokens == 8 and final.usage.input_tokens > 5
 
 
 def test_anthropic_unknown_model_is_404(ant):
@@ -144,11 +144,11 @@ def test_anthropic_malformed_json_is_400(real_server):
 
 def test_ollama_chat_not_streamed(oll):
     response = oll.chat(
-        model=MODEL, messages=[{"role": "user", "content": PROMPT}], options={"num_predict": 24, "temperature": 0}
+        model=MODEL, messages=[{"role": "user", "content": PROMPT}], options={"num_predict": 8, "temperature": 0}
     )
     assert response.message.role == "assistant" and response.message.content.strip()
     assert response.done and response.done_reason in ("stop", "length")
-    assert response.prompt_eval_count > 5 and 0 < response.eval_count <= 24
+    assert response.prompt_eval_count > 5 and 0 < response.eval_count <= 8
     assert response.eval_duration > 0 and response.total_duration >= response.eval_duration
 
 

@@ -15,6 +15,21 @@ chunk in flight stopped for a newcomer).
 
 The box's load average is printed with each table: other work on the cores slows every figure.
 
+Measured 2026-12-02 on the 2-core box while other test suites ran (load average 5-9, so every rate is ~1/4 to
+1/6 of an idle box's; compare rows, not absolutes), 8,192 tokens, greedy 16:
+
+    | 8192 tokens                                        |     s | tok/s | greedy = runner's | max abs dlogit |
+    | llama.cpp alone: full SWA cache, no FA (runner's)  | 244.4 |  33.5 | yes               | 0              |
+    | meshgate Scheduler (parallel 4)                    | 182.1 |  45.0 | yes               | -              |
+    | llama.cpp alone: full SWA cache, flash attention   | 178.2 |  46.0 | NO                | 1.14           |
+    | llama.cpp alone: SWA-sized cache, no FA            |  87.1 |  94.1 | NO                | 0.91           |
+    | llama.cpp alone: SWA-sized cache, flash attention  |  80.0 | 102.3 | yes (16 tokens)   | 0.99           |
+
+    short request submitted at depth 7,168 of an 8,192-token prompt
+    | policy                                 | short: first token | short: 8 tokens | long prefill | preempted |
+    | oldest first (old)                     |            27.95 s |         28.15 s |      133.2 s | 0         |
+    | shortest first, chunk preempted (new)  |             0.27 s |         15.73 s |       91.4 s | 1         |
+
     .venv/bin/python benchmarks/prefill.py                    # 8k, every variant; TTFT at 4k (~6 min, 2 cores)
     .venv/bin/python benchmarks/prefill.py --depths 8192,28672 --ttft-depth 28672   # ~1 h on 2 cores
     .venv/bin/python benchmarks/prefill.py --depths 28672 --variants swa-fa,swa --skip-ttft

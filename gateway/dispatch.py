@@ -423,6 +423,7 @@ def _on_drop(stream: AsyncIterator[Event], release: Callable[[], None]) -> None:
     weakref.finalize(stream, release).atexit = False
 
 
+_TERMINAL: frozenset[type] = frozenset({Finished, Failed})
 _AFTER_FIRST_TOKEN: frozenset[type] = frozenset({Usage, Finished, Failed})
 _UNTIL_FIRST_TOKEN: frozenset[type] = _AFTER_FIRST_TOKEN | {TextDelta, ReasoningDelta, ToolCallDelta, KeepAlive}
 
@@ -456,6 +457,8 @@ async def _relay(
                     else:
                         unwatched += 1
                         counts.tokens += 1
+                    if type(event) in _TERMINAL:
+                        release()  # the generation is over: its slot is free before the client reads the end
                     yield event
             except GatewayError as exc:
                 failed = Failed(error=exc.info())

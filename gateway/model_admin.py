@@ -138,11 +138,16 @@ async def show(dispatcher: Dispatcher, registry: ModelRegistry, name: str) -> by
 
 
 async def ps(dispatcher: Dispatcher, instances: list) -> bytes:
-    """``/api/ps``: the ready instances, with their model's details and expiry."""
+    """``/api/ps``: the loaded models, with their details and expiry: each model once, as its ready replica with
+    the largest context shows it (an Ollama client knows one loaded copy of a model; ``/instances`` lists all)."""
     loaded: list[tuple[ModelInfo, float | None]] = []
+    largest: dict[str, Any] = {}
     for instance in instances:
-        if not isinstance(instance.state, Ready):
-            continue
+        if isinstance(instance.state, Ready):
+            known = largest.get(instance.model)
+            if known is None or instance.placement.context > known.placement.context:
+                largest[instance.model] = instance
+    for instance in largest.values():
         try:
             card = dispatcher.resolve(instance.model)
         except UnknownModel:

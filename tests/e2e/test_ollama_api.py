@@ -238,12 +238,16 @@ def test_oll_46_deleting_the_packaged_model_hides_it_until_pulled(client):
     assert MODEL in [m.model for m in client.list().models]
 
 
-def test_oll_14_num_ctx_sizes_the_context(client):
+def test_oll_14_num_ctx_sizes_the_context(client, server):
     client.generate(MODEL, prompt="Hello", options={**SHORT, "num_ctx": 1024})
     assert _ps(client)[MODEL].context_length == 1024
     assert client.show(MODEL).modelinfo["gemma3.context_length"] in (1024, 2048)
     client.generate(MODEL, prompt="Hello", options={**SHORT, "num_ctx": 3072})
     assert _ps(client)[MODEL].context_length == 3072
-    assert [m.model for m in client.ps().models].count(MODEL) == 1, "reloaded, not duplicated"
-    client.generate(MODEL, prompt="Hello", options=SHORT)  # no num_ctx: the loaded instance serves
+    assert [m.model for m in client.ps().models].count(MODEL) == 1, "ps shows a model once: its largest replica"
+    contexts = sorted(i["placement"]["context"] for i in httpx.get(f"{server.url}/instances").json())
+    assert contexts == [1024, 3072], "the bigger replica was placed beside the first, not instead of it"
+    client.generate(MODEL, prompt="Hello", options={**SHORT, "num_ctx": 2048})  # fits the 3072 one: no new one
+    client.generate(MODEL, prompt="Hello", options=SHORT)  # no num_ctx: a loaded replica serves
+    assert len(httpx.get(f"{server.url}/instances").json()) == 2
     assert _ps(client)[MODEL].context_length == 3072

@@ -30,6 +30,12 @@ Measured 2026-12-02 on the 2-core box while other test suites ran (load average 
     | oldest first (old)                     |            27.95 s |         28.15 s |      133.2 s | 0         |
     | shortest first, chunk preempted (new)  |             0.27 s |         15.73 s |       91.4 s | 1         |
 
+    short request at depth 27,648 of a 28,672-token prompt (``--skip-prefill --ttft-depth 28672 --policies new``,
+    load average 8-14: the long prefill took 1,927 s, 4.4x the 438 s of an idle box)
+    | shortest first, chunk preempted (new)  |             2.45 s |        128.3 s |     1926.6 s | 1         |
+
+The short request's later tokens wait for the long prompt's chunks (one chunk a step: ~18 s at 28k here).
+
     .venv/bin/python benchmarks/prefill.py                    # 8k, every variant; TTFT at 4k (~6 min, 2 cores)
     .venv/bin/python benchmarks/prefill.py --depths 8192,28672 --ttft-depth 28672   # ~1 h on 2 cores
     .venv/bin/python benchmarks/prefill.py --depths 28672 --variants swa-fa,swa --skip-ttft

@@ -92,49 +92,40 @@ def _next_request_works(server: Server, old_pid: int) -> None:
     assert runner_pid(server) != old_pid
 
 
-def test_openai_runner_killed_mid_stream(server):
+def test_runner_killed_mid_stream_in_each_protocol(server):
+    """A stream in each protocol, all three generating when the runner is killed (one kill, one restart for the
+    three): each SDK raises its mid-stream error, and the next request is served by a new runner."""
     warm(server)
-    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="x", max_retries=0)
-    stream = iter(
-        client.chat.completions.create(
-            model=MODEL, stream=True, max_tokens=1500, messages=[{"role": "user", "content": LONG}]
+    long = [{"role": "user", "content": LONG}]
+    openai_stream = iter(
+        openai.OpenAI(base_url=f"{server.url}/v1", api_key="x", max_retries=0).chat.completions.create(
+            model=MODEL, stream=True, max_tokens=1500, messages=long
         )
     )
-    pid, _ = _kill_after_first_chunk(server, stream)
-    with pytest.raises(openai.APIError) as exc:
-        for _ in stream:
-            pass
-    assert "model runner" in exc.value.message
-    _next_request_works(server, pid)
-
-
-def test_anthropic_runner_killed_mid_stream(server):
-    warm(server)
-    client = anthropic.Anthropic(base_url=server.url, api_key="x", max_retries=0)
-    stream = iter(
-        client.messages.create(model=MODEL, max_tokens=1500, stream=True, messages=[{"role": "user", "content": LONG}])
-    )
-    pid, _ = _kill_after_first_chunk(server, stream)
-    with pytest.raises(anthropic.APIStatusError) as exc:
-        for _ in stream:
-            pass
-    assert exc.value.body["error"]["type"] == "overloaded_error"
-    _next_request_works(server, pid)
-
-
-def test_ollama_runner_killed_mid_stream(server):
-    warm(server)
-    client = ollama.Client(host=server.url)
-    stream = iter(
-        client.chat(
-            model=MODEL, stream=True, options={"num_predict": 1500}, messages=[{"role": "user", "content": LONG}]
+    anthropic_stream = iter(
+        anthropic.Anthropic(base_url=server.url, api_key="x", max_retries=0).messages.create(
+            model=MODEL, max_tokens=1500, stream=True, messages=long
         )
     )
-    pid, _ = _kill_after_first_chunk(server, stream)
-    with pytest.raises(ollama.ResponseError) as exc:
-        for _ in stream:
+    ollama_stream = iter(
+        ollama.Client(host=server.url).chat(model=MODEL, stream=True, options={"num_predict": 1500}, messages=long)
+    )
+    next(openai_stream)
+    next(anthropic_stream)
+    pid, _ = _kill_after_first_chunk(server, ollama_stream)
+
+    with pytest.raises(openai.APIError) as openai_error:
+        for _ in openai_stream:
             pass
-    assert exc.value.status_code == -1 and "model runner" in exc.value.error
+    assert "model runner" in openai_error.value.message
+    with pytest.raises(anthropic.APIStatusError) as anthropic_error:
+        for _ in anthropic_stream:
+            pass
+    assert anthropic_error.value.body["error"]["type"] == "overloaded_error"
+    with pytest.raises(ollama.ResponseError) as ollama_error:
+        for _ in ollama_stream:
+            pass
+    assert ollama_error.value.status_code == -1 and "model runner" in ollama_error.value.error
     _next_request_works(server, pid)
 
 

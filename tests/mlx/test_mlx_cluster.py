@@ -1,9 +1,10 @@
 """The real Gemma 3 270M (converted by ``meshgate convert``) on MLX across two node agents, placed by the planner.
 
 Redis, two ``meshgate node`` agents (``a``, ``b``) on loopback and a gateway, every rank a process of the MLX
-venv's python. One rank first (the single-process reference), then a 2-rank pipeline and 2-rank tensor
-placement: greedy text through the three official SDKs must equal the single run, and so must the text of
-requests sent all at once (the head decodes them in one batch, on one rank and across the ring). Then faults: a
+venv's python. Two single-rank replicas first, one per node (the single-process reference), then a 2-rank
+pipeline and 2-rank tensor placement: greedy text through the three official SDKs must equal the single run,
+and so must the text of requests sent all at once (the head decodes them in one batch, on one rank and across
+the ring). Then faults: a
 follower rank SIGKILLed mid-stream ends each protocol's stream with its error, the instance's ranks all stop and
 it is placed again.
 """
@@ -129,38 +130,23 @@ def together(gateway: Server, ready: dict) -> tuple[list[str], int]:
 
 @pytest.fixture(scope="module")
 def reference(cluster: Server) -> dict[str, list[str]]:
-    ready = place(cluster, nodes=["a"])
-    assert ready["placement"]["strategy"] == "single" and ready["placement"]["backend"] == "mlx"
-    found = texts(cluster)
-    assert all(found["openai"]) and found["openai"] == found["openai-stream"] == found["ollama"]
-    batched, widest = together(cluster, ready)
-    assert batched == found["openai"] * 2 and widest >= 2
-    return found
-
-
-def test_two_replicas_on_two_nodes_both_serve_the_reference_text(cluster, reference):
+    """Greedy texts from two single-rank replicas, one on each node (either gives the same text); requests sent
+    at once reach both (bounded loads spread them even if both prompts' keys pick the same replica)."""
     first = place(cluster, replicas=2)
-    mine = [i["id"] for i in httpx.get(f"{cluster.url}/instances").json() if i["model"] == MODEL]
+    ids = [i["id"] for i in httpx.get(f"{cluster.url}/instances").json() if i["model"] == MODEL]
     replicas = [
         wait_for(lambda i=i: (found := instance(cluster, i))["state"]["state"] == "ready" and found, 180, "ready")
-        for i in mine
+        for i in ids
     ]
-    assert first["id"] in mine and len(replicas) == 2
-    assert sorted(r["placement"]["shards"][0]["node_id"] for r in replicas) == ["a", "b"]
-    assert all(r["placement"]["backend"] == "mlx" and r["placement"]["strategy"] == "single" for r in replicas)
-    oai = openai.OpenAI(base_url=f"{cluster.url}/v1", api_key="x", max_retries=0)
-
-    def one(prompt: str) -> str:
-        return oai.completions.create(model=MODEL, prompt=prompt, max_tokens=TOKENS, temperature=0).choices[0].text
-
-    with ThreadPoolExecutor(4) as pool:  # concurrent, so bounded loads spread them even if both keys hash alike
-        found = list(pool.map(one, PROMPTS * 2))
-    assert found == reference["openai"] * 2
-    steps = [
-        httpx.get(f"{r['runners'][r['placement']['shards'][0]['node_id']]['url']}/health", headers=RUNNER).json()
-        for r in replicas
-    ]
-    assert all(h["batch"]["steps"] > 0 for h in steps), "each replica decoded some of them"
+    assert first["id"] in ids and sorted(r["placement"]["shards"][0]["node_id"] for r in replicas) == ["a", "b"]
+    assert all(r["placement"]["strategy"] == "single" and r["placement"]["backend"] == "mlx" for r in replicas)
+    found = texts(cluster)
+    assert all(found["openai"]) and found["openai"] == found["openai-stream"] == found["ollama"]
+    batched, _ = together(cluster, replicas[0])
+    assert batched == found["openai"] * 2
+    heads = [r["runners"][r["placement"]["shards"][0]["node_id"]]["url"] for r in replicas]
+    assert all(httpx.get(f"{u}/health", headers=RUNNER).json()["batch"]["steps"] > 0 for u in heads), "both served"
+    return found
 
 
 @pytest.mark.parametrize("strategy", ["pipeline", "tensor"])

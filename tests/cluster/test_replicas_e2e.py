@@ -7,6 +7,8 @@ serves; a pipeline replica runs over RPC beside another.
 from __future__ import annotations
 
 import re
+import subprocess
+import sys
 import threading
 from collections import Counter
 from collections.abc import Iterator
@@ -18,7 +20,7 @@ import pytest
 
 from tests.cluster.redis_server import RedisServer
 from tests.cluster.test_cluster_e2e import FAST, Agent, wait_for
-from tests.conftest import MODEL, Server
+from tests.conftest import MODEL, ROOT, Server
 
 ENV = {**FAST, "MESHGATE_THREADS": "1"}
 N_CTX = 1024
@@ -74,6 +76,17 @@ def test_two_replicas_land_on_both_nodes_and_both_gateways_know_the_deployment(t
     assert all(i["note"] is None and i["placement"]["sequences"] >= 8 for i in replicas)
     for gateway in (one, two):
         assert [(d["model"], d["replicas"]) for d in httpx.get(f"{gateway.url}/deployments").json()] == [(MODEL, 2)]
+    ps = subprocess.run(
+        [sys.executable, "-m", "meshgate.gateway.cli", "ps", "--url", two.url],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=60,
+    )
+    assert ps.returncode == 0, ps.stderr
+    rows = [line for line in ps.stdout.splitlines() if any(i["id"] in line for i in replicas)]
+    assert len(rows) == 2 and "1/2" in rows[0] and "2/2" in rows[1]
+    assert all(re.search(r"\b[ab]\[0:18\]", row) for row in rows)  # each replica's node and layers
 
 
 def test_streams_sent_to_both_gateways_use_both_replicas(two_gateways, replicas):

@@ -173,7 +173,9 @@ def test_claude_code_runs_its_turn_loop_on_the_model(bin_dir, roomy, tmp_path):
     assert _health(roomy)["reused_tokens"] - reused >= sum(prompts[:-1]) - 3  # later requests reused the earlier
     assert result["terminal_reason"] == "completed" and result["num_turns"] == 1, result
     assert "exceeded the 8 output token maximum" in result["result"], result  # it read stop_reason max_tokens
-    assert result["usage"]["output_tokens"] == 32 and result["usage"]["input_tokens"] == sum(prompts), result
+    usage = result["usage"]  # Anthropic's input_tokens leave out what was read from the cache (ANT usage)
+    assert usage["output_tokens"] == 32 and usage["cache_read_input_tokens"] > 0, result
+    assert usage["input_tokens"] + usage["cache_read_input_tokens"] == sum(prompts), result
 
 
 def test_claude_code_completes_a_turn_with_its_whole_default_prompt(bin_dir, large, tmp_path):

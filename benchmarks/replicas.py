@@ -19,7 +19,7 @@ runner with ``--threads`` llama.cpp threads, 1 by default) and one gateway, serv
    p50/p99, and prompt tokens reused from a runner's cache (``usage.prompt_tokens_details.cached_tokens``) over
    the tokens that could have been: for a turn, the previous turn's prompt (a prefix of this one); for an agent
    task after the first, the shared system prompt (as ``count_tokens`` counts it).
-3. **Routing cost**: ``request_key`` + ``route`` per request, in this process, with 2 and 8 replicas.
+3. **Routing cost**: ``request_routing`` + ``route`` per request, in this process, with 2 and 8 replicas.
 
 Every loop is bounded; every process is stopped on the way out.
 """
@@ -163,7 +163,7 @@ def agent_preamble(tokens: int) -> str:
         "Tool read_file(path) returns a file; tool write_file(path, text) replaces it; tool run(command) runs a "
         "shell command and returns its output; tool search(pattern) lists matching lines with their files. "
     )
-    n = max(1, tokens // 75)  # the paragraph is ~75 tokens
+    n = max(1, tokens // 94)  # the paragraph is ~94 tokens (Gemma 3's tokenizer)
     return "".join(f"Rule set {i + 1}. {rules}" for i in range(n))
 
 
@@ -266,9 +266,9 @@ def _count(run: PrefixRun, usage: dict, reusable: int) -> None:
 
 
 def routing_cost(replicas: int, n: int = 20000) -> tuple[float, float]:
-    """Microseconds per request: (request_key + route with affinity, route without a key)."""
+    """Microseconds per request: (request_routing + route with affinity, route without a key)."""
     from meshgate.gateway.cluster.routing import Replica, route
-    from meshgate.gateway.dispatch import request_key
+    from meshgate.gateway.dispatch import request_routing
     from meshgate.protocols.model import Message, Request, TextPart
 
     pool = [Replica(f"{n:012x}", n % 4) for n in range(replicas)]
@@ -282,7 +282,7 @@ def routing_cost(replicas: int, n: int = 20000) -> tuple[float, float]:
     rng = random.Random(0)
     started = time.perf_counter()
     for _ in range(n):
-        route(pool, request_key(request), rng)
+        route(pool, request_routing(request).key, rng)
     keyed = (time.perf_counter() - started) / n * 1e6
     started = time.perf_counter()
     for _ in range(n):

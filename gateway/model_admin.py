@@ -5,7 +5,7 @@ what ``/api/show`` shows of a model (``model_info``, template, parameters, licen
 come through the ``Backend`` contract (``describe``, ``context``), and a file given to ``/api/create`` is a model
 when a user-model source of an enabled plugin reads it (``backends.registry.RegistrySource``).
 
-Decisions (PROTOCOLS.md OLL-15, OLL-41..47):
+Decisions (docs/protocols.md OLL-15, OLL-41..47):
 
 - **Models stay loaded.** Without ``keep_alive`` an instance never expires (Ollama unloads after 5 minutes;
   meshgate keeps models placed until told otherwise, since placing can span nodes). ``keep_alive`` given on a

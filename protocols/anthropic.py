@@ -1,7 +1,7 @@
 """The Anthropic Messages protocol: wire types and pure translation to and from the internal model.
 
 Covers ``POST /v1/messages`` (plain and streamed), ``POST /v1/messages/count_tokens``, ``GET /v1/models`` and
-``GET /v1/models/{id}`` and the error envelope (PROTOCOLS.md section 2, items ANT-11 to ANT-53).
+``GET /v1/models/{id}`` and the error envelope (docs/protocols.md section 2, items ANT-11 to ANT-53).
 
 Imports only ``protocols.model``, ``protocols.sse`` (SSE framing) and ``protocols.formats`` (base64, timestamps) of
 ours, plus msgspec and the standard library. No I/O, no web framework, no HTTP client.
@@ -16,7 +16,7 @@ Decisions worth knowing:
   any ``role: "system"`` messages, in order (ANT-12, ANT-14). Claude Code's per-request
   ``x-anthropic-billing-header:`` block is dropped, as vLLM does, so prefix caches keep working.
 - A user message's ``tool_result`` blocks become one ``tool`` message each, placed before the user's remaining
-  content (PROTOCOLS.md 4.4 item 6); each result gets the tool name of the ``tool_use`` it answers.
+  content (docs/protocols.md 4.4 item 6); each result gets the tool name of the ``tool_use`` it answers.
 - Server tools (a dated ``type`` such as ``web_search_20250305``) are refused with ``UnsupportedFeature``.
 - A non-streamed reply's ``input`` is the object the arguments hold so far (``formats.json_object_prefix``): a
   call cut short by ``max_tokens`` keeps what the anthropic SDK would have built from the stream, and

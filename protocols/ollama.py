@@ -1,7 +1,7 @@
 """The Ollama wire protocol (``/api/chat``, ``/api/generate``, ``/api/tags``, ``/api/version``): pure codecs.
 
 Translates Ollama request bodies into ``protocols.model.Request`` and renders the internal event stream as
-Ollama's NDJSON (one JSON object per line, each ending in ``\\n``, never a blank line; PROTOCOLS.md OLL-29..31).
+Ollama's NDJSON (one JSON object per line, each ending in ``\\n``, never a blank line; docs/protocols.md OLL-29..31).
 Imports only ``protocols.model``, ``protocols.formats`` (base64, timestamps), ``msgspec`` and the standard library;
 no I/O, no web framework.
 

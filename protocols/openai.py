@@ -4,7 +4,7 @@ and re-exported here: ``error_body``, ``stream_error_frame``, ``wants_usage``).
 
 Pure translation between OpenAI's JSON and ``protocols.model``: request Structs and ``*_to_internal`` going
 in; ``encode_*`` functions that turn a ``Response`` or an event stream into response bytes going out. The
-checklist items it implements are PROTOCOLS.md section 1 (OAI-n, cited where they decide something).
+checklist items it implements are docs/protocols.md section 1 (OAI-n, cited where they decide something).
 
 Imports only ``protocols.model``, ``protocols.openai_wire`` (the shared OpenAI pieces), ``protocols.sse`` and
 ``protocols.formats`` (data URIs), msgspec and the standard library. No I/O, no web framework, no HTTP client.

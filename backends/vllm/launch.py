@@ -199,7 +199,7 @@ class RuntimeFolder:
 def server_env(
     folder: RuntimeFolder, *, host_ip: str, kv_cache_gib: int, workers: int, layers: tuple[int, ...] | None = None
 ) -> dict[str, str]:
-    """The environment vLLM must have (see RUNTIMES.md): KV cache bound, binding, no usage stats, offline, and
+    """The environment vLLM must have (see docs/runtimes.md): KV cache bound, binding, no usage stats, offline, and
     exit when the engine dies (vLLM's watchdog then stops the API server within ~5 s)."""
     env = {
         "VLLM_CPU_KVCACHE_SPACE": str(kv_cache_gib),

@@ -1,4 +1,4 @@
-"""The chat completion request fields with the real model (PROTOCOLS.md 1.3): roles, sampling, stop, seed,
+"""The chat completion request fields with the real model (docs/protocols.md 1.3): roles, sampling, stop, seed,
 images on a model without vision, accepted-but-unused fields."""
 
 from __future__ import annotations

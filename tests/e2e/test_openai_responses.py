@@ -1,4 +1,5 @@
-"""The official openai SDK's ``client.responses`` against real gateways (PROTOCOLS.md OAI-6, OAI-7, OAI-65, OAI-66).
+"""The official openai SDK's ``client.responses`` against real gateways (docs/protocols.md OAI-6, OAI-7,
+OAI-65, OAI-66).
 
 ``real_server`` serves the real Gemma 3 270M GGUF; ``scripted_server`` plays the scripts of
 ``tests/scripted_plugin.py`` (chosen by the last user message) for exact shapes.

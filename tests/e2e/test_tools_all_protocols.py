@@ -1,5 +1,5 @@
 """Tool calls from the real Gemma 3 270M through the anthropic and ollama clients (ANT-17, ANT-18, ANT-24, ANT-35,
-ANT-37, OLL-13, OLL-24 to OLL-26; PROTOCOLS.md 4.4 items 5 to 8).
+ANT-37, OLL-13, OLL-24 to OLL-26; docs/protocols.md 4.4 items 5 to 8).
 
 Anthropic can force a call (``tool_choice`` ``any`` or ``tool``), which the llama.cpp backend holds to a grammar.
 Ollama has no tool choice (4.4 item 8): a call comes only when the model, in ``auto`` mode, answers with exactly the

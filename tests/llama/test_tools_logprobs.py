@@ -1,7 +1,7 @@
 """The llama.cpp backend's tool-call and logprob plumbing as plain functions (no model loaded): the tools prompt
 block, the call schema and its grammar, the gate between the token loop and the events in ``auto`` mode (forced
 calls: ``test_forced_calls.py``), and logprobs kept with their text past the stop matcher (OAI-21, OAI-36, OAI-49;
-PROTOCOLS.md 4.4 items 5 to 8).
+docs/protocols.md 4.4 items 5 to 8).
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Anthropic Messages translation, tested as pure functions against the official ``anthropic`` SDK's own types.
 
-Each test is named after the PROTOCOLS.md item it proves (``ant_NN``, or ``map_4_4_N`` for section 4.4).
+Each test is named after the docs/protocols.md item it proves (``ant_NN``, or ``map_4_4_N`` for section 4.4).
 Streams are checked three ways: exact frames, each event parsed by the SDK's ``RawMessageStreamEvent``, and the
 whole stream driven through the SDK's ``Stream`` + ``MessageStream`` over an in-memory response.
 """

@@ -1,5 +1,5 @@
 """protocols.ollama, requests: chat and generate bodies to the internal request, tool history, load and unload
-(PROTOCOLS.md section 3), after the examples of Ollama's docs/api.md."""
+(docs/protocols.md section 3), after the examples of Ollama's docs/api.md."""
 
 from __future__ import annotations
 

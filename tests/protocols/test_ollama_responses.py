@@ -1,5 +1,5 @@
-"""protocols.ollama, responses: NDJSON encoders, listings and errors (PROTOCOLS.md section 3). Every response line is
-also validated with the official ``ollama`` client's pydantic types, and a few round trips drive
+"""protocols.ollama, responses: NDJSON encoders, listings and errors (docs/protocols.md section 3). Every response
+line is also validated with the official ``ollama`` client's pydantic types, and a few round trips drive
 ``ollama.AsyncClient`` over an ``httpx.MockTransport``."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Tests for protocols.openai: pure translation, checked against PROTOCOLS.md section 1 and the openai SDK's types.
+"""Tests for protocols.openai: pure translation, checked against docs/protocols.md section 1 and the openai SDK's types.
 
 Fixtures follow the request and response examples of OpenAI's API reference (chat, vision, function calling).
 Streams are parsed back with the SDK's own ``Stream`` and accumulated with ``ChatCompletionStreamState``.

@@ -1,4 +1,4 @@
-"""Tests for protocols.openai_responses: the Responses API as pure functions (PROTOCOLS.md OAI-6, OAI-65, OAI-66).
+"""Tests for protocols.openai_responses: the Responses API as pure functions (docs/protocols.md OAI-6, OAI-65, OAI-66).
 
 Every encoded event and Response is validated with the openai SDK's own pydantic types, and streams are parsed
 back with the SDK's ``Stream`` and accumulated with its ``ResponseStream`` helper.

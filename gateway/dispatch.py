@@ -386,15 +386,20 @@ class Dispatcher:
 
 
 def request_routing(request: Request) -> Routing:
-    """What routing reads of ``request``: its prefix key (its system prompt and tools, and its first other message;
-    a plain completion: its prompt) and the blocks of its whole text in order (``routing.prefix_blocks``)."""
-    if request.raw_prompt is not None:
-        return Routing(prefix_key((), request.raw_prompt), prefix_blocks((request.raw_prompt,)))
-    system = [m.text for m in request.messages if m.role == "system"][:1]
-    preamble = system + [f"{t.name}\0{t.description or ''}" for t in request.tools]
-    first = next((m.text for m in request.messages if m.role != "system"), "")
-    turns = (f"{m.role}\x1f{m.text}" for m in request.messages if m.role != "system")
-    return Routing(prefix_key(preamble, first), prefix_blocks([*preamble, *turns]))
+    """What routing reads of ``request``, worked out when a router first asks: its prefix key (its system prompt
+    and tools, and its first other message; a plain completion: its prompt) and the blocks of its whole text in
+    order (``routing.prefix_blocks``)."""
+
+    def derive() -> tuple[bytes | None, tuple[int, ...]]:
+        if request.raw_prompt is not None:
+            return prefix_key((), request.raw_prompt), prefix_blocks((request.raw_prompt,))
+        system = [m.text for m in request.messages if m.role == "system"][:1]
+        preamble = system + [f"{t.name}\0{t.description or ''}" for t in request.tools]
+        first = next((m.text for m in request.messages if m.role != "system"), "")
+        turns = (f"{m.role}\x1f{m.text}" for m in request.messages if m.role != "system")
+        return prefix_key(preamble, first), prefix_blocks([*preamble, *turns])
+
+    return Routing(derive=derive)
 
 
 def _chain(

@@ -386,14 +386,16 @@ class InstanceManager:
             return self._routed(found, routing) if found is not None else None
         if routing is None:  # a load, an embedding, a count: no prompt to route by
             return min(ready, key=lambda i: self.load(i.id))
-        if self.routing == "round_robin":
+        if len(ready) == 1:  # nothing to choose: the prompt is not even hashed
+            choice = Choice(ready[0].id, "only")
+        elif self.routing == "round_robin":
             self._turn += 1
             choice = Choice(sorted(ready, key=lambda i: i.id)[self._turn % len(ready)].id, "round_robin")
         elif self.routing == "least_loaded":
             choice = route([Replica(i.id, self.load(i.id)) for i in ready], None)
         else:
             replicas = [Replica(i.id, self.load(i.id)) for i in ready]
-            preferred = self.prefixes.match(routing.blocks, (r.id for r in replicas)) if len(ready) > 1 else None
+            preferred = self.prefixes.match(routing.blocks, (r.id for r in replicas))
             choice = route(replicas, routing.key, preferred=preferred)
             self.prefixes.learn(routing.blocks, choice.id)
         rule = (model, choice.rule)

@@ -29,7 +29,7 @@ import hashlib
 import itertools
 import math
 import random
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 __all__ = [
@@ -61,12 +61,34 @@ MAX_BLOCKS = 1024
 """Blocks of a prompt that routing reads at most (256 KiB of text)."""
 
 
-@dataclass(frozen=True, slots=True)
 class Routing:
-    """What routing reads of a request: its prefix ``key`` (``prefix_key``) and its text's ``blocks``."""
+    """What routing reads of a request: its prefix ``key`` (``prefix_key``) and its text's ``blocks``; given, or
+    worked out by ``derive`` on first use (a model with one ready replica never pays for hashing its prompt)."""
 
-    key: bytes | None = None
-    blocks: tuple[int, ...] = ()
+    __slots__ = ("_blocks", "_derive", "_key")
+
+    def __init__(
+        self,
+        key: bytes | None = None,
+        blocks: tuple[int, ...] = (),
+        *,
+        derive: Callable[[], tuple[bytes | None, tuple[int, ...]]] | None = None,
+    ) -> None:
+        self._key, self._blocks, self._derive = key, blocks, derive
+
+    def _resolve(self) -> None:
+        if self._derive is not None:
+            (self._key, self._blocks), self._derive = self._derive(), None
+
+    @property
+    def key(self) -> bytes | None:
+        self._resolve()
+        return self._key
+
+    @property
+    def blocks(self) -> tuple[int, ...]:
+        self._resolve()
+        return self._blocks
 
 
 @dataclass(frozen=True, slots=True)

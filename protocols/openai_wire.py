@@ -37,6 +37,7 @@ from meshgate.protocols.model import (
     Overloaded,
     RateLimited,
     Sampling,
+    UnknownModel,
     Usage,
 )
 
@@ -165,10 +166,9 @@ _CODES: dict[type[GatewayError], str] = {
 
 
 def _error_type(status: int) -> str:
+    """OpenAI's ``type``: a 404 (unknown model, unknown route) is an ``invalid_request_error`` there too."""
     if status == 401:
         return "authentication_error"
-    if status == 404:
-        return "not_found_error"
     if status == 429:
         return "rate_limit_error"
     return "invalid_request_error" if 400 <= status < 500 else "api_error"
@@ -187,8 +187,10 @@ def _error_code(err: GatewayError) -> str | None:
 
 
 def _message(err: GatewayError) -> str:
-    """OpenAI's own wording for a context overflow (clients match on it) and for too large a ``max_tokens``;
-    the error's message otherwise."""
+    """OpenAI's own wording for an unknown model, a context overflow (clients match on it) and too large a
+    ``max_tokens``; the error's message otherwise."""
+    if isinstance(err, UnknownModel):
+        return f"The model `{err.model}` does not exist or you do not have access to it."
     if isinstance(err, OutputTooLarge) and err.limit:
         return (
             f"max_tokens is too large: {err.asked}. This model supports at most {err.limit} completion tokens, "
@@ -216,7 +218,8 @@ def _status(err: GatewayError) -> int:
 
 def _envelope(err: GatewayError) -> dict[str, Any]:
     """OAI-57: ``{"error": {message, type, param, code}}``."""
-    error = {"message": _message(err), "type": _error_type(_status(err)), "param": err.param, "code": _error_code(err)}
+    param = None if isinstance(err, UnknownModel) else err.param  # OpenAI's own 404 names no param
+    error = {"message": _message(err), "type": _error_type(_status(err)), "param": param, "code": _error_code(err)}
     return {"error": error}
 
 

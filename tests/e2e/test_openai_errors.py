@@ -48,7 +48,13 @@ def test_oai_59_401_without_the_key(server):
 def test_oai_59_404_unknown_model(client):
     with pytest.raises(openai.NotFoundError) as exc:
         client.chat.completions.create(model="nope", messages=[{"role": "user", "content": "x"}])
-    assert exc.value.body["code"] == "model_not_found"
+    assert exc.value.status_code == 404
+    assert exc.value.body == {
+        "message": "The model `nope` does not exist or you do not have access to it.",
+        "type": "invalid_request_error",
+        "param": None,
+        "code": "model_not_found",
+    }
 
 
 def test_oai_59_413_body_too_large(client):

@@ -69,8 +69,8 @@ def test_openai_lists_the_model(oai):
 def test_openai_unknown_model_is_404(oai):
     with pytest.raises(openai.NotFoundError) as exc:
         oai.chat.completions.create(model="no-such-model", messages=[{"role": "user", "content": "hi"}])
-    assert exc.value.body["message"] == "model 'no-such-model' not found"
-    assert exc.value.body["type"] == "not_found_error"
+    assert exc.value.body["message"] == "The model `no-such-model` does not exist or you do not have access to it."
+    assert exc.value.body["type"] == "invalid_request_error"
 
 
 def test_openai_missing_field_is_400_naming_it(real_server):

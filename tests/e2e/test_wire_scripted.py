@@ -216,7 +216,7 @@ def test_unknown_route_gets_the_path_protocols_error(scripted_server):
     r = httpx.get(f"{scripted_server.url}/api/nothing")
     assert r.status_code == 404 and isinstance(r.json()["error"], str)
     r = httpx.get(f"{scripted_server.url}/v1/nothing")
-    assert r.status_code == 404 and r.json()["error"]["type"] == "not_found_error"
+    assert r.status_code == 404 and r.json()["error"]["type"] == "invalid_request_error"
 
 
 def test_oai_8_model_ids_with_slash_and_colon(scripted_server):

@@ -569,8 +569,7 @@ def test_oai_39_model_list_and_model():
         (InvalidRequest("no messages", param="messages"), 400, "invalid_request_error", "invalid_request", "messages"),
         (UnsupportedFeature("no audio", param="tools"), 400, "invalid_request_error", "unsupported_feature", "tools"),
         (AuthenticationFailed("bad key"), 401, "authentication_error", "invalid_api_key", None),
-        (UnknownModel("gpt-9"), 404, "not_found_error", "model_not_found", "model"),
-        (NotFound("model 'gpt-9' not found", param="model"), 404, "not_found_error", "model_not_found", "model"),
+        (NotFound("model 'gpt-9' not found", param="model"), 404, "invalid_request_error", "model_not_found", "model"),
         (RequestTooLarge("body too large"), 413, "invalid_request_error", "request_too_large", None),
         (RateLimited("slow down"), 429, "rate_limit_error", "rate_limit_exceeded", None),
         (NoCapacity("no node fits"), 503, "api_error", "no_capacity", None),
@@ -584,14 +583,27 @@ def test_oai_57_error_envelope(err, status, type_, code, param):
     assert json.loads(body) == {"error": {"message": err.message, "type": type_, "param": param, "code": code}}
 
 
+def test_oai_57_unknown_model_in_openais_words():
+    status, body = oai.error_body(UnknownModel("gpt-9"))
+    assert status == 404
+    assert json.loads(body) == {
+        "error": {
+            "message": "The model `gpt-9` does not exist or you do not have access to it.",
+            "type": "invalid_request_error",
+            "param": None,
+            "code": "model_not_found",
+        }
+    }
+
+
 def test_oai_58_sdk_reads_message_type_param_and_code():
     status, body = oai.error_body(UnknownModel("gpt-9"))
     client = openai.OpenAI(api_key="dummy", base_url="http://gateway.test/v1")
     request = httpx.Request("GET", "http://gateway.test/v1/models/gpt-9")
     error = client._make_status_error_from_response(httpx.Response(status, content=body, request=request))
     assert isinstance(error, openai.NotFoundError)
-    assert (error.type, error.param, error.code) == ("not_found_error", "model", "model_not_found")
-    assert "model 'gpt-9' not found" in error.message
+    assert (error.type, error.param, error.code) == ("invalid_request_error", None, "model_not_found")
+    assert "The model `gpt-9` does not exist" in error.message
 
 
 def test_oai_62_stream_error_frame():

@@ -69,6 +69,9 @@ def cluster(tmp_path_factory, data_dir, runtime_dir: Path) -> Iterator[Server]:
         "MESHGATE_HEARTBEAT": "0.5",
         "MESHGATE_NODE_TTL": "15",
         "MESHGATE_LINK_PROBE_EVERY": "2",
+        # In turn, so both replicas serve whatever the timing: with affinity two short prompts may hash to one
+        # replica and finish before the next arrives (routing itself is tests/cluster/test_routing.py's).
+        "MESHGATE_ROUTING": "round_robin",
     }
     nodes = {name: {"MESHGATE_CLUSTER_ADDRESS": address} for name, address in ADDRESSES.items()}
     with linked_cluster(
@@ -150,7 +153,7 @@ def pipeline(cluster: Server, runtime_dir: Path) -> dict:
     reference = texts(cluster)
     assert all(reference)
     client = openai.OpenAI(base_url=f"{cluster.url}/v1", api_key="x", max_retries=0, timeout=120)
-    with ThreadPoolExecutor(4) as pool:  # at once: bounded loads spread them even if both prompts hash alike
+    with ThreadPoolExecutor(4) as pool:  # at once, in turn: every replica gives the same greedy text
         together = list(
             pool.map(
                 lambda p: (

@@ -8,14 +8,18 @@ The rule, in order:
    bound ``ceil((1 + EPSILON) * (total load + 1) / replicas)`` (consistent hashing with bounded loads, Mirrokni
    et al.). Within it, the request goes to
    a. the replica this gateway last sent the longest prefix of the prompt to (``PrefixTable``: cumulative hashes
-      of the prompt's text in ``BLOCK``-character blocks, as SGLang's router keeps a radix tree per worker), when
-      at least one block matches: a conversation's next turn finds the replica holding its history, and an
-      agent's next task the one holding its system prompt and tools;
+      of the prompt's text in ``BLOCK``-character blocks and at the end of each message, as SGLang's router keeps
+      a radix tree per worker), when the prefix is at least ``MIN_PREFIX`` characters: a conversation's next turn
+      finds the replica holding its history, and an agent's next task the one holding its system prompt and tools;
    b. else the first replica in the order of rendezvous hashing of the prompt's key (``prefix_key``: its
-      preamble and first message), the same order on every gateway with no shared table, so a conversation
-      that moves between gateways keeps its replica too; past the bound, the next one in that order.
-3. **Least loaded, power of two choices.** A request without a key goes to the less loaded of two replicas drawn
-   at random; two gateways reading the same snapshot then do not herd onto the one least loaded replica.
+      preamble and first message, when they are at least ``MIN_PREFIX`` characters), the same order on every
+      gateway with no shared table, so a conversation that moves between gateways keeps its replica too, and
+      agents behind one long system prompt meet it cached; past the bound, the next one in that order.
+3. **Least loaded, power of two choices.** A request without a key (a short prompt: nothing worth finding in a
+   cache) goes to the less loaded of two replicas drawn at random; two gateways reading the same snapshot then
+   do not herd onto the one least loaded replica. Hashing short prompts to replicas instead cost capacity: 8
+   clients with distinct one-line prompts split 5/3 or 6/2 over two replicas (the bound allows 6), for a
+   prefix of a few dozen tokens that no other request shares.
 
 A replica's load is its generations running plus those queued for a slot, summed over every gateway
 (``gateway.cluster.loads``), this gateway's own counted live (requests routed but not yet in its queue too).
@@ -35,6 +39,7 @@ from dataclasses import dataclass
 __all__ = [
     "BLOCK",
     "EPSILON",
+    "MIN_PREFIX",
     "PREFIX_CHARS",
     "Choice",
     "PrefixTable",
@@ -56,9 +61,12 @@ which soon holds the shared preamble too."""
 
 
 BLOCK = 256
-"""Characters of prompt text per block of ``prefix_blocks`` (about 64 tokens: more than a runner's shortest reuse)."""
-MAX_BLOCKS = 1024
-"""Blocks of a prompt that routing reads at most (256 KiB of text)."""
+"""Characters of prompt text per block of ``prefix_blocks`` (about 64 tokens)."""
+MAX_CHARS = 256 * 1024
+"""Characters of a prompt that routing reads at most."""
+MIN_PREFIX = 512
+"""The shortest prompt prefix (characters, about 128 tokens) that routing keeps a request near: a shorter one saves
+a runner less prefill than an unevenly loaded replica costs."""
 
 
 class Routing:
@@ -109,33 +117,44 @@ class Choice:
     rule: str
 
 
-def prefix_key(preamble: Iterable[str], first: str) -> bytes:
+def prefix_key(preamble: Iterable[str], first: str) -> bytes | None:
     """The key of a prompt whose ``preamble`` (system prompt, tool definitions) is followed by the ``first``
     message of its conversation (a plain completion: the prompt itself, no preamble): a hash of the first
-    ``PREFIX_CHARS`` characters of each."""
+    ``PREFIX_CHARS`` characters of each; ``None`` when together they are shorter than ``MIN_PREFIX``."""
     digest = hashlib.blake2b(digest_size=8)
     left = PREFIX_CHARS
+    length = len(first)
     for part in preamble:
+        length += len(part)
         if left <= 0:
-            break
+            continue
         piece = part[:left]
         digest.update(piece.encode("utf-8", "surrogatepass"))
         left -= len(piece)
+    if length < MIN_PREFIX:
+        return None
     digest.update(b"\0")
     digest.update(first[:PREFIX_CHARS].encode("utf-8", "surrogatepass"))
     return digest.digest()
 
 
 def prefix_blocks(parts: Iterable[str]) -> tuple[int, ...]:
-    """Cumulative hashes of the text ``parts`` make, one per whole ``BLOCK`` characters (the last partial block is
-    left out): two prompts share the first n hashes when their first n blocks are the same. Process-local
-    hashes (Python's ``hash``): a ``PrefixTable`` lives in one gateway."""
-    text = "\x1e".join(parts)
+    """Cumulative hashes of the text ``parts`` make, one at every ``BLOCK`` characters of a part and one at its
+    end, from ``MIN_PREFIX`` characters on: two prompts share the first n hashes when their text is the same up
+    to there, so a conversation's next turn (the same messages and more) has all of its last turn's hashes.
+    Process-local hashes (Python's ``hash``): a ``PrefixTable`` lives in one gateway."""
     blocks = []
-    h = 0
-    for start in range(0, min(len(text), BLOCK * MAX_BLOCKS) - BLOCK + 1, BLOCK):
-        h = hash((h, text[start : start + BLOCK]))
-        blocks.append(h)
+    h = at = 0
+    for part in parts:
+        for start in range(0, len(part), BLOCK):
+            piece = part[start : start + BLOCK]
+            h = hash((h, piece))
+            at += len(piece)
+            if at >= MIN_PREFIX:
+                blocks.append(h)
+            if at >= MAX_CHARS:
+                return tuple(blocks)
+        h = hash((h, None))  # the end of a part: ["ab", "c"] is not ["a", "bc"]
     return tuple(blocks)
 
 

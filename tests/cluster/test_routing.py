@@ -9,11 +9,27 @@ from collections import Counter
 
 import pytest
 
-from meshgate.gateway.cluster.routing import EPSILON, PrefixTable, Replica, prefix_blocks, prefix_key, route
+from meshgate.gateway.cluster.routing import (
+    EPSILON,
+    MIN_PREFIX,
+    PrefixTable,
+    Replica,
+    prefix_blocks,
+    prefix_key,
+    route,
+)
 from meshgate.gateway.dispatch import request_routing
 from meshgate.protocols.model import Message, Request, TextPart, Tool
 
-KEY = prefix_key(["You are a coding agent."], "Fix the bug in main.py")
+SYSTEM = "You are a coding agent. Read the code before you change it. " * 12  # ~700 characters
+KEY = prefix_key([SYSTEM], "Fix the bug in main.py")
+assert KEY is not None
+
+
+def _conversation(n: int) -> bytes:
+    key = prefix_key([SYSTEM], f"conversation {n}")
+    assert key is not None
+    return key
 
 
 def _first_choice(key: bytes, ids: list[str]) -> str:
@@ -32,7 +48,7 @@ def test_a_key_keeps_its_replica_whatever_the_order_or_the_gateway() -> None:
 
 def test_removing_another_replica_does_not_move_a_key() -> None:
     ids = ["a", "b", "c", "d"]
-    keys = [prefix_key([], f"conversation {n}") for n in range(200)]
+    keys = [_conversation(n) for n in range(200)]
     before = {k: _first_choice(k, ids) for k in keys}
     after = {k: _first_choice(k, [i for i in ids if i != "d"]) for k in keys}
     assert all(after[k] == before[k] for k in keys if before[k] != "d")
@@ -40,7 +56,7 @@ def test_removing_another_replica_does_not_move_a_key() -> None:
 
 
 def test_keys_spread_over_replicas() -> None:
-    counts = Counter(_first_choice(prefix_key([], f"conversation {n}"), ["a", "b"]) for n in range(400))
+    counts = Counter(_first_choice(_conversation(n), ["a", "b"]) for n in range(400))
     assert 150 < counts["a"] < 250
 
 
@@ -104,9 +120,17 @@ def _chat(system: str, *turns: str, tools: tuple[Tool, ...] = ()) -> Request:
 
 
 def test_every_turn_of_a_conversation_has_its_first_turns_key() -> None:
-    one = _key(_chat("Be brief.", "Tell me about Paris."))
-    three = _key(_chat("Be brief.", "Tell me about Paris.", "Paris is a city.", "And its museums?"))
-    assert one == three
+    one = _key(_chat(SYSTEM, "Tell me about Paris."))
+    three = _key(_chat(SYSTEM, "Tell me about Paris.", "Paris is a city.", "And its museums?"))
+    assert one is not None and one == three
+
+
+def test_a_short_prompt_has_no_key_and_goes_to_the_less_loaded() -> None:
+    """Nothing worth finding in a cache: hashing it to a replica would only unbalance them."""
+    assert _key(_chat("Be brief.", "Tell me about Paris.")) is None
+    assert _key(Request(model="m", raw_prompt="Once upon a time")) is None
+    assert _key(Request(model="m", raw_prompt="x" * MIN_PREFIX)) is not None
+    assert prefix_blocks(["Be brief.", "user\x1fTell me about Paris."]) == ()
 
 
 def test_conversations_behind_one_system_prompt_have_their_own_keys() -> None:
@@ -115,9 +139,9 @@ def test_conversations_behind_one_system_prompt_have_their_own_keys() -> None:
     a = _key(_chat(system, "Fix the tests", tools=tools))
     b = _key(_chat(system, "Write the docs", tools=tools))
     assert a != b
-    short = "Be brief."
-    assert _key(_chat(short, "Hi")) != _key(_chat(short, "Hi", tools=tools))  # tools: preamble
-    assert _key(Request(model="m", raw_prompt="Once upon a time")) == prefix_key([], "Once upon a time")
+    assert _key(_chat(SYSTEM, "Hi")) != _key(_chat(SYSTEM, "Hi", tools=tools))  # tools: preamble
+    prompt = "Once upon a time " * 40
+    assert _key(Request(model="m", raw_prompt=prompt)) == prefix_key([], prompt)
 
 
 def test_the_replica_that_took_a_prefix_takes_its_continuations_within_the_bound() -> None:
@@ -135,8 +159,23 @@ def test_the_replica_that_took_a_prefix_takes_its_continuations_within_the_bound
     assert turn.blocks[: len(first.blocks)] == first.blocks  # a conversation's next turn extends its blocks
 
 
+def test_a_short_chats_next_turn_finds_the_replica_of_its_history() -> None:
+    """Blocks end at every message too: a turn's hashes are all in the next turn's, however short its messages."""
+    table = PrefixTable()
+    question = "Tell me about the history of Paris, " * 12  # ~430 characters: under MIN_PREFIX alone
+    first = request_routing(_chat("Be brief.", question, "Paris was founded " * 10))
+    assert first.key is None and first.blocks
+    table.learn(first.blocks, "r1")
+    second = request_routing(_chat("Be brief.", question, "Paris was founded " * 10, "And its museums?"))
+    assert second.blocks[: len(first.blocks)] == first.blocks
+    assert table.match(second.blocks, ["r1", "r2"]) == "r1"
+
+
 def test_prefix_blocks_cover_whole_blocks_and_the_table_stays_bounded() -> None:
-    assert prefix_blocks(["x" * 255]) == () and len(prefix_blocks(["x" * 512])) == 2
+    assert prefix_blocks(["x" * (MIN_PREFIX - 1)]) == ()
+    assert len(prefix_blocks(["x" * 1024])) == 3  # at 512, 768, 1,024 characters
+    assert len(prefix_blocks(["x" * 600])) == 2  # at 512 and at the part's end
+    assert prefix_blocks(["ab" * 300, "c"]) != prefix_blocks(["ab" * 300 + "c"])
     table = PrefixTable(limit=100)
     for n in range(50):
         table.learn(prefix_blocks([f"{n} " * 1000]), f"r{n % 3}")

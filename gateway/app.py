@@ -39,11 +39,22 @@ __all__ = ["create_app"]
 log = logging.getLogger("meshgate")
 
 
+_HUNG_UP = "client disconnected prematurely"  # Litestar's words when the body never fully arrives
+
+
 def _render_for_path(request: Request, exc: Exception) -> Response[bytes]:
-    """Litestar's own errors (no route, bad method) in the envelope of the path's protocol."""
+    """Litestar's own errors (no route, bad method) in the envelope of the path's protocol.
+
+    A client that hung up (``ClientGone``, or a body cut off) gets 499, nginx's "client closed request", which
+    no one reads but the request log and the metrics count apart from the client's own mistakes.
+    """
+    override = None
     if isinstance(exc, HTTPException):
-        if exc.status_code in (404, 405):
-            err: GatewayError = NotFound(f"no such endpoint: {request.method} {request.url.path}")
+        if exc.status_code == 499 or exc.detail == _HUNG_UP:
+            err: GatewayError = InvalidRequest(f"the client went away: {exc.detail}")
+            override = 499
+        elif exc.status_code in (404, 405):
+            err = NotFound(f"no such endpoint: {request.method} {request.url.path}")
         elif exc.status_code == 413:
             limit = request.app.state.settings.max_body_bytes
             err = RequestTooLarge(
@@ -51,6 +62,8 @@ def _render_for_path(request: Request, exc: Exception) -> Response[bytes]:
             )
         else:
             err = InvalidRequest(str(exc.detail))
+        if exc.status_code == 405:
+            override = 405
     elif isinstance(exc, GatewayError):
         err = exc
     elif isinstance(exc, RecursionError):  # a body Litestar decodes itself (``data:``), nested past the stack
@@ -61,9 +74,7 @@ def _render_for_path(request: Request, exc: Exception) -> Response[bytes]:
     path = request.url.path
     codec = ollama if path.startswith("/api") else anthropic if path.startswith("/v1/messages") else openai
     status, body = codec.error_body(err)
-    if isinstance(exc, HTTPException) and exc.status_code == 405:
-        status = 405
-    return error_response(err, status, body)
+    return error_response(err, override or status, body)
 
 
 def create_app(settings: Settings, plugins: pluggy.PluginManager) -> Litestar:

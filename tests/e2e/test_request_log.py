@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import re
+import socket
 import time
 
 import anthropic
@@ -174,3 +175,39 @@ def test_a_stream_cut_short_logs_the_tokens_it_relayed(data_dir):
         server.stop()
     assert line["status"] == "200" and line["prompt_tokens"] != "-", line
     assert 3 <= int(line["generated_tokens"]) < 400, line
+
+
+def _lines_with(server: Server, status: str, path: str, timeout: float = 10.0) -> list[dict]:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        found = [
+            parse(text)
+            for text in server.log.read_text(errors="replace").splitlines()
+            if "meshgate.requests: request " in text and f" status={status} " in text and f" path={path} " in text
+        ]
+        if found:
+            return found
+        time.sleep(0.05)
+    raise AssertionError(f"no {status} line for {path}:\n{server.log.read_text()[-3000:]}")
+
+
+def test_a_client_that_hangs_up_is_logged_and_counted_as_499(text_server):
+    """Not 400: the client made no mistake, it left (while its answer was made, or before its body was sent)."""
+    body = {"model": "scripted", "messages": [{"role": "user", "content": "sleep 5"}], "stream": False}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{text_server.url}/api/chat", json=body, headers={"authorization": f"Bearer {BOOT}"}, timeout=0.5)
+    (line,) = _lines_with(text_server, "499", "/api/chat")
+    assert line["model"] == "scripted" and "the client went away" in line["error"], line
+
+    host, port = text_server.url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=10) as conn:  # a body cut off: 10 of 100 bytes
+        head = f"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\nauthorization: Bearer {BOOT}\r\n"
+        conn.sendall(f"{head}content-type: application/json\r\ncontent-length: 100\r\n\r\n".encode() + b'{"model":"')
+        time.sleep(0.3)
+    (line,) = _lines_with(text_server, "499", "/v1/chat/completions")
+    assert "the client went away" in line["error"], line
+
+    metrics = httpx.get(f"{text_server.url}/metrics", headers={"authorization": f"Bearer {BOOT}"}, timeout=30).text
+    counted = [m for m in metrics.splitlines() if m.startswith("meshgate_requests_total{") and 'status="499"' in m]
+    assert {float(m.rsplit(" ", 1)[1]) for m in counted} == {1.0} and len(counted) == 2, counted
+    assert not [m for m in metrics.splitlines() if m.startswith("meshgate_requests_total{") and 'status="400"' in m]

@@ -289,13 +289,18 @@ class Dispatcher:
     async def embed(self, request: EmbedRequest, may_use: Callable[[str], bool] | None = None) -> Embeddings:
         """``request``'s vectors, placing the model and waiting for it if needed; raise its ``GatewayError``.
 
-        No inputs only loads the model (Ollama's empty ``input``) and returns no vectors.
+        No inputs only loads the model (Ollama's empty ``input``) and returns no vectors. The tokens embedded go
+        to the request's telemetry record (its log line's ``prompt_tokens``), as a stream's ``Usage`` does.
         """
         card = self.resolve(request.model, may_use)
         backend = self.backend_for(card)
         check_embeddings(backend.capabilities(card), card.name)
         instance = await self.instances.acquire(card)
-        return await self._embed(instance, card, backend, request)
+        result = await self._embed(instance, card, backend, request)
+        record = telemetry.current()
+        if record is not None:
+            record.model, record.prompt_tokens, record.generated_tokens = card.name, result.prompt_tokens, 0
+        return result
 
     async def count_tokens(
         self, request: Request, may_use: Callable[[str], bool] | None = None, caller: str = "-"

@@ -211,3 +211,23 @@ def test_a_client_that_hangs_up_is_logged_and_counted_as_499(text_server):
     counted = [m for m in metrics.splitlines() if m.startswith("meshgate_requests_total{") and 'status="499"' in m]
     assert {float(m.rsplit(" ", 1)[1]) for m in counted} == {1.0} and len(counted) == 2, counted
     assert not [m for m in metrics.splitlines() if m.startswith("meshgate_requests_total{") and 'status="400"' in m]
+
+
+def test_embeddings_log_the_tokens_they_embedded(text_server):
+    """OpenAI's ``usage``, Ollama's ``prompt_eval_count`` and the log line agree (the scripted backend counts
+    words)."""
+    client = openai.OpenAI(base_url=f"{text_server.url}/v1", api_key=BOOT, max_retries=0)
+    raw = client.embeddings.with_raw_response.create(model="scripted", input=["a small cat", "a dog"])
+    reply = raw.parse()
+    assert (reply.usage.prompt_tokens, reply.usage.total_tokens) == (5, 5)
+    line = logged(text_server, raw.headers["x-request-id"])
+    assert (line["model"], line["prompt_tokens"], line["generated_tokens"]) == ("scripted", "5", "0"), line
+
+    answer = httpx.post(
+        f"{text_server.url}/api/embed",
+        json={"model": "scripted", "input": "one two three"},
+        headers={"authorization": f"Bearer {BOOT}"},
+        timeout=30,
+    )
+    assert answer.status_code == 200 and answer.json()["prompt_eval_count"] == 3
+    assert logged(text_server, answer.headers["x-request-id"])["prompt_tokens"] == "3"

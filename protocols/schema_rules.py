@@ -57,6 +57,7 @@ __all__ = [
     "MAX_SCHEMA_BYTES",
     "REFUSED",
     "check_schema",
+    "enforceable",
 ]
 
 MAX_SCHEMA_BYTES = 2 << 20
@@ -228,6 +229,27 @@ def check_schema(schema: Any, what: str, *, param: str | None = None) -> None:
         if "minimum" in node and "maximum" in node and _number(node["minimum"]) > _number(node["maximum"]):
             raise refuse(at, "'minimum' is greater than 'maximum': no value fits")
     return None
+
+
+def enforceable(schema: dict[str, Any]) -> dict[str, Any]:
+    """A copy of a checked ``schema`` in the form grammar compilers take: OpenAPI's ``"nullable": true`` (which
+    llguidance ignores) becomes ``anyOf`` the schema and ``{"type": "null"}``. Walked without recursion."""
+    copy: dict[str, Any] = json.loads(json.dumps(schema))
+    stack: list[Any] = [copy]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, list):
+            stack.extend(node)
+            continue
+        if not isinstance(node, dict):
+            continue
+        nullable = node.pop("nullable", False)
+        stack.extend(value for key, value in node.items() if key not in ("enum", "const", "default", "examples"))
+        if nullable is True:
+            inner = dict(node)
+            node.clear()
+            node["anyOf"] = [inner, {"type": "null"}]
+    return copy
 
 
 _HINT = "enforced keywords (see docs/protocols.md, structured output)"

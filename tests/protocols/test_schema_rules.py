@@ -10,7 +10,14 @@ import pytest
 from pydantic import BaseModel, Field
 
 from meshgate.protocols.model import InvalidRequest
-from meshgate.protocols.schema_rules import MAX_DEPTH, MAX_ENUM_VALUES, MAX_SCHEMA_BYTES, REFUSED, check_schema
+from meshgate.protocols.schema_rules import (
+    MAX_DEPTH,
+    MAX_ENUM_VALUES,
+    MAX_SCHEMA_BYTES,
+    REFUSED,
+    check_schema,
+    enforceable,
+)
 
 
 class Address(BaseModel):
@@ -104,3 +111,12 @@ def test_nesting_is_bounded_without_recursion():
 def test_a_top_level_that_is_not_an_object_is_refused():
     with pytest.raises(InvalidRequest, match="must be a JSON object"):
         check_schema(True, "the format")
+
+
+def test_nullable_becomes_an_any_of_with_null_and_the_original_is_left_alone():
+    schema = {"type": "object", "properties": {"a": {"type": "string", "nullable": True, "enum": [{"nullable": True}]}}}
+    assert enforceable(schema) == {
+        "type": "object",
+        "properties": {"a": {"anyOf": [{"type": "string", "enum": [{"nullable": True}]}, {"type": "null"}]}},
+    }
+    assert schema["properties"]["a"]["nullable"] is True

@@ -140,7 +140,7 @@ async def show(dispatcher: Dispatcher, registry: ModelRegistry, name: str) -> by
 async def ps(dispatcher: Dispatcher, instances: list) -> bytes:
     """``/api/ps``: the loaded models, with their details and expiry: each model once, as its ready replica with
     the largest context shows it (an Ollama client knows one loaded copy of a model; ``/instances`` lists all)."""
-    loaded: list[tuple[ModelInfo, float | None]] = []
+    loaded: list[tuple[ModelInfo, float | None, float]] = []
     largest: dict[str, Any] = {}
     for instance in instances:
         if isinstance(instance.state, Ready):
@@ -151,12 +151,10 @@ async def ps(dispatcher: Dispatcher, instances: list) -> bytes:
         try:
             card = dispatcher.resolve(instance.model)
         except UnknownModel:
-            loaded.append(
-                (ModelInfo(name=instance.model, context_length=instance.placement.context or 0), instance.expires_at)
-            )
-            continue
-        context = instance.placement.context or effective_context(dispatcher, card)
-        loaded.append((info_of(card, context), instance.expires_at))
+            info = ModelInfo(name=instance.model, context_length=instance.placement.context or 0)
+        else:
+            info = info_of(card, instance.placement.context or effective_context(dispatcher, card))
+        loaded.append((info, instance.expires_at, instance.updated_at))
     return ollama_models.encode_ps(loaded)
 
 

@@ -8,7 +8,11 @@ functions only shape them.
 - ``keep_alive`` (OLL-15) is seconds (a number) or a Go duration (``"5m"``, ``"1h30m"``, ``"0"``, ``"-1s"``);
   a bare number in a string is read as seconds too. ``parse_keep_alive`` returns ``None`` when none was given,
   ``0.0`` for "unload after the request", ``math.inf`` for any negative value ("keep forever").
-- ``/api/ps`` reports an instance without expiry as expiring in the year 2318, as Ollama does for "forever".
+- ``/api/ps`` reports when each model is unloaded, longest-lived first, as Ollama does. A model kept forever
+  (meshgate's default, or a negative ``keep_alive``) expires ``FOREVER`` seconds after it was last made ready
+  or given its expiry: Ollama turns a negative duration into ``math.MaxInt64`` nanoseconds and adds it to the
+  moment the model went idle (``api/types.go Duration.UnmarshalJSON``, ``server/sched.go``), so a model kept
+  since 2026 "expires" in 2318 or 2319.
 - Progress streams (OLL-45) are NDJSON ``{status, digest?, total?, completed?}`` objects ending in
   ``{"status":"success"}``; without streaming only the last object is sent.
 - Model names that ``/api/create``, ``/api/copy`` (destination) and ``/api/delete`` accept follow Ollama's
@@ -24,7 +28,6 @@ from __future__ import annotations
 import math
 import re
 from collections.abc import Iterable, Mapping, Sequence
-from datetime import UTC, datetime
 from typing import Any
 
 import msgspec
@@ -47,7 +50,8 @@ __all__ = [
     "progress_line",
 ]
 
-FOREVER = datetime(2318, 1, 1, tzinfo=UTC).timestamp()  # what /api/ps says for "never expires"
+FOREVER = (2**63 - 1) / 1e9
+"""Ollama's "forever" in seconds: ``math.MaxInt64`` nanoseconds, about 292 years (see the module docstring)."""
 
 
 class ShowRequest(msgspec.Struct, kw_only=True):
@@ -289,8 +293,17 @@ def encode_show(
     return msgspec.json.encode(body)
 
 
-def encode_ps(loaded: Iterable[tuple[ModelInfo, float | None]]) -> bytes:
-    """``GET /api/ps`` (OLL-41): each loaded model with its expiry (``None``: never, shown as 2318)."""
+def encode_ps(loaded: Iterable[tuple[ModelInfo, float | None, float]]) -> bytes:
+    """``GET /api/ps`` (OLL-41): each loaded model as ``(info, expires_at, since)``, the latest expiry first.
+
+    ``expires_at`` is when the model is unloaded (Unix seconds); ``None`` (or infinity) is never, shown as Ollama
+    shows "forever": ``since`` (when it was last made ready or given its expiry) plus ``FOREVER``.
+    """
+    expiring = [
+        (info, since + FOREVER if expires is None or math.isinf(expires) else expires)
+        for info, expires, since in loaded
+    ]
+    expiring.sort(key=lambda pair: -pair[1])  # stable: equal expiries keep their order, as Ollama's sort does
     return msgspec.json.encode(
         {
             "models": [
@@ -300,11 +313,11 @@ def encode_ps(loaded: Iterable[tuple[ModelInfo, float | None]]) -> bytes:
                     "size": info.size,
                     "digest": info.digest,
                     "details": _details(info),
-                    "expires_at": rfc3339(FOREVER if expires is None or math.isinf(expires) else expires),
+                    "expires_at": rfc3339(expires),
                     "size_vram": 0,
                     "context_length": info.context_length,
                 }
-                for info, expires in loaded
+                for info, expires in expiring
             ]
         }
     )

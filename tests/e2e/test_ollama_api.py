@@ -11,7 +11,7 @@ import json
 import os
 import time
 from collections.abc import Iterator
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 import httpx
@@ -81,15 +81,17 @@ def test_oll_41_ps_lists_the_loaded_model_after_a_request(client):
     assert loaded.name == MODEL and loaded.size > 0 and loaded.size_vram == 0
     assert loaded.context_length == 2048
     assert loaded.details.family == "gemma3" and loaded.digest
-    assert loaded.expires_at.year == 2318  # no expiry: meshgate keeps models loaded
+    forever = datetime.now(UTC) + timedelta(microseconds=(2**63 - 1) // 1000)  # Ollama's forever: MaxInt64 ns
+    assert timedelta(0) <= forever - loaded.expires_at < timedelta(hours=1)  # meshgate keeps models loaded
 
 
 def test_oll_15_keep_alive_duration_sets_expires_at(client):
     client.generate(MODEL, prompt="Hello", options=SHORT, keep_alive="10m")
     expires = _ps(client)[MODEL].expires_at
     assert abs((expires - datetime.now(UTC)).total_seconds() - 600) < 30
-    client.generate(MODEL, prompt="Hello", options=SHORT)  # no keep_alive: back to "never"
-    assert _ps(client)[MODEL].expires_at.year == 2318
+    client.generate(MODEL, prompt="Hello", options=SHORT)  # no keep_alive: back to "never", counted from now
+    forever = datetime.now(UTC) + timedelta(microseconds=(2**63 - 1) // 1000)
+    assert timedelta(0) <= forever - _ps(client)[MODEL].expires_at < timedelta(seconds=30)
 
 
 def test_oll_15_keep_alive_zero_unloads_after_the_request(client):

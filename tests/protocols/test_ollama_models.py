@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from datetime import datetime
+from datetime import UTC, datetime
 
 import msgspec
 import pytest
@@ -91,9 +91,14 @@ def test_oll_42_show_parses_in_the_client():
 
 
 def test_oll_41_ps_expiry_and_forever():
-    body = msgspec.json.decode(encode_ps([(INFO, None), (INFO, 1_800_000_000.123456789)]))
+    """Forever is Ollama's: ``math.MaxInt64`` ns after the model was kept (2026-12-02 -> 2319-03-14); the
+    longest-lived model comes first."""
+    kept = datetime(2026, 12, 2, 15, 33, 53, tzinfo=UTC).timestamp()
+    body = msgspec.json.decode(encode_ps([(INFO, 1_800_000_000.123456789, kept), (INFO, None, kept)]))
     first, second = body["models"]
-    assert first["expires_at"].startswith("2318-01-01") and first["size_vram"] == 0
+    assert first["expires_at"].startswith("2319-03-14T") and first["size_vram"] == 0
+    assert datetime.fromisoformat(first["expires_at"]).timestamp() - kept == pytest.approx((2**63 - 1) / 1e9)
+    assert second["expires_at"] == "2027-01-15T08:00:00.123457+00:00"
     assert first["context_length"] == 2048 and first["model"] == "gemma3:270m"
     assert len(second["expires_at"].split(".")[1].split("+")[0]) == 6  # at most 6 fractional digits
     datetime.fromisoformat(second["expires_at"])

@@ -232,19 +232,37 @@ def check_schema(schema: Any, what: str, *, param: str | None = None) -> None:
 
 
 def enforceable(schema: dict[str, Any]) -> dict[str, Any]:
-    """A copy of a checked ``schema`` in the form grammar compilers take: OpenAPI's ``"nullable": true`` (which
-    llguidance ignores) becomes ``anyOf`` the schema and ``{"type": "null"}``. Walked without recursion."""
+    """A copy of a checked ``schema`` in the form grammar compilers take, walked without recursion:
+
+    - OpenAPI's ``"nullable": true`` (which llguidance ignores) becomes ``anyOf`` the schema and ``{"type": "null"}``.
+    - An object schema that lists ``properties`` and says nothing of others (no ``additionalProperties`` or
+      ``patternProperties``) gets ``"additionalProperties": false``, as llama.cpp's and Ollama's converters and
+      OpenAI's strict mode hold it: every answer still validates against the schema as sent, and a small model
+      does not invent property after property until ``max_tokens`` cuts the JSON off. Not inside ``allOf``, whose
+      branches are merged and each list only some of the properties.
+    """
     copy: dict[str, Any] = json.loads(json.dumps(schema))
-    stack: list[Any] = [copy]
+    stack: list[tuple[Any, bool]] = [(copy, False)]  # (node, whether it is a branch of allOf)
     while stack:
-        node = stack.pop()
+        node, in_all_of = stack.pop()
         if isinstance(node, list):
-            stack.extend(node)
+            stack.extend((item, in_all_of) for item in node)
             continue
         if not isinstance(node, dict):
             continue
         nullable = node.pop("nullable", False)
-        stack.extend(value for key, value in node.items() if key not in ("enum", "const", "default", "examples"))
+        for key, value in node.items():
+            if key not in ("enum", "const", "default", "examples"):
+                stack.append((value, key == "allOf"))
+        closed = (
+            "properties" in node
+            and not in_all_of
+            and "allOf" not in node
+            and "additionalProperties" not in node
+            and "patternProperties" not in node
+        )
+        if closed:
+            node["additionalProperties"] = False
         if nullable is True:
             inner = dict(node)
             node.clear()

@@ -118,5 +118,24 @@ def test_nullable_becomes_an_any_of_with_null_and_the_original_is_left_alone():
     assert enforceable(schema) == {
         "type": "object",
         "properties": {"a": {"anyOf": [{"type": "string", "enum": [{"nullable": True}]}, {"type": "null"}]}},
+        "additionalProperties": False,
     }
-    assert schema["properties"]["a"]["nullable"] is True
+    assert schema["properties"]["a"]["nullable"] is True and "additionalProperties" not in schema
+
+
+def test_objects_that_list_their_properties_are_closed_except_in_all_of_and_where_stated():
+    schema = {
+        "type": "object",
+        "properties": {"x": {"type": "object", "properties": {}, "additionalProperties": {"type": "integer"}}},
+        "$defs": {"p": {"type": "object", "properties": {"y": {}}, "patternProperties": {"^z": {}}}},
+        "items": {
+            "properties": {"b": {}},
+            "allOf": [{"properties": {"a": {"type": "object", "properties": {}}}}, {"required": ["a"]}],
+        },
+    }
+    out = enforceable(schema)
+    assert out["additionalProperties"] is False
+    assert out["properties"]["x"]["additionalProperties"] == {"type": "integer"}
+    assert "additionalProperties" not in out["$defs"]["p"]
+    assert "additionalProperties" not in out["items"] and "additionalProperties" not in out["items"]["allOf"][0]
+    assert out["items"]["allOf"][0]["properties"]["a"]["additionalProperties"] is False

@@ -13,6 +13,13 @@ Before a generation may wait for a slot, its prompt is checked against the insta
 streaming request that waits for its turn gets keep-alives and leaves the queue if its client goes away. The slot
 is held until the event stream ends or is closed. Embeddings are not queued.
 
+A request that sets no ``num_ctx`` (nor does its model's Modelfile) and whose whole prompt does not fit its
+replica's context is moved, when ``grow_context`` is on (``Settings.n_ctx`` unset), to a replica with the context
+it needs (``context_fit.needed_context``: doubled until it holds the prompt and some output, at most the model's
+own), placed beside the others if none holds it yet; what fits nowhere is then refused (or trimmed) by the
+protocol's rule as before. So a 4,096-token default keeps small requests on many slots while an Open WebUI chat
+with its tool definitions, or an agent's long preamble, still gets an answer.
+
 Counting a prompt's tokens costs the runner CPU time in proportion to its size (about 2 s for 1 MB of text), and
 only prompts whose size does not already show they fit are counted. Those counts (and Anthropic's count_tokens)
 go through a second fair queue per instance, one count at a time (``counting``): a client sending many huge
@@ -31,14 +38,22 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from meshgate.backends.base import Backend, ModelCard, ModelSource, Runner, check_capabilities, check_embeddings
+from meshgate.backends.base import (
+    Backend,
+    Capabilities,
+    ModelCard,
+    ModelSource,
+    Runner,
+    check_capabilities,
+    check_embeddings,
+)
 from meshgate.backends.registry import UserModel
 from meshgate.gateway.admission import Admission, Ticket
 from meshgate.gateway.cluster.instances import InstanceManager
 from meshgate.gateway.cluster.loads import LoadBoard, Tally
 from meshgate.gateway.cluster.records import Instance, Ready
 from meshgate.gateway.cluster.routing import Routing, prefix_blocks, prefix_key
-from meshgate.gateway.context_fit import Fit, cap_output, fit_context
+from meshgate.gateway.context_fit import Fit, cap_output, fit_context, grown_context, needed_context
 from meshgate.gateway.model_defaults import apply_defaults, end_turn_at_default_stops
 from meshgate.gateway.telemetry import record as telemetry
 from meshgate.protocols.model import (
@@ -132,8 +147,10 @@ class Dispatcher:
         max_tokens: int = 65536,
         user_models: Callable[[str], UserModel | None] = lambda name: None,
         loads: LoadBoard | None = None,
+        grow_context: bool = False,
     ) -> None:
         self.catalog = catalog
+        self.grow_context = grow_context  # a request without num_ctx may get a bigger replica (module docstring)
         self.user_models = user_models  # a user model's stored defaults, by name (gateway.model_defaults)
         self.max_tokens = max_tokens
         self.keepalive = keepalive
@@ -162,6 +179,12 @@ class Dispatcher:
         if backend is None:
             raise NoCapacity(f"no backend can serve model '{card.name}' (format {card.format})")
         return backend
+
+    def capabilities(self, name: str, may_use: Callable[[str], bool] | None = None) -> Capabilities:
+        """What the backend serving ``name`` can do for it; ``UnknownModel`` / ``NoCapacity`` as ``resolve`` and
+        ``backend_for``."""
+        card = self.resolve(name, may_use)
+        return self.backend_for(card).capabilities(card)
 
     async def load(self, name: str, may_use: Callable[[str], bool] | None = None) -> Instance:
         """Place ``name`` if needed and wait until it is ready (Ollama's empty-prompt load)."""
@@ -218,17 +241,28 @@ class Dispatcher:
             return end_turn_at_default_stops(self._keepalive_until(lambda: self._start(instance, job)), asked, request)
         return end_turn_at_default_stops(await self._start(instance, job), asked, request)
 
-    async def _start(self, instance: Instance, job: _Job, retry: bool = True) -> AsyncIterator[Event]:
-        """Check the context, take a place in the queue, generate (a waiting stream gets keep-alives). The
-        request was routed to ``instance``: it is settled there once in the queue, or on the way out before."""
+    async def _start(
+        self, instance: Instance, job: _Job, retry: bool = True, grow: bool = True
+    ) -> AsyncIterator[Event]:
+        """Check the context (moving to a bigger replica when the request may ``grow``), take a place in the
+        queue, generate (a waiting stream gets keep-alives). The request was routed to ``instance``: it is settled
+        there once in the queue, or on the way out before."""
         settled = False
         try:
             if not isinstance(instance.state, Ready):
                 instance = await self.instances.wait_ready(instance.id)
             runner = self._connect(instance, job.card, job.backend)
             try:
-                count = self._counter(instance.id, job.caller, runner)
+                count = _remembered(self._counter(instance.id, job.caller, runner))
                 token_bytes = await self._token_bytes(job.card, job.backend)
+                if grow and self.grow_context and not isinstance(job.request.num_ctx, int):
+                    bigger = await self._bigger(instance, job, count, token_bytes)
+                    if bigger is not None:
+                        self._settle(instance.id)
+                        settled = True
+                        if not isinstance(bigger.state, Ready) and job.request.stream:
+                            return self._keepalive_until(lambda: self._start(bigger, job, retry, grow=False))
+                        return await self._start(bigger, job, retry, grow=False)
                 request = await fit_context(job.request, instance.placement.context, count, job.fit, token_bytes)
             except BackendUnavailable as error:
                 if not retry:
@@ -267,6 +301,24 @@ class Dispatcher:
             raise error
         tally = self.loads.tally(instance.id) if self.loads is not None else None
         return _chain(first, events, ticket.release, job.on_usage, served=(job.card.name, instance.id), tally=tally)
+
+    async def _bigger(
+        self, instance: Instance, job: _Job, count: Callable[[Request], Awaitable[int]], token_bytes: int
+    ) -> Instance | None:
+        """A replica (routed) with the context ``job``'s whole prompt needs when ``instance``'s is too small and
+        the model's own is bigger; ``None`` when it fits, or when no bigger replica can be had."""
+        context, limit = instance.placement.context, job.card.context_length
+        needed = await needed_context(job.request, context, limit, count, job.fit, token_bytes)
+        if not needed:
+            return None
+        bigger = await self.instances.acquire(
+            job.card, context=grown_context(context, needed, limit), routing=job.routing
+        )
+        if bigger.placement.context > context:
+            return bigger
+        if job.routing is not None:
+            self._settle(bigger.id)  # the largest there is, no bigger than this one: stay
+        return None
 
     def _connect(self, instance: Instance, card: ModelCard, backend: Backend) -> Runner:
         urls = {node: status.url for node, status in instance.runners.items() if status.url}
@@ -536,6 +588,21 @@ async def aclose(stream: AsyncIterator[Any]) -> None:
     close = getattr(stream, "aclose", None)
     if close is not None:
         await close()
+
+
+def _remembered(count: Callable[[Request], Awaitable[int]]) -> Callable[[Request], Awaitable[int]]:
+    """``count`` that counts the same request object once (``needed_context``, then ``fit_context``)."""
+    seen: list[tuple[Request, int]] = []
+
+    async def remembered(request: Request) -> int:
+        for known, tokens in seen:
+            if known is request:
+                return tokens
+        tokens = await count(request)
+        seen.append((request, tokens))
+        return tokens
+
+    return remembered
 
 
 @contextlib.asynccontextmanager

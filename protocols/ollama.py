@@ -24,6 +24,9 @@ Ollama-specific choices, each pinned by a test named after its checklist item:
 - Final objects always carry all six metrics, zeros included (the Go server omits zeros; clients accept both).
   Timestamps are UTC with six fractional digits and ``+00:00``, which every ``datetime.fromisoformat`` reads.
 - ``/api/generate`` has no tools: tool call events are dropped from its stream.
+- ``think`` (true or a level) on a model that cannot think is refused with Ollama's 400,
+  ``{"error": "\"<model>\" does not support thinking"}`` (``server/routes.go``); ``think: false`` is accepted.
+  Only the gateway knows the model's capabilities, so it asks ``refuses_thinking``.
 - Load/unload requests (empty ``messages`` or ``prompt``, OLL-17) are the gateway's business:
   ``is_load_request`` / ``is_unload_request`` tell it, ``encode_load_response`` answers.
 """
@@ -83,6 +86,7 @@ __all__ = [
     "generate_to_internal",
     "is_load_request",
     "is_unload_request",
+    "refuses_thinking",
 ]
 
 # ---------------------------------------------------------------------------------------------------- wire types
@@ -249,6 +253,21 @@ def is_load_request(wire: ChatRequest | GenerateRequest) -> bool:
     if isinstance(wire, ChatRequest):
         return not wire.messages
     return wire.prompt == ""
+
+
+def refuses_thinking(wire: ChatRequest | GenerateRequest, can_think: bool) -> InvalidRequest | None:
+    """Ollama's 400 when ``wire`` asks a model that cannot think (``can_think`` false) to think, else ``None``.
+
+    Ollama words it ``"<model>" does not support thinking`` with the name as the client sent it, Go-quoted.
+    """
+    if can_think or wire.think in (None, False) or is_load_request(wire):
+        return None
+    return InvalidRequest(f"{_go_quote(wire.model)} does not support thinking", param="think")
+
+
+def _go_quote(text: str) -> str:
+    """``text`` as Go's ``%q`` writes it for printable text: in double quotes, ``"`` and ``\\`` escaped."""
+    return msgspec.json.encode(text).decode()
 
 
 def is_unload_request(wire: ChatRequest | GenerateRequest) -> bool:

@@ -131,6 +131,8 @@ async def _run(
     async def after() -> None:
         await model_admin.apply_keep_alive(dispatcher, internal.model, keep_alive)
 
+    if refused := ollama.refuses_thinking(wire, dispatcher.capabilities(internal.model, may_use(request)).reasoning):
+        raise refused
     if ollama.is_load_request(wire):
         dispatcher.resolve(internal.model, may_use(request))  # a key's model list holds for loads too
         unload = ollama.is_unload_request(wire)

@@ -253,3 +253,16 @@ def test_oll_14_num_ctx_sizes_the_context(client, server):
     client.generate(MODEL, prompt="Hello", options=SHORT)  # no num_ctx: a loaded replica serves
     assert len(httpx.get(f"{server.url}/instances").json()) == 2
     assert _ps(client)[MODEL].context_length == 3072
+
+
+def test_oll_8_think_on_a_model_that_cannot_think_is_refused(client):
+    """Gemma 3 has no thinking: Ollama's own 400 for ``think: true``; ``think: false`` is served."""
+    for call in (
+        lambda: client.chat(MODEL, messages=[{"role": "user", "content": "Hi"}], options=SHORT, think=True),
+        lambda: client.generate(MODEL, prompt="Hi", options=SHORT, think="high"),
+    ):
+        with pytest.raises(ollama.ResponseError) as err:
+            call()
+        assert err.value.status_code == 400 and err.value.error == f'"{MODEL}" does not support thinking'
+    answer = client.chat(MODEL, messages=[{"role": "user", "content": "Hi"}], options=SHORT, think=False)
+    assert answer.done and not answer.message.thinking

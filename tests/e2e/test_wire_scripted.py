@@ -241,3 +241,12 @@ def test_oai_7_paths_without_the_v1_prefix(scripted_server):
         == "Hello, world"
     )
     assert "scripted" in [m.id for m in client.models.list()]
+
+
+def test_oll_8_think_true_is_served_where_the_model_can_think(scripted_server):
+    """The scripted backend declares reasoning: ``think: true`` reaches it (the real model's 400 is in
+    test_ollama_api)."""
+    answer = ollama.Client(host=scripted_server.url).chat(
+        model="scripted", messages=[{"role": "user", "content": "think"}], think=True
+    )
+    assert answer.message.thinking and answer.done

@@ -253,6 +253,22 @@ def test_oll_8_think_unknown_level_rejected():
     assert exc.value.param == "think"
 
 
+def test_oll_8_think_on_a_model_that_cannot_think_is_ollamas_400():
+    """``server/routes.go``: ``"<model>" does not support thinking``, for true and for a level alike."""
+    asked = {"model": "gemma3:270m", "messages": [{"role": "user", "content": "x"}]}
+    for think in (True, "low"):
+        wire = msgspec.json.decode(json.dumps({**asked, "think": think}), type=oll.ChatRequest)
+        refused = oll.refuses_thinking(wire, can_think=False)
+        assert isinstance(refused, InvalidRequest) and refused.param == "think"
+        assert oll.error_body(refused) == (400, b'{"error":"\\"gemma3:270m\\" does not support thinking"}')
+        assert oll.refuses_thinking(wire, can_think=True) is None
+    for think in (False, None):
+        wire = msgspec.json.decode(json.dumps({**asked, "think": think}), type=oll.ChatRequest)
+        assert oll.refuses_thinking(wire, can_think=False) is None
+    load = msgspec.json.decode(json.dumps({"model": "m", "think": True}), type=oll.GenerateRequest)
+    assert oll.refuses_thinking(load, can_think=False) is None  # a load asks nothing of the model's thinking
+
+
 @pytest.mark.parametrize("keep_alive", ["5m", "1h", 300, 0, -1, 2.5])
 def test_oll_15_keep_alive_is_accepted(keep_alive):
     assert chat({"model": "m", "messages": [{"role": "user", "content": "x"}], "keep_alive": keep_alive})

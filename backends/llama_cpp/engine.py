@@ -29,7 +29,7 @@ import numpy as np
 
 from meshgate.backends.llama_cpp.batch import Job, Scheduler, decode_group
 from meshgate.backends.llama_cpp.embed import Embedder
-from meshgate.backends.llama_cpp.grammar import schema_grammar
+from meshgate.backends.llama_cpp.grammar import JSON_OBJECT, Grammars
 from meshgate.backends.llama_cpp.logprobs import LogprobAligner, token_logprob
 from meshgate.backends.llama_cpp.prompt import render_prompt
 from meshgate.backends.llama_cpp.sampling import GrammarStuck, Sampler
@@ -149,6 +149,10 @@ class LlamaEngine:
         self.chat_template = meta.get("tokenizer.chat_template")
         self._first_request = True
         self._embedder: Embedder | None = None
+        vocab = self.llm._model.vocab
+        self.grammars = Grammars(vocab)
+        eot = llama_cpp.llama_vocab_eot(vocab)
+        self._end_token = eot if eot >= 0 else llama_cpp.llama_vocab_eos(vocab)
         self._embed_lock = threading.Lock()
 
     def health(self) -> dict[str, Any]:
@@ -284,34 +288,29 @@ class LlamaEngine:
         seed = s.seed if isinstance(s.seed, int) else random.randrange(2**31)
         if _value(s, "repeat_penalty") <= 0:  # llama.cpp divides logits by it: inf, then NaN probabilities
             raise InvalidRequest("repeat_penalty must be greater than 0 (1 is no penalty)", param="repeat_penalty")
-        try:
-            return Sampler(
-                self.llm._model.vocab,
-                self.llm.n_vocab(),
-                temp=_value(s, "temperature"),
-                top_k=_value(s, "top_k"),
-                top_p=_value(s, "top_p"),
-                min_p=_value(s, "min_p"),
-                repeat_penalty=_value(s, "repeat_penalty"),
-                presence_penalty=_value(s, "presence_penalty"),
-                frequency_penalty=_value(s, "frequency_penalty"),
-                seed=seed,
-                grammar=self._grammar(request),
-            )
-        except ValueError as exc:
-            raise InvalidRequest(str(exc)) from exc
+        return Sampler(
+            self.llm._model.vocab,
+            self.llm.n_vocab(),
+            temp=_value(s, "temperature"),
+            top_k=_value(s, "top_k"),
+            top_p=_value(s, "top_p"),
+            min_p=_value(s, "min_p"),
+            repeat_penalty=_value(s, "repeat_penalty"),
+            presence_penalty=_value(s, "presence_penalty"),
+            frequency_penalty=_value(s, "frequency_penalty"),
+            seed=seed,
+            grammar=self._grammar(request),
+            end_token=self._end_token,
+        )
 
-    def _grammar(self, request: Request) -> tuple[str, str] | None:
-        """A forced tool call's schema, else the response format's, as GBNF and its root; ``None`` for free text."""
+    def _grammar(self, request: Request) -> Any:
+        """A forced tool call's schema, else the response format's, as an llguidance matcher (compiled here, on the
+        request's thread, or taken from the cache); ``None`` for free text."""
         fmt = request.response_format
-        forced = call_mode(request) == "forced"
-        if fmt.kind == "text" and not forced:
-            return None
-        from llama_cpp.llama_grammar import JSON_GBNF, LLAMA_GRAMMAR_DEFAULT_ROOT
-
-        if forced or (fmt.kind == "json_schema" and fmt.schema):
-            schema = forced_schema(request) if forced else fmt.schema
-            assert schema is not None  # tested just above
-            what = "the tools' parameter schemas" if forced else "the response format's JSON schema"
-            return schema_grammar(schema, what), LLAMA_GRAMMAR_DEFAULT_ROOT  # checked and escaped (grammar.py)
-        return JSON_GBNF, LLAMA_GRAMMAR_DEFAULT_ROOT
+        if call_mode(request) == "forced":
+            return self.grammars.matcher(forced_schema(request), "the tools' parameter schemas", param="tools")
+        if fmt.kind == "json_schema" and fmt.schema:
+            return self.grammars.matcher(fmt.schema, "the response format's JSON schema", param="response_format")
+        if fmt.kind != "text":
+            return self.grammars.matcher(JSON_OBJECT, "json_object")
+        return None

@@ -1,145 +1,116 @@
-"""JSON schemas as llama.cpp grammars (GBNF) that llama.cpp can parse and sample without crashing.
+"""JSON schemas as llguidance matchers for the llama.cpp runner: checked, compiled off the decode loop, cached.
 
-A request's schema (a response format, or the call schema of forced tool calls) reaches llama.cpp's C++ grammar
-code, which aborts the whole runner on some inputs instead of failing the request. So the schema is checked and
-the grammar made safe here, and what cannot be made safe is refused as ``Unprocessable`` (422) naming the
-schema keyword:
+A request's schema (a response format, Ollama's ``format``, or the call schema of forced tool calls) is first
+checked by the shared ``protocols.schema_rules.check_schema``: what no grammar would enforce, or what is beyond its
+bounds, is refused as ``InvalidRequest`` (400) naming the keyword. Then llguidance turns it into a grammar
+(``LLMatcher.grammar_from_json_schema``) and a matcher over the model's vocabulary, which ``sampling.Sampler``
+asks about each sampled token. llguidance enforces every keyword ``schema_rules`` lets through (integer and number
+ranges, recursive ``$ref``, formats, ``multipleOf``, lengths), where llama-cpp-python's GBNF converter, used
+before, skipped number bounds, failed on recursion and spelled a 20,000-value enum out into a grammar that took
+31 s to build.
 
-- Literals (``const``, ``enum`` values, property names) are written with every backslash and control character
-  escaped for GBNF. llama-cpp-python's converter escapes only quotes and line breaks, so the JSON escape
-  ``\\u0000`` (a NUL in an enum or a tool name) reached GBNF as an escape of its own, asked the model for a raw
-  NUL that no token produces, and the next sampled token aborted the runner ("Unexpected empty grammar stack").
-  Non-ASCII text stays raw UTF-8, as before.
-- A raw NUL anywhere else in the grammar (from a ``pattern``) is written as ``\\x00``: the grammar travels as a C
-  string, which a NUL would cut short.
-- Repetition bounds (``minLength``, ``maxLength``, ``minItems``, ``maxItems``, and ``{n,m}`` in patterns) are at
-  most ``MAX_REPEAT``: the converter spells a repetition out (a 10^8 ``minLength`` is a 500 MB grammar) and
-  llama.cpp's parser recurses once per nested optional, so ``maxLength: 100000`` overflowed its stack.
-- The grammar is at most ``MAX_GBNF_BYTES`` long and nests parentheses at most ``MAX_NESTING`` deep.
+- The llguidance tokenizer (every token's bytes, ~3-5 s for Gemma 3's 262k tokens) is built once per runner, on
+  the first structured request, under a lock: requests without a schema never wait for it.
+- Compiling runs in the request's own thread before its job reaches the scheduler (``LlamaEngine.generate``),
+  with the GIL released by llguidance, so the decode loop never waits on a grammar. It is bounded by
+  ``schema_rules``' size bounds and by llguidance's ``LLParserLimits`` (lexer fuel, grammar size, states):
+  beyond them the request gets a 400 that names the limit.
+- Compiled matchers are kept in an LRU keyed by the schema's canonical JSON (``CACHE_SIZE``); a request gets a
+  copy (``deep_copy``, ~0.06 ms), so an agent that sends the same tools every turn compiles them once.
+- JSON is written with ``", "`` and ``": "`` between items, as ``json.dumps`` writes it and as models learnt it
+  (held to no space at all, Gemma 3 270M answered ``{"city":""}`` to "What is the weather in Paris?"), and no
+  other whitespace: no run of newlines can fill the output. Schema-embedded ``x-guidance`` options cannot
+  override this (they go in as ``overrides``).
 
-A grammar can still allow no token at some point (a ``pattern`` that wants a NUL): ``sampling.Sampler`` then
-fails that request, never the runner.
-
-Runs only in the runner process; imports llama_cpp (its converter) and protocols.
+Runs only in the runner process; imports llguidance, llama_cpp (through llguidance's vocabulary reader) and
+protocols.
 """
 
 from __future__ import annotations
 
 import json
-import re
+import threading
+import warnings
+from collections import OrderedDict
 from typing import Any
 
-from meshgate.protocols.model import Unprocessable
+from meshgate.protocols.model import InvalidRequest
+from meshgate.protocols.schema_rules import check_schema, enforceable
 
-__all__ = ["MAX_GBNF_BYTES", "MAX_NESTING", "MAX_REPEAT", "escape_literal", "nesting", "schema_grammar"]
+__all__ = ["CACHE_SIZE", "JSON_OBJECT", "OPTIONS", "Grammars"]
 
-MAX_REPEAT = 1000
-"""The largest repetition bound a schema may ask for (llama.cpp itself refuses a little above this)."""
+CACHE_SIZE = 64
+"""Compiled schemas kept per runner."""
 
-MAX_NESTING = 2048
-"""The deepest parenthesis nesting a grammar may have (llama.cpp's parser recurses once per level)."""
+JSON_OBJECT: dict[str, Any] = {"type": "object"}
+"""What ``json_object`` mode (and Ollama's ``format: "json"``) holds an answer to."""
 
-MAX_GBNF_BYTES = 4 << 20
-"""The longest grammar text sent to llama.cpp."""
-
-_REPEAT_KEYS = ("minLength", "maxLength", "minItems", "maxItems")
-_QUANTIFIER = re.compile(r"\{\s*(\d*)\s*(?:,\s*(\d*)\s*)?\}")
-_NEEDS_ESCAPE = re.compile(r'[\\"\x00-\x1f\x7f\ud800-\udfff]')
-_GBNF_TOKEN = re.compile(r'"(?:[^"\\]|\\.)*"|\[(?:[^\]\\]|\\.)*\]|[()]', re.DOTALL)
+OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": ", "lenient": False}
+"""llguidance's JSON options (see the module docstring)."""
 
 
-def escape_literal(text: str) -> str:
-    """``text`` as a GBNF string literal: quotes and backslashes escaped, control characters (and lone
-    surrogates, which UTF-8 cannot carry) as ``\\xHH`` / ``\\uHHHH``; other characters as they are."""
+class Grammars:
+    """One runner's llguidance tokenizer and its cache of compiled schemas; thread-safe."""
 
-    def one(match: re.Match[str]) -> str:
-        c = match.group(0)
-        if c in '\\"':
-            return "\\" + c
-        return f"\\x{ord(c):02x}" if ord(c) < 0x80 else f"\\\\u{ord(c):04x}"  # a surrogate: its JSON escape
+    def __init__(self, vocab: Any) -> None:
+        """``vocab``: the model's ``llama_vocab`` pointer."""
+        self._vocab = vocab
+        self._tokenizer: Any = None
+        self._lock = threading.Lock()  # held while the tokenizer is built and while the cache is touched
+        self._cache: OrderedDict[str, Any] = OrderedDict()
+        self.compiled = 0  # schemas compiled (misses); ``hits`` were served from the cache
+        self.hits = 0
 
-    return '"' + _NEEDS_ESCAPE.sub(one, text) + '"'
+    def tokenizer(self) -> Any:
+        """The llguidance tokenizer, built on first use."""
+        with self._lock:
+            if self._tokenizer is None:
+                import llama_cpp as lib
+                from llguidance.llamacpp import lltokenizer_from_vocab
 
+                vocab = self._vocab
+                # every end-of-generation token (Gemma's <end_of_turn> as well as <eos>) may end a whole answer
+                eog = [t for t in range(lib.llama_vocab_n_tokens(vocab)) if lib.llama_vocab_is_eog(vocab, t)]
+                with warnings.catch_warnings():  # llguidance asks for each token's attributes by a deprecated name
+                    warnings.simplefilter("ignore", DeprecationWarning)
+                    self._tokenizer = lltokenizer_from_vocab(vocab, eos_token=eog)
+            return self._tokenizer
 
-def nesting(gbnf: str) -> int:
-    """The deepest parenthesis nesting of a grammar, outside its literals and character classes."""
-    depth = deepest = 0
-    for match in _GBNF_TOKEN.finditer(gbnf):
-        token = match.group(0)
-        if token == "(":
-            depth += 1
-            deepest = max(deepest, depth)
-        elif token == ")":
-            depth -= 1
-    return deepest
+    def matcher(self, schema: Any, what: str, *, param: str | None = None) -> Any:
+        """A fresh ``LLMatcher`` holding generation to ``schema``.
 
+        Args:
+            schema: A JSON schema (decoded).
+            what: The schema's name for error messages ("the response format's JSON schema").
+            param: The request field an error names.
 
-def schema_grammar(schema: dict[str, Any], what: str) -> str:
-    """The GBNF (root rule ``root``) that holds generation to ``schema``.
+        Raises:
+            InvalidRequest: the schema asks for what no grammar here enforces, is beyond the bounds, or llguidance
+                cannot compile it (its message says why).
+        """
+        check_schema(schema, what, param=param)
+        key = json.dumps(schema, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+        with self._lock:
+            cached = self._cache.get(key)
+            if cached is not None:
+                self._cache.move_to_end(key)
+                self.hits += 1
+                return cached.deep_copy()
+        tokenizer = self.tokenizer()
+        import llguidance
 
-    Args:
-        schema: A JSON schema.
-        what: The schema's name for error messages ("the response format's JSON schema").
-
-    Raises:
-        Unprocessable: the schema asks for more than the grammar can hold, or cannot be converted.
-    """
-    _check(schema, what)
-    from llama_cpp.llama_grammar import SchemaConverter
-
-    class Converter(SchemaConverter):
-        def _format_literal(self, literal: str) -> str:
-            # Called with JSON text only (``json.dumps`` of a constant or a property name): write it back with
-            # its non-ASCII characters raw, then escape it for GBNF.
-            return escape_literal(json.dumps(json.loads(literal), ensure_ascii=False))
-
-    try:
-        converter = Converter(prop_order={}, allow_fetch=False, dotall=False, raw_pattern=False)
-        copy = json.loads(json.dumps(schema))
-        converter.visit(converter.resolve_refs(copy, "stdin"), "")
-        gbnf = converter.format_grammar()
-    except Exception as exc:  # the converter asserts on schema features it lacks; RecursionError when too deep
-        raise Unprocessable(f"{what} cannot be turned into a grammar: {exc!r}") from exc
-    gbnf = gbnf.replace("\x00", "\\x00")
-    if len(gbnf) > MAX_GBNF_BYTES:
-        raise Unprocessable(
-            f"{what} makes a grammar of {len(gbnf):,} characters; at most {MAX_GBNF_BYTES:,} "
-            "are allowed: simplify the schema"
-        )
-    if (deep := nesting(gbnf)) > MAX_NESTING:
-        raise Unprocessable(
-            f"{what} makes a grammar nested {deep} levels deep; at most {MAX_NESTING} are allowed: "
-            "lower its repetition bounds"
-        )
-    try:
-        gbnf.encode()
-    except UnicodeEncodeError as exc:
-        raise Unprocessable(f"{what} holds text that is not valid Unicode: {exc.reason}") from exc
-    return gbnf
-
-
-def _check(schema: Any, what: str) -> None:
-    """Refuse repetition bounds above ``MAX_REPEAT`` anywhere in ``schema`` (walked without recursion)."""
-    stack: list[tuple[Any, str]] = [(schema, "")]
-    while stack:
-        node, at = stack.pop()
-        if isinstance(node, list):
-            stack.extend((item, f"{at}[{i}]") for i, item in enumerate(node))
-            continue
-        if not isinstance(node, dict):
-            continue
-        for key in _REPEAT_KEYS:
-            value = node.get(key)
-            if isinstance(value, int | float) and not isinstance(value, bool) and value > MAX_REPEAT:
-                raise Unprocessable(
-                    f"{what}: {key} {value} at {at or 'the top'} is more than a grammar can hold (at most {MAX_REPEAT})"
-                )
-        pattern = node.get("pattern")
-        if isinstance(pattern, str):
-            for low, high in _QUANTIFIER.findall(pattern):
-                if max(int(low or 0), int(high or 0)) > MAX_REPEAT:
-                    raise Unprocessable(
-                        f"{what}: the pattern at {at or 'the top'} repeats more than a grammar can "
-                        f"hold (at most {MAX_REPEAT} times)"
-                    )
-        stack.extend((value, f"{at}.{key}" if at else str(key)) for key, value in node.items())
+        try:
+            grammar = llguidance.LLMatcher.grammar_from_json_schema(enforceable(schema), overrides=OPTIONS)  # type: ignore[arg-type]  # a TypedDict in llguidance's stubs
+        except ValueError as exc:
+            raise InvalidRequest(f"{what} cannot be compiled: {exc}", param=param) from exc
+        compiled = llguidance.LLMatcher(tokenizer, grammar, log_level=0, limits=llguidance.LLParserLimits())
+        if compiled.is_error():
+            error = compiled.get_error().split("\n")[0]
+            fix = ": simplify the schema" if "limit" in error or "too big" in error else ""
+            raise InvalidRequest(f"{what} cannot be enforced: {error}{fix}", param=param)
+        with self._lock:
+            self.compiled += 1
+            self._cache[key] = compiled
+            while len(self._cache) > CACHE_SIZE:
+                self._cache.popitem(last=False)
+        return compiled.deep_copy()

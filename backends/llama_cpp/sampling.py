@@ -5,24 +5,25 @@ did before batching: penalties, then greedy at temperature 0, else top-k, typica
 temperature and the seeded distribution. It samples from the logits of one position of a batch
 (``llama_sampler_sample(chain, ctx, i)``), so every sequence of a batched decode keeps its own chain and seed.
 
-A grammar (tools, JSON output) is not put in the chain, where it would run over the whole vocabulary (262k tokens
-for Gemma 3) for every token: about ten times slower. As llama.cpp's server does (``common_sampler_sample``), the
-chain picks a token from the full distribution, the grammar is asked about that one token, and only when it
-rejects it is the grammar applied to the vocabulary and the chain run again. At temperature 0 this gives the
-answer an in-chain grammar would give whenever the model's first choice is allowed.
+A grammar (tools, JSON output) is an llguidance matcher (``grammar.Grammars``). It is not applied to the whole
+vocabulary (262k tokens for Gemma 3) for every token: as llama.cpp's server does (``common_sampler_sample``), the
+chain picks a token from the full distribution, the matcher is asked about that one token
+(``validate_tokens``), and only when it rejects it is the matcher's token mask (``fill_next_token_bitmask``,
+well under a millisecond) applied to the logits and the chain run again. At temperature 0 this gives the answer
+an in-chain grammar would give whenever the model's first choice is allowed.
 
-llama.cpp aborts the whole process when its grammar is made to accept a token it does not allow ("Unexpected
-empty grammar stack"), so no such token is ever accepted: when the grammar allows no token at all (a grammar that
-asks for text no token can produce) ``sample`` raises ``GrammarStuck`` and only that request fails; when the chain
-picks a disallowed token anyway (all allowed ones cut by its filters), the most likely allowed one is taken.
+No disallowed token is ever taken: when the chain picks one anyway (all allowed ones cut by its filters) the most
+likely allowed one is taken; when the mask allows no token at all, or the matcher fails on a token, ``sample``
+raises ``GrammarStuck`` and only that request fails. Once the matcher is stopped (the JSON is whole and nothing
+may follow) the end-of-generation token is returned without sampling; while the JSON is whole but could go on (a
+number), the mask allows the end-of-generation tokens beside the digits.
 
-Runs only in the runner process; imports numpy and llama_cpp, nothing of ours.
+Runs only in the runner process; imports numpy, llama_cpp and llguidance, nothing of ours.
 """
 
 from __future__ import annotations
 
 import ctypes
-import math
 from typing import Any
 
 import numpy as np
@@ -53,9 +54,11 @@ class Sampler:
         presence_penalty: float,
         frequency_penalty: float,
         seed: int,
-        grammar: tuple[str, str] | None = None,
+        grammar: Any = None,
+        end_token: int = -1,
     ) -> None:
-        """``grammar``: GBNF text and its root rule name, or ``None`` for free text."""
+        """``grammar``: an llguidance ``LLMatcher`` (this sampler's own), or ``None`` for free text;
+        ``end_token``: what to return once the matcher is stopped (the model's end of turn)."""
         import llama_cpp as lib
 
         self._lib = lib
@@ -82,67 +85,69 @@ class Sampler:
             add(lib.llama_sampler_init_dist(seed))
         # Greedy with neutral penalties is the logits' first maximum, as the chain would pick it: numpy finds it
         # in ~0.1 ms, where the chain first copies the whole vocabulary into a candidate array (~1 ms for 262k).
-        self.greedy = (
-            temp == 0 and grammar is None and repeat_penalty == 1.0 and not presence_penalty and not frequency_penalty
-        )
-        self.grammar = None
+        self.greedy = temp == 0 and repeat_penalty == 1.0 and not presence_penalty and not frequency_penalty
+        self.grammar = grammar
+        self.end_token = end_token
         if grammar is not None:
-            self.grammar = lib.llama_sampler_init_grammar(vocab, grammar[0].encode(), grammar[1].encode())
-            if not self.grammar:
-                self.close()
-                raise ValueError("the grammar for this request could not be parsed")
             self.data = (lib.llama_token_data * n_vocab)()
             self.view = np.ctypeslib.as_array(self.data)
             self.ids = np.arange(n_vocab, dtype=np.int32)
-            self.one = (lib.llama_token_data * 1)()
+            self.mask = np.full((1, (n_vocab + 31) // 32), -1, dtype=np.int32)
 
     def sample(self, ctx: Any, index: int) -> int:
         """The next token from the logits of batch position ``index``; the chain (and grammar) accept it."""
         lib = self._lib
-        if self.greedy:
-            return int(np.ctypeslib.as_array(lib.llama_get_logits_ith(ctx, index), shape=(self.n_vocab,)).argmax())
         if self.grammar is None:
+            if self.greedy:
+                return int(np.ctypeslib.as_array(lib.llama_get_logits_ith(ctx, index), shape=(self.n_vocab,)).argmax())
             return int(lib.llama_sampler_sample(self.chain, ctx, index))  # accepts the token itself
+        matcher = self.grammar
+        if matcher.is_stopped():  # the JSON is whole and nothing may follow it
+            return self.end_token
         logits = np.ctypeslib.as_array(lib.llama_get_logits_ith(ctx, index), shape=(self.n_vocab,))
-        token = self._pick(logits, grammar_first=False)
-        rejected = token < 0
-        if not rejected:
-            self.one[0].id, self.one[0].logit, self.one[0].p = token, float(logits[token]), 0.0  # type: ignore[assignment]  # ctypes converts
-            single = lib.llama_token_data_array(self.one, 1, -1, False)
-            lib.llama_sampler_apply(self.grammar, ctypes.byref(single))
-            rejected = math.isinf(self.one[0].logit)
-        if rejected:  # the grammar rejects the chain's pick: sample again within it
-            token = self._pick(logits, grammar_first=True)
-        lib.llama_sampler_accept(self.grammar, token)
-        lib.llama_sampler_accept(self.chain, token)
+        token = int(logits.argmax()) if self.greedy else self._pick(logits, None)
+        if token < 0 or matcher.validate_tokens([token]) != 1:  # rejected: sample again within the grammar
+            allowed = self._allowed()
+            if self.greedy:
+                token = int(np.argmax(np.where(allowed, logits, -np.inf)))
+            else:
+                token = self._pick(logits, allowed)
+            if not (0 <= token < self.n_vocab and allowed[token]):
+                token = int(np.argmax(np.where(allowed, logits, -np.inf)))  # never hand the matcher a token it rejects
+        if not matcher.consume_token(token):
+            raise GrammarStuck(f"the grammar failed on a token it allowed: {matcher.get_error()}")
+        if not self.greedy:
+            lib.llama_sampler_accept(self.chain, token)
         return token
 
-    def _pick(self, logits: np.ndarray, *, grammar_first: bool) -> int:
+    def _allowed(self) -> np.ndarray:
+        """The matcher's mask as one boolean per token id."""
+        from llguidance.numpy import fill_next_token_bitmask
+
+        fill_next_token_bitmask(self.grammar, self.mask, 0)
+        if self.grammar.is_error():
+            raise GrammarStuck(f"the grammar cannot go on: {self.grammar.get_error()}")
+        allowed = np.unpackbits(self.mask.view(np.uint8), bitorder="little")[: self.n_vocab].astype(bool)
+        if not allowed.any():
+            raise GrammarStuck(
+                "the grammar (from the request's JSON schema or tools) allows no token here: "
+                "it asks for text the model cannot produce"
+            )
+        return allowed
+
+    def _pick(self, logits: np.ndarray, allowed: np.ndarray | None) -> int:
+        """The chain's pick from ``logits`` (only among ``allowed`` token ids when given); -1 when it picks none."""
         lib = self._lib
         self.view["id"] = self.ids
-        self.view["logit"] = logits
+        self.view["logit"] = logits if allowed is None else np.where(allowed, logits, -np.inf)
         self.view["p"] = 0.0
         candidates = lib.llama_token_data_array(self.data, self.n_vocab, -1, False)
-        allowed = None
-        if grammar_first:
-            lib.llama_sampler_apply(self.grammar, ctypes.byref(candidates))
-            allowed = np.isfinite(self.view["logit"])  # by token id: the chain reorders the array next
-            if not allowed.any():
-                raise GrammarStuck(
-                    "the grammar (from the request's JSON schema or tools) allows no token here: "
-                    "it asks for text the model cannot produce"
-                )
         lib.llama_sampler_apply(self.chain, ctypes.byref(candidates))
         selected = candidates.selected
-        token = int(candidates.data[selected].id) if 0 <= selected < candidates.size else -1
-        if allowed is not None and not (0 <= token < self.n_vocab and allowed[token]):
-            token = int(np.argmax(np.where(allowed, logits, -np.inf)))  # never hand the grammar a token it rejects
-        return token
+        return int(candidates.data[selected].id) if 0 <= selected < candidates.size else -1
 
     def close(self) -> None:
         if self.chain:
             self._lib.llama_sampler_free(self.chain)
             self.chain = None
-        if self.grammar:
-            self._lib.llama_sampler_free(self.grammar)
-            self.grammar = None
+        self.grammar = None

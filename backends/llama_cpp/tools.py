@@ -11,10 +11,9 @@ exactly ``{"name": <tool name>, "arguments": {...}}``. How an answer becomes a c
   one ``{"name": const, "arguments": <that tool's parameters>}`` branch per tool), so it picks the name first
   and then that tool's arguments.
 - Forced arguments go out as compact JSON: the gate drops whitespace outside strings as the text comes. The
-  grammar itself still allows the one optional space the converter puts after each JSON token: held to no
+  grammar itself has the model write ``", "`` and ``": "`` between items (``grammar.OPTIONS``): held to no
   space at all, Gemma 3 270M, which learnt ``"city": "Paris"``, answered ``{"city":""}`` to "What is the
-  weather in Paris?" (the rejected `` "`` made ``""`` the likeliest allowed token), and ``{"city": "Paris" }``
-  with it.
+  weather in Paris?" (the rejected `` "`` made ``""`` the likeliest allowed token).
 - ``auto``: generation is free; an answer that is, after stripping whitespace, exactly such a JSON call to an
   offered tool becomes a call, anything else is text. Generation stops as soon as the answer so far is a whole
   call (``CallGate.done``): small models often run on past the JSON instead of ending their turn.
@@ -33,7 +32,7 @@ starts with ``{`` (text that starts otherwise streams as usual), and the call go
 Held output that is not a call goes out as text with its logprobs and the finish reason generation ended with.
 A call carries no logprobs. One call per answer: ``parallel_tool_calls`` is not acted on.
 
-Imports protocols only (no llama_cpp: the engine builds the grammar from ``forced_schema``).
+Imports protocols only (no llama_cpp: the engine builds the grammar from ``forced_schema``, ``grammar.py``).
 """
 
 from __future__ import annotations

@@ -9,7 +9,6 @@ import json
 
 import pytest
 
-from meshgate.backends.llama_cpp.grammar import schema_grammar
 from meshgate.backends.llama_cpp.tools import CallGate, call_prefix, call_schema, forced_schema
 from meshgate.protocols.model import (
     Finished,
@@ -22,7 +21,7 @@ from meshgate.protocols.model import (
     ToolCallDelta,
     ToolChoice,
 )
-from tests.llama.test_grammar import parses
+from tests.llama.test_grammar import takes
 
 WEATHER = Tool(
     name="get_weather",
@@ -86,9 +85,12 @@ def test_forced_schema_is_the_tools_parameters_with_their_defs_at_the_root():
     assert forced_schema(request("required")) == call_schema(request("required"))
 
 
-def test_forced_grammars_parse(packaged_gguf):
-    for req in (request("tool", "get_weather"), request("required")):
-        assert parses(schema_grammar(forced_schema(req), "tools"), packaged_gguf) == "parsed"
+def test_forced_grammars_take_a_call_and_refuse_another_tool(grammars):
+    named, required = request("tool", "get_weather"), request("required")
+    assert takes(grammars, forced_schema(named), '{"city": "Paris", "unit": "celsius"}')
+    assert not takes(grammars, forced_schema(named), '{"city": "Paris", "unit": "kelvin"}')
+    assert takes(grammars, forced_schema(required), '{"name": "get_time", "arguments": {"tz": "UTC"}}')
+    assert not takes(grammars, forced_schema(required), '{"name": "get_wind", "arguments": {}}')
 
 
 # ------------------------------------------------------------------------------------------------- gate

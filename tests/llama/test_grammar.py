@@ -1,109 +1,85 @@
-"""JSON schemas as llama.cpp grammars that cannot crash a runner (``backends/llama_cpp/grammar.py``): literals
-escaped for GBNF, repetition bounds and nesting held to what llama.cpp's parser survives.
+"""JSON schemas as llguidance matchers over the packaged model's vocabulary (``backends/llama_cpp/grammar.py``):
+what the old GBNF converter lost (number bounds, recursion, a 20,000-value enum in reasonable time) is enforced,
+literals with NULs and backslashes are written as JSON escapes, compiled schemas are cached, and what cannot be
+enforced is a 400 that says why.
 
-The conversions are plain functions; whether llama.cpp parses a grammar is asked in a child process (with the
-packaged model's vocabulary), since a grammar it cannot take used to kill the process that parses it.
+The matcher (fixture ``grammars`` in ``conftest.py``) is driven with the text's own tokens (``tokenize_str``)
+instead of a model, so each assertion is about the grammar alone.
 """
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 
-from meshgate.backends.llama_cpp.grammar import MAX_REPEAT, escape_literal, nesting, schema_grammar
+from meshgate.backends.llama_cpp.grammar import Grammars
 from meshgate.backends.llama_cpp.tools import call_schema
-from meshgate.protocols.model import Request, Tool, ToolChoice, Unprocessable
-
-ROOT = Path(__file__).resolve().parents[2]
-
-PARSE = """
-import sys, llama_cpp as lib
-params = lib.llama_model_default_params(); params.vocab_only = True
-model = lib.llama_model_load_from_file(sys.argv[1].encode(), params)
-grammar = lib.llama_sampler_init_grammar(lib.llama_model_get_vocab(model), sys.stdin.read().encode(), b"root")
-print("parsed" if grammar else "refused")
-"""
+from meshgate.protocols.model import InvalidRequest, Request, Tool, ToolChoice
 
 
-def parses(gbnf: str, gguf: Path) -> str:
-    """``parsed`` or ``refused`` from llama.cpp in a child process, or how that process died."""
-    done = subprocess.run(
-        [sys.executable, "-c", PARSE, str(gguf)], input=gbnf, capture_output=True, text=True, timeout=120, cwd=ROOT
-    )
-    return done.stdout.strip().splitlines()[-1] if done.returncode == 0 else f"died with {done.returncode}"
-
-
-def test_escape_literal_escapes_quotes_backslashes_and_control_characters():
-    assert escape_literal('a"b\\c') == '"a\\"b\\\\c"'
-    assert escape_literal("x\x00y\x1f\x7f") == '"x\\x00y\\x1f\\x7f"'
-    assert escape_literal("é✓") == '"é✓"'
-    assert escape_literal("\ud800") == '"\\\\ud800"'  # a lone surrogate: its JSON escape, spelled out
-
-
-def test_nul_in_an_enum_asks_for_the_json_escape_not_a_raw_nul():
-    gbnf = schema_grammar({"enum": ["\u0000", "é", "a\\b"]}, "format")
-    assert "\x00" not in gbnf
-    # the model must write the six characters \u0000 (valid JSON for a NUL), é as it is, and a\b as "a\\b"
-    assert '"\\"\\\\u0000\\""' in gbnf and '"\\"é\\""' in gbnf and '"\\"a\\\\\\\\b\\""' in gbnf
-
-
-def test_nul_in_a_forced_tool_name():
-    request = Request(model="m", tools=(Tool(name="x\u0000"),), tool_choice=ToolChoice(mode="required"))
-    gbnf = schema_grammar(call_schema(request), "the tools' parameter schemas")
-    assert 'name ::= "\\"x\\\\u0000\\""' in gbnf
-
-
-def test_raw_nul_in_a_pattern_is_escaped_for_the_c_string():
-    gbnf = schema_grammar({"type": "string", "pattern": "^a\u0000b$"}, "format")
-    assert "\x00" not in gbnf and "a\\x00b" in gbnf
+def takes(grammars: Grammars, schema: dict, text: str) -> bool:
+    """Whether the grammar for ``schema`` takes all of ``text`` and may end there."""
+    matcher = grammars.matcher(schema, "format")
+    tokens = grammars.tokenizer().tokenize_str(text)
+    return matcher.try_consume_tokens(tokens) == len(tokens) and matcher.is_accepting()
 
 
 @pytest.mark.parametrize(
-    "schema",
+    ("schema", "good", "bad"),
     [
-        {"type": "string", "maxLength": 100_000},
-        {"type": "string", "minLength": 10**8},
-        {"type": "array", "items": {"type": "integer"}, "maxItems": 50_000},
-        {"type": "object", "properties": {"a": {"type": "array", "minItems": MAX_REPEAT + 1}}},
-        {"type": "string", "pattern": "^a{1,100000}$"},
-        {"type": "string", "pattern": "^a{100000000}$"},
+        ({"type": "integer", "minimum": 1, "maximum": 5}, ["1", "5"], ["0", "6", "1000000000000000"]),
+        ({"type": "integer", "exclusiveMinimum": 1, "exclusiveMaximum": 5}, ["2", "4"], ["1", "5"]),
+        ({"type": "number", "minimum": -1.5, "maximum": 2.5}, ["-1.5", "2.25", "0"], ["-2", "2.75"]),
+        ({"type": "integer", "multipleOf": 5}, ["0", "15"], ["7"]),
+        (
+            {"$ref": "#/$defs/n", "$defs": {"n": {"type": "object", "properties": {"c": {"$ref": "#/$defs/n"}}}}},
+            ['{"c": {"c": {}}}'],
+            ['{"d": {}}'],
+        ),
+        ({"type": "string", "format": "date"}, ['"2024-02-29"'], ['"2024-13-01"']),
+        ({"type": "string", "format": "uuid"}, ['"123e4567-e89b-12d3-a456-426614174000"'], ['"123"']),
+        ({"type": ["string", "null"], "maxLength": 2}, ['"ab"', "null"], ['"abc"']),
+        ({"type": "string", "nullable": True}, ['"x"', "null"], ["1"]),
+        ({"type": "object", "properties": {"a": {"type": "integer"}}}, ['{"a": 1}', "{}"], ['{"b": 1}']),
     ],
 )
-def test_repetition_beyond_the_bound_is_refused_before_conversion(schema):
-    with pytest.raises(Unprocessable, match="more than a grammar can hold|repeats more"):
-        schema_grammar(schema, "format")
+def test_keywords_the_gbnf_converter_dropped_are_held_to(grammars, schema, good, bad):
+    assert [takes(grammars, schema, text) for text in good] == [True] * len(good)
+    assert [takes(grammars, schema, text) for text in bad] == [False] * len(bad)
 
 
-def test_nesting_skips_literals_and_classes():
-    assert nesting('root ::= ("(" [(] (a)?)?') == 2
-    assert nesting('root ::= "\\"((((("') == 0
-
-
-def test_a_schema_the_converter_cannot_take_is_unprocessable():
-    with pytest.raises(Unprocessable, match="cannot be turned into a grammar"):
-        schema_grammar({"type": "string", "pattern": "no anchors"}, "format")
-
-
-def test_llama_cpp_parses_the_escaped_grammars(packaged_gguf):
+def test_nul_and_backslash_literals_are_json_escapes(grammars):
+    schema = {"enum": ["\u0000", "a\\b"]}
+    assert takes(grammars, schema, '"\\u0000"') and takes(grammars, schema, '"a\\\\b"')
     request = Request(model="m", tools=(Tool(name="x\u0000"),), tool_choice=ToolChoice(mode="required"))
-    grammars = [
-        schema_grammar({"enum": ["\u0000", "é", "a\\b", "\ud800"]}, "format"),
-        schema_grammar(call_schema(request), "tools"),
-        schema_grammar({"type": "string", "pattern": "^a\u0000b$"}, "format"),
-        schema_grammar({"type": "string", "maxLength": MAX_REPEAT}, "format"),
-    ]
-    assert [parses(g, packaged_gguf) for g in grammars] == ["parsed"] * len(grammars)
+    assert takes(grammars, call_schema(request), '{"name": "x\\u0000", "arguments": {}}')
 
 
-def test_unchecked_deep_grammars_are_what_llama_cpp_cannot_take(packaged_gguf):
-    """Why the bounds exist: the converter's own grammar for maxLength 100000 nests 100000 levels, which overflows
-    the stack of the process that parses it (with an 8 MiB stack; a larger one gets a refusal)."""
-    from llama_cpp.llama_grammar import json_schema_to_gbnf
+def test_a_twenty_thousand_value_enum_compiles_and_the_same_schema_is_compiled_once(grammars):
+    schema = {"enum": [f"value-{i}-x" for i in range(20_000)]}
+    before = grammars.compiled, grammars.hits
+    assert takes(grammars, schema, '"value-12345-x"') and not takes(grammars, schema, '"value-20000-x"')
+    assert (grammars.compiled, grammars.hits) == (before[0] + 1, before[1] + 1)
 
-    gbnf = json_schema_to_gbnf(json.dumps({"type": "string", "maxLength": 100_000}))
-    assert nesting(gbnf) > 50_000
-    assert parses(gbnf, packaged_gguf) != "parsed"
+
+def test_each_matcher_is_its_own(grammars):
+    schema = {"type": "integer", "maximum": 99}
+    first = grammars.matcher(schema, "format")
+    tokens = grammars.tokenizer().tokenize_str("12")
+    assert first.try_consume_tokens(tokens) == len(tokens)
+    second = grammars.matcher(schema, "format")  # from the cache: starts at the beginning, not after "12"
+    assert second.try_consume_tokens(grammars.tokenizer().tokenize_str("9")) == 1
+
+
+@pytest.mark.parametrize(
+    ("schema", "words"),
+    [
+        ({"type": "string", "not": {"const": "a"}}, "the keyword 'not' is not supported"),
+        ({"type": "string", "pattern": "^(a$"}, "cannot be enforced: regex parse error"),
+        ({"type": "string", "pattern": "^(a)\\1$"}, "cannot be enforced"),
+    ],
+)
+def test_what_cannot_be_enforced_is_a_400_that_says_why(grammars, schema, words):
+    with pytest.raises(InvalidRequest) as caught:
+        grammars.matcher(schema, "the response format's JSON schema", param="response_format")
+    assert caught.value.status == 400 and caught.value.param == "response_format"
+    assert words in caught.value.message and caught.value.message.startswith("the response format's JSON schema")

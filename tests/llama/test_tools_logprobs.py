@@ -26,6 +26,7 @@ from meshgate.protocols.model import (
     ToolChoice,
     ToolResultPart,
 )
+from tests.llama.test_grammar import takes
 
 WEATHER = Tool(
     name="get_weather",
@@ -102,11 +103,10 @@ def test_oai_21_named_schema_admits_only_that_tool_and_lifts_defs():
     assert "$defs" not in schema["properties"]["arguments"] and schema["$defs"] == {"P": {"type": "string"}}
 
 
-def test_oai_49_call_schemas_compile_to_llama_cpp_grammars():
-    grammar_module = pytest.importorskip("llama_cpp.llama_grammar")
+def test_oai_49_call_schemas_hold_the_model_to_an_offered_name(grammars):
     for req in (request("required"), request("tool", "get_time")):
-        grammar = grammar_module.LlamaGrammar.from_json_schema(json.dumps(call_schema(req)), verbose=False)
-        assert '"\\"get_time\\""' in grammar._grammar
+        assert takes(grammars, call_schema(req), '{"name": "get_time", "arguments": {}}')
+    assert not takes(grammars, call_schema(request("tool", "get_time")), '{"name": "get_weather", "arguments": {}}')
 
 
 @pytest.mark.parametrize(

@@ -40,7 +40,7 @@ import msgspec
 from msgspec import UNSET, UnsetType
 
 from meshgate.protocols import sse
-from meshgate.protocols.formats import decode_base64, json_object_prefix, rfc3339
+from meshgate.protocols.formats import check_tool_name, decode_base64, json_object_prefix, rfc3339
 from meshgate.protocols.model import (
     BackendProtocolError,
     ContextLengthExceeded,
@@ -314,6 +314,10 @@ def _tool(tool: WireTool, index: int) -> Tool:
         raise UnsupportedFeature(f"server tool type '{tool.type}' is not supported", param=f"tools[{index}].type")
     if tool.input_schema is None:
         raise InvalidRequest("a custom tool needs an input_schema", param=f"tools[{index}].input_schema")
+    try:
+        check_tool_name(tool.name, 128)
+    except ValueError as exc:
+        raise InvalidRequest(f"tools.{index}.custom.name: {exc}", param=f"tools[{index}].name") from exc
     return Tool(name=tool.name, description=tool.description, parameters=tool.input_schema)
 
 

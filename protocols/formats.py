@@ -18,6 +18,10 @@ words its own errors, so the functions raise plain ``ValueError`` and the caller
   read by jiter in partial mode as the anthropic SDK reads a streamed ``input`` (an unfinished string or
   value is left out).
 
+- ``check_tool_name``: a tool name against a protocol's rule: ``^[a-zA-Z0-9_-]{1,n}$`` (OpenAI's n is 64,
+  Anthropic's 128, which Claude Code's ``mcp__server__tool`` names fit), or, for Ollama, which checks nothing,
+  only that the name is not empty and holds no control character.
+
 Imports only the standard library and jiter. No I/O.
 """
 
@@ -25,12 +29,22 @@ from __future__ import annotations
 
 import base64
 import functools
+import json
+import re
 from datetime import UTC, datetime
 from typing import Any, NamedTuple
 
 import jiter
 
-__all__ = ["DataURI", "decode_base64", "encode_data_uri", "json_object_prefix", "parse_data_uri", "rfc3339"]
+__all__ = [
+    "DataURI",
+    "check_tool_name",
+    "decode_base64",
+    "encode_data_uri",
+    "json_object_prefix",
+    "parse_data_uri",
+    "rfc3339",
+]
 
 
 def decode_base64(text: str, *, wrapped: bool = False) -> bytes:
@@ -97,3 +111,29 @@ def json_object_prefix(text: str) -> dict[str, Any]:
     except ValueError:
         return {}
     return value if isinstance(value, dict) else {}
+
+
+_TOOL_NAME = re.compile(r"[a-zA-Z0-9_-]+")
+_CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f]")
+
+
+def check_tool_name(name: str, longest: int | None) -> None:
+    """Raise ``ValueError`` saying how ``name`` breaks the rule for tool names.
+
+    Args:
+        name: the tool's name as the client sent it.
+        longest: the rule ``^[a-zA-Z0-9_-]{1,longest}$``; ``None`` asks only for a non-empty name without
+            control characters.
+    """
+    shown = json.dumps(name if len(name) <= 80 else name[:80] + "...")  # a control character shows as \\u0000
+    if not name:
+        raise ValueError("the tool name is empty; give the tool a name")
+    if longest is None:
+        if _CONTROL.search(name):
+            raise ValueError(f"the tool name {shown} holds a control character; use printable characters only")
+        return
+    rule = f"^[a-zA-Z0-9_-]{{1,{longest}}}$"
+    if not _TOOL_NAME.fullmatch(name):
+        raise ValueError(f"the tool name {shown} does not match {rule}: use only ASCII letters, digits, '_' and '-'")
+    if len(name) > longest:
+        raise ValueError(f"the tool name {shown} has {len(name)} characters; {rule} allows at most {longest}")

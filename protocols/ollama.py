@@ -39,7 +39,7 @@ from typing import Annotated, Any
 
 import msgspec
 
-from meshgate.protocols.formats import decode_base64, json_object_prefix, parse_data_uri, rfc3339
+from meshgate.protocols.formats import check_tool_name, decode_base64, json_object_prefix, parse_data_uri, rfc3339
 from meshgate.protocols.model import (
     UNSET,
     ContextLengthExceeded,
@@ -211,12 +211,7 @@ def chat_to_internal(wire: ChatRequest) -> Request:
         UnsupportedFeature: ``logprobs`` was asked for.
     """
     _check_common(wire)
-    tools = tuple(
-        Tool(name=t.function.name, description=t.function.description, parameters=t.function.parameters)
-        if t.function.parameters is not None
-        else Tool(name=t.function.name, description=t.function.description)
-        for t in wire.tools or ()
-    )
+    tools = tuple(_tool(t, i) for i, t in enumerate(wire.tools or ()))
     request = _request(wire, messages=_messages(wire.messages or ()), tools=tools)
     if tools and request.response_format.kind != "text":  # tools with a format: the answer is a call
         return msgspec.structs.replace(
@@ -246,6 +241,18 @@ def generate_to_internal(wire: GenerateRequest) -> Request:
     messages = [Message(role="system", parts=(TextPart(text=wire.system),))] if wire.system else []
     messages.append(Message(role="user", parts=(TextPart(text=wire.prompt), *images)))
     return _request(wire, messages=tuple(messages))
+
+
+def _tool(tool: WireTool, index: int) -> Tool:
+    """The internal tool. Ollama checks no tool name; one that is empty or holds a control character is refused."""
+    try:
+        check_tool_name(tool.function.name, None)
+    except ValueError as exc:
+        raise InvalidRequest(f"tools[{index}].function.name: {exc}", param=f"tools[{index}].function.name") from exc
+    function = tool.function
+    if function.parameters is None:
+        return Tool(name=function.name, description=function.description)
+    return Tool(name=function.name, description=function.description, parameters=function.parameters)
 
 
 def is_load_request(wire: ChatRequest | GenerateRequest) -> bool:

@@ -34,7 +34,7 @@ from typing import Any, Literal, TypeAlias
 import msgspec
 from msgspec import UNSET, UnsetType
 
-from meshgate.protocols.formats import decode_base64, parse_data_uri
+from meshgate.protocols.formats import check_tool_name, decode_base64, parse_data_uri
 from meshgate.protocols.model import (
     BackendProtocolError,
     Event,
@@ -277,7 +277,7 @@ def chat_to_internal(wire: ChatRequest) -> Request:
     only_one(wire.n, "n")
     if wire.top_logprobs and not wire.logprobs:
         raise InvalidRequest("top_logprobs requires logprobs to be true", param="top_logprobs")
-    tools = tuple(_tool(t.function) for t in wire.tools or ())
+    tools = tuple(_tool(t.function, i) for i, t in enumerate(wire.tools or ()))
     return Request(
         model=wire.model,
         messages=_messages(wire.messages),
@@ -294,7 +294,13 @@ def chat_to_internal(wire: ChatRequest) -> Request:
     )
 
 
-def _tool(function: FunctionDefinition) -> Tool:
+def _tool(function: FunctionDefinition, index: int) -> Tool:
+    """The internal tool; a name outside OpenAI's ``^[a-zA-Z0-9_-]{1,64}$`` is ``InvalidRequest``."""
+    where = f"tools[{index}].function.name"
+    try:
+        check_tool_name(function.name, 64)
+    except ValueError as exc:
+        raise InvalidRequest(f"Invalid '{where}': {exc}", param=where) from exc
     if function.parameters is None:
         return Tool(name=function.name, description=function.description)
     return Tool(name=function.name, description=function.description, parameters=function.parameters)

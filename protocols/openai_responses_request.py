@@ -36,6 +36,7 @@ from typing import Any, Literal
 import msgspec
 from msgspec import UNSET, UnsetType
 
+from meshgate.protocols.formats import check_tool_name
 from meshgate.protocols.model import (
     InvalidRequest,
     Message,
@@ -183,6 +184,10 @@ def _tools(wire: list[dict[str, Any]]) -> tuple[Tool, ...]:
             tool = msgspec.convert(raw, FunctionTool)
         except msgspec.ValidationError as exc:
             raise InvalidRequest(f"tools[{i}]: {exc}; a function tool needs a 'name'", param=f"tools[{i}]") from exc
+        try:
+            check_tool_name(tool.name, 64)
+        except ValueError as exc:
+            raise InvalidRequest(f"Invalid 'tools[{i}].name': {exc}", param=f"tools[{i}].name") from exc
         if tool.parameters is None:
             tools.append(Tool(name=tool.name, description=tool.description))
         else:

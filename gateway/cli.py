@@ -315,7 +315,9 @@ def main(argv: list[str] | None = None) -> int:
         p.add_argument("--model", action="append", default=[], help="a GGUF to serve: NAME=PATH or PATH")
         p.add_argument("--plugin", action="append", default=[], help="an extra plugin module to load")
         p.add_argument("--api-key", action="append", default=[], help="require this API key (repeatable)")
-        p.add_argument("--n-ctx", type=int, help="context length for llama.cpp runners (default 4096)")
+        p.add_argument(
+            "--n-ctx", type=int, help="fixed context for runners (default: 4096, grown to what a request needs)"
+        )
         p.add_argument("--threads", type=int, help="threads per runner (default: all cores)")
         p.add_argument("--name", help="this node's name (default: the host name)")
         p.add_argument("--address", help="cluster address runtimes bind (default 127.0.0.1)")

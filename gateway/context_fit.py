@@ -50,7 +50,7 @@ from meshgate.protocols.model import (
     UnsupportedFeature,
 )
 
-__all__ = ["Fit", "cap_output", "fit_context", "token_bound"]
+__all__ = ["GROWTH_ROOM", "Fit", "cap_output", "fit_context", "grown_context", "needed_context", "token_bound"]
 
 Count = Callable[[Request], Awaitable[int]]
 
@@ -59,6 +59,10 @@ TEMPLATE_BYTES = 1024
 
 TURN_BYTES = 64
 """Allowance for what a chat template adds per message (role markers, separators, ``Result of <tool>:``)."""
+
+
+GROWTH_ROOM = 1024
+"""Tokens of output a request that gets a bigger context (``needed_context``) is given room for at least."""
 
 
 class Fit(enum.Enum):
@@ -106,6 +110,42 @@ async def fit_context(request: Request, context: int, count: Count, fit: Fit, to
         if trimmed is not None:
             return trimmed
     raise ContextLengthExceeded(prompt_tokens=prompt, completion_tokens=output, context=context)
+
+
+async def needed_context(
+    request: Request, context: int, limit: int, count: Count, fit: Fit, token_bytes: int = 0
+) -> int:
+    """Tokens of context ``request`` needs whole (no message dropped) when it does not fit ``context`` but could
+    fit ``limit`` (the model's own); 0 otherwise (it fits, or nothing up to ``limit`` would hold it).
+
+    What it needs is its prompt plus the output it asks for (``PROMPT_AND_OUTPUT``) and at least ``GROWTH_ROOM``
+    tokens of output. Counts the same way as ``fit_context``, which the caller runs next on the context it picks.
+    """
+    if context <= 0 or limit <= context:
+        return 0
+    room = (request.max_tokens if fit is Fit.PROMPT_AND_OUTPUT else None) or 1
+    bound, text = _sizes(request)
+    if bound is not None and bound + room <= context:
+        return 0
+    least = text // token_bytes if token_bytes > 0 else 0
+    if least + room > limit:
+        return 0
+    try:
+        prompt = await count(request)
+    except UnsupportedFeature:
+        return 0
+    if prompt + room <= context or prompt + room > limit:
+        return 0
+    return prompt + max(room, GROWTH_ROOM)
+
+
+def grown_context(context: int, needed: int, limit: int) -> int:
+    """The context a request that needs ``needed`` tokens gets: ``context`` doubled until it holds them, at most
+    ``limit`` (so requests of similar sizes share a replica instead of each getting its own)."""
+    size = max(context, 1)
+    while size < needed:
+        size *= 2
+    return min(size, limit)
 
 
 def cap_output(request: Request, limit: int, *, clamp: bool, context: int = 0) -> Request:

@@ -69,7 +69,7 @@ def meshgate_register_backends(
         LlamaCppBackend(
             http,
             python=settings.runner_python,
-            n_ctx=settings.n_ctx,
+            n_ctx=settings.runner_context,
             threads=settings.threads,
             cache_dir=str(Path(settings.data_dir) / "rpc-cache"),
             repack=own.llama_repack,

@@ -52,6 +52,10 @@ def meshgate_register_backends(
         return
     register(
         MlxBackend(
-            http, python=python, n_ctx=settings.n_ctx, runtime_dir=str(settings.run_dir), parallel=settings.parallel
+            http,
+            python=python,
+            n_ctx=settings.runner_context,
+            runtime_dir=str(settings.run_dir),
+            parallel=settings.parallel,
         )
     )

@@ -26,13 +26,18 @@ from typing import Annotated, Any, Literal, Self, get_origin
 
 import msgspec
 
-__all__ = ["PluginSettings", "Settings", "default_data_dir"]
+__all__ = ["DEFAULT_CONTEXT", "PluginSettings", "Settings", "default_data_dir"]
 
 
 def default_data_dir() -> str:
     """``$XDG_DATA_HOME/meshgate``, or ``~/.local/share/meshgate``."""
     base = os.environ.get("XDG_DATA_HOME") or str(Path.home() / ".local" / "share")
     return str(Path(base) / "meshgate")
+
+
+DEFAULT_CONTEXT = 4096
+"""Tokens of context a model's first runner gets unless ``n_ctx`` is set: 16 slots of the packaged model in 5 GiB
+of memory (README, "Slots"); requests that need more get a bigger replica (``Settings.grow_context``)."""
 
 
 class Settings(msgspec.Struct, frozen=True, kw_only=True):
@@ -48,7 +53,10 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
         plugins: Extra plugin modules to register, besides the ``meshgate`` entry points.
         disabled_plugins: Plugin names (entry-point names) not to load.
         api_keys: When non-empty, clients must present one of these keys.
-        n_ctx: Context length for llama.cpp runners (capped by the model's own).
+        n_ctx: Context length runners get (capped by the model's own), fixed. Unset (the default), a model's
+            first runner gets ``DEFAULT_CONTEXT`` tokens and a request that sets no ``num_ctx`` and does not fit
+            gets a replica as big as it needs, up to the model's own context (``runner_context``; README,
+            "Context sizes without eviction").
         threads: Threads per runner; all cores when unset.
         runner_python: Interpreter for runner processes (a runtime's own virtual environment).
         backend_preference: Backend names in the order they are tried for a model that several can serve
@@ -104,7 +112,7 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     plugins: tuple[str, ...] = ()
     disabled_plugins: tuple[str, ...] = ()
     api_keys: tuple[str, ...] = ()
-    n_ctx: int = 4096
+    n_ctx: Annotated[int, msgspec.Meta(ge=1)] | None = None
     threads: int | None = None
     runner_python: str | None = None
     log_level: str = "info"
@@ -143,6 +151,16 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
 
     def replace(self, **changes: Any) -> Settings:
         return msgspec.structs.replace(self, **changes)
+
+    @property
+    def runner_context(self) -> int:
+        """The context a model's first runner gets: ``n_ctx``, else ``DEFAULT_CONTEXT``."""
+        return self.n_ctx or DEFAULT_CONTEXT
+
+    @property
+    def grow_context(self) -> bool:
+        """Whether a request that sets no ``num_ctx`` may get a bigger replica: ``n_ctx`` is unset."""
+        return self.n_ctx is None
 
     @property
     def models_dir(self) -> Path:

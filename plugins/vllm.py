@@ -66,7 +66,7 @@ def meshgate_register_backends(
             http,
             python=python,
             runtime_dir=str(settings.run_dir),
-            n_ctx=settings.n_ctx,
+            n_ctx=settings.runner_context,
             tensor_per_node=own.vllm_tensor_parallel,
             pipeline_per_node=own.vllm_pipeline_parallel,
             kv_cache_gib=own.vllm_kv_cache_gib,

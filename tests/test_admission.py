@@ -7,7 +7,7 @@ import asyncio
 import pytest
 
 from meshgate.gateway.admission import Admission, Load
-from meshgate.gateway.context_fit import Fit, fit_context, token_bound
+from meshgate.gateway.context_fit import Fit, fit_context, grown_context, needed_context, token_bound
 from meshgate.protocols.model import (
     ContextLengthExceeded,
     ImagePart,
@@ -180,6 +180,31 @@ async def test_prompt_rule_ignores_max_tokens():
     with pytest.raises(ContextLengthExceeded) as refused:
         await fit_context(_chat(_big(5000), max_tokens=32000), 4096, count, Fit.PROMPT)
     assert (refused.value.prompt_tokens, refused.value.completion_tokens) == (5000, None)
+
+
+async def test_needed_context_is_zero_when_it_fits_or_nothing_would_hold_it():
+    count, calls = _counter()
+    assert await needed_context(_chat("hi"), 4096, 32768, count, Fit.DROP_OLDEST) == 0
+    assert calls == []  # its bytes show it fits
+    assert await needed_context(_chat(_big(4000)), 4096, 32768, count, Fit.PROMPT) == 0
+    assert await needed_context(_chat(_big(40000)), 4096, 32768, count, Fit.PROMPT) == 0  # beyond the model's own
+    assert await needed_context(_chat(_big(5000)), 4096, 4096, count, Fit.PROMPT) == 0  # no bigger context to have
+
+
+async def test_needed_context_is_the_whole_prompt_and_room_to_answer():
+    count, _ = _counter()
+    long = _chat("old " + _big(3000), _big(2000))  # Ollama would drop the first message; growing keeps it
+    assert await needed_context(long, 4096, 32768, count, Fit.DROP_OLDEST) == 5001 + 1024
+    asked = _chat(_big(3000), max_tokens=3000)  # OpenAI: the output asked for counts
+    assert await needed_context(asked, 4096, 32768, count, Fit.PROMPT_AND_OUTPUT) == 6000
+    anthropic = _chat(_big(5000), max_tokens=32000)  # Anthropic: only the prompt must fit
+    assert await needed_context(anthropic, 4096, 32768, count, Fit.PROMPT) == 5000 + 1024
+
+
+def test_grown_context_doubles_up_to_the_model_limit():
+    assert grown_context(4096, 6024, 32768) == 8192
+    assert grown_context(4096, 8193, 32768) == 16384
+    assert grown_context(4096, 30000, 20000) == 20000
 
 
 async def test_drop_oldest_keeps_system_and_the_latest_turn():

@@ -122,6 +122,7 @@ async def control_plane(
                     max_tokens=settings.max_tokens,
                     user_models=UserModels(ModelRegistry.in_data_dir(settings.data_dir)),
                     loads=loads,
+                    grow_context=settings.grow_context,
                 )
             yield plane
         finally:

@@ -35,6 +35,20 @@ the way llama.cpp's own server drives its slots:
   the rest; at least the last prompt token is evaluated again, for its logits. A prompt cut into other chunks
   than before can get slightly different numbers, so a prefix of fewer than ``MIN_REUSE`` tokens (a chat
   template's opening) is not reused: distinct short prompts always run from an empty sequence.
+- Slots share prefixes. Where another slot, busy or not, holds at least ``MIN_REUSE`` tokens more of the
+  prompt (an agent's second task beside its first, behind one long system prompt), the job takes the free slot
+  used longest ago instead and that slot's KV stream is copied into it: ``llama_memory_seq_cp`` of the whole
+  stream (across streams llama.cpp copies only whole ones; the cell layout comes along, the buffers are copied
+  at the start of the next ``llama_decode``, before its batch is placed, in both of Gemma 3's iSWA caches), then
+  ``llama_memory_seq_rm`` past the shared prefix. A copy of a 4,096-cell stream costs less than one token's
+  decode at that depth (~15 ms against ~50 ms; 32 prompt tokens ~520 ms; ``benchmarks/prefix_copy.py``, 1
+  thread), so any ``MIN_REUSE`` tokens more pay for it. A slot's tokens are what its KV cache
+  holds: of a prompt being prefilled, only its chunks already decoded. So two prompts behind one preamble that
+  is still being prefilled compute it once: before each of its chunks a prompt takes again, the same way, what
+  another slot has computed of it since; shortest remaining first runs the one with less left (the one ahead),
+  and the other, left waiting in its slot, copies the preamble when its turn comes and evaluates only its own
+  tail. Waiting costs it nothing: with more left, it would run after the other one anyway. (Whether a
+  newcomer stops a chunk in flight is still judged on its whole prompt, before it takes any prefix.)
 - A finished or cancelled job leaves its slot at once; the slot keeps its tokens for the next job's prefix.
 - Every job samples with its own native chain (``sampling.Sampler``) from its own row of the batch's logits;
   log probabilities are read from the same row before the next decode replaces them.
@@ -146,6 +160,7 @@ class _Slot:
     seq: int
     tokens: list[int] = field(default_factory=list)  # what the KV cache holds for this sequence, in order
     job: Job | None = None
+    used: int = 0  # admission order of its last job: a copied prefix goes to the free slot used longest ago
 
 
 class Scheduler:
@@ -198,6 +213,7 @@ class Scheduler:
         self.steps = 0  # decodes run; ``stats`` reports them with the widest batch seen
         self.widest = 0
         self.reused = 0  # prompt tokens taken from a slot's cache instead of evaluated
+        self.copies = 0  # prefixes copied from another slot's KV stream
         self.preempted = 0  # prompt chunks stopped for a newcomer or a cancel, and evaluated again
         self._wake = threading.Condition()
         self._closed = False
@@ -238,6 +254,7 @@ class Scheduler:
             "widest_batch": self.widest,
             "decode_group": self.group,
             "reused_tokens": self.reused,
+            "copied_prefixes": self.copies,
             "preempted_chunks": self.preempted,
         }
 
@@ -270,16 +287,39 @@ class Scheduler:
                 return
             self.waiting.popleft()
             slot = max(free, key=lambda s: _common(s.tokens, job.prompt))
-            keep = min(_common(slot.tokens, job.prompt), len(job.prompt) - 1)
-            if keep < MIN_REUSE or not self._lib.llama_memory_seq_rm(self.memory, slot.seq, keep, -1):
+            keep = _usable(slot.tokens, job.prompt)
+            holder = self._holder(job.prompt, keep)
+            if holder is not None:  # another slot holds more of the prompt: copy it over the least recently used
+                slot = min(free, key=lambda s: s.used)
+                keep = self._copy(holder, slot, _usable(holder.tokens, job.prompt))
+            elif keep == 0 or not self._lib.llama_memory_seq_rm(self.memory, slot.seq, keep, -1):
                 self._lib.llama_memory_seq_rm(self.memory, slot.seq, -1, -1)
                 keep = 0
             del slot.tokens[keep:]
             job.fed = job.cached = keep
             self.reused += keep
             self._admitted += 1
-            job.admitted = self._admitted
+            job.admitted = slot.used = self._admitted
             slot.job = job
+
+    def _holder(self, prompt: list[int], have: int) -> _Slot | None:
+        """The slot, busy or not, that holds the longest prefix of ``prompt``, if that is ``MIN_REUSE`` tokens or
+        more longer than the ``have`` tokens its own slot holds (a copy is worth that much)."""
+        best = max(self.slots, key=lambda s: _common(s.tokens, prompt))
+        return best if _usable(best.tokens, prompt) >= have + MIN_REUSE else None
+
+    def _copy(self, source: _Slot, slot: _Slot, keep: int) -> int:
+        """Make ``slot``'s KV stream a copy of ``source``'s, cut back to its first ``keep`` tokens; returns how many
+        it keeps (0 if the cut failed). llama.cpp records the copy now and copies the buffers at the start of the
+        next ``llama_decode``, before it writes any cell, so ``source`` may change after this call."""
+        self._lib.llama_memory_seq_cp(self.memory, source.seq, slot.seq, -1, -1)  # whole streams only
+        self.copies += 1
+        slot.tokens = source.tokens[:keep]
+        if not self._lib.llama_memory_seq_rm(self.memory, slot.seq, keep, -1):
+            self._lib.llama_memory_seq_rm(self.memory, slot.seq, -1, -1)
+            slot.tokens = []
+            return 0
+        return keep
 
     def _step(self) -> None:
         """One decode of every generating sequence, then prompt chunks, shortest remaining prompt first."""
@@ -325,6 +365,12 @@ class Scheduler:
         when it was stopped before it began or while it ran (``_should_abort``): nothing of it is kept."""
         job = slot.job
         assert job is not None
+        holder = self._holder(job.prompt, job.fed)
+        if holder is not None:  # another slot has computed more of this prompt since: take it instead
+            keep = self._copy(holder, slot, _usable(holder.tokens, job.prompt))
+            taken = keep - job.fed if keep else 0  # 0 kept: the cut failed and the slot was emptied
+            job.fed, job.cached = keep, job.cached + taken if keep else 0
+            self.reused += taken
         start = job.fed
         end = min(len(job.prompt), start + CHUNK - (start - job.cached) % CHUNK)
         with self._wake:
@@ -430,9 +476,18 @@ class Scheduler:
         self._lib.llama_free(self.ctx)
 
 
+def _usable(tokens: list[int], prompt: list[int]) -> int:
+    """How much of ``prompt`` a KV cache holding ``tokens`` saves: the shared prefix, less the last prompt token
+    (evaluated again for its logits); 0 below ``MIN_REUSE``."""
+    keep = min(_common(tokens, prompt), len(prompt) - 1)
+    return keep if keep >= MIN_REUSE else 0
+
+
 def _common(a: list[int], b: list[int]) -> int:
     n = min(len(a), len(b))
     i = 0
+    while i + 256 <= n and a[i : i + 256] == b[i : i + 256]:  # whole blocks compared in C: prompts run to 100k
+        i += 256
     while i < n and a[i] == b[i]:
         i += 1
     return i

@@ -88,10 +88,11 @@ class LaunchedRank:
 class MlxBackend(Backend):
     """Serves Hugging Face checkpoints (``format="safetensors"``) with mlx-lm, whole or sharded over ranks.
 
-    ``python`` is an interpreter with ``mlx`` and ``mlx-lm`` (and msgspec, uvicorn); meshgate's own ``backends``
-    and ``protocols`` packages reach it through ``PYTHONPATH``. Pipeline ranks load only their layer range;
-    tensor ranks split every layer. ``parallel``: requests an instance decodes together (its head's batch; the
-    runner's ``--parallel``). Free text only: no tools, structured output or embeddings.
+    ``python`` is an interpreter with ``mlx``, ``mlx-lm`` and ``llguidance`` (and msgspec, uvicorn); meshgate's own
+    ``backends`` and ``protocols`` packages reach it through ``PYTHONPATH``. Pipeline ranks load only their layer
+    range; tensor ranks split every layer. ``parallel``: requests an instance decodes together (its head's batch;
+    the runner's ``--parallel``). Response formats are enforced (llguidance, ``structured.py``); no tools or
+    embeddings.
     """
 
     name = "mlx"
@@ -119,7 +120,7 @@ class MlxBackend(Backend):
         return card.format == "safetensors"
 
     def capabilities(self, card: ModelCard) -> Capabilities:
-        return Capabilities(tools=False, vision=False, json_schema=False, raw_prompt=True, embeddings=False)
+        return Capabilities(tools=False, vision=False, json_schema=True, raw_prompt=True, embeddings=False)
 
     def strategies(self, card: ModelCard) -> frozenset[Strategy]:
         return frozenset({"single", "pipeline", "tensor"})

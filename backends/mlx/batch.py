@@ -16,7 +16,8 @@ the lowest mean time to first token, and a long prompt cannot starve since what 
 short prompt waits for at most the one chunk in flight, never for a long prompt's whole prefill, and running
 rows keep decoding while a long prompt is prefilled. It samples each row (greedy rows by one
 argmax over the batch; a sampled row with its own seeded key, drawn as ``mx.random.seed(seed)`` then mlx-lm's
-sampler would draw, so a seed gives the same text under any load) and hands each pick to its sequence's queue,
+sampler would draw, so a seed gives the same text under any load; a row with a structured-output ``Constraint``
+first has the logits its grammar forbids set to ``-inf``) and hands each pick to its sequence's queue,
 which the request's own ``generate`` thread reads. Over several ranks it sends every operation over the
 lockstep before running it; followers run ``Batch.run`` on what they receive.
 
@@ -33,7 +34,8 @@ a prompt longer than ``CHUNK`` gets other numbers than the one-piece prefill bef
 ``generate_step``, which prefills in chunks of 2048). A chunk in flight is not stopped (an MLX evaluation cannot
 be): a short prompt may wait for one. Not done: prefix reuse between requests.
 
-Runs only in MLX processes; imports mlx and mlx_lm (lazily) and protocols, nothing else of ours.
+Runs only in MLX processes; imports mlx, mlx_lm and numpy (lazily) and protocols; of ours, ``structured`` for a
+type only.
 """
 
 from __future__ import annotations
@@ -42,9 +44,12 @@ import collections
 import queue
 import threading
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from meshgate.protocols.model import BackendUnavailable
+
+if TYPE_CHECKING:
+    from meshgate.backends.mlx.structured import Constraint
 
 __all__ = ["Batch", "Sampler", "Scheduler", "Sequence"]
 
@@ -178,9 +183,16 @@ class Sequence:
     """
 
     def __init__(
-        self, tokens: list[int], limit: int, eos: set[int], sampler: Sampler | None, cancel: threading.Event
+        self,
+        tokens: list[int],
+        limit: int,
+        eos: set[int],
+        sampler: Sampler | None,
+        cancel: threading.Event,
+        constraint: Constraint | None = None,
     ) -> None:
         self.tokens, self.limit, self.eos, self.sampler, self.cancel = tokens, limit, eos, sampler, cancel
+        self.constraint = constraint
         self.picks: queue.SimpleQueue[int | BaseException] = queue.SimpleQueue()
         self.last = -1  # the latest pick: the next step's input
         self.count = 0
@@ -193,6 +205,13 @@ class Sequence:
         return self.ended or self.closed or self.cancel.is_set()
 
     def deliver(self, pick: int) -> None:
+        if self.constraint is not None:
+            try:
+                self.constraint.advance(pick)
+            except Exception as exc:  # this sequence fails, the batch runs on
+                self.ended = True
+                self.picks.put(exc)
+                return
         self.last = pick
         if pick in self.eos:
             self.ended = True
@@ -362,6 +381,15 @@ class Scheduler:
         import mlx.core as mx
 
         last = _last(logits)
+        if any(seq.constraint is not None for seq in rows):  # the grammar's disallowed tokens out, then pick
+            import numpy as np
+
+            width = last.shape[-1]
+            allowed = np.ones((len(rows), width), dtype=bool)
+            for i, seq in enumerate(rows):
+                if seq.constraint is not None:
+                    allowed[i] = seq.constraint.mask(width)
+            last = mx.where(mx.array(allowed), last, -mx.inf)
         if all(seq.sampler is None for seq in rows):
             picks = mx.argmax(last, axis=-1)
         else:

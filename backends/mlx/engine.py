@@ -12,8 +12,9 @@ all ranks) or by pipeline (each rank its own range of layers; only the head comp
 hidden states on).
 
 Greedy when temperature is 0; otherwise mlx-lm's sampling filters and a random key of the request's own, seeded
-with its seed (the same draws alone or in a batch). Free text only for now: tools,
-response formats and logprobs answer ``UnsupportedFeature``.
+with its seed (the same draws alone or in a batch). Response formats (JSON object, JSON schema) are enforced with
+llguidance (``structured.py``: a matcher per sequence masks its logits row before the pick); tools and logprobs
+answer ``UnsupportedFeature``.
 
 Runs only in the runner process; imports protocols and mlx/mlx_lm, never the gateway.
 """
@@ -31,6 +32,7 @@ import msgspec
 
 from meshgate.backends.mlx.batch import Batch, Sampler, Scheduler, Sequence
 from meshgate.backends.mlx.lockstep import Lockstep
+from meshgate.backends.mlx.structured import Grammars
 from meshgate.backends.runner.stops import StopMatcher
 from meshgate.protocols.model import (
     UNSET,
@@ -100,6 +102,7 @@ class MlxEngine:
         batch = Batch(self._forward, self._make_cache)
         self.parallel = max(1, parallel) if batch.can_batch else 1  # a cache mlx-lm cannot merge: one at a time
         self.scheduler = Scheduler(batch, self.lockstep, self.parallel)
+        self.grammars = Grammars(self.tokenizer)
         self._tokenizing = threading.Lock()  # a fast tokenizer may refuse two calls at once ("Already borrowed")
         self._first_request = True
 
@@ -175,8 +178,8 @@ class MlxEngine:
 
     def generate(self, request: Request, cancel: threading.Event) -> Iterator[Event]:
         """The head's side (rank 0): the request joins the running batch; its picks come back one at a time."""
-        if request.tools and request.tool_choice.mode != "none" or request.response_format.kind != "text":
-            raise UnsupportedFeature("the MLX runner generates free text only (no tools, no response formats)")
+        if request.tools and request.tool_choice.mode != "none":
+            raise UnsupportedFeature("the MLX runner does not call tools", param="tools")
         if request.logprobs:
             raise UnsupportedFeature("the MLX runner does not report logprobs")
         tokens = self.tokenize(request)
@@ -190,6 +193,7 @@ class MlxEngine:
         limit = room if request.max_tokens is None else min(request.max_tokens, room)
         if limit < 1:
             raise InvalidRequest("max_tokens must be at least 1", param="max_tokens")
+        constraint = self.grammars.constraint(request)
         load_ns, self._first_request = (self.load_ns if self._first_request else 0), False
         s = request.sampling
         seed = s.seed if isinstance(s.seed, int) else random.randrange(2**31)
@@ -204,7 +208,7 @@ class MlxEngine:
             if temp <= 0
             else Sampler(temp, float(_value(s, "top_p")), float(_value(s, "min_p")), int(_value(s, "top_k")), seed)
         )
-        seq = Sequence(tokens, limit, eos, sampler, cancel)
+        seq = Sequence(tokens, limit, eos, sampler, cancel, constraint)
         started = first_token_at = time.perf_counter_ns()
         count, finish = 0, Finished(reason="length")
         picked: list[int] = []

@@ -17,6 +17,9 @@ Decisions worth knowing:
   ``x-anthropic-billing-header:`` block is dropped, as vLLM does, so prefix caches keep working.
 - A user message's ``tool_result`` blocks become one ``tool`` message each, placed before the user's remaining
   content (docs/protocols.md 4.4 item 6); each result gets the tool name of the ``tool_use`` it answers.
+- ``tool_use`` ids read ``toolu_...``: a backend's ``call_<x>`` is shown as ``toolu_<x>``, any other id gets the
+  prefix (``tool_use_id``). Ids a client sends come in as they are, so a ``tool_result`` names its ``tool_use``
+  by the same id inside the request; an OpenAI client sees the backend's own ``call_`` ids.
 - Server tools (a dated ``type`` such as ``web_search_20250305``) are refused with ``UnsupportedFeature``.
 - A non-streamed reply's ``input`` is the object the arguments hold so far (``formats.json_object_prefix``): a
   call cut short by ``max_tokens`` keeps what the anthropic SDK would have built from the stream, and
@@ -85,6 +88,7 @@ __all__ = [
     "encode_models",
     "error_body",
     "messages_to_internal",
+    "tool_use_id",
 ]
 
 BILLING_HEADER_PREFIX = "x-anthropic-billing-header:"
@@ -392,6 +396,14 @@ def _message(meta: Meta, content: list[dict[str, Any]], stop: dict[str, str | No
     }
 
 
+def tool_use_id(call_id: str) -> str:
+    """The ``tool_use`` id an Anthropic client sees for a backend's call id: ``toolu_<x>`` for ``call_<x>`` (what
+    backends mint), ``toolu_`` before any other id, a ``toolu_`` id unchanged."""
+    if call_id.startswith("toolu_"):
+        return call_id
+    return "toolu_" + call_id.removeprefix("call_")
+
+
 def encode_message_response(response: Response, meta: Meta) -> bytes:
     """A non-streamed ``/v1/messages`` reply: blocks in the order thinking, text, tool_use (ANT-22 to ANT-27)."""
     content: list[dict[str, Any]] = []
@@ -401,7 +413,7 @@ def encode_message_response(response: Response, meta: Meta) -> bytes:
     if response.text or not response.tool_calls:
         content.append({"type": "text", "text": response.text})
     content.extend(
-        {"type": "tool_use", "id": call.id, "name": call.name, "input": _tool_input(call.arguments)}
+        {"type": "tool_use", "id": tool_use_id(call.id), "name": call.name, "input": _tool_input(call.arguments)}
         for call in response.tool_calls
     )
     stop = _stop(response.finish, bool(response.tool_calls))
@@ -498,7 +510,7 @@ class _StreamEncoder:
         calls) go to that block's index, where the SDK still accumulates them by index."""
         frames: list[bytes] = []
         if event.index not in self.tool_blocks:
-            call_id = event.id or f"toolu_{self.meta.id}_{event.index}"
+            call_id = tool_use_id(event.id) if event.id else f"toolu_{self.meta.id}_{event.index}"
             block = {"type": "tool_use", "id": call_id, "name": event.name or "", "input": {}}
             frames += self._open("tool_use", block, tool=event.index)
             self.tool_blocks[event.index] = self.next_index - 1

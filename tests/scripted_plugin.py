@@ -1,6 +1,8 @@
 """A scripted backend for exact wire-format tests, registered as a plugin (``--plugin tests.scripted_plugin``).
 
-Model ``scripted`` plays back a script chosen by the last user message's text (``SCRIPTS``); ``sleep <seconds>``
+Model ``scripted`` plays back a script chosen by the last user message's text (``SCRIPTS``); a conversation that
+ends in a tool result is answered with which call the result answers (``result for <id> answers <call> <name>:
+<content>``, or ``answers no call``), so tests see the ids meet inside the backend; ``sleep <seconds>``
 answers ``slept`` after that long (a slow request, for queue tests); ``how long`` answers how many messages and
 words (its token count) reached the backend; counts take turns on one core (a runner's CPU) and a prompt with
 the word ``slowcount`` holds it a second; anything else is echoed back word by word. Its embeddings are
@@ -33,7 +35,10 @@ from meshgate.protocols.model import (
     ReasoningDelta,
     Request,
     TextDelta,
+    TextPart,
     ToolCallDelta,
+    ToolCallPart,
+    ToolResultPart,
     Usage,
 )
 
@@ -119,6 +124,17 @@ SCRIPTS: dict[str, list[Event]] = {
 }
 
 
+def _answer_tool_result(request: Request) -> list[Event]:
+    """Which call the last tool result answers, by id, among the calls the conversation holds."""
+    (result,) = [p for p in request.messages[-1].parts if isinstance(p, ToolResultPart)]
+    calls = {p.id: p for m in request.messages for p in m.parts if isinstance(p, ToolCallPart)}
+    call = calls.get(result.call_id or "")
+    answered = f"{call.id} {call.name}" if call else "no call"
+    content = "".join(p.text for p in result.content if isinstance(p, TextPart))
+    text = f"result for {result.call_id} answers {answered}: {content}"
+    return [Usage(prompt_tokens=3), TextDelta(text=text), Usage(prompt_tokens=3, completion_tokens=1), Finished()]
+
+
 _CORE = asyncio.Lock()  # the scripted runner's one core, which costly counts take in turn
 
 
@@ -136,6 +152,8 @@ class ScriptedRunner:
                 Usage(prompt_tokens=2, completion_tokens=1),
                 Finished(reason="stop"),
             ]
+        elif request.messages and request.messages[-1].role == "tool":
+            script = _answer_tool_result(request)
         elif last == "how long":
             words = await self.count_tokens(request)
             script = [

@@ -33,6 +33,7 @@ from meshgate.protocols.anthropic import (
     encode_models,
     error_body,
     messages_to_internal,
+    tool_use_id,
 )
 from meshgate.protocols.model import (
     UNSET,
@@ -493,6 +494,24 @@ def test_ant_22_text_reply_matches_the_docs_example():
             "output_tokens": 503,
         },
     }
+
+
+@pytest.mark.parametrize(
+    ("backend", "shown"),
+    [
+        ("call_6893e2a1b0c4", "toolu_6893e2a1b0c4"),
+        ("toolu_01A", "toolu_01A"),
+        ("chatcmpl-tool-9", "toolu_chatcmpl-tool-9"),
+    ],
+)
+async def test_ant_26_tool_use_ids_read_toolu_in_both_answers(backend, shown):
+    """A backend mints ``call_<x>`` (OpenAI's convention); an Anthropic client sees ``toolu_<x>``."""
+    call = ToolCall(id=backend, name="get_weather", arguments="{}")
+    body = msgspec.json.decode(encode_message_response(Response(tool_calls=(call,), finish=Finished()), META))
+    assert body["content"][-1]["id"] == shown == tool_use_id(backend)
+    events = [ToolCallDelta(index=0, id=backend, name="get_weather", arguments="{}"), Finished(reason="tool_calls")]
+    frames = b"".join([frame async for frame in encode_message_stream(stream_of(events), META)])
+    assert f'"id":"{shown}"'.encode() in frames
 
 
 def test_ant_26_blocks_in_order_thinking_text_tool_use_with_object_input():

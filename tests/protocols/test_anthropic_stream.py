@@ -223,7 +223,7 @@ async def test_ant_39_interleaved_tool_fragments_still_land_on_their_own_block()
         Finished(reason="tool_calls"),
     ]
     final = sdk_stream(await encode(events)).get_final_message()
-    assert [(b.id, b.input) for b in final.content] == [("a", {"x": 1}), ("b", {"y": 2})]
+    assert [(b.id, b.input) for b in final.content] == [("toolu_a", {"x": 1}), ("toolu_b", {"y": 2})]
 
 
 async def test_stream_and_collect_tell_the_same_story():

@@ -20,7 +20,9 @@ Decisions (docs/protocols.md OLL-15, OLL-41..47):
   model removes its entry (the file stays); deleting a model another source lists (the packaged ``gemma3:270m``)
   hides it until it is pulled, copied or created again. Names get ``:latest`` when they have no tag (OLL-47).
 - **No hub.** ``/api/pull`` succeeds for models meshgate already has (including a hidden packaged model, which it
-  shows again); any other name fails like Ollama's missing manifest. Its progress objects are real: the model's
+  shows again); any other name fails as Ollama's pull of a name its registry lacks (``pulling manifest``, then
+  ``{"error": "pull model manifest: file does not exist"}``: in a 200 stream, or alone as a 500 without
+  streaming, as Ollama's ``waitForStream`` answers a failed pull). Its progress objects are real: the model's
   files are read through and a single file's sha256 checked against the model's digest, ``completed`` growing
   as they are read (a 250 MB model takes about a second; a corrupt file ends in Ollama's "digest mismatch"
   error). ``/api/push`` answers 501.
@@ -61,7 +63,6 @@ from meshgate.protocols.model import (
     GatewayError,
     InvalidRequest,
     ModelInfo,
-    NotFound,
     UnknownModel,
     UnsupportedFeature,
 )
@@ -290,8 +291,10 @@ async def create(
 
 
 async def pull(dispatcher: Dispatcher, registry: ModelRegistry, name: str) -> AsyncIterator[bytes]:
-    """``/api/pull`` for a model meshgate has (shown again if hidden); ``NotFound`` otherwise (no hub). The
-    progress is the model's files read through (``gateway.model_pull``)."""
+    """``/api/pull`` for a model meshgate has (shown again if hidden): the progress is the model's files read
+    through (``gateway.model_pull``). Any other name fails as Ollama's pull of a name its registry lacks:
+    ``pulling manifest``, then ``{"error": "pull model manifest: file does not exist"}`` (a 200 stream, or a 500
+    without streaming)."""
     if name in registry.hidden() or normalize_model_name(name) in registry.hidden():
         registry.unhide(name)
         registry.unhide(normalize_model_name(name))
@@ -299,7 +302,8 @@ async def pull(dispatcher: Dispatcher, registry: ModelRegistry, name: str) -> As
     try:
         card = dispatcher.resolve(name)
     except UnknownModel:
-        raise NotFound("pull model manifest: file does not exist", param="model") from None
+        no_manifest = ollama_models.error_line("pull model manifest: file does not exist") + b"\n"
+        return _lines([ollama_models.progress_line("pulling manifest"), no_manifest])
     return pull_progress(card)
 
 

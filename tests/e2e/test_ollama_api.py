@@ -185,11 +185,22 @@ def test_oll_45_pull_known_model_streams_progress(client):
     assert client.pull(MODEL).status == "success"
 
 
-def test_oll_45_pull_unknown_model_errors(client):
+def test_oll_45_pull_unknown_model_errors(client, server):
+    """As Ollama's pull of a name its registry lacks (``server/images.go PullModel``, ``routes.go``): the stream is
+    a 200 with ``pulling manifest`` then the error; without streaming the error alone, as a 500."""
     with pytest.raises(ollama.ResponseError) as err:
         client.pull("llama9:70b")
     assert err.value.error == "pull model manifest: file does not exist"
-    assert err.value.status_code == 404
+    assert err.value.status_code == 500
+    with pytest.raises(ollama.ResponseError) as err:
+        list(client.pull("llama9:70b", stream=True))
+    assert err.value.error == "pull model manifest: file does not exist"
+    answer = httpx.post(f"{server.url}/api/pull", json={"model": "llama9:70b"}, timeout=30)
+    assert answer.status_code == 200 and answer.headers["content-type"].startswith("application/x-ndjson")
+    assert [json.loads(line) for line in answer.text.splitlines()] == [
+        {"status": "pulling manifest"},
+        {"error": "pull model manifest: file does not exist"},
+    ]
 
 
 def test_oll_45_push_is_not_supported(client):

@@ -75,6 +75,7 @@ from meshgate.protocols.model import (
     UnsupportedFeature,
     Usage,
     error_from_info,
+    too_many_messages,
 )
 
 __all__ = [
@@ -214,7 +215,10 @@ def messages_to_internal(wire: MessagesRequest) -> Request:
 
 
 def count_tokens_to_internal(wire: CountTokensRequest) -> Request:
-    """Translate a decoded ``/v1/messages/count_tokens`` body into a ``Request`` (no output limit)."""
+    """Translate a decoded ``/v1/messages/count_tokens`` body into a ``Request`` (no output limit); more than
+    ``MAX_MESSAGES`` messages is ``InvalidRequest``."""
+    if refused := too_many_messages(len(wire.messages)):
+        raise refused
     messages, prefill = _conversation(wire)
     tools = tuple(_tool(tool, i) for i, tool in enumerate(wire.tools or ()))
     return Request(

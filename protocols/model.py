@@ -48,6 +48,7 @@ from msgspec import UNSET, UnsetType
 
 __all__ = [
     "MAX_JSON_DEPTH",
+    "MAX_MESSAGES",
     "UNSET",
     "AuthenticationFailed",
     "PermissionDenied",
@@ -100,6 +101,7 @@ __all__ = [
     "decode_body",
     "error_from_info",
     "json_depth",
+    "too_many_messages",
 ]
 
 T = TypeVar("T")
@@ -552,6 +554,23 @@ MAX_JSON_DEPTH = 128
 """How deeply a request body may nest JSON arrays and objects. Python's recursion limit (about 1,000 frames, shared
 with the code on the stack) stops every JSON decoder, encoder and schema walker somewhere below that; a body that
 decodes here must still encode for a runner and turn into a grammar there."""
+
+MAX_MESSAGES = 10_000
+"""The most messages (Responses API: input items) one request may hold; OpenAI's chat completions keep their own
+2,048. Rendering and counting a prompt is linear in them, yet a chat of 100,000 empty messages still cost seconds
+of CPU per count and 37-60 s before an answer; no model's context holds that many turns, and a client that sends
+more is refused before any work is done, told the bound."""
+
+
+def too_many_messages(count: int, param: str = "messages") -> InvalidRequest | None:
+    """The ``InvalidRequest`` for a request of ``count`` messages when that is more than ``MAX_MESSAGES``."""
+    if count <= MAX_MESSAGES:
+        return None
+    return InvalidRequest(
+        f"{param} holds {count:,} messages; at most {MAX_MESSAGES:,} are allowed: drop or summarize the oldest",
+        param=param,
+    )
+
 
 _JSON_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"')
 _BRACKET_STEPS = bytes.maketrans(b"[{]}", b"\x01\x01\xff\xff")  # +1 / -1 as signed bytes

@@ -69,6 +69,7 @@ from meshgate.protocols.model import (
     UnsupportedFeature,
     Usage,
     error_from_info,
+    too_many_messages,
 )
 
 __all__ = [
@@ -211,6 +212,8 @@ def chat_to_internal(wire: ChatRequest) -> Request:
         UnsupportedFeature: ``logprobs`` was asked for.
     """
     _check_common(wire)
+    if refused := too_many_messages(len(wire.messages or ())):
+        raise refused
     tools = tuple(_tool(t, i) for i, t in enumerate(wire.tools or ()))
     request = _request(wire, messages=_messages(wire.messages or ()), tools=tools)
     if tools and request.response_format.kind != "text":  # tools with a format: the answer is a call

@@ -85,6 +85,7 @@ from meshgate.protocols.openai_wire import (
 from meshgate.protocols.sse import KEEPALIVE
 
 __all__ = [
+    "MAX_CHAT_MESSAGES",
     "ChatRequest",
     "chat_to_internal",
     "encode_chat_response",
@@ -95,6 +96,9 @@ __all__ = [
     "stream_error_frame",
     "wants_usage",
 ]
+
+MAX_CHAT_MESSAGES = 2048
+"""OpenAI's own bound on ``messages``; more is refused in OpenAI's words, before any work is done."""
 
 
 # ---------------------------------------------------------------------------------------------------- content
@@ -268,12 +272,18 @@ def chat_to_internal(wire: ChatRequest) -> Request:
     """Translate a chat completions body into a ``Request``.
 
     Raises:
-        InvalidRequest: no messages, ``n`` other than 1, a bad image URL, a ``tool_choice`` that names
-            no offered tool, or ``top_logprobs`` without ``logprobs: true``.
+        InvalidRequest: no messages or more than ``MAX_CHAT_MESSAGES``, ``n`` other than 1, a bad image URL, a
+            ``tool_choice`` that names no offered tool, or ``top_logprobs`` without ``logprobs: true``.
         UnsupportedFeature: audio or file content parts.
     """
     if not wire.messages:
         raise InvalidRequest("messages must contain at least one message", param="messages")
+    if len(wire.messages) > MAX_CHAT_MESSAGES:
+        raise InvalidRequest(
+            f"Invalid 'messages': array too long. Expected an array with maximum length {MAX_CHAT_MESSAGES}, "
+            f"but got an array with length {len(wire.messages)} instead.",
+            param="messages",
+        )
     only_one(wire.n, "n")
     if wire.top_logprobs and not wire.logprobs:
         raise InvalidRequest("top_logprobs requires logprobs to be true", param="top_logprobs")

@@ -49,6 +49,7 @@ from meshgate.protocols.model import (
     ToolChoice,
     ToolResultPart,
     UnsupportedFeature,
+    too_many_messages,
 )
 from meshgate.protocols.openai_wire import Probability, Temperature, TokenLimit, Wire
 
@@ -233,6 +234,8 @@ def _input(wire: str | list[InputItem] | None) -> list[Message]:
         return [Message(role="user", parts=(TextPart(text=wire),))]
     if not wire:
         raise InvalidRequest("input must contain at least one item", param="input")
+    if refused := too_many_messages(len(wire), "input"):
+        raise refused
     messages: list[Message] = []
     names: dict[str, str] = {}  # call id -> function name, for the outputs
     for i, item in enumerate(wire):

@@ -46,20 +46,23 @@ def flatten(messages: Sequence[Message], tools: str = "") -> list[tuple[str, str
     """Messages as (role, text) turns with system text (then ``tools``, a tools block) folded into the first
     user turn.
 
-    Tool results become user turns; consecutive turns of one role are joined.
+    Tool results become user turns; consecutive turns of one role are joined. Linear in the messages: a turn's
+    texts are gathered and joined once (joining as they come copied the growing turn each time, minutes of work
+    for a long run of one role).
     """
     system = "\n\n".join([*(m.text for m in messages if m.role == "system"), *([tools] if tools else [])])
     call_names = {p.id: p.name for m in messages for p in m.parts if isinstance(p, ToolCallPart)}
-    turns: list[tuple[str, str]] = []
+    runs: list[tuple[str, list[str]]] = []
     for message in messages:
         if message.role == "system":
             continue
         role = "assistant" if message.role == "assistant" else "user"
         text = "\n".join(t for p in message.parts if (t := _part_text(p, call_names)))
-        if turns and turns[-1][0] == role:
-            turns[-1] = (role, f"{turns[-1][1]}\n\n{text}")
+        if runs and runs[-1][0] == role:
+            runs[-1][1].append(text)
         else:
-            turns.append((role, text))
+            runs.append((role, [text]))
+    turns = [(role, "\n\n".join(texts)) for role, texts in runs]
     if system:
         if turns and turns[0][0] == "user":
             turns[0] = ("user", f"{system}\n\n{turns[0][1]}")

@@ -1,0 +1,46 @@
+// The official @anthropic-ai/sdk against meshgate's Messages API: chat, streaming, a forced tool call, structured
+// output (a forced tool whose input schema is the answer's, the Messages API's way).
+import Anthropic from "@anthropic-ai/sdk";
+import { ASK, KEY, MODEL, REVIEW_ASK, REVIEW_SCHEMA, TOOL_ASK, URL, WEATHER_SCHEMA, assert, run, validReview } from "./checks.mjs";
+
+const client = new Anthropic({ baseURL: URL, apiKey: KEY, maxRetries: 0 });
+const user = (content) => [{ role: "user", content }];
+
+async function forced(name, schema, content) {
+  const answer = await client.messages.create({
+    model: MODEL,
+    messages: user(content),
+    tools: [{ name, description: `The ${name} tool.`, input_schema: schema }],
+    tool_choice: { type: "tool", name },
+    max_tokens: 32,
+    temperature: 0,
+  });
+  const calls = answer.content.filter((block) => block.type === "tool_use");
+  assert(calls.length === 1 && calls[0].name === name, JSON.stringify(answer.content));
+  return calls[0].input;
+}
+
+await run("js anthropic", {
+  async chat() {
+    const answer = await client.messages.create({ model: MODEL, messages: user(ASK), max_tokens: 16, temperature: 0 });
+    const text = answer.content.map((block) => block.text ?? "").join("");
+    assert(text.trim(), "empty answer");
+    return JSON.stringify(text);
+  },
+  async stream() {
+    const pieces = [];
+    const stream = client.messages.stream({ model: MODEL, messages: user(ASK), max_tokens: 16 });
+    stream.on("text", (text) => pieces.push(text));
+    await stream.finalMessage();
+    assert(pieces.length > 1 && pieces.join("").trim(), `pieces: ${JSON.stringify(pieces)}`);
+    return `${pieces.length} chunks`;
+  },
+  async "forced tool"() {
+    const input = await forced("get_weather", WEATHER_SCHEMA, TOOL_ASK);
+    assert(typeof input.location === "string", JSON.stringify(input));
+    return `get_weather(${JSON.stringify(input)})`;
+  },
+  async structured() {
+    return validReview(await forced("review", REVIEW_SCHEMA, REVIEW_ASK));
+  },
+});

@@ -1,0 +1,49 @@
+"""LangChain's ChatOllama against meshgate's Ollama API: chat, streaming, a forced tool call (tools with
+``format``, as Ollama has no tool_choice), structured output (``format`` = the JSON schema)."""
+
+from _checks import (
+    ASK,
+    MODEL,
+    REVIEW_ASK,
+    TOOL_ASK,
+    URL,
+    WEATHER_SCHEMA,
+    Review,
+    check,
+    done,
+    get_weather,
+    valid_review,
+)
+from langchain_core.tools import tool
+from langchain_ollama import ChatOllama
+
+llm = ChatOllama(base_url=URL, model=MODEL, temperature=0, num_predict=16)
+
+
+def chat() -> str:
+    text = llm.invoke(ASK).text
+    assert text.strip(), "empty answer"
+    return repr(text)
+
+
+def stream() -> str:
+    pieces = [chunk.text for chunk in llm.stream(ASK)]
+    assert len(pieces) > 1 and "".join(pieces).strip(), pieces
+    return f"{len(pieces)} chunks"
+
+
+def forced_tool() -> str:
+    forced = ChatOllama(base_url=URL, model=MODEL, temperature=0, num_predict=32, format=WEATHER_SCHEMA)
+    (call,) = forced.bind_tools([tool(get_weather)]).invoke(TOOL_ASK).tool_calls
+    assert call["name"] == "get_weather" and isinstance(call["args"]["location"], str), call
+    return f"{call['name']}({call['args']})"
+
+
+def structured() -> str:
+    review = llm.bind(num_predict=32).with_structured_output(Review, method="json_schema").invoke(REVIEW_ASK)
+    return valid_review(review)
+
+
+for name, run in [("chat", chat), ("stream", stream), ("forced tool", forced_tool), ("structured", structured)]:
+    check(f"langchain-ollama {name}", run)
+done()

@@ -98,8 +98,10 @@ class VllmBackend(Backend):
         return card.format == "safetensors"
 
     def capabilities(self, card: ModelCard) -> Capabilities:
-        # Tool calls need a per-model parser flag on the server (--tool-call-parser); not offered yet.
-        return Capabilities(tools=False, vision=False, json_schema=True, raw_prompt=True, embeddings=False)
+        # Forced tool calls only (``tool_choice`` required or named: vLLM generates them under the tools' schemas);
+        # ``auto`` would need a per-model parser flag on the server (--tool-call-parser): ``runner.structured``
+        # refuses it with a 400 naming tool_choice.
+        return Capabilities(tools=True, vision=False, json_schema=True, raw_prompt=True, embeddings=False)
 
     def strategies(self, card: ModelCard) -> frozenset[Strategy]:
         return frozenset({"single", "tensor", "pipeline", "hybrid"})

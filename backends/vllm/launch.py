@@ -109,6 +109,20 @@ def threads_bind(workers: int, cpus: Sequence[int] | None = None) -> str:
     return "|".join(",".join(str(c) for c in group) for group in groups)
 
 
+STRUCTURED_OUTPUTS = '{"backend": "guidance", "disable_any_whitespace": true}'
+"""vLLM's structured output engine: llguidance, as in the llama.cpp and MLX runners, so a schema is held to the same
+keywords everywhere (``protocols.schema_rules``); compact JSON (no free whitespace between tokens, which a small
+model may otherwise repeat until ``max_tokens``)."""
+
+
+FORCED_TOOLS_PARSER = "pythonic"
+"""vLLM 0.32 answers a forced tool call (``tool_choice`` ``required`` or named) only with ``--enable-auto-tool-choice``
+and a ``--tool-call-parser`` set (it builds no parser otherwise), although it then generates the call under the
+tools' JSON schemas and reads it back as JSON, never through the parser. The parser would read calls out of free
+text for ``auto``, which ``runner.structured`` refuses before vLLM is asked, since one parser cannot fit every
+model. ``pythonic`` is one that leaves the request as the base parser does: no model-specific tokens or tags."""
+
+
 def server_argv(
     python: str,
     model: str,
@@ -147,6 +161,11 @@ def server_argv(
         "--dtype",
         dtype,
         "--disable-uvicorn-access-log",
+        "--structured-outputs-config",
+        STRUCTURED_OUTPUTS,
+        "--enable-auto-tool-choice",  # vLLM 0.32 answers forced tool calls only with both flags (see below)
+        "--tool-call-parser",
+        FORCED_TOOLS_PARSER,
     ]
     if lay.ray:
         argv += ["--distributed-executor-backend", "ray"]

@@ -267,6 +267,83 @@ def test_raw_prompt_stop_string_and_token_count(server: Server) -> None:
     assert counted.input_tokens == 10
 
 
+PICK = {
+    "type": "object",
+    "properties": {
+        "count": {"type": "integer", "minimum": 3, "maximum": 7},
+        "color": {"enum": ["red", "green", "blue"]},
+        "note": {"type": "string", "maxLength": 5, "nullable": True},
+    },
+    "required": ["count", "color", "note"],
+    "additionalProperties": False,
+}
+ITEM = {
+    "type": "object",
+    "properties": {
+        "v": {"type": "integer", "minimum": 0, "maximum": 9},
+        "next": {"anyOf": [{"$ref": "#/$defs/item"}, {"type": "null"}]},
+    },
+    "required": ["v", "next"],
+    "additionalProperties": False,
+}
+LIST = {  # a linked list of at least two items: the random tiny models nest a tree without end, not this
+    "$defs": {"item": ITEM},
+    **ITEM,
+    "properties": {"v": ITEM["properties"]["v"], "next": {"$ref": "#/$defs/item"}},
+}
+TRIP = {
+    "type": "object",
+    "properties": {"city": {"enum": ["Paris", "Rome"]}, "days": {"type": "integer", "minimum": 1, "maximum": 3}},
+    "required": ["city", "days"],
+    "additionalProperties": False,
+}
+
+
+def test_structured_output_and_forced_tool_calls_validate(server: Server) -> None:
+    """vLLM (llguidance) holds answers to the schemas, through each protocol's way of asking; what it would not
+    enforce (a keyword, a call left to the model) is a 400 naming it, before vLLM is asked."""
+    import jsonschema
+
+    from meshgate.protocols.schema_rules import enforceable
+
+    messages = [{"role": "user", "content": PROMPT}]
+    oai = openai.OpenAI(base_url=f"{server.url}/v1", api_key="x", max_retries=0, timeout=120)
+    fmt = {"type": "json_schema", "json_schema": {"name": "pick", "schema": PICK}}
+    chat = oai.chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=200, temperature=0, response_format=fmt
+    )
+    assert chat.choices[0].finish_reason == "stop"
+    answer = chat.choices[0].message.content
+    jsonschema.validate(json.loads(answer), enforceable(PICK))  # nullable: OpenAPI's, as anyOf with null
+    assert ", " in answer  # written as the llama.cpp and MLX runners write it
+    oll = ollama.Client(host=server.url, timeout=120)
+    linked = oll.chat(model=MODEL, messages=messages, format=LIST, options={"num_predict": 200, "temperature": 0})
+    assert linked.done_reason == "stop"
+    jsonschema.validate(answer := json.loads(linked.message.content), LIST)
+    assert isinstance(answer["next"], dict)  # through the $ref
+
+    tool = {"type": "function", "function": {"name": "plan_trip", "parameters": TRIP}}
+    named = {"type": "function", "function": {"name": "plan_trip"}}
+    call = oai.chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=100, temperature=0, tools=[tool], tool_choice=named
+    )
+    (called,) = call.choices[0].message.tool_calls
+    assert called.function.name == "plan_trip"
+    jsonschema.validate(json.loads(called.function.arguments), TRIP)
+
+    with pytest.raises(openai.BadRequestError) as refused:
+        oai.chat.completions.create(
+            model=MODEL,
+            messages=messages,
+            max_tokens=8,
+            response_format={"type": "json_schema", "json_schema": {"name": "s", "schema": {"uniqueItems": True}}},
+        )
+    assert "'uniqueItems'" in refused.value.message and refused.value.param == "response_format"
+    with pytest.raises(openai.BadRequestError) as auto:
+        oai.chat.completions.create(model=MODEL, messages=messages, max_tokens=8, tools=[tool])
+    assert auto.value.param == "tool_choice" and "required" in auto.value.message
+
+
 def test_runtime_files_stay_under_the_runtime_dir(server: Server, runtime_dir: Path, before) -> None:
     folders = list(runtime_dir.iterdir())
     assert len(folders) == 1 and folders[0].name.startswith("vllm-")

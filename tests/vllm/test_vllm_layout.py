@@ -103,3 +103,37 @@ def test_the_bind_shim_leaves_explicit_addresses_and_fails_closed(tmp_path: Path
         timeout=30,
     )
     assert refused.returncode != 0 and "Cannot assign requested address" in refused.stderr
+
+
+def test_structured_requests_reach_vllm_in_the_form_llguidance_reads() -> None:
+    """Response formats go as schemas with the shared JSON options and ``nullable`` spelled out; forced tools keep
+    their schemas; what vLLM would not enforce is refused naming the field."""
+    from meshgate.backends.vllm.runner import JSON_OPTIONS, structured
+    from meshgate.protocols.model import InvalidRequest, Request, ResponseFormat, Tool, ToolChoice
+    from meshgate.protocols.schema_rules import enforceable
+
+    base = Request(model="m", raw_prompt="x")
+    sent = structured(msgspec_replace(base, response_format=ResponseFormat(kind="json_object")))
+    assert sent.response_format.kind == "json_schema"
+    assert sent.response_format.schema == {"type": "object", "x-guidance": JSON_OPTIONS}
+    nullable = {"type": "object", "properties": {"a": {"type": "string", "nullable": True}}, "x-guidance": {}}
+    sent = structured(msgspec_replace(base, response_format=ResponseFormat(kind="json_schema", schema=nullable)))
+    assert sent.response_format.schema == {**enforceable(nullable), "x-guidance": JSON_OPTIONS}  # theirs replaced
+    assert sent.response_format.schema["properties"]["a"] == {"anyOf": [{"type": "string"}, {"type": "null"}]}
+    tool = Tool(name="t", parameters={"type": "object", "properties": {"n": {"type": "integer", "nullable": True}}})
+    forced = structured(msgspec_replace(base, tools=(tool,), tool_choice=ToolChoice(mode="tool", name="t")))
+    assert forced.tools[0].parameters == enforceable(tool.parameters)
+    assert forced.tools[0].parameters["properties"]["n"] == {"anyOf": [{"type": "integer"}, {"type": "null"}]}
+    with pytest.raises(InvalidRequest) as auto:
+        structured(msgspec_replace(base, tools=(tool,)))
+    assert auto.value.param == "tool_choice"
+    bad = Tool(name="t", parameters={"type": "array", "uniqueItems": True})
+    with pytest.raises(InvalidRequest) as keyword:
+        structured(msgspec_replace(base, tools=(bad,), tool_choice=ToolChoice(mode="required")))
+    assert keyword.value.param == "tools" and "'uniqueItems'" in str(keyword.value)
+
+
+def msgspec_replace(request: object, **changes: object) -> object:
+    import msgspec
+
+    return msgspec.structs.replace(request, **changes)  # type: ignore[type-var]

@@ -31,7 +31,7 @@ def _generate(engine: MlxEngine, case: dict, into: dict) -> None:
     fmt = case.get("format") or {}
     request = Request(
         model="tiny",
-        messages=(Message(role="user", parts=(TextPart(text="Answer in JSON"),)),),
+        messages=(Message(role="user", parts=(TextPart(text=case.get("prompt", "Answer in JSON")),)),),
         sampling=Sampling(temperature=case.get("temperature", 0.0), seed=case.get("seed", 0)),
         response_format=ResponseFormat(kind=fmt.get("kind", "text"), schema=fmt.get("schema")),
         max_tokens=case.get("max_tokens", 200),

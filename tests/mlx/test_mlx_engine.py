@@ -232,19 +232,19 @@ PICK = {
     "required": ["count", "color", "note"],
     "additionalProperties": False,
 }
-TREE = {
-    "$defs": {
-        "node": {
-            "type": "object",
-            "properties": {
-                "name": {"type": "string", "maxLength": 3},
-                "children": {"type": "array", "items": {"$ref": "#/$defs/node"}, "maxItems": 2},
-            },
-            "required": ["name", "children"],
-            "additionalProperties": False,
-        }
+ITEM = {
+    "type": "object",
+    "properties": {
+        "v": {"type": "integer", "minimum": 0, "maximum": 9},
+        "next": {"anyOf": [{"$ref": "#/$defs/item"}, {"type": "null"}]},
     },
-    "$ref": "#/$defs/node",
+    "required": ["v", "next"],
+    "additionalProperties": False,
+}
+LIST = {  # a linked list of at least two items: the random tiny models nest a tree without end, not this
+    "$defs": {"item": ITEM},
+    **ITEM,
+    "properties": {"v": ITEM["properties"]["v"], "next": {"$ref": "#/$defs/item"}},
 }
 
 
@@ -260,7 +260,7 @@ def test_response_formats_hold_batched_rows_to_their_schemas(tiny: Path) -> None
         {"format": schema | {"schema": PICK}},
         {"format": schema | {"schema": PICK}, "temperature": 1.0, "seed": 7},
         {"format": schema | {"schema": PICK}, "temperature": 1.0, "seed": 8},
-        {"format": schema | {"schema": TREE}},
+        {"format": schema | {"schema": LIST}},
         {"max_tokens": 16},
         {"format": schema | {"schema": {"type": "array", "uniqueItems": True}}},
     ]
@@ -270,6 +270,7 @@ def test_response_formats_hold_batched_rows_to_their_schemas(tiny: Path) -> None
     for case, answer in zip(cases, answers, strict=False):
         assert answer["finish"] == "stop", answer
         jsonschema.validate(json.loads(answer["text"]), enforceable(case["format"]["schema"]))  # nullable: OpenAPI's
+    assert isinstance(json.loads(answers[3]["text"])["next"], dict)  # through the $ref
     assert "note" in answers[0]["text"] and ", " in answers[0]["text"]  # written as the other runners write it
     assert free["finish"] == "length" and free["text"]
     assert report["widest"] == 5

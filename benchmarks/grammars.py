@@ -14,6 +14,7 @@ Run: ``.venv/bin/python -m benchmarks.grammars [path/to/model.gguf]`` (default: 
 
 from __future__ import annotations
 
+import json
 import statistics
 import sys
 import threading
@@ -66,7 +67,7 @@ def gbnf(schema: dict[str, Any]) -> str:
     from llama_cpp.llama_grammar import SchemaConverter
 
     converter = SchemaConverter(prop_order={}, allow_fetch=False, dotall=False, raw_pattern=False)
-    converter.visit(converter.resolve_refs(schema, "stdin"), "")
+    converter.visit(converter.resolve_refs(json.loads(json.dumps(schema)), "stdin"), "")  # it rewrites refs in place
     return str(converter.format_grammar())
 
 
@@ -102,7 +103,7 @@ def main() -> None:
     )
 
     path = sys.argv[1] if len(sys.argv) > 1 else _packaged()
-    engine = LlamaEngine(path, n_ctx=1024, parallel=4)
+    engine = LlamaEngine(path, n_ctx=4096, parallel=4)
     vocab = engine.llm._model.vocab
     grammars = engine.grammars
     started = time.perf_counter()

@@ -18,6 +18,8 @@ from pathlib import Path
 import httpx
 import pytest
 
+from tests.structured_schemas import LIST, PICK
+
 ROOT = Path(__file__).resolve().parents[2]
 MLX_REQUIREMENTS = (
     "mlx[cpu]==0.32.4",
@@ -220,32 +222,6 @@ def test_runner_streams_the_same_events_on_one_and_two_ranks(tiny: Path, one_ran
             assert events[-2]["completion_tokens"] == len(expected["tokens"])
     finally:
         ranks.close()
-
-
-PICK = {
-    "type": "object",
-    "properties": {
-        "count": {"type": "integer", "minimum": 3, "maximum": 7},
-        "color": {"enum": ["red", "green", "blue"]},
-        "note": {"type": "string", "maxLength": 5, "nullable": True},
-    },
-    "required": ["count", "color", "note"],
-    "additionalProperties": False,
-}
-ITEM = {
-    "type": "object",
-    "properties": {
-        "v": {"type": "integer", "minimum": 0, "maximum": 9},
-        "next": {"anyOf": [{"$ref": "#/$defs/item"}, {"type": "null"}]},
-    },
-    "required": ["v", "next"],
-    "additionalProperties": False,
-}
-LIST = {  # a linked list of at least two items: the random tiny models nest a tree without end, not this
-    "$defs": {"item": ITEM},
-    **ITEM,
-    "properties": {"v": ITEM["properties"]["v"], "next": {"$ref": "#/$defs/item"}},
-}
 
 
 def test_response_formats_hold_batched_rows_to_their_schemas(tiny: Path) -> None:

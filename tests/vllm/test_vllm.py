@@ -307,6 +307,18 @@ def test_structured_output_and_forced_tool_calls_validate(server: Server) -> Non
     (called,) = call.choices[0].message.tool_calls
     assert called.function.name == "plan_trip"
     jsonschema.validate(json.loads(called.function.arguments), TRIP)
+    ant = anthropic.Anthropic(base_url=server.url, api_key="x", max_retries=0, timeout=120)
+    anyone = ant.messages.create(  # required ("any") with one tool: that tool, named
+        model=MODEL,
+        messages=messages,
+        max_tokens=100,
+        tools=[{"name": "plan_trip", "input_schema": TRIP}],
+        tool_choice={"type": "any"},
+        extra_body={"temperature": 0},
+    )
+    (used,) = [b for b in anyone.content if b.type == "tool_use"]
+    assert used.name == "plan_trip" and used.id.startswith("toolu_") and anyone.stop_reason == "tool_use"
+    jsonschema.validate(used.input, TRIP)
 
     with pytest.raises(openai.BadRequestError) as refused:
         oai.chat.completions.create(

@@ -124,6 +124,11 @@ def test_structured_requests_reach_vllm_in_the_form_llguidance_reads() -> None:
     forced = structured(msgspec_replace(base, tools=(tool,), tool_choice=ToolChoice(mode="tool", name="t")))
     assert forced.tools[0].parameters == enforceable(tool.parameters)
     assert forced.tools[0].parameters["properties"]["n"] == {"anyOf": [{"type": "integer"}, {"type": "null"}]}
+    one = structured(msgspec_replace(base, tools=(tool,), tool_choice=ToolChoice(mode="required")))
+    assert (one.tool_choice.mode, one.tool_choice.name) == ("tool", "t")  # the one call required allows
+    two = (tool, Tool(name="u", parameters={"type": "object"}))
+    both = structured(msgspec_replace(base, tools=two, tool_choice=ToolChoice(mode="required")))
+    assert both.tool_choice.mode == "required"
     with pytest.raises(InvalidRequest) as auto:
         structured(msgspec_replace(base, tools=(tool,)))
     assert auto.value.param == "tool_choice"

@@ -20,6 +20,7 @@ import logging
 import os
 import sys
 from collections.abc import Callable
+from typing import Any
 
 from meshgate.plugins.manager import build_plugin_manager
 from meshgate.plugins.settings import Settings
@@ -84,8 +85,33 @@ def _serve(settings: Settings, args: argparse.Namespace) -> int:
         )
     )
     tick_once_a_second(server)  # an idle gateway wakes once a second, not ten times
+    _announce(server, app, settings)
     server.run()
     return 0
+
+
+def _announce(server: Any, app: Any, settings: Settings) -> None:
+    """End the start-up log with where the gateway listens and what it offers, once its socket is bound (as
+    Ollama and llama.cpp's server do)."""
+    startup = server.startup
+
+    async def announced(sockets: Any = None) -> None:
+        await startup(sockets=sockets)
+        if not server.started:
+            return
+        bound = [sock.getsockname() for srv in server.servers for sock in (srv.sockets or ())]
+        port = bound[0][1] if bound else settings.port
+        host = f"[{settings.host}]" if ":" in settings.host else settings.host
+        models = ", ".join(c.name for c in app.state.plane.catalog.models()) or "none yet"
+        logging.getLogger("meshgate").info(
+            "meshgate serving at http://%s:%d (OpenAI /v1, Anthropic /v1/messages, Ollama /api, dashboard /ui); "
+            "models: %s",
+            host,
+            port,
+            models,
+        )
+
+    server.startup = announced
 
 
 def _return_freed_memory() -> None:
@@ -220,6 +246,7 @@ def _keys(settings: Settings, args: argparse.Namespace) -> int:
 def _ps(settings: Settings, args: argparse.Namespace) -> int:
     with _client(args) as http:
         cluster = http.get("/cluster").raise_for_status().json()
+        deployments = http.get("/deployments").raise_for_status().json()
     print(f"{'NODE':20} {'ADDRESS':16} {'MEMORY FREE':>12} {'CPUS':>5} RUNTIMES")
     for n in cluster["nodes"]:
         print(
@@ -244,6 +271,10 @@ def _ps(settings: Settings, args: argparse.Namespace) -> int:
             f"{placement.get('sequences', 1):5} {load.get('running', 0):4} {load.get('queued', 0):4} "
             f"{load.get('tokens_per_s', 0.0):6.1f} {nodes}" + (f"  ({i['note']})" if i.get("note") else "")
         )
+    if deployments:
+        print(f"\n{'DEPLOYMENT':24} {'REPLICAS':>8} {'MIN':>4} {'MAX':>4}")
+        for d in deployments:
+            print(f"{d['model']:24} {d['replicas']:8} {d['min_replicas']:4} {d['max_replicas']:4}")
     return 0
 
 

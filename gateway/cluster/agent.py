@@ -355,11 +355,37 @@ class NodeAgent:
         sock.listen(64)
         self.port = sock.getsockname()[1]
         app = _ProbeApp(self.secret.encode(), self.metrics)
-        config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off", log_config=None)
+        # no log_level: uvicorn would set it on its process-wide "uvicorn.error" logger, which the gateway's own
+        # server (an embedded agent shares its process) logs its start and stop to; _quiet_probes mutes this one
+        config = uvicorn.Config(app, access_log=False, lifespan="off", log_config=None)
+        _quiet_probes()
         self._server = uvicorn.Server(config)
         self._server.install_signal_handlers = lambda: None
         tick_once_a_second(self._server)  # an idle agent wakes once a second, not ten times
-        self._tasks.append(asyncio.create_task(self._server.serve(sockets=[sock]), name="agent-probes"))
+        self._tasks.append(asyncio.create_task(self._server.serve(sockets=[sock]), name=PROBES_TASK))
+
+
+PROBES_TASK = "agent-probes"
+
+
+def _quiet_probes() -> None:
+    """Keep the probe server's start and stop lines (uvicorn's INFO records, logged from its task) out of the
+    log: a gateway with an embedded agent would otherwise print two "Uvicorn running on" lines, one of them the
+    probe port. Installed once per process."""
+    logger = logging.getLogger("uvicorn.error")
+    if not any(isinstance(f, _ProbeFilter) for f in logger.filters):
+        logger.addFilter(_ProbeFilter())
+
+
+class _ProbeFilter(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.levelno >= logging.WARNING:
+            return True
+        try:
+            task = asyncio.current_task()
+        except RuntimeError:  # no running loop
+            return True
+        return task is None or task.get_name() != PROBES_TASK
 
 
 class _ProbeApp:

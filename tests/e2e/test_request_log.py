@@ -151,6 +151,13 @@ def test_json_format_turns_every_line_into_an_object_with_the_same_keys(tmp_path
     assert line["prompt_tokens"] == answer.json()["prompt_eval_count"] and isinstance(line["duration_ms"], int)
     objects = [json.loads(text) for text in server.log.read_text().splitlines() if text.strip()]
     assert {"uvicorn.error", "meshgate", "meshgate.requests"} <= {o["logger"] for o in objects}
+    # start-up ends with where it listens and what it offers; the embedded agent's probe server says nothing
+    served = [o["message"] for o in objects if o["message"].startswith("meshgate serving at")]
+    assert len(served) == 1, served
+    where, models = served[0].split("; models: ")
+    assert where == f"meshgate serving at {server.url} (OpenAI /v1, Anthropic /v1/messages, Ollama /api, dashboard /ui)"
+    assert "scripted" in models.split(", ")
+    assert sum("Uvicorn running on" in o["message"] for o in objects) == 1
 
 
 def test_a_stream_cut_short_logs_the_tokens_it_relayed(data_dir):

@@ -97,6 +97,15 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
             (in turn; for comparison, ``benchmarks/replicas.py``).
         max_queue: Requests of one gateway that may wait for an instance's runner; beyond it a request is refused
             at once as overloaded (429/529/503 with ``retry-after``).
+        min_replicas: Autoscaling: the fewest replicas a new deployment keeps (``MESHGATE_MIN_REPLICAS``; raised to
+            the replicas ``POST /instances`` places at once unless it gives its own ``min_replicas``).
+        max_replicas: Autoscaling: the most replicas a new deployment grows to when requests wait
+            (``MESHGATE_MAX_REPLICAS``); 1 and 1, the defaults, mean no autoscaling unless a deployment asks for it
+            (``POST /instances``, ``PUT /deployments/{model}``). README, "Autoscaling".
+        scale_up_wait: Seconds a model's requests must keep waiting for a slot before a replica is added.
+        scale_down_idle: Seconds a replica must be idle (nothing running or queued) before it is removed, while
+            more than ``min_replicas`` exist: its keep-alive under autoscaling.
+        scale_cooldown: Seconds after one scaling of a model before the next (every gateway's).
         max_tokens: The most output tokens one request may ask for (``MESHGATE_MAX_TOKENS``). More is refused
             with a 400 by OpenAI and Anthropic endpoints and cut to it for Ollama's ``num_predict``; every request
             is also held to the room left in its instance's context (see the README's endpoints section).
@@ -133,6 +142,11 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     routing: Literal["affinity", "least_loaded", "round_robin"] = "affinity"
     max_queue: Annotated[int, msgspec.Meta(ge=0)] = 64
     max_tokens: Annotated[int, msgspec.Meta(ge=1)] = 65536
+    min_replicas: Annotated[int, msgspec.Meta(ge=1)] = 1
+    max_replicas: Annotated[int, msgspec.Meta(ge=1)] = 1
+    scale_up_wait: Annotated[float, msgspec.Meta(ge=0)] = 10.0
+    scale_down_idle: Annotated[float, msgspec.Meta(ge=0)] = 300.0
+    scale_cooldown: Annotated[float, msgspec.Meta(ge=0)] = 30.0
     rate_limit: int = 0
     max_body_bytes: int = 64 << 20
     link_probe_every: float = 30.0

@@ -11,6 +11,8 @@ replica of the model uses where any fit (anti-affinity; an instance that shares 
 and keeps the desired count in the store as the model's ``Deployment``, so every gateway and a restarted one
 agree on it; the reconcile loop places replicas a deployment misses (one gateway at a time: a store lease).
 Deleting an instance (by the API, ``keep_alive`` expiry, Ollama's unload) lowers its deployment's count.
+A deployment's ``min_replicas``/``max_replicas`` bound its autoscaling, which ``scale``
+(``autoscale.Autoscaler.step``) carries out in each reconcile pass, before missing replicas are placed.
 
 The hot path (``acquire``) reads a cached view that is refreshed only when the store says something changed,
 and picks among the ready replicas that hold the request's context with ``routing.route`` on the shared load
@@ -26,7 +28,7 @@ import contextlib
 import logging
 import time
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 import msgspec
@@ -37,7 +39,7 @@ from meshgate.gateway.cluster.planner import BackendOffer, plan
 from meshgate.gateway.cluster.records import Deployment, Failed, Instance, Ready, Starting
 from meshgate.gateway.cluster.routing import Choice, PrefixTable, Replica, Routing, route
 from meshgate.gateway.cluster.store import StateStore
-from meshgate.protocols.model import BackendUnavailable, NoCapacity, NotFound
+from meshgate.protocols.model import BackendUnavailable, InvalidRequest, NoCapacity, NotFound
 
 __all__ = ["InstanceManager", "missing_replicas"]
 
@@ -63,6 +65,8 @@ class InstanceManager:
         holder: str | None = None,
         routing: str = "affinity",
         on_route: Callable[[str], None] = lambda instance_id: None,
+        min_replicas: int = 1,
+        max_replicas: int = 1,
     ) -> None:
         self.store = store
         self.backends = list(backends)
@@ -85,6 +89,8 @@ class InstanceManager:
         self.on_route = on_route  # told the replica of each generation routed (``loads.LoadBoard.routed``)
         self.prefixes = PrefixTable()  # which replica this gateway sent each prompt prefix to
         self._turn = 0
+        self.min_replicas, self.max_replicas = min_replicas, max_replicas  # bounds of a new deployment
+        self.scale: Callable[[], Awaitable[object]] | None = None  # autoscaling, once per reconcile pass
 
     # ------------------------------------------------------------------------------------------- lifecycle
 
@@ -265,9 +271,13 @@ class InstanceManager:
         min_nodes: int | None = None,
         context: int | None = None,
         reason: str = "requested",
+        min_replicas: int | None = None,
+        max_replicas: int | None = None,
     ) -> list[Instance]:
         """Place ``replicas`` more instances of ``model`` (see ``create``), spread over distinct nodes where they
-        fit, and record the model's desired count (its ``Deployment``) as the instances it has now."""
+        fit, and record the model's desired count (its ``Deployment``) as the instances it has now, with the
+        autoscaling bounds given (see ``_record_deployment``)."""
+        _check_bounds(min_replicas, max_replicas)
         card = self.resolve(model)
         placed: list[Instance] = []
         reserved: dict[str, int] = {}
@@ -287,26 +297,65 @@ class InstanceManager:
                 placed.append(instance)
                 for node_id, size in instance.placement.memory_per_node.items():
                     reserved[node_id] = reserved.get(node_id, 0) + size
-            await self._record_deployment(card.name, context=context)
+            await self._record_deployment(card.name, context=context, bounds=(min_replicas, max_replicas))
         return placed
 
-    async def _record_deployment(self, model: str, *, context: int | None = None, without: str | None = None) -> None:
+    async def set_bounds(self, model: str, min_replicas: int | None, max_replicas: int | None) -> Deployment:
+        """Change ``model``'s autoscaling bounds (``None``: keep that one). Raising ``min_replicas`` above the
+        replicas it has places more; lowering ``max_replicas`` below them removes the extra ones once idle."""
+        await self._refresh(force=True)
+        current = next((d for d in await self.store.deployments() if d.model == model), None)
+        if current is None or not self.cached(model):
+            raise NotFound(f"model '{model}' has no deployment")
+        lo = current.min_replicas if min_replicas is None else min_replicas
+        hi = current.max_replicas if max_replicas is None else max_replicas
+        _check_bounds(lo, hi)
+        await self._record_deployment(model, bounds=(lo, hi))
+        found = next(d for d in await self.store.deployments() if d.model == model)
+        await self.store.append_event(
+            "deployment.bounds",
+            f"{model}: min_replicas {found.min_replicas}, max_replicas {found.max_replicas}",
+            data={"min_replicas": str(found.min_replicas), "max_replicas": str(found.max_replicas)},
+        )
+        return found
+
+    async def _record_deployment(
+        self,
+        model: str,
+        *,
+        context: int | None = None,
+        without: str | None = None,
+        bounds: tuple[int | None, int | None] = (None, None),
+    ) -> None:
         """Make ``model``'s deployment ask for the instances it has now, less ``without`` (none: forget the
-        deployment). Called after an instance is stored and before one is deleted, so another gateway never sees
-        fewer instances than the deployment asks for (and places one)."""
+        deployment), and at least its ``min_replicas``. Called after an instance is stored and before one is
+        deleted, so another gateway never sees fewer instances than the deployment asks for (and places one).
+
+        ``bounds`` (min, max) set the autoscaling bounds where given. Else a new deployment gets
+        ``MESHGATE_MIN_REPLICAS`` / ``MESHGATE_MAX_REPLICAS``, raised to the replicas placed (N placed at once stay
+        N unless told otherwise), and an existing one keeps its own, widened to the replicas it has."""
         count = sum(1 for i in self.cached(model) if i.id != without)
         current = next((d for d in await self.store.deployments() if d.model == model), None)
         if count == 0:
             if current is not None:
                 await self.store.delete_deployment(model)
             return
-        base = current or Deployment(model=model, replicas=count, min_replicas=1, max_replicas=count, context=context)
+        lo, hi = bounds
+        if current is None:
+            base = Deployment(model=model, context=context)
+            lo = max(self.min_replicas, count) if lo is None else lo
+            hi = max(self.max_replicas, count) if hi is None else hi
+        else:
+            base = current
+            lo = min(current.min_replicas, count) if lo is None else lo
+            if hi is None:  # a deletion never widens it: a lowered max stays lowered while the extras go
+                hi = current.max_replicas if without is not None else max(current.max_replicas, count)
         await self.store.put_deployment(
             msgspec.structs.replace(
                 base,
-                replicas=count,
-                min_replicas=min(base.min_replicas, count),
-                max_replicas=max(base.max_replicas, count),
+                replicas=max(count, lo),
+                min_replicas=lo,
+                max_replicas=max(hi, lo),
                 updated_at=time.time(),
             )
         )
@@ -462,6 +511,11 @@ class InstanceManager:
             elif isinstance(state, Failed) and instance.attempts < MAX_ATTEMPTS:
                 await self._replace(instance, state.reason)
         await self._refresh()
+        if self.scale is not None:
+            try:
+                await self.scale()
+            except Exception:  # the store away for a moment: placing what deployments miss goes on
+                log.exception("autoscaling failed; deciding again next pass")
         await self._fill_deployments()
 
     async def _fill_deployments(self) -> None:
@@ -533,6 +587,13 @@ def missing_replicas(deployments: Sequence[Deployment], instances: Sequence[Inst
         have[instance.model] = have.get(instance.model, 0) + 1
     lacking = {d.model: d.replicas - have.get(d.model, 0) for d in deployments}
     return {model: n for model, n in lacking.items() if n > 0}
+
+
+def _check_bounds(lo: int | None, hi: int | None) -> None:
+    if (lo is not None and lo < 1) or (hi is not None and hi < 1):
+        raise InvalidRequest("min_replicas and max_replicas must be at least 1", param="min_replicas")
+    if lo is not None and hi is not None and lo > hi:
+        raise InvalidRequest(f"min_replicas ({lo}) is above max_replicas ({hi})", param="min_replicas")
 
 
 def _usable(instances: Sequence[Instance]) -> Instance | None:

@@ -117,7 +117,8 @@ class StoreEvent(msgspec.Struct, frozen=True):
 class Deployment(msgspec.Struct, frozen=True, kw_only=True):
     """How many replicas (instances) of ``model`` the cluster should run: the desired count every gateway, and a
     restarted one, agree on. ``context`` is the tokens each replica holds (``None``: the backend's default);
-    ``min_replicas`` and ``max_replicas`` bound autoscaling; ``updated_at`` is Unix seconds."""
+    ``min_replicas`` and ``max_replicas`` bound autoscaling; ``scaled_at`` is when the autoscaler last changed
+    it (its cooldown, shared by every gateway); times are Unix seconds."""
 
     model: str
     replicas: int = 1
@@ -125,6 +126,7 @@ class Deployment(msgspec.Struct, frozen=True, kw_only=True):
     max_replicas: int = 1
     context: int | None = None
     updated_at: float = 0.0
+    scaled_at: float = 0.0
 
 
 class LoadReport(msgspec.Struct, frozen=True, array_like=True):

@@ -23,6 +23,7 @@ from meshgate.backends.registry import ModelRegistry
 from meshgate.backends.runner import secret as cluster_secret
 from meshgate.gateway.admission import Admission
 from meshgate.gateway.cluster.agent import NodeAgent
+from meshgate.gateway.cluster.autoscale import Autoscaler, Policy
 from meshgate.gateway.cluster.instances import InstanceManager
 from meshgate.gateway.cluster.loads import LoadBoard
 from meshgate.gateway.cluster.planner import default_rank
@@ -109,7 +110,15 @@ async def control_plane(
                     holder=loads.gateway_id,
                     routing=settings.routing,
                     on_route=loads.routed,
+                    min_replicas=settings.min_replicas,
+                    max_replicas=max(settings.min_replicas, settings.max_replicas),
                 )
+                policy = Policy(
+                    up_wait=settings.scale_up_wait,
+                    down_idle=settings.scale_down_idle,
+                    cooldown=settings.scale_cooldown,
+                )
+                plane.instances.scale = Autoscaler(plane.instances, policy, loads.view).step
                 await plane.instances.start()
                 await loads.start()
                 plane.dispatcher = Dispatcher(

@@ -3,8 +3,9 @@
 Errors use OpenAI's envelope (``{"error": {"message", "type", ...}}``), the most widely parsed one. Instances are
 shown with this gateway's queue for each (``queue``: requests generating, waiting, and the bounds) and their
 load across every gateway (``load``: running, queued, tokens/s, prefix hits). ``POST /instances`` with
-``replicas: N`` places N replicas at once, over distinct nodes where they fit; ``/deployments`` lists the desired
-replica count of each model.
+``replicas: N`` places N replicas at once, over distinct nodes where they fit (``min_replicas`` and
+``max_replicas`` bound its autoscaling); ``/deployments`` lists the desired replica count and bounds of each model,
+and ``PUT /deployments/{model}`` changes the bounds (``gateway.cluster.autoscale``).
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from typing import Annotated, Literal
 
 import msgspec
 from litestar import Request as HttpRequest
-from litestar import Router, delete, get, post
+from litestar import Router, delete, get, post, put
 from litestar.response import Stream
 from sse_starlette.event import ServerSentEvent
 
@@ -57,7 +58,9 @@ class Preview(msgspec.Struct, frozen=True):
 class CreateInstance(msgspec.Struct, frozen=True, kw_only=True):
     """Create from a preview (``candidate_id``) or from constraints (``nodes``); the best fit otherwise.
     ``replicas``: how many to place at once (each a whole placement, over distinct nodes where they fit);
-    ``context``: tokens each holds (the backend's default when unset)."""
+    ``context``: tokens each holds (the backend's default when unset); ``min_replicas`` and ``max_replicas``: the
+    bounds of the model's autoscaling (``MESHGATE_MIN_REPLICAS`` / ``MESHGATE_MAX_REPLICAS`` for a new
+    deployment, raised to the replicas placed, when unset)."""
 
     model: str
     candidate_id: str | None = None
@@ -66,6 +69,15 @@ class CreateInstance(msgspec.Struct, frozen=True, kw_only=True):
     min_nodes: int | None = None
     replicas: Annotated[int, msgspec.Meta(ge=1, le=64)] = 1
     context: Annotated[int, msgspec.Meta(ge=1)] | None = None
+    min_replicas: Annotated[int, msgspec.Meta(ge=1, le=64)] | None = None
+    max_replicas: Annotated[int, msgspec.Meta(ge=1, le=64)] | None = None
+
+
+class Bounds(msgspec.Struct, frozen=True, kw_only=True):
+    """A deployment's autoscaling bounds; one left out stays as it is."""
+
+    min_replicas: Annotated[int, msgspec.Meta(ge=1, le=64)] | None = None
+    max_replicas: Annotated[int, msgspec.Meta(ge=1, le=64)] | None = None
 
 
 def _instances(request: HttpRequest) -> InstanceManager:
@@ -121,6 +133,8 @@ async def create_instance(request: HttpRequest, data: CreateInstance) -> Placed:
         strategy=data.strategy,
         min_nodes=data.min_nodes,
         context=data.context,
+        min_replicas=data.min_replicas,
+        max_replicas=data.max_replicas,
     )
     first = placed[0]
     return Placed(**{name: getattr(first, name) for name in first.__struct_fields__}, replicas=placed)
@@ -129,6 +143,12 @@ async def create_instance(request: HttpRequest, data: CreateInstance) -> Placed:
 @get("/deployments", summary="Each model's desired replicas (its deployment record)")
 async def deployments(request: HttpRequest) -> list[Deployment]:
     return await _instances(request).store.deployments()
+
+
+@put("/deployments/{model:str}", summary="Change a model's autoscaling bounds (min_replicas, max_replicas)")
+async def set_bounds(request: HttpRequest, model: str, data: Bounds) -> Deployment:
+    card = request.app.state.plane.catalog.resolve(model)
+    return await _instances(request).set_bounds(card.name, data.min_replicas, data.max_replicas)
 
 
 @get("/instances", summary="All instances, with this gateway's queue for each")
@@ -202,6 +222,7 @@ router = Router(
         instance_events,
         events,
         deployments,
+        set_bounds,
     ],
     exception_handlers={GatewayError: error_handler(openai.error_body)},
     tags=["cluster"],

@@ -266,7 +266,10 @@ function addEvents(events) {
     }
     const where = event.instance_id ?? event.node_id ?? "";
     const line = `${clock(event.at)} ${event.kind} ${where}: ${event.message}`;
-    list.prepend(el("li", { "data-kind": event.kind }, line));
+    // A decision's figures (autoscaling: queued, waited_s, idle_s, replicas, bounds) show on hover.
+    const figures = Object.entries(event.data ?? {}).filter(([name]) => name !== "reason" && name !== "placement");
+    const title = figures.map(([name, value]) => `${name} ${value}`).join(", ");
+    list.prepend(el("li", { "data-kind": event.kind, ...(title ? { title } : {}) }, line));
   }
   while (list.children.length > 200) list.lastElementChild.remove();
   if (events.length) refreshSoon();

@@ -12,6 +12,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
@@ -243,6 +244,51 @@ def test_two_gateways_share_instances(cluster, redis, data_dir):
         other.stop()
 
 
+def test_autoscaling_adds_a_replica_while_requests_wait_and_removes_it_idle(cluster, redis, data_dir):
+    gateway, _, _ = cluster
+    env = {
+        **FAST,
+        "MESHGATE_PARALLEL": "1",
+        "MESHGATE_SCALE_UP_WAIT": "1",
+        "MESHGATE_SCALE_DOWN_IDLE": "2",
+        "MESHGATE_SCALE_COOLDOWN": "0.5",
+    }
+    scaler = Server(data_dir, "--redis", redis.url, "--plugin", "tests.scripted_plugin", env=env)
+    try:
+        for old in httpx.get(f"{gateway.url}/instances").json():
+            if old["model"] == "scripted":
+                httpx.delete(f"{gateway.url}/instances/{old['id']}")
+        body = {"model": "scripted", "nodes": ["a"], "min_replicas": 1, "max_replicas": 2}
+        created = httpx.post(f"{scaler.url}/instances", json=body).json()
+        wait_for(lambda: instance(scaler, created["id"])["state"]["state"] == "ready", 30, "ready on a")
+        client = openai.OpenAI(base_url=f"{scaler.url}/v1", api_key="x", max_retries=0, timeout=60)
+
+        def slow(_: int) -> str | None:
+            ask = [{"role": "user", "content": "sleep 3"}]
+            return client.chat.completions.create(model="scripted", messages=ask).choices[0].message.content
+
+        def events(kind: str) -> list[dict]:
+            found = httpx.get(f"{gateway.url}/events", params={"count": 1000}).json()
+            return [e for e in found if e["kind"] == kind and e["message"].startswith("scripted:")]
+
+        with ThreadPoolExecutor(3) as pool:  # one slot: two of the three wait, 3 and 6 seconds
+            answers = pool.map(slow, range(3))
+            [up] = wait_for(lambda: events("deployment.scaled_up"), 30, "a replica added")
+            assert list(answers) == ["slept"] * 3
+        assert "waited for a slot" in up["data"]["reason"] and up["data"]["max_replicas"] == "2"
+        [down] = wait_for(lambda: events("deployment.scaled_down"), 30, "an idle replica removed")
+        assert "idle for" in down["data"]["reason"]
+        [deployment] = [d for d in httpx.get(f"{gateway.url}/deployments").json() if d["model"] == "scripted"]
+        assert (deployment["replicas"], deployment["min_replicas"], deployment["max_replicas"]) == (1, 1, 2)
+        bounds = httpx.put(f"{gateway.url}/deployments/scripted", json={"min_replicas": 3})
+        assert bounds.status_code == 400 and "above max_replicas (2)" in bounds.json()["error"]["message"]
+    finally:
+        scaler.stop()
+        for old in httpx.get(f"{gateway.url}/instances").json():
+            if old["model"] == "scripted":
+                httpx.delete(f"{gateway.url}/instances/{old['id']}")
+
+
 def test_node_loss_fails_in_flight_requests_and_replaces(cluster):
     gateway, agents, _ = cluster
     for old in httpx.get(f"{gateway.url}/instances").json():
@@ -326,6 +372,7 @@ def test_cli_ps_and_place_mirror_the_api(cluster):
     assert created.returncode == 0 and '"model": "scripted' in created.stdout
     ps = run("ps")
     assert ps.returncode == 0 and "NODE" in ps.stdout and "scripted" in ps.stdout
+    assert "DEPLOYMENT" in ps.stdout and "MIN" in ps.stdout
     assert all(name in ps.stdout for name in ("b",))
 
 

@@ -29,7 +29,7 @@ import numpy as np
 
 from meshgate.backends.llama_cpp.batch import Job, Scheduler, decode_group
 from meshgate.backends.llama_cpp.embed import Embedder
-from meshgate.backends.llama_cpp.grammar import JSON_OBJECT, Grammars
+from meshgate.backends.llama_cpp.grammar import FORMAT_OPTIONS, JSON_OBJECT, Grammars
 from meshgate.backends.llama_cpp.logprobs import LogprobAligner, token_logprob
 from meshgate.backends.llama_cpp.prompt import render_prompt
 from meshgate.backends.llama_cpp.sampling import GrammarStuck, Sampler
@@ -312,5 +312,5 @@ class LlamaEngine:
         if fmt.kind == "json_schema" and fmt.schema:
             return self.grammars.matcher(fmt.schema, "the response format's JSON schema", param="response_format")
         if fmt.kind != "text":
-            return self.grammars.matcher(JSON_OBJECT, "json_object")
+            return self.grammars.matcher(JSON_OBJECT, "json_object", options=FORMAT_OPTIONS)
         return None

@@ -17,10 +17,15 @@ before, skipped number bounds, failed on recursion and spelled a 20,000-value en
   beyond them the request gets a 400 that names the limit.
 - Compiled matchers are kept in an LRU keyed by the schema's canonical JSON (``CACHE_SIZE``); a request gets a
   copy (``deep_copy``, ~0.06 ms), so an agent that sends the same tools every turn compiles them once.
-- JSON is written with ``", "`` and ``": "`` between items, as ``json.dumps`` writes it and as models learnt it
-  (held to no space at all, Gemma 3 270M answered ``{"city":""}`` to "What is the weather in Paris?"), and no
-  other whitespace: no run of newlines can fill the output. Schema-embedded ``x-guidance`` options cannot
-  override this (they go in as ``overrides``).
+- JSON under a schema is written with ``", "`` and ``": "`` between items, as ``json.dumps`` writes it and as
+  models learnt it (held to no space at all, Gemma 3 270M answered ``{"city":""}`` to "What is the weather in
+  Paris?"), and no other whitespace (``OPTIONS``). ``json_object`` (Ollama's ``format: "json"``), an object with
+  no schema, may also break a line and indent up to 20 characters between two tokens (``FORMAT_OPTIONS``), as
+  llama.cpp's and Ollama's JSON grammars allow: held to the compact form, Gemma 3 270M never closed an open
+  object ("describe Paris" went on adding keys until ``max_tokens``), where it ends a pretty-printed one; under
+  a schema, which says when an object ends, the compact form ends sooner. Either way at most one break sits
+  between two tokens, so no run of newlines can fill the output. Schema-embedded ``x-guidance`` options
+  cannot override these (they go in as ``overrides``).
 
 Runs only in the runner process; imports llguidance, llama_cpp (through llguidance's vocabulary reader) and
 protocols.
@@ -37,7 +42,7 @@ from typing import Any
 from meshgate.protocols.model import InvalidRequest
 from meshgate.protocols.schema_rules import check_schema, enforceable
 
-__all__ = ["CACHE_SIZE", "JSON_OBJECT", "OPTIONS", "Grammars"]
+__all__ = ["CACHE_SIZE", "FORMAT_OPTIONS", "JSON_OBJECT", "OPTIONS", "Grammars"]
 
 CACHE_SIZE = 64
 """Compiled schemas kept per runner."""
@@ -46,7 +51,10 @@ JSON_OBJECT: dict[str, Any] = {"type": "object"}
 """What ``json_object`` mode (and Ollama's ``format: "json"``) holds an answer to."""
 
 OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": ", "lenient": False}
-"""llguidance's JSON options (see the module docstring)."""
+"""llguidance's JSON options under a schema (see the module docstring)."""
+
+FORMAT_OPTIONS = {"whitespace_flexible": False, "whitespace_pattern": r"[ ]?|\n[ \t]{0,20}", "lenient": False}
+"""llguidance's JSON options for ``json_object``: llama.cpp's JSON whitespace (see the module docstring)."""
 
 
 class Grammars:
@@ -76,20 +84,21 @@ class Grammars:
                     self._tokenizer = lltokenizer_from_vocab(vocab, eos_token=eog)
             return self._tokenizer
 
-    def matcher(self, schema: Any, what: str, *, param: str | None = None) -> Any:
+    def matcher(self, schema: Any, what: str, *, param: str | None = None, options: dict[str, Any] = OPTIONS) -> Any:
         """A fresh ``LLMatcher`` holding generation to ``schema``.
 
         Args:
             schema: A JSON schema (decoded).
             what: The schema's name for error messages ("the response format's JSON schema").
             param: The request field an error names.
+            options: llguidance's JSON options (``OPTIONS`` or ``FORMAT_OPTIONS``).
 
         Raises:
             InvalidRequest: the schema asks for what no grammar here enforces, is beyond the bounds, or llguidance
                 cannot compile it (its message says why).
         """
         check_schema(schema, what, param=param)
-        key = json.dumps(schema, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+        key = json.dumps([schema, options], sort_keys=True, separators=(",", ":"), ensure_ascii=False)
         with self._lock:
             cached = self._cache.get(key)
             if cached is not None:
@@ -100,7 +109,7 @@ class Grammars:
         import llguidance
 
         try:
-            grammar = llguidance.LLMatcher.grammar_from_json_schema(enforceable(schema), overrides=OPTIONS)  # type: ignore[arg-type]  # a TypedDict in llguidance's stubs
+            grammar = llguidance.LLMatcher.grammar_from_json_schema(enforceable(schema), overrides=options)  # type: ignore[arg-type]  # a TypedDict in llguidance's stubs
         except ValueError as exc:
             raise InvalidRequest(f"{what} cannot be compiled: {exc}", param=param) from exc
         compiled = llguidance.LLMatcher(tokenizer, grammar, log_level=0, limits=llguidance.LLParserLimits())

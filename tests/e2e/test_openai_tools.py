@@ -268,11 +268,12 @@ def test_oai_23_top_logprobs_without_logprobs_is_400(oai):
     assert exc.value.param == "top_logprobs"
 
 
-def test_oai_59_tool_schema_llama_cpp_cannot_hold_the_model_to_is_422(oai):
+def test_oai_59_tool_schema_no_grammar_can_hold_the_model_to_is_400(oai):
     odd = {
         "type": "function",
         "function": {"name": "odd", "parameters": {"type": "object", "properties": {"a": {"type": "wibble"}}}},
     }
-    with pytest.raises(openai.UnprocessableEntityError) as exc:
+    with pytest.raises(openai.BadRequestError) as exc:
         oai.chat.completions.create(**SETTINGS, messages=ASK, tools=[odd], tool_choice="required")
-    assert "cannot be turned into a grammar" in exc.value.message
+    assert "'wibble'" in exc.value.message and "/properties/a/type" in exc.value.message
+    assert exc.value.param == "tools"

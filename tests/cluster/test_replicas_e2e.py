@@ -123,7 +123,8 @@ def test_a_conversation_keeps_its_replica_and_reuses_its_prefix(two_gateways, re
     _idle(two_gateways)
     requests_before = _counter(two_gateways, "meshgate_instance_requests_total")
     hits_before = _counter(two_gateways, "meshgate_prefix_cache_hits_total")
-    first = "Here is a long question about the history of the city of Paris, its rivers, its bridges and " * 2
+    # over routing.MIN_PREFIX characters: a key every gateway hashes alike (a shorter chat goes least-loaded)
+    first = "Here is a long question about the history of the city of Paris, its rivers, its bridges and " * 6
     messages = [{"role": "system", "content": "You answer briefly."}, {"role": "user", "content": first}]
     for turn in range(3):
         gateway = two_gateways[turn % 2]  # the turns alternate between the gateways

@@ -333,7 +333,8 @@ class InstanceManager:
 
         ``bounds`` (min, max) set the autoscaling bounds where given. Else a new deployment gets
         ``MESHGATE_MIN_REPLICAS`` / ``MESHGATE_MAX_REPLICAS``, raised to the replicas placed (N placed at once stay
-        N unless told otherwise), and an existing one keeps its own, widened to the replicas it has."""
+        N unless told otherwise), and an existing one keeps its own, widened to the replicas it has; one of a fixed
+        size (min = max) follows the replicas it has, both ways."""
         count = sum(1 for i in self.cached(model) if i.id != without)
         current = next((d for d in await self.store.deployments() if d.model == model), None)
         if count == 0:
@@ -345,6 +346,11 @@ class InstanceManager:
             base = Deployment(model=model, context=context)
             lo = max(self.min_replicas, count) if lo is None else lo
             hi = max(self.max_replicas, count) if hi is None else hi
+        elif lo is None and hi is None and current.min_replicas == current.max_replicas:
+            # a fixed size (no autoscaling asked for) stays fixed at what is placed: a replica placed beside the
+            # others for a bigger context is not an extra for the autoscaler to take away when idle
+            base = current
+            lo = hi = min(current.min_replicas, count) if without is not None else max(current.max_replicas, count)
         else:
             base = current
             lo = min(current.min_replicas, count) if lo is None else lo

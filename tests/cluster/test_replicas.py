@@ -121,7 +121,12 @@ async def test_a_bigger_num_ctx_places_a_replica_beside_the_others_never_instead
     await _ready(manager, big)
     assert (await manager.acquire(card, context=1000)).id == big.id  # found again, not placed again
     assert (await manager.acquire(card, context=128)).id in {small[0].id, big.id}
-    assert (await manager.store.deployments())[0].replicas == 2
+    [deployment] = await manager.store.deployments()
+    # a fixed-size deployment grows with it: the small replica is no extra for the autoscaler to take when idle
+    assert (deployment.replicas, deployment.min_replicas, deployment.max_replicas) == (2, 2, 2)
+    await manager.delete(big.id)
+    [deployment] = await manager.store.deployments()
+    assert (deployment.replicas, deployment.min_replicas, deployment.max_replicas) == (1, 1, 1)
 
 
 async def test_without_automatic_placement_the_largest_replica_serves(cluster):

@@ -40,6 +40,7 @@ pytestmark = pytest.mark.runtime  # long: gateways, the model and two npm-instal
 
 SECRET = {"MESHGATE_CLUSTER_SECRET": "agent-clients-test-secret"}  # lets the test read the runner's /health
 BRIEF = "gemma3-brief"  # created from MODEL with a stored stop, as tests/e2e/test_model_defaults.py creates it
+GREEDY = "gemma3-greedy"  # created from MODEL with temperature 0 stored, for a client that sends none
 
 
 @pytest.fixture(scope="module")
@@ -139,17 +140,23 @@ def test_claude_code_default_prompt_is_too_long_for_4096(bin_dir, small, tmp_pat
 
 def test_claude_code_runs_its_turn_loop_on_the_model(bin_dir, roomy, tmp_path):
     """``--bare`` with a short system prompt and one tool (``Read``): Claude Code streams the model's answer. The
-    packaged base model never ends a turn by itself (its ``<end_of_turn>`` is untrained), so every answer stops at
-    ``max_tokens``; Claude Code asks it to go on three times (each request a prefix of the next, taken from the
-    slot's cache) and then reports the output limit as its result."""
-    before, reused = len(_requests(roomy)), _health(roomy)["reused_tokens"]
+    packaged base model never ends a turn by itself at temperature 0 (its ``<end_of_turn>`` is untrained), so every
+    answer stops at ``max_tokens``; Claude Code asks it to go on three times (each request a prefix of the next,
+    taken from the slot's cache) and then reports the output limit as its result. Claude Code sends no
+    ``temperature`` (Anthropic's default is 1: sampled, with a fresh seed), so the model is ``GREEDY``: the packaged
+    one with ``temperature 0`` stored, which a request that sets none gets (once in a full run a sampled first
+    answer drew an end of turn within 8 tokens)."""
+    body = {"model": GREEDY, "from": MODEL, "parameters": {"temperature": 0}, "stream": False}
+    created = httpx.post(f"{roomy.url}/api/create", json=body, timeout=120)
+    assert created.status_code == 200 and created.json()["status"] == "success", created.text
+    before = len(_requests(roomy))  # GREEDY has no instance yet: its first one is placed for this run
     run = agent_clients.claude(
         bin_dir,
         roomy.url,
         tmp_path / "home",
         "Say hello",
         "--model",
-        MODEL,
+        GREEDY,
         "--bare",
         "--system-prompt",
         "You are a helpful assistant. Answer in one short sentence.",
@@ -170,7 +177,7 @@ def test_claude_code_runs_its_turn_loop_on_the_model(bin_dir, roomy, tmp_path):
     assert all(r["generated_tokens"] == 8 and r["error"] is None for r in lines), lines
     prompts = [r["prompt_tokens"] for r in lines]
     assert prompts == sorted(prompts) and prompts[0] > 300, prompts  # system prompt, Read's schema, the question
-    assert _health(roomy)["reused_tokens"] - reused >= sum(prompts[:-1]) - 3  # later requests reused the earlier
+    assert _health(roomy, GREEDY)["reused_tokens"] >= sum(prompts[:-1]) - 3  # later requests reused the earlier
     assert result["terminal_reason"] == "completed" and result["num_turns"] == 1, result
     assert "exceeded the 8 output token maximum" in result["result"], result  # it read stop_reason max_tokens
     usage = result["usage"]  # Anthropic's input_tokens leave out what was read from the cache (ANT usage)
@@ -253,8 +260,10 @@ def test_codex_exec_completes_a_plain_turn_on_a_model_with_a_stored_stop(bin_dir
 # ---------------------------------------------------------------------------------------------------- long prefills
 
 
-def _health(server: Server) -> dict:
-    instance = next(i for i in httpx.get(f"{server.url}/instances", timeout=5).json() if i["model"] == MODEL)
+def _health(server: Server, model: str = MODEL) -> dict:
+    """The runner health of ``model``'s instance."""
+    instances = httpx.get(f"{server.url}/instances", timeout=5).json()
+    instance = next(i for i in instances if i["model"] in (model, f"{model}:latest"))
     url = next(r["url"] for r in instance["runners"].values() if r.get("url"))
     headers = {"x-meshgate-secret": SECRET["MESHGATE_CLUSTER_SECRET"]}
     return httpx.get(f"{url}/health", headers=headers, timeout=5).json()

@@ -23,26 +23,29 @@ runner with ``--threads`` llama.cpp threads, 1 by default) and one gateway, serv
 
 Every loop is bounded; every process is stopped on the way out.
 
-Measured 2026-12-02 on the 2-core box, quiet (load average 1.5-2; each node's runner 1 thread, so the 2-replica
-cluster's two runners have the box's two cores and share them with the gateway, the agents and Redis):
+Measured 2026-12-02 on the 2-core box, quiet (load average 1.5-2.3; each node's runner 1 thread, so the 2-replica
+cluster's two runners have the box's two cores and share them with the gateway, the agents, Redis and the clients),
+after runner slots began sharing cached prefixes and short prompts began going least-loaded:
 
     --levels 8,16 --tokens 32 --rounds 2
     | streams | 1 replica tok/s | 2 replicas tok/s | ratio | raw 1 proc | TTFT p50/p99, 1 | TTFT p50/p99, 2 |
-    |       8 |            53.8 |             58.8 |  1.09 |       65.4 | 0.79 / 1.43 s   | 0.58 / 1.09 s   |
-    |      16 |            46.8 |             81.9 |  1.75 |       79.3 | 1.57 / 9.47 s   | 0.85 / 2.15 s   |
-    first token of the 8th of 8 cold prompts (1 replica, 1 thread): 0.79 s
-    gateway CPU per streamed token at one stream: 0.547 ms (0.393 net of idle)
+    |       8 |            51.1 |             61.8 |  1.21 |       73.7 | 0.79 / 1.61 s   | 0.47 / 0.92 s   |
+    |      16 |            53.3 |             74.8 |  1.40 |       77.0 | 1.29 / 7.99 s   | 0.98 / 1.83 s   |
+    first token of the 8th of 8 cold prompts (1 replica, 1 thread): 1.09 s
+    gateway CPU per streamed token at one stream: 0.703 ms (0.548 net of idle)
 
-    --skip capacity --tokens 32 (16 chats x 6 turns, 4 agents x 3 tasks, ~4,000-token shared system prompt)
+    (16 chats x 6 turns, 4 agents x 3 tasks, ~4,000-token shared system prompt, --tokens 32)
     | routing      | reused / reusable      | TTFT p50 | TTFT p99 | chat p50 | agent p50 | wall  |
-    | affinity     | 38063 / 53933  (70.6%) |   0.72 s |  84.86 s |   0.73 s |    0.70 s | 152 s |
-    | least_loaded | 42104 / 53933  (78.1%) |   0.78 s |  59.90 s |   0.76 s |    0.78 s | 112 s |
-    | round_robin  | 21346 / 53933  (39.6%) |   1.53 s |  57.60 s |   1.50 s |   29.07 s | 222 s |
-    routing cost: 15.6 us a request with the prefix key (2 replicas), 22.9 us (8); 2 us without a key
+    | affinity     | 53284 / 53933  (98.8%) |   0.61 s |  28.15 s |   0.59 s |    0.79 s |  62 s |
+    | least_loaded | 49836 / 53933  (92.4%) |   0.80 s |  29.50 s |   0.82 s |    0.60 s |  73 s |
+    | round_robin  | 45031 / 53933  (83.5%) |   1.02 s |  29.23 s |   1.05 s |    0.91 s | 101 s |
+    routing cost: 18.8 us a request with the prefix key (2 replicas), 21.5 us (8); 3 us without a key
 
-Affinity halves round-robin's TTFT p50 but reuses less than least-loaded here: it sends an agent's concurrent tasks
-to the replica that holds their preamble, and a runner's slots do not share a prefix (a second task beside the
-first needs its own slot, and prefills the 4k preamble again there).
+Before slots shared prefixes (same box, same day) affinity reused 70.6% with a TTFT p99 of 84.9 s and round-robin
+39.6%: a task beside another on the replica holding its preamble prefilled the 4k preamble again in its own slot.
+Now a slot copies another's cached prefix, so every rule reuses more; affinity still reuses most and is fastest.
+Two replicas give 1.2-1.4x one replica here, about one raw llama.cpp process's ceiling: the box has two cores for
+both runners and everything else, where the one-replica run has a core to spare for the rest.
 """
 
 from __future__ import annotations

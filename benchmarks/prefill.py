@@ -34,6 +34,9 @@ Measured 2026-12-02 on the 2-core box while other test suites ran (load average 
     load average 8-14: the long prefill took 1,927 s, 4.4x the 438 s of an idle box)
     | shortest first, chunk preempted (new)  |             2.45 s |        128.3 s |     1926.6 s | 1         |
 
+    the same on the quiet box (load average 0.2-1.9, the same day, after slots began sharing prefixes):
+    | shortest first, chunk preempted (new)  |             0.10 s |         21.7 s |      322.8 s | 1         |
+
 The short request's later tokens wait for the long prompt's chunks (one chunk a step: ~18 s at 28k here).
 
     .venv/bin/python benchmarks/prefill.py                    # 8k, every variant; TTFT at 4k (~6 min, 2 cores)

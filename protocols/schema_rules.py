@@ -52,6 +52,7 @@ __all__ = [
     "ANNOTATIONS",
     "ENFORCED",
     "FORMATS",
+    "JSON_OPTIONS",
     "MAX_DEPTH",
     "MAX_ENUM_VALUES",
     "MAX_SCHEMA_BYTES",
@@ -59,6 +60,10 @@ __all__ = [
     "check_schema",
     "enforceable",
 ]
+
+JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": ", "lenient": False}
+"""How every runner has JSON under a schema written (llguidance's JSON options): ``", "`` and ``": "`` between
+items, as ``json.dumps`` writes it and as models learnt it, and no other free whitespace."""
 
 MAX_SCHEMA_BYTES = 2 << 20
 """The longest schema, as compact JSON."""

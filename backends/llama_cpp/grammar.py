@@ -40,7 +40,7 @@ from collections import OrderedDict
 from typing import Any
 
 from meshgate.protocols.model import InvalidRequest
-from meshgate.protocols.schema_rules import check_schema, enforceable
+from meshgate.protocols.schema_rules import JSON_OPTIONS, check_schema, enforceable
 
 __all__ = ["CACHE_SIZE", "FORMAT_OPTIONS", "JSON_OBJECT", "OPTIONS", "Grammars"]
 
@@ -50,8 +50,8 @@ CACHE_SIZE = 64
 JSON_OBJECT: dict[str, Any] = {"type": "object"}
 """What ``json_object`` mode (and Ollama's ``format: "json"``) holds an answer to."""
 
-OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": ", "lenient": False}
-"""llguidance's JSON options under a schema (see the module docstring)."""
+OPTIONS = JSON_OPTIONS
+"""llguidance's JSON options under a schema, every runner's (see the module docstring)."""
 
 FORMAT_OPTIONS = {"whitespace_flexible": False, "whitespace_pattern": r"[ ]?|\n[ \t]{0,20}", "lenient": False}
 """llguidance's JSON options for ``json_object``: llama.cpp's JSON whitespace (see the module docstring)."""

@@ -22,13 +22,12 @@ import threading
 from typing import Any
 
 from meshgate.protocols.model import InvalidRequest, Request
-from meshgate.protocols.schema_rules import check_schema, enforceable
+from meshgate.protocols.schema_rules import JSON_OPTIONS, check_schema, enforceable
 
 __all__ = ["OPTIONS", "Constraint", "Grammars"]
 
-OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": ", "lenient": False}
-"""llguidance's JSON options, the llama.cpp runner's (``backends.llama_cpp.grammar.OPTIONS``; backends do not import
-each other): ``", "`` and ``": "`` between items, as models learnt JSON, and no other free whitespace."""
+OPTIONS = JSON_OPTIONS
+"""llguidance's JSON options, every runner's (``protocols.schema_rules.JSON_OPTIONS``)."""
 
 
 class Constraint:

@@ -39,7 +39,7 @@ from meshgate.protocols.model import (
     UnsupportedFeature,
 )
 from meshgate.protocols.openai_client import StreamDecoder, chat_messages, encode_request, error_from_response
-from meshgate.protocols.schema_rules import check_schema, enforceable
+from meshgate.protocols.schema_rules import JSON_OPTIONS, check_schema, enforceable
 
 __all__ = ["JSON_OPTIONS", "VllmRunner", "structured"]
 
@@ -129,11 +129,10 @@ class VllmRunner:
         )
 
 
-JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": ", "lenient": False}
-"""llguidance's JSON options for a response format, as the llama.cpp and MLX runners use them: ``", "`` and
-``": "`` between items, no other free whitespace. vLLM takes them from the schema's ``x-guidance`` (which
-overrides its server-wide defaults; a client's own ``x-guidance`` is replaced). Forced tool calls keep vLLM's
-compact JSON (``launch.STRUCTURED_OUTPUTS``), as the other runners write arguments."""
+# JSON_OPTIONS (protocols.schema_rules): llguidance's JSON options for a response format, as the llama.cpp and MLX
+# runners use them. vLLM takes them from the schema's ``x-guidance`` (which overrides its server-wide defaults; a
+# client's own ``x-guidance`` is replaced). Forced tool calls keep vLLM's compact JSON (``launch.STRUCTURED_OUTPUTS``),
+# as the other runners write arguments.
 
 
 def structured(request: Request) -> Request:

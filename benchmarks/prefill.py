@@ -145,7 +145,6 @@ def raw(llm: Any, tokens: list[int], swa_full: bool, flash: bool, greedy: int, t
 
 def _job(llm: Any, tokens: list[int], limit: int) -> Job:
     sampler = Sampler(
-        llm._model.vocab,
         llm.n_vocab(),
         temp=0.0,
         top_k=40,

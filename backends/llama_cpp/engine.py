@@ -289,7 +289,6 @@ class LlamaEngine:
         if _value(s, "repeat_penalty") <= 0:  # llama.cpp divides logits by it: inf, then NaN probabilities
             raise InvalidRequest("repeat_penalty must be greater than 0 (1 is no penalty)", param="repeat_penalty")
         return Sampler(
-            self.llm._model.vocab,
             self.llm.n_vocab(),
             temp=_value(s, "temperature"),
             top_k=_value(s, "top_k"),

@@ -43,7 +43,6 @@ class Sampler:
 
     def __init__(
         self,
-        vocab: Any,
         n_vocab: int,
         *,
         temp: float,

@@ -52,7 +52,7 @@ def scheduler(packaged_gguf):
 def _job(s: Scheduler, text: str) -> Job:
     tokens = s.llm.tokenize(text.encode(), add_bos=True, special=True)
     greedy = dict(top_k=40, top_p=1.0, min_p=0.0, repeat_penalty=1.0, presence_penalty=0.0, frequency_penalty=0.0)
-    sampler = Sampler(s.llm._model.vocab, s.n_vocab, temp=0.0, seed=0, **greedy)
+    sampler = Sampler(s.n_vocab, temp=0.0, seed=0, **greedy)
     return Job(prompt=tokens, limit=TOKENS, sampler=sampler, cancel=threading.Event())
 
 

@@ -84,7 +84,7 @@ def _preamble(s: Scheduler, name: str, chunks: int) -> list[int]:
 
 def _job(s: Scheduler, prompt: list[int], limit: int = TOKENS) -> Job:
     greedy = dict(top_k=40, top_p=1.0, min_p=0.0, repeat_penalty=1.0, presence_penalty=0.0, frequency_penalty=0.0)
-    sampler = Sampler(s.llm._model.vocab, s.n_vocab, temp=0.0, seed=0, **greedy)
+    sampler = Sampler(s.n_vocab, temp=0.0, seed=0, **greedy)
     return Job(prompt=prompt, limit=limit, sampler=sampler, cancel=threading.Event())
 
 

@@ -12,12 +12,10 @@ import queue
 import threading
 import time
 
-import llama_cpp
 import pytest
 
 from meshgate.backends.llama_cpp.batch import Job, Scheduler
-from meshgate.backends.llama_cpp.rpc import weight_repacking
-from meshgate.backends.llama_cpp.sampling import Sampler
+from tests.llama.scheduling import greedy_job, load, running
 
 TOKENS = 12
 LONG = " ".join(
@@ -30,30 +28,12 @@ LONG = " ".join(
 
 @pytest.fixture(scope="module")
 def scheduler(packaged_gguf):
-    with weight_repacking(False):  # as the engine loads it
-        llm = llama_cpp.Llama(model_path=str(packaged_gguf), n_ctx=64, n_batch=64, n_threads=2, verbose=False)
-    vocab = llama_cpp.llama_model_get_vocab(llm._model.model)
-    s = Scheduler(
-        llm._model.model,
-        n_ctx=4096,
-        parallel=2,
-        n_threads=2,
-        is_eog=lambda token: bool(llama_cpp.llama_vocab_is_eog(vocab, token)),
-    )
-    s.llm = llm  # keep the model alive with the context
-    thread = threading.Thread(target=s.run, daemon=True)
-    thread.start()
-    yield s
-    s.close()
-    thread.join(60)
-    s.free()
+    with running(load(packaged_gguf), parallel=2) as s:
+        yield s
 
 
 def _job(s: Scheduler, text: str) -> Job:
-    tokens = s.llm.tokenize(text.encode(), add_bos=True, special=True)
-    greedy = dict(top_k=40, top_p=1.0, min_p=0.0, repeat_penalty=1.0, presence_penalty=0.0, frequency_penalty=0.0)
-    sampler = Sampler(s.n_vocab, temp=0.0, seed=0, **greedy)
-    return Job(prompt=tokens, limit=TOKENS, sampler=sampler, cancel=threading.Event())
+    return greedy_job(s, s.llm.tokenize(text.encode(), add_bos=True, special=True), TOKENS)
 
 
 def _read(job: Job, times: list[float]) -> list[int]:

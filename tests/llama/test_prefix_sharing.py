@@ -10,17 +10,12 @@ difference would be the copy's.
 
 from __future__ import annotations
 
-import threading
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 
-import llama_cpp
 import pytest
 
 from meshgate.backends.llama_cpp.batch import CHUNK, Job, Scheduler
-from meshgate.backends.llama_cpp.rpc import weight_repacking
-from meshgate.backends.llama_cpp.sampling import Sampler
+from tests.llama.scheduling import greedy_job, load, running
 
 TOKENS = 12
 TEXT = " ".join(
@@ -33,41 +28,19 @@ TEXT = " ".join(
 
 @pytest.fixture(scope="module")
 def llm(packaged_gguf):
-    with weight_repacking(False):  # as the engine loads it
-        return llama_cpp.Llama(model_path=str(packaged_gguf), n_ctx=64, n_batch=64, n_threads=2, verbose=False)
-
-
-@contextmanager
-def _running(llm: llama_cpp.Llama) -> Iterator[Scheduler]:
-    vocab = llama_cpp.llama_model_get_vocab(llm._model.model)
-    s = Scheduler(
-        llm._model.model,
-        n_ctx=4096,
-        parallel=3,
-        n_threads=2,
-        is_eog=lambda token: bool(llama_cpp.llama_vocab_is_eog(vocab, token)),
-    )
-    s.llm = llm
-    thread = threading.Thread(target=s.run, daemon=True)
-    thread.start()
-    try:
-        yield s
-    finally:
-        s.close()
-        thread.join(60)
-        s.free()
+    return load(packaged_gguf)
 
 
 @pytest.fixture(scope="module")
 def scheduler(llm):
-    with _running(llm) as s:
+    with running(llm, parallel=3) as s:
         yield s
 
 
 @pytest.fixture(scope="module")
 def reference(llm):
     """The same scheduler beside it, for each prompt's text alone: a fresh context, nothing cached."""
-    with _running(llm) as s:
+    with running(llm, parallel=3) as s:
         yield s
 
 
@@ -83,9 +56,7 @@ def _preamble(s: Scheduler, name: str, chunks: int) -> list[int]:
 
 
 def _job(s: Scheduler, prompt: list[int], limit: int = TOKENS) -> Job:
-    greedy = dict(top_k=40, top_p=1.0, min_p=0.0, repeat_penalty=1.0, presence_penalty=0.0, frequency_penalty=0.0)
-    sampler = Sampler(s.n_vocab, temp=0.0, seed=0, **greedy)
-    return Job(prompt=prompt, limit=limit, sampler=sampler, cancel=threading.Event())
+    return greedy_job(s, prompt, limit)
 
 
 def _read(job: Job) -> list[int]:

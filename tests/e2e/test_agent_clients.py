@@ -87,11 +87,12 @@ def large(data_dir: Path) -> Iterator[Server]:
 def _create_brief(server: Server) -> None:
     """``BRIEF``: the packaged model with ``stop: ["\\n"]`` stored (Ollama's ``PARAMETER stop``), made through
     ``/api/create``. The packaged model is a base model: its ``<end_of_turn>`` is untrained, so it never ends a turn
-    by itself; with the stored stop its one-line answer ends the turn (``end_turn``)."""
+    by itself; with the stored stop its one-line answer ends the turn (``end_turn``). Temperature 0 is stored too: a
+    sampled answer could run to ``num_predict`` before its first newline (Codex then exits 1, as CI once saw)."""
     body = {
         "model": BRIEF,
         "from": MODEL,
-        "parameters": {"stop": ["\n"], "num_predict": 24},  # clients send their own max_tokens and system
+        "parameters": {"stop": ["\n"], "num_predict": 24, "temperature": 0},  # greedy: one answer, every run
         "system": "Answer in one short line.",
         "stream": False,
     }

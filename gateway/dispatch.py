@@ -38,6 +38,8 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+import msgspec
+
 from meshgate.backends.base import (
     Backend,
     Capabilities,
@@ -55,6 +57,7 @@ from meshgate.gateway.cluster.records import Instance, Ready
 from meshgate.gateway.cluster.routing import Routing, prefix_blocks, prefix_key
 from meshgate.gateway.context_fit import Fit, cap_output, fit_context, grown_context, needed_context
 from meshgate.gateway.model_defaults import apply_defaults, end_turn_at_default_stops
+from meshgate.gateway.resume import Resume, resumable
 from meshgate.gateway.telemetry import record as telemetry
 from meshgate.protocols.model import (
     BackendUnavailable,
@@ -148,8 +151,10 @@ class Dispatcher:
         user_models: Callable[[str], UserModel | None] = lambda name: None,
         loads: LoadBoard | None = None,
         grow_context: bool = False,
+        resume_wait: float = 60.0,
     ) -> None:
         self.catalog = catalog
+        self.resume_wait = resume_wait  # how long a stream whose replica failed may wait for another (0: never)
         self.grow_context = grow_context  # a request without num_ctx may get a bigger replica (module docstring)
         self.user_models = user_models  # a user model's stored defaults, by name (gateway.model_defaults)
         self.max_tokens = max_tokens
@@ -300,7 +305,46 @@ class Dispatcher:
                 return await self._start(await self._replace(instance, job.card, error, job), job, retry=False)
             raise error
         tally = self.loads.tally(instance.id) if self.loads is not None else None
+        if self.resume_wait > 0:  # a replica that fails mid-stream hands the stream on (``gateway.resume``)
+            resume = self._resumer(instance, job, request)
+            events = resumable(events, resume, wait=self.resume_wait, keepalive=self.keepalive, seen=first)
         return _chain(first, events, ticket.release, job.on_usage, served=(job.card.name, instance.id), tally=tally)
+
+    def _resumer(self, instance: Instance, job: _Job, request: Request) -> Resume:
+        """``job``'s ``Resume``: fail the replica that broke off (so it is re-placed), route the request again (to
+        another replica, or the re-placed one once ready), wait for a slot there and start the request with the
+        tokens already sent as its ``resume``."""
+        serving = [instance]
+
+        async def resume(tokens: tuple[int, ...], error: GatewayError) -> AsyncIterator[Event]:
+            await self.instances.report_unreachable(serving[0], error.message)
+            context = serving[0].placement.context
+            replica = await self.instances.acquire(job.card, context=context, routing=job.routing)
+            self._settle(replica.id)
+            if not isinstance(replica.state, Ready):
+                replica = await self.instances.wait_ready(replica.id)
+            serving[0] = replica
+            runner = self._connect(replica, job.card, job.backend)
+            ticket = self.admission.enter(replica.id, job.caller, replica.placement.sequences)
+            try:
+                await ticket.wait()
+                events = runner.generate(msgspec.structs.replace(request, resume=tokens))
+                first = await anext(events)
+            except BaseException:
+                ticket.release()
+                raise
+            if isinstance(first, Failed):
+                await aclose(events)
+                ticket.release()
+                raise error_from_info(first.error)
+            record = telemetry.current()
+            if record is not None:
+                record.instance = replica.id
+            stream = _released(first, events, ticket.release)
+            _on_drop(stream, ticket.release)
+            return stream
+
+        return resume
 
     async def _bigger(
         self, instance: Instance, job: _Job, count: Callable[[Request], Awaitable[int]], token_bytes: int
@@ -478,6 +522,20 @@ def _chain(
         stream = _metered(stream, on_usage)
     _on_drop(stream, release)  # a generator closed before it started never runs its ``finally``
     return stream
+
+
+async def _released(first: Event, rest: AsyncIterator[Event], release: Callable[[], None]) -> AsyncIterator[Event]:
+    """``first`` then ``rest``; ``release`` at the terminal event (the slot is free before the client reads the
+    end) and when the stream is closed."""
+    try:
+        async with closing(rest):
+            yield first
+            async for event in rest:
+                if type(event) in _TERMINAL:
+                    release()
+                yield event
+    finally:
+        release()
 
 
 def _on_drop(stream: AsyncIterator[Event], release: Callable[[], None]) -> None:

@@ -106,6 +106,8 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
         scale_down_idle: Seconds a replica must be idle (nothing running or queued) before it is removed, while
             more than ``min_replicas`` exist: its keep-alive under autoscaling.
         scale_cooldown: Seconds after one scaling of a model before the next (every gateway's).
+        resume_wait: Seconds a stream whose replica failed mid-stream may wait for another replica (placed if need
+            be) to continue it (``MESHGATE_RESUME_WAIT``); past it the client gets its protocol's mid-stream error.
         max_tokens: The most output tokens one request may ask for (``MESHGATE_MAX_TOKENS``). More is refused
             with a 400 by OpenAI and Anthropic endpoints and cut to it for Ollama's ``num_predict``; every request
             is also held to the room left in its instance's context (see the README's endpoints section).
@@ -147,6 +149,7 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     scale_up_wait: Annotated[float, msgspec.Meta(ge=0)] = 10.0
     scale_down_idle: Annotated[float, msgspec.Meta(ge=0)] = 300.0
     scale_cooldown: Annotated[float, msgspec.Meta(ge=0)] = 30.0
+    resume_wait: Annotated[float, msgspec.Meta(ge=0)] = 60.0
     rate_limit: int = 0
     max_body_bytes: int = 64 << 20
     link_probe_every: float = 30.0

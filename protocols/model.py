@@ -210,6 +210,11 @@ class Request(_Frozen, frozen=True):
     ``max_tokens`` ``None`` means no limit beyond the context. ``prefill`` asks the backend to continue the
     last assistant message instead of opening a new turn. ``logprobs`` asks for each output token's log
     probability on the ``TextDelta`` that carries it, with the ``top_logprobs`` most likely alternatives.
+
+    ``resume`` continues a generation whose replica failed mid-stream: the token ids it had generated (as its
+    deltas' ``tokens`` carried them). A backend that can resume takes them as its own output (they count toward
+    ``max_tokens``, the grammar and stop strings see them), sends their events again, then generates the rest;
+    the gateway skips the events its client already has (``gateway.resume``).
     """
 
     model: str
@@ -227,6 +232,7 @@ class Request(_Frozen, frozen=True):
     num_ctx: int | UnsetType = UNSET
     logprobs: bool = False
     top_logprobs: int = 0
+    resume: tuple[int, ...] = ()
 
     @property
     def calls_forced(self) -> bool:
@@ -292,15 +298,21 @@ class TokenLogprob(_Frozen, frozen=True):
 
 
 class TextDelta(_Frozen, frozen=True, tag="text"):
-    """Output text. ``logprobs`` (only when asked for) covers the tokens whose text starts in this delta."""
+    """Output text. ``logprobs`` (only when asked for) covers the tokens whose text starts in this delta.
+
+    ``tokens`` (on every kind of delta): the ids of the tokens generated since the last delta that carried any,
+    from a backend that can resume (``Request.resume``); empty from one that cannot. The gateway keeps them and
+    never sends them to a client."""
 
     text: str
     logprobs: tuple[TokenLogprob, ...] | None = None
+    tokens: tuple[int, ...] = ()
 
 
 class ReasoningDelta(_Frozen, frozen=True, tag="reasoning"):
     text: str
     provider_metadata: dict[str, str] | None = None
+    tokens: tuple[int, ...] = ()
 
 
 class ToolCallDelta(_Frozen, frozen=True, tag="tool_call"):
@@ -310,6 +322,7 @@ class ToolCallDelta(_Frozen, frozen=True, tag="tool_call"):
     id: str | None = None
     name: str | None = None
     arguments: str = ""
+    tokens: tuple[int, ...] = ()
 
 
 class Usage(_Frozen, frozen=True, tag="usage"):

@@ -46,6 +46,7 @@ from meshgate.protocols.model import (
     KeepAlive,
     Request,
     RequestTooLarge,
+    TokenLogprob,
     Unprocessable,
     Usage,
 )
@@ -71,6 +72,10 @@ _DEFAULTS = {
 def _value(sampling: Any, name: str) -> Any:
     value = getattr(sampling, name)
     return _DEFAULTS[name] if value is UNSET or value is None else value
+
+
+_REPLAYED = TokenLogprob(token="", logprob=0.0)
+"""The logprob entry of a resumed request's replayed tokens: their events are the client's already, never sent."""
 
 
 class Count(msgspec.Struct):
@@ -193,17 +198,24 @@ class LlamaEngine:
 
     def generate(self, request: Request, cancel: threading.Event) -> Iterator[Event]:
         tokens = self.tokenize(request)
+        resumed = list(request.resume)  # a failed replica's output: taken as this job's own (``Request.resume``)
         n_ctx = self.n_ctx
-        if len(tokens) >= n_ctx:
+        if len(tokens) + len(resumed) >= n_ctx:
             raise RequestTooLarge(
                 f"the prompt has {len(tokens)} tokens but the context holds {n_ctx}; shorten the conversation"
             )
-        room = n_ctx - len(tokens)
-        limit = room if request.max_tokens is None else min(request.max_tokens, room)
-        if limit < 1:
+        room = n_ctx - len(tokens) - len(resumed)
+        limit = room if request.max_tokens is None else min(request.max_tokens - len(resumed), room)
+        if limit < 1 and not resumed:
             raise InvalidRequest("max_tokens must be at least 1", param="max_tokens")
         load_ns, self._first_request = (self.load_ns if self._first_request else 0), False
-        job = Job(prompt=tokens, limit=limit, sampler=self._sampler(request), cancel=cancel)
+        sampler = self._sampler(request)
+        try:
+            sampler.replay(resumed)  # the grammar and the penalties' history go on from the tokens already sent
+        except GrammarStuck as exc:
+            sampler.close()
+            raise Unprocessable(str(exc)) from exc
+        job = Job(prompt=tokens + resumed, limit=max(limit, 1), sampler=sampler, cancel=cancel)
         if request.logprobs:
             top_n, n_vocab = request.top_logprobs, self.llm.n_vocab()
             job.logprob = lambda row, token: token_logprob(
@@ -211,7 +223,11 @@ class LlamaEngine:
             )
         yield Usage(prompt_tokens=len(tokens), load_ns=load_ns)
         started = time.perf_counter_ns()
-        self.scheduler.submit(job)
+        if limit < 1:  # the failed replica had reached max_tokens: only its events are left to send
+            sampler.close()
+            job.out.put(None)
+        else:
+            self.scheduler.submit(job)
         try:
             yield from self._events(job, request, len(tokens), load_ns, started, cancel)
         finally:
@@ -220,7 +236,8 @@ class LlamaEngine:
     def _events(
         self, job: Job, request: Request, n_prompt: int, load_ns: int, started: int, cancel: threading.Event
     ) -> Iterator[Event]:
-        """The job's tokens as events, on the request's thread."""
+        """The job's tokens as events, on the request's thread; a resumed request's tokens first, as if generated
+        (their events are the ones the failed replica sent, with the same ``tokens`` on each)."""
         stopper = StopMatcher(request.stop if call_mode(request) != "forced" else ())  # the grammar ends a call
         gate = CallGate(request)
         aligner = LogprobAligner() if request.logprobs else None
@@ -228,29 +245,38 @@ class LlamaEngine:
         first_token_at = None
         finish = Finished(reason="length")
         count = 0
+        ids: list[int] = []  # generated since the last event that carried ids
         ping_at = time.monotonic() + PREFILL_PING
+        replayed = iter([(token, _REPLAYED) for token in request.resume])
         while True:
-            try:
-                item = job.out.get(timeout=0.1)
-            except queue.Empty:
-                if cancel.is_set():
-                    return
-                if first_token_at is None and time.monotonic() >= ping_at:
-                    ping_at += PREFILL_PING
-                    yield KeepAlive()  # still prefilling: tell the client the stream is alive
-                continue
+            item = next(replayed, None)
             if item is None:
-                break
-            if first_token_at is None:
-                first_token_at = time.perf_counter_ns()
+                try:
+                    item = job.out.get(timeout=0.1)
+                except queue.Empty:
+                    if cancel.is_set():
+                        return
+                    if first_token_at is None and time.monotonic() >= ping_at:
+                        ping_at += PREFILL_PING
+                        yield KeepAlive()  # still prefilling: tell the client the stream is alive
+                    continue
+                if item is None:
+                    break
+                if first_token_at is None:
+                    first_token_at = time.perf_counter_ns()
             token, entry = item
             count += 1
+            ids.append(token)
             piece = self.llm.detokenize([token])
             decoded = decoder.decode(piece)
             if aligner is not None:
                 aligner.add(decoded, entry)
             text, matched = stopper.feed(decoded)
-            yield from gate.feed(text, aligner.take(text) if aligner is not None else ())
+            for event in gate.feed(text, aligner.take(text) if aligner is not None else ()):
+                if ids:
+                    event = msgspec.structs.replace(event, tokens=tuple(ids))
+                    ids.clear()
+                yield event
             if matched is not None:
                 finish = Finished(reason="stop_sequence", stop_sequence=matched)
                 break
@@ -284,8 +310,11 @@ class LlamaEngine:
         yield finish
 
     def _sampler(self, request: Request) -> Sampler:
+        """The request's sampler. A resumed request's seed moves on by the tokens already sent: what follows is
+        drawn afresh (a valid continuation, not the draw the failed replica would have made next)."""
         s = request.sampling
         seed = s.seed if isinstance(s.seed, int) else random.randrange(2**31)
+        seed = (seed + len(request.resume)) % 2**31
         if _value(s, "repeat_penalty") <= 0:  # llama.cpp divides logits by it: inf, then NaN probabilities
             raise InvalidRequest("repeat_penalty must be greater than 0 (1 is no penalty)", param="repeat_penalty")
         return Sampler(

@@ -119,6 +119,15 @@ class Sampler:
             lib.llama_sampler_accept(self.chain, token)
         return token
 
+    def replay(self, tokens: list[int]) -> None:
+        """Take ``tokens`` as sampled (a resumed request's output so far): the grammar consumes them and the
+        penalties remember them. A token the grammar rejects is ``GrammarStuck``."""
+        for token in tokens:
+            if self.grammar is not None and not self.grammar.consume_token(token):
+                raise GrammarStuck(f"the grammar rejects a resumed token: {self.grammar.get_error()}")
+            if not self.greedy:
+                self._lib.llama_sampler_accept(self.chain, token)
+
     def _allowed(self) -> np.ndarray:
         """The matcher's mask as one boolean per token id."""
         from llguidance.numpy import fill_next_token_bitmask

@@ -132,6 +132,7 @@ async def control_plane(
                     user_models=UserModels(ModelRegistry.in_data_dir(settings.data_dir)),
                     loads=loads,
                     grow_context=settings.grow_context,
+                    resume_wait=settings.resume_wait,
                 )
             yield plane
         finally:

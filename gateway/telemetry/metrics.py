@@ -24,6 +24,8 @@ one of five words, ``endpoint`` a route template (``other`` when no route matche
                                             affinity, spill, least_loaded)
     meshgate_replica_load{instance,kind}    gauges, every gateway's: kind running, queued (``loads``)
     meshgate_replacements_total{model}      instances this gateway re-placed after a failure
+    meshgate_stream_resumes_total{model}, meshgate_resume_wait_seconds{model}   counter, histogram: streams moved
+                                            to another replica after theirs failed, and what each client waited
     meshgate_runner_restarts_total{node,model}   runners the embedded agent started again (single machine; a
                                             ``meshgate node`` agent serves its own on its ``/metrics``)
     process_*                               the gateway process (CPU seconds, memory, open files)
@@ -93,9 +95,20 @@ class GatewayMetrics(Instruments):
             "Prompt tokens taken from a runner's cache instead of evaluated",
             ("model", "instance"),
         )
+        self.resumes = Counter(
+            "meshgate_stream_resumes_total", "Streams continued on another replica after theirs failed", ("model",)
+        )
+        self.resume_wait = Histogram(
+            "meshgate_resume_wait_seconds",
+            "Seconds a stream's client waited for another replica to take it over",
+            ("model",),
+            (0.1, 0.5, 1, 2, 5, 10, 30, 60, 120),
+        )
         super().__init__(
             [
                 self.requests,
+                self.resumes,
+                self.resume_wait,
                 self.duration,
                 self.ttft,
                 self.itl,
@@ -126,6 +139,9 @@ class GatewayMetrics(Instruments):
             gaps = (record.generated_tokens or 0) - 1
             if gaps > 0 and record.ended_at is not None:
                 self.itl.observe((model,), (record.ended_at - first) / gaps, gaps)
+        if record.resumes:
+            self.resumes.inc((model,), record.resumes)
+            self.resume_wait.observe((model,), record.resume_wait)
         if record.instance is not None:
             key = (model, record.instance)
             self.instance_requests.inc(key)

@@ -175,6 +175,8 @@ class RequestTelemetry:
             "duration_ms": round((ended - record.started) * 1000),
             "instance": record.instance,
         }
+        if record.resumes:
+            fields["resumes"], fields["resume_wait_ms"] = record.resumes, round(record.resume_wait * 1000)
         error = _reason(record.error_body, status) if status >= 400 else record.error
         if error:
             fields["error"] = error[:1024]

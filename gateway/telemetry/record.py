@@ -35,6 +35,8 @@ class RequestRecord:
         "ended_at",
         "model",
         "prompt_tokens",
+        "resume_wait",
+        "resumes",
         "started",
         # set when the response is done (``finished``), for the report that follows in a batch
         "bucket",
@@ -59,6 +61,8 @@ class RequestRecord:
         self.first_token_at: float | None = None  # perf_counter of the first generated token (text, reasoning, tool)
         self.ended_at: float | None = None  # perf_counter of the stream's end (its terminal event)
         self.error: str | None = None  # why a stream that had started failed (the status was sent already)
+        self.resumes = 0  # times the stream moved to another replica after its own failed (``gateway.resume``)
+        self.resume_wait = 0.0  # seconds the client waited for those moves
 
     def finished(self, scope: Any, status: int, error_body: bytes, protocol: str) -> None:
         """The response is done: what its report needs from the ASGI ``scope``, which is not kept."""

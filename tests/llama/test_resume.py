@@ -1,0 +1,194 @@
+"""A stream that moves to another replica mid-way: the llama.cpp engine's ``Request.resume`` and the gateway's
+``resume.resumable``, together on the real model in this process.
+
+A "replica" here is an engine's ``generate`` cut off after some of its content events with the runner client's
+``BackendUnavailable``; the ``Resume`` starts the same request on a second engine with the token ids those events
+carried. What the client would see (the events ``resumable`` relays) must equal, event for event, what an
+undisturbed run sends: free text, text ended by a stop string, JSON held to a schema, and a forced tool call.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+
+import msgspec
+import pytest
+
+from meshgate.backends.llama_cpp.engine import LlamaEngine
+from meshgate.gateway.resume import resumable
+from meshgate.protocols.model import (
+    BackendUnavailable,
+    Event,
+    Failed,
+    Finished,
+    GatewayError,
+    KeepAlive,
+    Message,
+    ReasoningDelta,
+    Request,
+    ResponseFormat,
+    Sampling,
+    TextDelta,
+    TextPart,
+    Tool,
+    ToolCallDelta,
+    ToolChoice,
+    Usage,
+)
+
+CONTENT = (TextDelta, ReasoningDelta, ToolCallDelta)
+
+
+@pytest.fixture(scope="module")
+def engines(packaged_gguf: Path) -> Iterator[tuple[LlamaEngine, LlamaEngine]]:
+    """Two engines on the packaged model: the replica that fails and the one that takes over."""
+    pair = (
+        LlamaEngine(str(packaged_gguf), n_ctx=1024, n_threads=2, parallel=1),
+        LlamaEngine(str(packaged_gguf), n_ctx=1024, n_threads=2, parallel=1),
+    )
+    yield pair
+    for engine in pair:
+        engine.scheduler.close()
+
+
+def _events(engine: LlamaEngine, request: Request) -> list[Event]:
+    return [e for e in engine.generate(request, threading.Event()) if not isinstance(e, KeepAlive)]
+
+
+def _strip(events: list[Event]) -> list[Event]:
+    """What a client sees of events, less what differs between undisturbed runs too: no token ids, no timings,
+    no random call ids."""
+    out: list[Event] = []
+    for event in events:
+        if isinstance(event, ToolCallDelta) and event.id:
+            event = msgspec.structs.replace(event, id="call")  # each run draws its call ids
+        if isinstance(event, CONTENT):
+            event = msgspec.structs.replace(event, tokens=())
+        elif isinstance(event, Usage):
+            event = Usage(prompt_tokens=event.prompt_tokens, completion_tokens=event.completion_tokens)
+        elif isinstance(event, KeepAlive):
+            continue
+        out.append(event)
+    return out
+
+
+async def _relayed(engines: tuple[LlamaEngine, LlamaEngine], request: Request, cut: int) -> list[Event]:
+    """What ``resumable`` relays when the first engine's stream fails after ``cut`` content events."""
+    first, second = engines
+
+    async def failing() -> AsyncIterator[Event]:
+        sent = 0
+        for event in _events(first, request):
+            if isinstance(event, CONTENT):
+                if sent == cut:
+                    yield Failed(error=BackendUnavailable("the runner closed the stream before finishing").info())
+                    return
+                sent += 1
+            yield event
+
+    asked: list[tuple[int, ...]] = []
+
+    async def resume(tokens: tuple[int, ...], error: GatewayError) -> AsyncIterator[Event]:
+        assert isinstance(error, BackendUnavailable)
+        asked.append(tokens)
+
+        async def events() -> AsyncIterator[Event]:
+            for event in _events(second, msgspec.structs.replace(request, resume=tokens)):
+                yield event
+
+        return events()
+
+    out = [e async for e in resumable(failing(), resume, wait=30, keepalive=1)]
+    assert len(asked) == 1, asked  # one resume, with the ids the relayed events carried
+    return out
+
+
+def _chat(text: str, **fields) -> Request:
+    return Request(
+        model="m",
+        messages=(Message(role="user", parts=(TextPart(text=text),)),),
+        sampling=Sampling(temperature=0.0),
+        max_tokens=fields.pop("max_tokens", 40),
+        **fields,
+    )
+
+
+CASES = {
+    "text": _chat("Write a short story about a lighthouse keeper."),
+    "stop": _chat("List the planets of the solar system, one per line.", stop=("Mars",)),
+    "json": _chat(
+        "Describe a city as JSON.",
+        max_tokens=60,
+        response_format=ResponseFormat(
+            kind="json_schema",
+            schema={
+                "type": "object",
+                "properties": {"name": {"type": "string"}, "people": {"type": "integer", "minimum": 1}},
+                "required": ["name", "people"],
+            },
+        ),
+    ),
+    "tool": _chat(
+        "What is the weather in Paris?",
+        max_tokens=60,
+        tools=(
+            Tool(
+                name="weather",
+                description="The weather in a city",
+                parameters={"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+            ),
+        ),
+        tool_choice=ToolChoice(mode="required"),
+    ),
+}
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_a_resumed_stream_sends_what_an_undisturbed_one_sends(engines, case: str) -> None:
+    request = CASES[case]
+    whole = _events(engines[0], request)
+    content = [e for e in whole if isinstance(e, CONTENT)]
+    assert len(content) >= 4, whole
+    assert all(e.tokens for e in content[:1]), content[:1]  # the first delta carries its token's id
+    ids = [t for e in content for t in e.tokens]
+    usage = [e for e in whole if isinstance(e, Usage)][-1]
+    assert len(ids) <= usage.completion_tokens
+    for cut in (0, 1, len(content) // 2, len(content) - 1):
+        relayed = asyncio.run(_relayed(engines, request, cut))
+        assert _strip(relayed) == _strip(whole), (case, cut)
+        assert isinstance(relayed[-1], Finished)
+
+
+def test_a_backend_without_token_ids_is_not_resumed() -> None:
+    """Deltas without ``tokens`` (a backend that cannot resume): after content, the failure goes to the client."""
+
+    async def stream() -> AsyncIterator[Event]:
+        yield TextDelta(text="Hello")
+        yield Failed(error=BackendUnavailable("gone").info())
+
+    async def resume(tokens, error):
+        raise AssertionError("resumed a stream whose tokens are unknown")
+
+    out = asyncio.run(_collect(resumable(stream(), resume, wait=5, keepalive=1)))
+    assert [type(e) for e in out] == [TextDelta, Failed]
+
+
+def test_no_replica_in_time_gives_the_original_failure() -> None:
+    async def stream() -> AsyncIterator[Event]:
+        yield Usage(prompt_tokens=3)
+        yield TextDelta(text="Hi", tokens=(5,))
+        yield Failed(error=BackendUnavailable("the runner closed the stream before finishing").info())
+
+    async def resume(tokens, error):
+        await asyncio.sleep(10)
+
+    out = asyncio.run(_collect(resumable(stream(), resume, wait=0.3, keepalive=0.1)))
+    assert isinstance(out[-1], Failed) and out[-1].error.kind == "BackendUnavailable", out
+    assert any(isinstance(e, KeepAlive) for e in out)  # the client heard from the stream while it waited
+
+
+async def _collect(events: AsyncIterator[Event]) -> list[Event]:
+    return [e async for e in events]

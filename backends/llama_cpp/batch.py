@@ -49,6 +49,9 @@ the way llama.cpp's own server drives its slots:
   and the other, left waiting in its slot, copies the preamble when its turn comes and evaluates only its own
   tail. Waiting costs it nothing: with more left, it would run after the other one anyway. (Whether a
   newcomer stops a chunk in flight is still judged on its whole prompt, before it takes any prefix.)
+- A job resumed from a failed replica (``Job.forced``: the tokens it had generated there) decodes those tokens
+  after its prompt one step each, as they were generated, instead of as prompt chunks: they get the numbers they
+  had, so its greedy text goes on as the undisturbed run's would. It samples once they are all in.
 - A finished or cancelled job leaves its slot at once; the slot keeps its tokens for the next job's prefix.
 - Every job samples with its own native chain (``sampling.Sampler``) from its own row of the batch's logits;
   log probabilities are read from the same row before the next decode replaces them.
@@ -145,6 +148,7 @@ class Job:
     admitted: int = 0  # order of admission: prompts equally far from done are prefilled first come, first served
     preempted: int = 0  # times the chunk at ``fed`` was stopped for a newcomer
     done: threading.Event = field(default_factory=threading.Event)  # the engine needs no more tokens
+    forced: list[int] = field(default_factory=list)  # taken as sampled after the prompt, one step each (a resume)
 
     def gone(self) -> bool:
         """The client went away or the engine has what it needs: the job leaves at the next step."""
@@ -432,6 +436,9 @@ class Scheduler:
         assert job is not None
         if job.gone():
             self._release(slot, "cancelled")
+            return
+        if job.forced:  # a resumed job's tokens from the replica before: decoded one step each, not sent again
+            job.last = job.forced.pop(0)
             return
         try:
             token = job.sampler.sample(self.ctx, row)

@@ -215,7 +215,11 @@ class LlamaEngine:
         except GrammarStuck as exc:
             sampler.close()
             raise Unprocessable(str(exc)) from exc
-        job = Job(prompt=tokens + resumed, limit=max(limit, 1), sampler=sampler, cancel=cancel)
+        # Greedy text must go on as it would have: the tokens are decoded one step each, as they were generated
+        # (``batch.Job.forced``); a sampled one is only a valid continuation, so its tokens are prefilled, faster.
+        exact = _value(request.sampling, "temperature") == 0
+        prompt, forced = (tokens, resumed) if exact else (tokens + resumed, [])
+        job = Job(prompt=prompt, limit=max(limit, 1), sampler=sampler, cancel=cancel, forced=forced)
         if request.logprobs:
             top_n, n_vocab = request.top_logprobs, self.llm.n_vocab()
             job.logprob = lambda row, token: token_logprob(

@@ -1,5 +1,7 @@
 """Runner processes under stress: a client that disconnects cancels the generation; a runner killed mid-stream
-gives each protocol's mid-stream error, the gateway keeps serving, and the next request starts a fresh runner."""
+hands its streams on to a new runner (``gateway.resume``): each client's stream goes on unbroken with the text an
+undisturbed run gives; with resume off (``MESHGATE_RESUME_WAIT=0``) each protocol gets its mid-stream error, the
+gateway keeps serving, and the next request starts a fresh runner."""
 
 from __future__ import annotations
 
@@ -26,6 +28,15 @@ RUNNER = {"authorization": f"Bearer {SECRET}"}
 
 @pytest.fixture(scope="module")
 def server(data_dir) -> Iterator[Server]:
+    """A gateway whose streams are not resumed: a failure mid-stream reaches the client."""
+    s = Server(data_dir, "--n-ctx", "2048", env={"MESHGATE_CLUSTER_SECRET": SECRET, "MESHGATE_RESUME_WAIT": "0"})
+    yield s
+    s.stop()
+
+
+@pytest.fixture(scope="module")
+def resuming(data_dir) -> Iterator[Server]:
+    """A gateway with the default settings: streams resume."""
     s = Server(data_dir, "--n-ctx", "2048", env={"MESHGATE_CLUSTER_SECRET": SECRET})
     yield s
     s.stop()
@@ -127,6 +138,85 @@ def test_runner_killed_mid_stream_in_each_protocol(server):
             pass
     assert ollama_error.value.status_code == -1 and "model runner" in ollama_error.value.error
     _next_request_works(server, pid)
+
+
+RESUMED_TOKENS = 96
+
+
+def _streams(url: str) -> dict[str, Iterator[str]]:
+    """A greedy stream of RESUMED_TOKENS through each SDK, as iterators of text pieces (started lazily)."""
+    long = [{"role": "user", "content": LONG}]
+    oai = openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0, timeout=120)
+    ant = anthropic.Anthropic(base_url=url, api_key="x", max_retries=0, timeout=120)
+
+    def openai_text() -> Iterator[str]:
+        chunks = oai.chat.completions.create(
+            model=MODEL, stream=True, max_tokens=RESUMED_TOKENS, temperature=0, messages=long
+        )
+        for chunk in chunks:
+            if chunk.choices and chunk.choices[0].delta.content:
+                yield chunk.choices[0].delta.content
+
+    def anthropic_text() -> Iterator[str]:
+        events = ant.messages.create(
+            model=MODEL, max_tokens=RESUMED_TOKENS, messages=long, stream=True, extra_body={"temperature": 0}
+        )
+        for event in events:
+            if event.type == "content_block_delta" and event.delta.type == "text_delta":
+                yield event.delta.text
+
+    def ollama_text() -> Iterator[str]:
+        options = {"num_predict": RESUMED_TOKENS, "temperature": 0}
+        for part in ollama.Client(host=url, timeout=120).chat(model=MODEL, stream=True, options=options, messages=long):
+            if part.message.content:
+                yield part.message.content
+
+    return {"openai": openai_text(), "anthropic": anthropic_text(), "ollama": ollama_text()}
+
+
+def _resumes(server: Server) -> float:
+    text = httpx.get(f"{server.url}/metrics", timeout=10).text
+    return sum(
+        float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith("meshgate_stream_resumes_total{")
+    )
+
+
+def test_runner_killed_mid_stream_is_resumed_in_each_protocol(resuming):
+    """A greedy stream in each protocol and a non-streaming request, all four generating when the runner is killed:
+    the gateway re-places the instance and continues each on the new runner from the tokens already sent. Every
+    SDK gets its whole answer without an error, equal to the text of an undisturbed run; ``/metrics`` counts the
+    resumes and the request log says how long each client waited."""
+    warm(resuming)
+    reference = {protocol: "".join(text) for protocol, text in _streams(resuming.url).items()}
+    assert all(len(t) > 40 for t in reference.values()), reference
+    oai = openai.OpenAI(base_url=f"{resuming.url}/v1", api_key="x", max_retries=0, timeout=120)
+    plain = oai.completions.create(model=MODEL, prompt=LONG, max_tokens=RESUMED_TOKENS, temperature=0).choices[0].text
+
+    resumed_before = _resumes(resuming)
+    streams = _streams(resuming.url)
+    got = {protocol: next(text) for protocol, text in streams.items()}  # all three generating
+    unary: dict[str, str] = {}
+    worker = threading.Thread(
+        target=lambda: unary.setdefault(
+            "text",
+            oai.completions.create(model=MODEL, prompt=LONG, max_tokens=RESUMED_TOKENS, temperature=0).choices[0].text,
+        )
+    )
+    worker.start()
+    health_url = f"{runner_url(resuming)}/health"
+    deadline = time.monotonic() + 30
+    while httpx.get(health_url, headers=RUNNER, timeout=5).json()["active_sequences"] < 4:
+        assert time.monotonic() < deadline, "the four requests never ran together"
+        time.sleep(0.05)
+    pid = runner_pid(resuming)
+    os.kill(pid, signal.SIGKILL)
+    for protocol, text in streams.items():
+        got[protocol] += "".join(text)
+    worker.join(120)
+    assert got == reference
+    assert unary["text"] == plain
+    assert runner_pid(resuming) != pid
+    assert _resumes(resuming) - resumed_before == 4
 
 
 def test_no_runner_outlives_its_gateway(data_dir):

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+from concurrent.futures import ThreadPoolExecutor
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
@@ -47,7 +48,7 @@ def engines(packaged_gguf: Path) -> Iterator[tuple[LlamaEngine, LlamaEngine]]:
     """Two engines on the packaged model: the replica that fails and the one that takes over."""
     pair = (
         LlamaEngine(str(packaged_gguf), n_ctx=1024, n_threads=2, parallel=1),
-        LlamaEngine(str(packaged_gguf), n_ctx=1024, n_threads=2, parallel=1),
+        LlamaEngine(str(packaged_gguf), n_ctx=1024, n_threads=2, parallel=4),
     )
     yield pair
     for engine in pair:
@@ -160,6 +161,25 @@ def test_a_resumed_stream_sends_what_an_undisturbed_one_sends(engines, case: str
         relayed = asyncio.run(_relayed(engines, request, cut))
         assert _strip(relayed) == _strip(whole), (case, cut)
         assert isinstance(relayed[-1], Finished)
+
+
+def test_resumes_side_by_side_go_on_as_the_undisturbed_run(engines) -> None:
+    """Four resumes of one greedy request at once, cut at different tokens, on one runner: each gives the
+    undisturbed text. Their resumed tokens are decoded one step each, as they were generated (``Job.forced``);
+    prefilled as a prompt chunk (and shared between the slots as a prefix) they got other numbers and the text
+    of the shortest one went another way."""
+    request = _chat("Count from one to one thousand, one number per line.", max_tokens=64)
+    whole = [e for e in _events(engines[0], request) if isinstance(e, TextDelta)]
+    ids = [t for e in whole for t in e.tokens]
+    text = "".join(e.text for e in whole)
+
+    def resumed(cut: int) -> str:
+        events = _events(engines[1], msgspec.structs.replace(request, resume=tuple(ids[:cut])))
+        return "".join(e.text for e in events if isinstance(e, TextDelta))
+
+    with ThreadPoolExecutor(4) as pool:
+        texts = list(pool.map(resumed, (5, 12, 20, 33)))
+    assert texts == [text] * 4
 
 
 def test_a_backend_without_token_ids_is_not_resumed() -> None:

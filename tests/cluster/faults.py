@@ -1,5 +1,5 @@
-"""A long streaming chat through one official SDK, for tests that kill a process mid-generation, and whether a
-process still runs."""
+"""Streaming chats through the official SDKs, for tests that kill a process mid-generation (a long sampled one;
+greedy ones in all three protocols, as text pieces), and whether a process still runs."""
 
 from __future__ import annotations
 
@@ -30,6 +30,40 @@ def long_stream(url: str, model: str, protocol: str, max_tokens: int = 400) -> t
     return iter(
         ollama.Client(host=url).chat(model=model, messages=LONG, stream=True, options={"num_predict": max_tokens})
     ), ollama.ResponseError
+
+
+def greedy_streams(url: str, model: str, prompt: str, max_tokens: int) -> dict[str, Iterator[str]]:
+    """A greedy streamed chat of ``max_tokens`` through each SDK, by protocol: iterators of the text pieces the
+    client gets, started on the first ``next``."""
+    messages = [{"role": "user", "content": prompt}]
+    oai = openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0, timeout=180)
+    ant = anthropic.Anthropic(base_url=url, api_key="x", max_retries=0, timeout=180)
+
+    def openai_text() -> Iterator[str]:
+        chunks = oai.chat.completions.create(
+            model=model, stream=True, max_tokens=max_tokens, temperature=0, messages=messages
+        )
+        for chunk in chunks:
+            if chunk.choices and chunk.choices[0].delta.content:
+                yield chunk.choices[0].delta.content
+
+    def anthropic_text() -> Iterator[str]:
+        events = ant.messages.create(
+            model=model, max_tokens=max_tokens, messages=messages, stream=True, extra_body={"temperature": 0}
+        )
+        for event in events:
+            if event.type == "content_block_delta" and event.delta.type == "text_delta":
+                yield event.delta.text
+
+    def ollama_text() -> Iterator[str]:
+        options = {"num_predict": max_tokens, "temperature": 0}
+        for part in ollama.Client(host=url, timeout=180).chat(
+            model=model, stream=True, options=options, messages=messages
+        ):
+            if part.message.content:
+                yield part.message.content
+
+    return {"openai": openai_text(), "anthropic": anthropic_text(), "ollama": ollama_text()}
 
 
 def alive(pid: int) -> bool:

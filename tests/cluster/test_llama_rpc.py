@@ -26,7 +26,7 @@ from meshgate.backends.llama_cpp import LlamaCppBackend
 from meshgate.backends.placement import Candidate, NodeId, Shard
 from meshgate.protocols.model import BackendUnavailable
 from tests.cluster.agents import linked_cluster
-from tests.cluster.faults import alive, long_stream
+from tests.cluster.faults import alive, greedy_streams
 from tests.cluster.test_cluster_e2e import FAST, instance, wait_for
 from tests.conftest import MODEL, ROOT, Server, free_port
 
@@ -34,6 +34,7 @@ from tests.conftest import MODEL, ROOT, Server, free_port
 STEADY = {**FAST, "MESHGATE_HEARTBEAT": "0.5", "MESHGATE_NODE_TTL": "15"}
 PROMPT = "The three primary colors are"
 TOKENS = 16
+LONG, LONG_TOKENS = "Count from one to five hundred.", 64  # a stream still generating when a process is killed
 N_CTX = 512
 
 
@@ -147,9 +148,10 @@ def test_preview_memory_matches_what_the_processes_hold(split):
         assert abs(measured[node] - predicted[node]) <= 0.10 * predicted[node], (node, predicted[node], measured)
 
 
-def test_worker_killed_mid_generation(split):
-    """A stream in each protocol, all three generating when the worker is killed: each ends in its SDK's
-    mid-stream error (one kill and one re-placement for the three, not one each)."""
+def test_worker_killed_mid_generation_hands_the_streams_on(split):
+    """A greedy stream in each protocol, all three generating when the RPC worker is killed: the head runner dies
+    with it, the instance is re-placed (one kill and one re-placement for the three) and each stream goes on there
+    from the tokens it had sent (``gateway.resume``): every SDK gets its whole answer, the undisturbed text."""
     gateway, _, _ = split
     current = next(i for i in httpx.get(f"{gateway.url}/instances").json() if i["model"] == MODEL)
     current = wait_for(
@@ -158,14 +160,13 @@ def test_worker_killed_mid_generation(split):
     worker_node = current["placement"]["shards"][-1]["node_id"]
     head_node = current["placement"]["shards"][0]["node_id"]
     worker_pid, head_pid = current["runners"][worker_node]["pid"], current["runners"][head_node]["pid"]
-    streams = {protocol: long_stream(gateway.url, MODEL, protocol) for protocol in ("openai", "anthropic", "ollama")}
-    for stream, _ in streams.values():
-        next(stream)
+    reference = "".join(greedy_streams(gateway.url, MODEL, LONG, LONG_TOKENS)["openai"])
+    streams = greedy_streams(gateway.url, MODEL, LONG, LONG_TOKENS)
+    got = {protocol: next(stream) for protocol, stream in streams.items()}
     os.kill(worker_pid, signal.SIGKILL)
-    for stream, error in streams.values():
-        with pytest.raises(error):
-            for _ in stream:
-                pass
+    for protocol, stream in streams.items():
+        got[protocol] += "".join(stream)
+    assert got == dict.fromkeys(streams, reference)
     assert httpx.get(f"{gateway.url}/api/version").status_code == 200, "the gateway stays up"
     try:
         replaced = wait_for(

@@ -19,6 +19,7 @@ import ollama
 import openai
 import pytest
 
+from tests.cluster.faults import greedy_streams
 from tests.conftest import MODEL, Server
 
 LONG = "Count from one to one thousand, one number per line."
@@ -143,37 +144,6 @@ def test_runner_killed_mid_stream_in_each_protocol(server):
 RESUMED_TOKENS = 96
 
 
-def _streams(url: str) -> dict[str, Iterator[str]]:
-    """A greedy stream of RESUMED_TOKENS through each SDK, as iterators of text pieces (started lazily)."""
-    long = [{"role": "user", "content": LONG}]
-    oai = openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0, timeout=120)
-    ant = anthropic.Anthropic(base_url=url, api_key="x", max_retries=0, timeout=120)
-
-    def openai_text() -> Iterator[str]:
-        chunks = oai.chat.completions.create(
-            model=MODEL, stream=True, max_tokens=RESUMED_TOKENS, temperature=0, messages=long
-        )
-        for chunk in chunks:
-            if chunk.choices and chunk.choices[0].delta.content:
-                yield chunk.choices[0].delta.content
-
-    def anthropic_text() -> Iterator[str]:
-        events = ant.messages.create(
-            model=MODEL, max_tokens=RESUMED_TOKENS, messages=long, stream=True, extra_body={"temperature": 0}
-        )
-        for event in events:
-            if event.type == "content_block_delta" and event.delta.type == "text_delta":
-                yield event.delta.text
-
-    def ollama_text() -> Iterator[str]:
-        options = {"num_predict": RESUMED_TOKENS, "temperature": 0}
-        for part in ollama.Client(host=url, timeout=120).chat(model=MODEL, stream=True, options=options, messages=long):
-            if part.message.content:
-                yield part.message.content
-
-    return {"openai": openai_text(), "anthropic": anthropic_text(), "ollama": ollama_text()}
-
-
 def _resumes(server: Server) -> float:
     text = httpx.get(f"{server.url}/metrics", timeout=10).text
     return sum(
@@ -187,13 +157,15 @@ def test_runner_killed_mid_stream_is_resumed_in_each_protocol(resuming):
     SDK gets its whole answer without an error, equal to the text of an undisturbed run; ``/metrics`` counts the
     resumes and the request log says how long each client waited."""
     warm(resuming)
-    reference = {protocol: "".join(text) for protocol, text in _streams(resuming.url).items()}
+    reference = {
+        protocol: "".join(text) for protocol, text in greedy_streams(resuming.url, MODEL, LONG, RESUMED_TOKENS).items()
+    }
     assert all(len(t) > 40 for t in reference.values()), reference
     oai = openai.OpenAI(base_url=f"{resuming.url}/v1", api_key="x", max_retries=0, timeout=120)
     plain = oai.completions.create(model=MODEL, prompt=LONG, max_tokens=RESUMED_TOKENS, temperature=0).choices[0].text
 
     resumed_before = _resumes(resuming)
-    streams = _streams(resuming.url)
+    streams = greedy_streams(resuming.url, MODEL, LONG, RESUMED_TOKENS)
     got = {protocol: next(text) for protocol, text in streams.items()}  # all three generating
     unary: dict[str, str] = {}
     worker = threading.Thread(

@@ -91,6 +91,7 @@ class InstanceManager:
         self._turn = 0
         self.min_replicas, self.max_replicas = min_replicas, max_replicas  # bounds of a new deployment
         self.scale: Callable[[], Awaitable[object]] | None = None  # autoscaling, once per reconcile pass
+        self._nodes: set[str] = set()  # the nodes of the last reconcile pass: one that joins retries the unplaceable
 
     # ------------------------------------------------------------------------------------------- lifecycle
 
@@ -490,6 +491,7 @@ class InstanceManager:
         """One pass: promote ready instances, fail those that lost a node or a runner, re-place failed ones,
         delete ready ones whose ``expires_at`` has passed."""
         node_ids = {n.id for n in await self.store.nodes()}
+        joined, self._nodes = node_ids - self._nodes, node_ids
         now = time.time()
         for instance in list(self._view.values()):
             state = instance.state
@@ -516,6 +518,8 @@ class InstanceManager:
                         )
             elif isinstance(state, Failed) and instance.attempts < MAX_ATTEMPTS:
                 await self._replace(instance, state.reason)
+            elif isinstance(state, Failed) and joined:  # it fitted nowhere; a node came (back): try it there
+                await self._replace(msgspec.structs.replace(instance, attempts=0), state.reason)
         await self._refresh()
         if self.scale is not None:
             try:

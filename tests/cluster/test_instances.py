@@ -114,3 +114,25 @@ async def test_oll_15_a_ready_instance_past_its_expiry_is_deleted(manager):
     await manager.reconcile()
     assert await manager.store.get_instance(instance.id) is None and manager.cached("scripted") == []
     assert [e.kind for e in await manager.store.events()][-1] == "instance.expired"
+
+
+async def test_an_instance_that_fitted_nowhere_is_placed_when_a_node_joins(manager):
+    """Every node gone at once (one killed, the other restarting): the instance fails, fits nowhere and stops
+    trying; a node that joins (back) gets it. It used to stay failed for good, its deployment a replica short."""
+    instance = await manager.create("scripted", nodes=["fast"])
+    await manager.reconcile()  # the nodes as they are now
+    for name in ("fast", "slow"):
+        await manager.store.remove_node(NodeId(name))
+    for _ in range(3):
+        await manager._refresh(force=True)
+        await manager.reconcile()
+    stuck = await manager.store.get_instance(instance.id)
+    assert isinstance(stuck.state, Failed) and stuck.attempts == MAX_ATTEMPTS
+    assert [e.kind for e in await manager.store.events()][-1] == "instance.unplaceable"
+    await manager.reconcile()
+    assert isinstance((await manager.store.get_instance(instance.id)).state, Failed)  # no node: it keeps waiting
+    await manager.store.put_node(node("slow", 1e10), ttl=60)
+    await manager._refresh(force=True)
+    await manager.reconcile()
+    moved = await manager.store.get_instance(instance.id)
+    assert isinstance(moved.state, Starting) and moved.placement.shards[0].node_id == "slow", moved

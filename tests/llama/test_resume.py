@@ -112,17 +112,17 @@ def _chat(text: str, **fields) -> Request:
         model="m",
         messages=(Message(role="user", parts=(TextPart(text=text),)),),
         sampling=Sampling(temperature=0.0),
-        max_tokens=fields.pop("max_tokens", 40),
+        max_tokens=fields.pop("max_tokens", 24),
         **fields,
     )
 
 
 CASES = {
     "text": _chat("Write a short story about a lighthouse keeper."),
-    "stop": _chat("List the planets of the solar system, one per line.", stop=("Mars",)),
+    "stop": _chat("List the planets of the solar system, one per line.", stop=("Mars",), max_tokens=40),
     "json": _chat(
         "Describe a city as JSON.",
-        max_tokens=60,
+        max_tokens=40,
         response_format=ResponseFormat(
             kind="json_schema",
             schema={
@@ -134,7 +134,7 @@ CASES = {
     ),
     "tool": _chat(
         "What is the weather in Paris?",
-        max_tokens=60,
+        max_tokens=40,
         tools=(
             Tool(
                 name="weather",
@@ -157,10 +157,11 @@ def test_a_resumed_stream_sends_what_an_undisturbed_one_sends(engines, case: str
     ids = [t for e in content for t in e.tokens]
     usage = [e for e in whole if isinstance(e, Usage)][-1]
     assert len(ids) <= usage.completion_tokens
-    for cut in (0, 1, len(content) // 2, len(content) - 1):
+    for cut in (0, len(content) // 2, len(content) - 1):
         relayed = asyncio.run(_relayed(engines, request, cut))
         assert _strip(relayed) == _strip(whole), (case, cut)
         assert isinstance(relayed[-1], Finished)
+        assert case != "stop" or relayed[-1].reason == "stop_sequence", relayed[-1]  # the stop string held
 
 
 def test_resumes_side_by_side_go_on_as_the_undisturbed_run(engines) -> None:
@@ -168,7 +169,7 @@ def test_resumes_side_by_side_go_on_as_the_undisturbed_run(engines) -> None:
     undisturbed text. Their resumed tokens are decoded one step each, as they were generated (``Job.forced``);
     prefilled as a prompt chunk (and shared between the slots as a prefix) they got other numbers and the text
     of the shortest one went another way."""
-    request = _chat("Count from one to one thousand, one number per line.", max_tokens=64)
+    request = _chat("Count from one to one thousand, one number per line.", max_tokens=40)
     whole = [e for e in _events(engines[0], request) if isinstance(e, TextDelta)]
     ids = [t for e in whole for t in e.tokens]
     text = "".join(e.text for e in whole)

@@ -1,0 +1,271 @@
+"""Streams that outlive their node, measured: a node killed under load, and a rolling restart of both nodes.
+
+    .venv/bin/python benchmarks/failover.py [--streams 8] [--tokens 300] [--threads 1] [--seed 1] [--json]
+
+One cluster on loopback: ``redis-server``, two ``meshgate node`` agents (each runner ``--threads`` llama.cpp
+threads) and one gateway, two replicas of the packaged Gemma 3 270M (one per node). For each protocol (OpenAI chat,
+Anthropic Messages, Ollama chat, through the official SDKs) ``--streams`` greedy streams of ``--tokens`` tokens run
+at once, with distinct prompts, three times:
+
+1. **undisturbed**: the reference texts;
+2. **node killed**: at a random moment (uniform over 10-60% of the undisturbed run's duration, ``--seed``) one
+   node's agent gets SIGKILL (its runners die with it); it is started again after the run, and the run after waits
+   for both replicas;
+3. **rolling restart**: while the streams run, each node in turn gets SIGTERM (drain), is started again once it has
+   exited, and the next one goes once both replicas are ready again.
+
+Reported per run: streams completed (the SDK raised nothing and the answer is whole), texts equal to the
+undisturbed run (in the rolling restart each client sends stream after stream until both nodes are back; every one
+counts), the streams that were resumed (the gateway's ``meshgate_stream_resumes_total``), and the longest
+gap a client saw between two text pieces (p50 of each stream's longest gap, and the worst).
+
+Every loop is bounded; every process is stopped on the way out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import httpx
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from benchmarks.concurrency import PROMPTS  # noqa: E402  (the repository root first, for tests.* and benchmarks.*)
+from meshgate.gateway.bench import percentile  # noqa: E402
+
+MODEL = "gemma3:270m"
+N_CTX = 2048
+PROTOCOLS = ("openai", "anthropic", "ollama")
+
+
+@dataclass
+class Run:
+    protocol: str
+    scenario: str
+    completed: int
+    equal: int
+    streams: int
+    resumed: int
+    gap_p50: float
+    gap_max: float
+    seconds: float
+
+
+def _wait(check, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            if check():
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    raise RuntimeError(f"timed out waiting for {what}")
+
+
+class Cluster:
+    """Redis, two agents and a gateway; ``restart`` a node by name."""
+
+    def __init__(self, data_dir: Path, logs: Path, threads: int) -> None:
+        from tests.cluster.redis_server import RedisServer
+        from tests.cluster.test_cluster_e2e import FAST
+        from tests.conftest import Server
+
+        self.data_dir, self.logs = data_dir, logs
+        # a node stays a member through a CPU stall on 2 cores: only the kills and restarts here change the cluster
+        self.env = {**FAST, "MESHGATE_HEARTBEAT": "0.5", "MESHGATE_NODE_TTL": "15", "MESHGATE_THREADS": str(threads)}
+        self.redis = RedisServer(logs / "redis")
+        self.redis.__enter__()
+        self.agents = {name: self._agent(name) for name in ("node-1", "node-2")}
+        self.gateway = Server(data_dir, "--redis", self.redis.url, "--n-ctx", str(N_CTX), env=self.env)
+        self.url = self.gateway.url
+        _wait(lambda: len(httpx.get(f"{self.url}/cluster").json()["nodes"]) == 2, 120, "two nodes")
+        r = httpx.post(f"{self.url}/instances", json={"model": MODEL, "replicas": 2}, timeout=120)
+        r.raise_for_status()
+        self.ready()
+
+    def _agent(self, name: str):
+        from tests.cluster.test_cluster_e2e import Agent
+
+        return Agent(self.redis.url, name, self.data_dir, self.logs, n_ctx=N_CTX, env=self.env, memory=str(4 << 30))
+
+    def ready(self, timeout: float = 300) -> None:
+        """Until two replicas of the model are ready."""
+
+        def two() -> bool:
+            found = httpx.get(f"{self.url}/instances", timeout=10).json()
+            return sum(1 for i in found if i["model"] == MODEL and i["state"]["state"] == "ready") >= 2
+
+        try:
+            _wait(two, timeout, "two ready replicas")
+        except RuntimeError:
+            for i in httpx.get(f"{self.url}/instances", timeout=10).json():
+                print(i["id"], i["state"], [s["node_id"] for s in i["placement"]["shards"]], file=sys.stderr)
+            events = httpx.get(f"{self.url}/events", params={"count": 30}, timeout=10).json()
+            print(json.dumps(events, indent=1)[-4000:], file=sys.stderr)
+            raise
+
+    def kill(self, name: str) -> None:
+        self.agents[name].kill()
+
+    def restart(self, name: str, graceful: bool) -> None:
+        agent = self.agents[name]
+        if graceful:
+            agent.proc.terminate()
+            agent.proc.wait(120)
+        else:
+            agent.kill()
+        self.agents[name] = self._agent(name)
+
+    def resumes(self) -> float:
+        text = httpx.get(f"{self.url}/metrics", timeout=10).text
+        lines = text.splitlines()
+        return sum(float(x.rsplit(" ", 1)[1]) for x in lines if x.startswith("meshgate_stream_resumes_total{"))
+
+    def close(self) -> None:
+        self.gateway.stop()
+        for agent in self.agents.values():
+            agent.stop()
+        self.redis.__exit__(None, None, None)
+
+
+def _one(url: str, protocol: str, prompt: str, tokens: int) -> tuple[str, float, bool]:
+    """One greedy stream: its text, the longest gap between two pieces, whether it completed."""
+    from tests.cluster.faults import greedy_streams
+
+    pieces, last, gap = [], time.monotonic(), 0.0
+    try:
+        for piece in greedy_streams(url, MODEL, prompt, tokens)[protocol]:
+            now = time.monotonic()
+            gap, last = max(gap, now - last) if pieces else gap, now
+            pieces.append(piece)
+        return "".join(pieces), gap, True
+    except Exception as exc:  # an SDK's mid-stream error: the stream did not complete
+        print(f"  {protocol} stream failed: {exc!r}"[:300], file=sys.stderr)
+        return "".join(pieces), gap, False
+
+
+def load(
+    cluster: Cluster,
+    protocol: str,
+    scenario: str,
+    streams: int,
+    tokens: int,
+    reference: list[str] | None,
+    act=None,
+    steady: bool = False,
+) -> tuple[Run, list[str]]:
+    """``streams`` streams at once through ``protocol``; ``act`` (run in a thread beside them) disturbs the cluster.
+    ``steady``: each client sends its next stream as soon as one ends, until ``act`` is done."""
+    before = cluster.resumes()
+    began = time.monotonic()
+    actor = threading.Thread(target=act, daemon=True) if act is not None else None
+    if actor is not None:
+        actor.start()
+
+    def client(n: int) -> list[tuple[int, tuple[str, float, bool]]]:
+        """Client ``n``'s streams: one, or while ``steady`` and the actor runs (bounded), one after another."""
+        done = [(n, _one(cluster.url, protocol, PROMPTS[n], tokens))]
+        while steady and actor is not None and actor.is_alive() and len(done) < 100:
+            done.append((n, _one(cluster.url, protocol, PROMPTS[n], tokens)))
+        return done
+
+    with ThreadPoolExecutor(streams) as pool:
+        results = [r for rs in pool.map(client, range(streams)) for r in rs]
+    seconds = time.monotonic() - began
+    if actor is not None:
+        actor.join(600)
+    texts = [text for _, (text, _, _) in results]
+    gaps = [gap for _, (_, gap, _) in results]
+    run = Run(
+        protocol=protocol,
+        scenario=scenario,
+        completed=sum(ok and bool(text) for _, (text, _, ok) in results),
+        equal=sum(text == (reference or texts)[n] for n, (text, _, _) in results),
+        streams=len(results),
+        resumed=round(cluster.resumes() - before),
+        gap_p50=percentile(gaps, 0.5),
+        gap_max=max(gaps),
+        seconds=seconds,
+    )
+    return run, texts
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--streams", type=int, default=8)
+    parser.add_argument("--tokens", type=int, default=300)
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--protocols", default=",".join(PROTOCOLS))
+    parser.add_argument("--json", action="store_true")
+    args = parser.parse_args()
+    rng = random.Random(args.seed)
+    import tempfile
+
+    from meshgate.backends.llama_cpp.sources import PackagedGGUFSource
+
+    with tempfile.TemporaryDirectory(prefix="meshgate-failover-") as tmp:
+        data_dir, logs = Path(tmp) / "data", Path(tmp) / "logs"
+        logs.mkdir(parents=True)
+        PackagedGGUFSource(data_dir / "models").models()
+        cluster = Cluster(data_dir, logs, args.threads)
+        runs: list[Run] = []
+        try:
+            for protocol in args.protocols.split(","):
+                undisturbed, reference = load(cluster, protocol, "undisturbed", args.streams, args.tokens, None)
+                runs.append(undisturbed)
+                print(undisturbed, file=sys.stderr)
+                at = rng.uniform(0.1, 0.6) * undisturbed.seconds
+                victim = rng.choice(sorted(cluster.agents))
+
+                def kill(at: float = at, victim: str = victim) -> None:
+                    time.sleep(at)
+                    cluster.kill(victim)
+
+                killed, _ = load(
+                    cluster, protocol, f"{victim} killed at {at:.1f} s", args.streams, args.tokens, reference, kill
+                )
+                runs.append(killed)
+                print(killed, file=sys.stderr)
+                cluster.restart(victim, graceful=False)
+                cluster.ready()
+
+                def rolling() -> None:
+                    time.sleep(2)
+                    for name in sorted(cluster.agents):
+                        cluster.restart(name, graceful=True)
+                        cluster.ready()
+
+                rolled, _ = load(
+                    cluster, protocol, "rolling restart", args.streams, args.tokens, reference, rolling, steady=True
+                )
+                runs.append(rolled)
+                print(rolled, file=sys.stderr)
+                cluster.ready()
+        finally:
+            cluster.close()
+    if args.json:
+        print(json.dumps([asdict(r) for r in runs], indent=1))
+        return
+    print(f"\n{args.streams} greedy streams of {args.tokens} tokens per protocol, 2 replicas on 2 nodes")
+    print("| protocol | run | completed | equal to undisturbed | resumed | longest gap p50 / max | wall |")
+    print("|---|---|---|---|---|---|---|")
+    for r in runs:
+        print(
+            f"| {r.protocol} | {r.scenario} | {r.completed}/{r.streams} | {r.equal}/{r.streams} | {r.resumed} | "
+            f"{r.gap_p50:.2f} / {r.gap_max:.2f} s | {r.seconds:.0f} s |"
+        )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,89 @@
+"""Streams that outlive their node, for real: redis-server, two ``meshgate node`` agents, two gateways on the same
+Redis, two replicas of the packaged Gemma 3 270M (one per node). A greedy stream in each protocol, through the
+official SDKs, spread over both gateways; the node serving some of them is SIGKILLed (its runner dies with its
+agent) while they generate: every stream goes on on the other replica from the tokens it had sent, and each SDK
+gets the undisturbed text. The deployment gets its second replica back once the node returns.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import httpx
+import pytest
+
+from tests.cluster.faults import greedy_streams
+from tests.cluster.redis_server import RedisServer
+from tests.cluster.test_cluster_e2e import FAST, Agent, wait_for
+from tests.conftest import MODEL, Server
+
+# a node stays a member through a CPU stall on 2 cores (a missed heartbeat would fail its replica too)
+ENV = {**FAST, "MESHGATE_HEARTBEAT": "0.5", "MESHGATE_NODE_TTL": "15", "MESHGATE_THREADS": "1"}
+N_CTX = 1024
+PROMPT, TOKENS = "Count from one to five hundred.", 64
+
+
+@pytest.fixture(scope="module")
+def cluster(data_dir, packaged_gguf, tmp_path_factory) -> Iterator[tuple[list[Server], dict[str, Agent], str]]:
+    logs = tmp_path_factory.mktemp("failover-logs")
+    with RedisServer(tmp_path_factory.mktemp("failover-redis")) as redis:
+        agents = {name: Agent(redis.url, name, data_dir, logs, n_ctx=N_CTX, env=ENV) for name in ("a", "b")}
+        gateways: list[Server] = []
+        try:
+            gateways += [Server(data_dir, "--redis", redis.url, "--n-ctx", str(N_CTX), env=ENV) for _ in range(2)]
+            wait_for(lambda: len(httpx.get(f"{gateways[0].url}/cluster").json()["nodes"]) == 2, 60, "two nodes")
+            r = httpx.post(f"{gateways[0].url}/instances", json={"model": MODEL, "replicas": 2}, timeout=60)
+            assert r.status_code == 201, r.text
+            _two_ready(gateways[0])
+            yield gateways, agents, redis.url
+        finally:
+            for gateway in gateways:
+                gateway.stop()
+            for agent in agents.values():
+                agent.stop()
+
+
+def _two_ready(gateway: Server, timeout: float = 180) -> list[dict]:
+    def ready() -> list[dict] | None:
+        found = [i for i in httpx.get(f"{gateway.url}/instances").json() if i["model"] == MODEL]
+        return found if sum(i["state"]["state"] == "ready" for i in found) == 2 else None
+
+    return wait_for(ready, timeout, "two ready replicas")  # type: ignore[return-value]
+
+
+def _busy_node(gateways: list[Server]) -> str:
+    """The node of a replica some stream runs on, as the gateways' shared load shows it."""
+
+    def busy() -> str | None:
+        for instance in httpx.get(f"{gateways[0].url}/instances").json():
+            if (instance.get("load") or {}).get("running"):
+                return instance["placement"]["shards"][0]["node_id"]
+        return None
+
+    return wait_for(busy, 30, "a replica with a running stream")  # type: ignore[return-value]
+
+
+def test_a_node_killed_mid_stream_loses_no_stream(cluster, data_dir, tmp_path):
+    gateways, agents, redis_url = cluster
+    reference = "".join(greedy_streams(gateways[0].url, MODEL, PROMPT, TOKENS)["openai"])
+    assert len(reference) > 60, reference
+    streams = {
+        **{p: s for p, s in greedy_streams(gateways[0].url, MODEL, PROMPT, TOKENS).items() if p != "ollama"},
+        "ollama": greedy_streams(gateways[1].url, MODEL, PROMPT, TOKENS)["ollama"],
+    }
+    got = {protocol: next(stream) for protocol, stream in streams.items()}  # all three generating
+    victim = _busy_node(gateways)
+    agents[victim].kill()
+    for protocol, stream in streams.items():
+        got[protocol] += "".join(stream)
+    assert got == dict.fromkeys(streams, reference)
+    resumes = sum(
+        float(line.rsplit(" ", 1)[1])
+        for gateway in gateways
+        for line in httpx.get(f"{gateway.url}/metrics").text.splitlines()
+        if line.startswith("meshgate_stream_resumes_total{")
+    )
+    assert 1 <= resumes <= 3, resumes
+    agents[victim] = Agent(redis_url, victim, data_dir, tmp_path, n_ctx=N_CTX, env=ENV)
+    replicas = _two_ready(gateways[1])
+    assert len(replicas) == 2

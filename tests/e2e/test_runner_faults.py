@@ -19,8 +19,10 @@ import ollama
 import openai
 import pytest
 
+from meshgate.gateway.telemetry.middleware import REPORT_DELAY
 from tests.cluster.faults import greedy_streams
 from tests.conftest import MODEL, Server
+from tests.e2e.agent_clients import request_lines
 
 LONG = "Count from one to one thousand, one number per line."
 SECRET = "runner-faults-test-secret"  # the runners' cluster secret, so this test may read their /health
@@ -38,7 +40,7 @@ def server(data_dir) -> Iterator[Server]:
 @pytest.fixture(scope="module")
 def resuming(data_dir) -> Iterator[Server]:
     """A gateway with the default settings: streams resume."""
-    s = Server(data_dir, "--n-ctx", "2048", env={"MESHGATE_CLUSTER_SECRET": SECRET})
+    s = Server(data_dir, "--n-ctx", "2048", "--log-level", "info", env={"MESHGATE_CLUSTER_SECRET": SECRET})
     yield s
     s.stop()
 
@@ -189,6 +191,11 @@ def test_runner_killed_mid_stream_is_resumed_in_each_protocol(resuming):
     assert unary["text"] == plain
     assert runner_pid(resuming) != pid
     assert _resumes(resuming) - resumed_before == 4
+    time.sleep(REPORT_DELAY + 0.2)  # the request lines are written in batches
+    lines = [r for r in request_lines(resuming.log.read_text(errors="replace")) if r.get("resumes")]
+    assert len(lines) == 4 and all(r["status"] == 200 and r["error"] is None for r in lines), lines
+    assert all(r["resumes"] == 1 and r["resume_wait_ms"] > 0 for r in lines), lines
+    assert {r["path"] for r in lines} == {"/v1/chat/completions", "/v1/messages", "/api/chat", "/v1/completions"}
 
 
 def test_no_runner_outlives_its_gateway(data_dir):

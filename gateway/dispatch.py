@@ -60,6 +60,7 @@ from meshgate.gateway.model_defaults import apply_defaults, end_turn_at_default_
 from meshgate.gateway.resume import Resume, resumable
 from meshgate.gateway.telemetry import record as telemetry
 from meshgate.protocols.model import (
+    BackendTimeout,
     BackendUnavailable,
     Embeddings,
     EmbedRequest,
@@ -317,34 +318,44 @@ class Dispatcher:
         serving = [instance]
 
         async def resume(tokens: tuple[int, ...], error: GatewayError) -> AsyncIterator[Event]:
-            await self.instances.report_unreachable(serving[0], error.message)
-            context = serving[0].placement.context
-            replica = await self.instances.acquire(job.card, context=context, routing=job.routing)
-            self._settle(replica.id)
-            if not isinstance(replica.state, Ready):
-                replica = await self.instances.wait_ready(replica.id)
-            serving[0] = replica
-            runner = self._connect(replica, job.card, job.backend)
-            ticket = self.admission.enter(replica.id, job.caller, replica.placement.sequences)
-            try:
-                await ticket.wait()
-                events = runner.generate(msgspec.structs.replace(request, resume=tokens))
-                first = await anext(events)
-            except BaseException:
-                ticket.release()
-                raise
-            if isinstance(first, Failed):
-                await aclose(events)
-                ticket.release()
-                raise error_from_info(first.error)
-            record = telemetry.current()
-            if record is not None:
-                record.instance = replica.id
-            stream = _released(first, events, ticket.release)
-            _on_drop(stream, ticket.release)
-            return stream
+            while True:  # until a replica takes it, or the caller's bound (``resume_wait``) runs out
+                await self.instances.report_unreachable(serving[0], error.message)
+                context = serving[0].placement.context
+                replica = await self.instances.acquire(job.card, context=context, routing=job.routing)
+                self._settle(replica.id)
+                if not isinstance(replica.state, Ready):
+                    replica = await self.instances.wait_ready(replica.id)
+                serving[0] = replica
+                try:
+                    return await self._continue(replica, job, msgspec.structs.replace(request, resume=tokens))
+                except (BackendUnavailable, BackendTimeout) as exc:  # that one is going too (a node restarting)
+                    error = exc
+                    await asyncio.sleep(0.2)  # its failure reaches the store; the next pass routes elsewhere
 
         return resume
+
+    async def _continue(self, replica: Instance, job: _Job, request: Request) -> AsyncIterator[Event]:
+        """``request`` (a resume) started on ``replica`` in ``job.caller``'s turn; its events, which free the slot
+        when they end. A failure to start raises its ``GatewayError``."""
+        runner = self._connect(replica, job.card, job.backend)
+        ticket = self.admission.enter(replica.id, job.caller, replica.placement.sequences)
+        try:
+            await ticket.wait()
+            events = runner.generate(request)
+            first = await anext(events)
+        except BaseException:
+            ticket.release()
+            raise
+        if isinstance(first, Failed):
+            await aclose(events)
+            ticket.release()
+            raise error_from_info(first.error)
+        record = telemetry.current()
+        if record is not None:
+            record.instance = replica.id
+        stream = _released(first, events, ticket.release)
+        _on_drop(stream, ticket.release)
+        return stream
 
     async def _bigger(
         self, instance: Instance, job: _Job, count: Callable[[Request], Awaitable[int]], token_bytes: int

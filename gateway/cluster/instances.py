@@ -91,7 +91,7 @@ class InstanceManager:
         self._turn = 0
         self.min_replicas, self.max_replicas = min_replicas, max_replicas  # bounds of a new deployment
         self.scale: Callable[[], Awaitable[object]] | None = None  # autoscaling, once per reconcile pass
-        self._nodes: set[str] = set()  # the nodes of the last reconcile pass: one that joins retries the unplaceable
+        self._nodes: set[NodeId] = set()  # the nodes of the last reconcile pass: one that joins retries the unplaceable
 
     # ------------------------------------------------------------------------------------------- lifecycle
 

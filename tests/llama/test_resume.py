@@ -119,7 +119,7 @@ def _chat(text: str, **fields) -> Request:
 
 CASES = {
     "text": _chat("Write a short story about a lighthouse keeper."),
-    "stop": _chat("List the planets of the solar system, one per line.", stop=("Mars",), max_tokens=40),
+    "stop": _chat("List the planets of the solar system, one per line.", stop=("solar system.\nThe",), max_tokens=40),
     "json": _chat(
         "Describe a city as JSON.",
         max_tokens=40,

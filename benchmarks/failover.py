@@ -114,6 +114,11 @@ class Cluster:
             print(json.dumps(events, indent=1)[-4000:], file=sys.stderr)
             raise
 
+    def replica_nodes(self) -> list[str]:
+        """The nodes the model's replicas run on, one entry per replica."""
+        found = httpx.get(f"{self.url}/instances", timeout=10).json()
+        return sorted(i["placement"]["shards"][0]["node_id"] for i in found if i["model"] == MODEL)
+
     def kill(self, name: str) -> None:
         self.agents[name].kill()
 
@@ -226,7 +231,7 @@ def main() -> None:
                 runs.append(undisturbed)
                 print(undisturbed, file=sys.stderr)
                 at = rng.uniform(0.1, 0.6) * undisturbed.seconds
-                victim = rng.choice(sorted(cluster.agents))
+                victim = rng.choice(cluster.replica_nodes())  # a node holding a replica (both may be on one)
 
                 def kill(at: float = at, victim: str = victim) -> None:
                     time.sleep(at)

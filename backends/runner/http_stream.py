@@ -12,7 +12,8 @@ stream (``connection: close``: no pool to go stale; a loopback or LAN connect is
 prefill), no proxies (runners are never behind one), no redirects. The request head is written by hand
 because that is what an HTTP client does; the response is parsed by httptools, never by hand.
 
-Failures are raised as ``GatewayError``: a refused or lost connection ``BackendUnavailable``, no connection or
+Failures are raised as ``GatewayError``: a refused or lost connection ``BackendUnavailable`` (a peer that vanished
+without closing it is found by TCP keep-alive, ``KEEPALIVE``), no connection or
 no data in time ``BackendTimeout``, a malformed response ``BackendProtocolError``, a status other than 200
 ``BackendProtocolError`` with the start of its body; the connect's failures are mapped by
 ``backends.runner.errors.mapped_transport_errors``, as every runner client's are. Closing the iterator closes the
@@ -24,6 +25,7 @@ Imports protocols and ``backends.runner.errors`` only (and httptools).
 from __future__ import annotations
 
 import asyncio
+import socket
 import time
 from collections.abc import AsyncIterator
 from urllib.parse import urlsplit
@@ -140,6 +142,7 @@ async def post_stream(
     loop = asyncio.get_running_loop()
     with mapped_transport_errors(connect_timeout=connect_timeout):
         transport, response = await asyncio.wait_for(loop.create_connection(_Response, host, port), connect_timeout)
+    _keep_alive(transport.get_extra_info("socket"))
     response.heard = time.monotonic()
     timeout = _ReadTimeout(loop, response, read_timeout)
     try:
@@ -168,6 +171,23 @@ async def post_stream(
     finally:
         timeout.cancel()
         transport.close()
+
+
+KEEPALIVE = (5, 2, 3)
+"""TCP keep-alive of a stream's connection: probes after 5 idle seconds, every 2 s, 3 unanswered end it. A runner
+whose node vanished (its link down, its machine off) sends no FIN; the kernel then ends the connection in ~11 s
+(``BackendUnavailable``, so the stream resumes elsewhere) where the read timeout would wait minutes. A busy runner
+is not mistaken for a lost one: its kernel answers the probes."""
+
+
+def _keep_alive(sock: socket.socket | None) -> None:
+    if sock is None:
+        return
+    idle, interval, count = KEEPALIVE
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+    for option, value in (("TCP_KEEPIDLE", idle), ("TCP_KEEPINTVL", interval), ("TCP_KEEPCNT", count)):
+        if hasattr(socket, option):  # Linux; macOS names the first TCP_KEEPALIVE and has the other two since 10.15
+            sock.setsockopt(socket.IPPROTO_TCP, getattr(socket, option), value)
 
 
 async def _wait(loop: asyncio.AbstractEventLoop, response: _Response) -> None:

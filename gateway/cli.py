@@ -78,7 +78,8 @@ def _serve(settings: Settings, args: argparse.Namespace) -> int:
             port=settings.port,
             log_level=settings.log_level,
             access_log=settings.log_level == "debug",
-            timeout_graceful_shutdown=5,
+            # SIGTERM: stop accepting, let open requests (streams too) finish for up to MESHGATE_DRAIN_GRACE
+            timeout_graceful_shutdown=max(1, round(settings.drain_grace)),
             log_config=None,  # uvicorn's loggers go to the root handler _logging set up (text or JSON)
             timeout_keep_alive=75,  # above clients' idle limits (httpx: 5 s), so a reused connection is never
             # closed under a request that is already on its way
@@ -140,15 +141,21 @@ def _node(settings: Settings, args: argparse.Namespace) -> int:
     _logging(settings)
 
     async def run() -> None:
-        stop = asyncio.Event()
+        # SIGTERM drains (the node's replicas finish their streams, within MESHGATE_DRAIN_GRACE, while gateways
+        # place them elsewhere); SIGINT, or a second signal, stops at once (streams resume on other replicas).
+        signals: asyncio.Queue[int] = asyncio.Queue()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(sig, stop.set)
+            loop.add_signal_handler(sig, signals.put_nowait, sig)
         async with control_plane(settings, build_plugin_manager(settings), gateway=False, agent=True) as plane:
             agent = plane.agent
             assert agent is not None  # control_plane(agent=True) starts one
             logging.getLogger("meshgate").info("node %s up; probes at %s", agent.name, agent.agent_url)
-            await stop.wait()
+            if await signals.get() == signal.SIGTERM and settings.drain_grace > 0:
+                draining = asyncio.create_task(agent.drain(settings.drain_grace))
+                again = asyncio.create_task(signals.get())
+                await asyncio.wait({draining, again}, return_when=asyncio.FIRST_COMPLETED)
+                again.cancel()
 
     asyncio.run(run())
     return 0

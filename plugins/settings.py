@@ -108,6 +108,9 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
         scale_cooldown: Seconds after one scaling of a model before the next (every gateway's).
         resume_wait: Seconds a stream whose replica failed mid-stream may wait for another replica (placed if need
             be) to continue it (``MESHGATE_RESUME_WAIT``); past it the client gets its protocol's mid-stream error.
+        drain_grace: Seconds the streams of a replica being drained (deleted, scaled down, on a node told to stop)
+            and of a gateway told to stop (``SIGTERM``) have to finish (``MESHGATE_DRAIN_GRACE``); what still
+            runs then resumes on another replica, or is cut at a gateway.
         max_tokens: The most output tokens one request may ask for (``MESHGATE_MAX_TOKENS``). More is refused
             with a 400 by OpenAI and Anthropic endpoints and cut to it for Ollama's ``num_predict``; every request
             is also held to the room left in its instance's context (see the README's endpoints section).
@@ -150,6 +153,7 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     scale_down_idle: Annotated[float, msgspec.Meta(ge=0)] = 300.0
     scale_cooldown: Annotated[float, msgspec.Meta(ge=0)] = 30.0
     resume_wait: Annotated[float, msgspec.Meta(ge=0)] = 60.0
+    drain_grace: Annotated[float, msgspec.Meta(ge=0)] = 30.0
     rate_limit: int = 0
     max_body_bytes: int = 64 << 20
     link_probe_every: float = 30.0

@@ -11,6 +11,11 @@ secret only (``backends.runner.secret``: ``authorization: Bearer`` or
 ``x-meshgate-secret``; others get 401), and presents it when it probes the other agents. The runners it launches
 get the same secret from ``RunnerProcess.start``.
 
+``drain`` (``SIGTERM`` to ``meshgate node``) stops a node without cutting a stream: the node record says
+``draining_until``, so gateways place nothing new here, drain each replica on it (no new requests; running streams
+finish) while they place a replacement elsewhere, and delete it once idle or at that time; the agent stops its
+runners and leaves when none is left here, or at that time (and a margin) if no gateway acts.
+
 Once at start, in worker threads, it asks each backend to measure this node with the runtime's own kernels
 (``Backend.calibrate``) and adds what they measured to its node record (``Node.calibration``), the planner's
 speed estimates; until then (and for a backend that does not measure) the planner uses ``Node.flops``.
@@ -27,6 +32,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import httpx
+import msgspec
 
 from meshgate.backends.base import Backend, Launched, ModelCard
 from meshgate.backends.placement import Calibration, Link, Node, NodeId
@@ -90,6 +96,8 @@ class NodeAgent:
         self._calibration: dict[str, Calibration] = {}  # each backend's measured speed here (``_calibrate``)
         self._measured: list[Link] = []  # the last probe's links from here
         self._epochs: dict[str, int] = {}  # instance id -> the epoch last launched here (restarts are counted)
+        self.draining_until: float | None = None  # set by ``drain``: gateways move this node's replicas away
+        self._closed = False
         self.metrics = NodeMetrics(
             self.name,
             node=self._describe,
@@ -118,6 +126,9 @@ class NodeAgent:
         ]
 
     async def close(self, *, deregister: bool = True) -> None:
+        if self._closed:
+            return
+        self._closed = True
         for task in [*self._tasks, *self._starting.values()]:
             task.cancel()
         for task in [*self._tasks, *self._starting.values()]:
@@ -136,13 +147,38 @@ class NodeAgent:
 
     def _describe(self) -> Node:
         """This node as it stands now (memory read again), with what it has measured."""
-        return describe_node(
+        node = describe_node(
             self.name,
             self.address,
             self.agent_url,
             flops=self._flops,
             memory=self.memory,
             calibration=self._calibration,
+        )
+        return msgspec.structs.replace(node, draining_until=self.draining_until)
+
+    async def drain(self, grace: float, margin: float = 5.0) -> None:
+        """Leave the cluster without cutting a stream: say the node drains for ``grace`` seconds, wait until no
+        instance is placed here any more (the gateways drain and delete them), at most ``grace`` + ``margin``
+        seconds, then ``close``."""
+        self.draining_until = time.time() + grace
+        await self._register()
+        await self.store.append_event(
+            "node.draining", f"node {self.name} drains: its streams have {grace:g}s to finish", node_id=self.node_id
+        )
+        log.info("node %s draining: up to %gs for its streams to finish", self.name, grace)
+        deadline = time.monotonic() + grace + margin
+        while time.monotonic() < deadline:
+            if not [i for i in await self.store.instances() if self._placed_here(i)]:
+                break
+            await asyncio.sleep(0.25)
+        else:
+            log.warning("node %s: its replicas were not drained within %gs; stopping them", self.name, grace)
+        await self.close()
+
+    def _placed_here(self, instance: Instance) -> bool:
+        return not isinstance(instance.state, Failed) and any(
+            s.node_id == self.node_id for s in instance.placement.shards
         )
 
     async def _register(self) -> None:
@@ -197,9 +233,7 @@ class NodeAgent:
         stored = await self.store.instances()
         self._epochs = {i.id: self._epochs[i.id] for i in stored if i.id in self._epochs}  # forget deleted ones
         for instance in stored:
-            if isinstance(instance.state, Failed):
-                continue
-            if any(s.node_id == self.node_id for s in instance.placement.shards):
+            if self._placed_here(instance):
                 wanted[instance.id] = instance
         for instance_id, (epoch, launched) in list(self.launched.items()):
             found = wanted.get(instance_id)

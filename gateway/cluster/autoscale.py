@@ -8,8 +8,10 @@ The rule, per deployment (a model's desired replicas, bounded by its ``min_repli
   some node has room for one more. A short spike (a queue that empties sooner) adds nothing.
 - **Down.** When a ready replica has run and queued nothing for ``Policy.down_idle`` seconds (the keep-alive),
   no request of the model waits, more than ``min_replicas`` exist and the cooldown has passed, remove that
-  replica (the one idle longest). A replica above ``max_replicas`` (the bound was lowered) is removed once idle,
-  at once. A replica with a request running or queued is never removed.
+  replica (the one idle longest). A replica with a request running or queued is never removed for idleness.
+- **Above max.** A model with more replicas than ``max_replicas`` (the bound was lowered) loses one at once,
+  the least loaded (``ScaleDown.busy``): it drains, so its streams finish first (or resume elsewhere).
+- Replicas draining are on their way out: they count for nothing.
 - Every other case where a bound, the cooldown or room stopped a change is a ``Hold`` with its reason: shown to
   tests and logs, never acted on.
 
@@ -22,8 +24,8 @@ their reason and the figures they used. Both are tested as tables.
 a model only while it holds the store lease ``deploy:{model}`` (the one that placing missing replicas takes),
 and decides again on fresh state under it, so two gateways never both carry out one decision; the deployment's
 ``scaled_at`` (in the store) makes the cooldown cluster-wide. Up raises the deployment's ``replicas`` and lets
-``InstanceManager._fill_deployments`` place the replica; down lowers it and deletes the instance, as keep-alive
-expiry does, once no gateway runs or queues anything on it. Each action appends ``deployment.scaled_up`` or
+``InstanceManager._fill_deployments`` place the replica; down lowers it and drains the instance
+(``InstanceManager.drain``: deleted at once when idle). Each action appends ``deployment.scaled_up`` or
 ``deployment.scaled_down`` to ``/events`` with its reason and figures.
 
 Imports the standard library, msgspec, ``backends.placement`` (ids) and the gateway's cluster records, loads and
@@ -32,6 +34,7 @@ instances (the executor's manager); nothing imports it but the runtime that wire
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -41,7 +44,8 @@ import msgspec
 from meshgate.backends.placement import InstanceId
 from meshgate.gateway.cluster.instances import InstanceManager
 from meshgate.gateway.cluster.loads import ReplicaLoad
-from meshgate.gateway.cluster.records import Deployment, Instance, Ready
+from meshgate.gateway.cluster.records import Deployment, Draining, Instance, Ready
+from meshgate.protocols.model import NotFound
 
 __all__ = ["Action", "Autoscaler", "History", "Hold", "Policy", "ScaleDown", "ScaleUp", "decide", "observe"]
 
@@ -66,10 +70,13 @@ class ScaleUp(msgspec.Struct, frozen=True, tag="scale_up"):
 
 
 class ScaleDown(msgspec.Struct, frozen=True, tag="scale_down"):
+    """Remove ``instance_id``; ``busy``: even with requests on it (above ``max_replicas``), by draining."""
+
     model: str
     instance_id: InstanceId
     reason: str
     figures: Figures
+    busy: bool = False
 
 
 class Hold(msgspec.Struct, frozen=True, tag="hold"):
@@ -127,7 +134,7 @@ def decide(
     checks before it acts, and decides again)."""
     actions: list[Action] = []
     for d in deployments:
-        mine = [i for i in instances if i.model == d.model]
+        mine = [i for i in instances if i.model == d.model and not isinstance(i.state, Draining)]
         action = _decide_one(d, mine, loads, now, policy, history, (room or {}).get(d.model, True))
         if action is not None:
             actions.append(action)
@@ -153,6 +160,16 @@ def _decide_one(
         "running": running,
         "queued": queued,
     }
+    if count > d.max_replicas:  # the bound was lowered: drain the least loaded, busy or not
+
+        def weight(i: Instance) -> tuple[bool, int]:
+            load = loads.get(i.id, _NONE)
+            return isinstance(i.state, Ready), load.running + load.queued
+
+        extra = min(mine, key=weight)
+        figures = base | {"load": float(sum(weight(extra)[1:]))}
+        why = f"{count} replicas, above max_replicas ({d.max_replicas})"
+        return ScaleDown(d.model, extra.id, why, figures, busy=True)
     cooling = now - d.scaled_at < policy.cooldown
     since = history.waiting_since.get(d.model)
     if since is not None:
@@ -177,10 +194,6 @@ def _decide_one(
     )
     if not idle:
         return None
-    if count > d.max_replicas:
-        first, instance_id = idle[0]
-        figures = base | {"idle_s": round(now - first, 1)}
-        return ScaleDown(d.model, instance_id, f"{count} replicas, above max_replicas ({d.max_replicas})", figures)
     first, instance_id = idle[0]
     idle_for = now - first
     if idle_for < policy.down_idle:
@@ -254,19 +267,19 @@ class Autoscaler:
             await store.append_event("deployment.scaled_up", message, data=_data(action))
             return action
         if isinstance(action, ScaleDown):
-            if manager.load(action.instance_id):
+            if manager.load(action.instance_id) and not action.busy:
                 return None  # a request was routed to it meanwhile: idle it is not
             await manager._record_deployment(action.model, without=action.instance_id)
             current = next((d for d in await store.deployments() if d.model == action.model), None)
             if current is not None:
                 await store.put_deployment(msgspec.structs.replace(current, scaled_at=now))
-            if await store.delete_instance(action.instance_id):
-                count = sum(1 for i in instances if i.model == action.model)
-                message = f"{action.model}: {count} -> {count - 1} replicas: {action.reason}"
-                await store.append_event(
-                    "deployment.scaled_down", message, instance_id=action.instance_id, data=_data(action)
-                )
-            manager._view.pop(action.instance_id, None)
+            count = sum(1 for i in instances if i.model == action.model and not isinstance(i.state, Draining))
+            message = f"{action.model}: {count} -> {count - 1} replicas: {action.reason}"
+            await store.append_event(
+                "deployment.scaled_down", message, instance_id=action.instance_id, data=_data(action)
+            )
+            with contextlib.suppress(NotFound):  # gone meanwhile
+                await manager.drain(action.instance_id, reason="scaled down", lower=False)
             return action
         return None
 

@@ -11,6 +11,13 @@ replica of the model uses where any fit (anti-affinity; an instance that shares 
 and keeps the desired count in the store as the model's ``Deployment``, so every gateway and a restarted one
 agree on it; the reconcile loop places replicas a deployment misses (one gateway at a time: a store lease).
 Deleting an instance (by the API, ``keep_alive`` expiry, Ollama's unload) lowers its deployment's count.
+
+**Drain.** ``drain`` stops routing to a replica at once (state ``Draining``: ``_pick`` takes only ready ones, on
+every gateway, as each sees the store change) and lets what runs on it finish: the reconcile loop deletes it when
+no gateway runs or queues anything on it, or when its grace period ends (streams still running then lose their
+runner and resume on another replica, ``gateway.resume``). ``DELETE /instances/{id}`` and the autoscaler drain;
+a node whose agent got ``SIGTERM`` says ``draining_until`` in its record, and each replica on it drains until
+then while a replacement is placed elsewhere (nothing new is planned on a draining node).
 A deployment's ``min_replicas``/``max_replicas`` bound its autoscaling, which ``scale``
 (``autoscale.Autoscaler.step``) carries out in each reconcile pass, before missing replicas are placed.
 
@@ -36,7 +43,7 @@ import msgspec
 from meshgate.backends.base import Backend, ModelCard
 from meshgate.backends.placement import Candidate, InstanceId, NodeId, Topology
 from meshgate.gateway.cluster.planner import BackendOffer, plan
-from meshgate.gateway.cluster.records import Deployment, Failed, Instance, Ready, Starting
+from meshgate.gateway.cluster.records import Deployment, Draining, Failed, Instance, Ready, Starting
 from meshgate.gateway.cluster.routing import Choice, PrefixTable, Replica, Routing, route
 from meshgate.gateway.cluster.store import StateStore
 from meshgate.protocols.model import BackendUnavailable, InvalidRequest, NoCapacity, NotFound
@@ -45,6 +52,7 @@ __all__ = ["InstanceManager", "missing_replicas"]
 
 log = logging.getLogger("meshgate.instances")
 MAX_ATTEMPTS = 3
+SETTLE = 1.0  # seconds a drain lasts at least: every gateway's load report has counted what it routed before
 
 
 class InstanceManager:
@@ -67,6 +75,7 @@ class InstanceManager:
         on_route: Callable[[str], None] = lambda instance_id: None,
         min_replicas: int = 1,
         max_replicas: int = 1,
+        drain_grace: float = 30.0,
     ) -> None:
         self.store = store
         self.backends = list(backends)
@@ -92,6 +101,7 @@ class InstanceManager:
         self.min_replicas, self.max_replicas = min_replicas, max_replicas  # bounds of a new deployment
         self.scale: Callable[[], Awaitable[object]] | None = None  # autoscaling, once per reconcile pass
         self._nodes: set[NodeId] = set()  # the nodes of the last reconcile pass: one that joins retries the unplaceable
+        self.drain_grace = drain_grace  # seconds a drained replica's streams have to finish (``MESHGATE_DRAIN_GRACE``)
 
     # ------------------------------------------------------------------------------------------- lifecycle
 
@@ -132,8 +142,11 @@ class InstanceManager:
 
     # ------------------------------------------------------------------------------------------- planning
 
-    async def topology(self) -> Topology:
+    async def topology(self, *, usable: bool = False) -> Topology:
+        """The nodes and links; ``usable``: only the nodes to plan on (a draining node takes nothing new)."""
         nodes, links = await asyncio.gather(self.store.nodes(), self.store.links())
+        if usable:
+            nodes = [n for n in nodes if n.draining_until is None]
         return Topology(nodes=tuple(nodes), links=tuple(links))
 
     def _offers(self, card: ModelCard) -> list[tuple[Backend, BackendOffer]]:
@@ -176,7 +189,7 @@ class InstanceManager:
         backend = offers[0][0]
         if context is None and self.context:
             context = self.context(backend, card)
-        topology = await self.topology()
+        topology = await self.topology(usable=True)
         if reserved:
             topology = Topology(
                 nodes=tuple(
@@ -218,7 +231,7 @@ class InstanceManager:
         occupied = {s.node_id: i.id for i in self.cached(card.name) for s in i.placement.shards}
         candidates: list[Candidate] = []
         if occupied and nodes is None and candidate_id is None:
-            free = [n.id for n in (await self.topology()).nodes if n.id not in occupied]
+            free = [n.id for n in (await self.topology(usable=True)).nodes if n.id not in occupied]
             if free:
                 candidates = await self.preview(card.name, nodes=free, **plan_with)
         if not any(c.fits for c in candidates):
@@ -336,7 +349,7 @@ class InstanceManager:
         ``MESHGATE_MIN_REPLICAS`` / ``MESHGATE_MAX_REPLICAS``, raised to the replicas placed (N placed at once stay
         N unless told otherwise), and an existing one keeps its own, widened to the replicas it has; one of a fixed
         size (min = max) follows the replicas it has, both ways."""
-        count = sum(1 for i in self.cached(model) if i.id != without)
+        count = sum(1 for i in self.cached(model) if i.id != without and not isinstance(i.state, Draining))
         current = next((d for d in await self.store.deployments() if d.model == model), None)
         if count == 0:
             if current is not None:
@@ -367,14 +380,55 @@ class InstanceManager:
             )
         )
 
-    async def delete(self, instance_id: InstanceId) -> None:
+    async def delete(self, instance_id: InstanceId, *, grace: float | None = None) -> Instance | None:
+        """Remove an instance and lower its deployment's count: at once when nothing runs or queues on it (or
+        ``grace`` is 0), else by draining it for ``grace`` seconds (the setting when None). Returns the draining
+        instance, or None when it is gone."""
+        return await self.drain(instance_id, reason="deleted", grace=grace)
+
+    async def drain(
+        self,
+        instance_id: InstanceId,
+        *,
+        reason: str,
+        grace: float | None = None,
+        until: float | None = None,
+        lower: bool = True,
+    ) -> Instance | None:
+        """Take the instance out of routing and delete it once what runs on it has finished, or at ``until``
+        (default: ``grace`` seconds from now). ``lower``: its deployment asks for one replica fewer (a deletion, a
+        scale-down); else (its node is stopping) the reconcile loop places a replacement while it drains. An idle
+        instance, or one that is not ready, is deleted at once. Returns it while it drains, None once gone."""
         found = await self.store.get_instance(instance_id)
         if found is None:
             raise NotFound(f"instance '{instance_id}' not found")
-        await self._record_deployment(found.model, without=instance_id)
-        await self.store.delete_instance(instance_id)
-        await self.store.append_event("instance.deleted", f"deleted instance {instance_id}", instance_id=instance_id)
-        self._view.pop(instance_id, None)
+        if isinstance(found.state, Draining):
+            return found
+        now = time.time()
+        until = now + (self.drain_grace if grace is None else grace) if until is None else until
+        if lower:
+            await self._record_deployment(found.model, without=instance_id)
+        if isinstance(found.state, Ready) and until > now and self.load(instance_id):
+            state = Draining(since=now, until=until, reason=reason)
+            if await self.store.set_state(instance_id, state, expected=Ready):
+                left = until - now
+                await self.store.append_event(
+                    "instance.draining",
+                    f"{found.model} drains ({reason}): no new requests; {self.load(instance_id)} running or queued "
+                    f"have {left:.0f}s to finish",
+                    instance_id=instance_id,
+                    data={"reason": reason, "grace_s": f"{left:.1f}", "load": str(self.load(instance_id))},
+                )
+                await self._refresh(force=True)
+                self._changed.set()
+                return self._view.get(instance_id)
+        await self._remove(found, f"deleted instance {instance_id} ({reason})", kind="instance.deleted")
+        return None
+
+    async def _remove(self, instance: Instance, message: str, *, kind: str) -> None:
+        if await self.store.delete_instance(instance.id):
+            await self.store.append_event(kind, message, instance_id=instance.id)
+        self._view.pop(instance.id, None)
 
     async def set_expiry(self, model: str, expires_at: float | None) -> None:
         """Set when ``model``'s ready instances are unloaded (``None``: never; Ollama's ``keep_alive``)."""
@@ -474,6 +528,8 @@ class InstanceManager:
                 return instance
             if isinstance(instance.state, Failed) and instance.attempts >= MAX_ATTEMPTS:
                 raise BackendUnavailable(f"instance {instance_id} failed: {instance.state.reason}")
+            if isinstance(instance.state, Draining):
+                raise BackendUnavailable(f"instance {instance_id} is draining ({instance.state.reason})")
             await asyncio.sleep(0.05)
             await self._refresh()
         raise BackendUnavailable(f"instance {instance_id} was not ready within {timeout:.0f}s")
@@ -490,11 +546,20 @@ class InstanceManager:
     async def reconcile(self) -> None:
         """One pass: promote ready instances, fail those that lost a node or a runner, re-place failed ones,
         delete ready ones whose ``expires_at`` has passed."""
-        node_ids = {n.id for n in await self.store.nodes()}
+        nodes = await self.store.nodes()
+        node_ids = {n.id for n in nodes}
+        stopping = {n.id: n.draining_until for n in nodes if n.draining_until is not None}
         joined, self._nodes = node_ids - self._nodes, node_ids
         now = time.time()
         for instance in list(self._view.values()):
             state = instance.state
+            if isinstance(state, Draining):
+                await self._end_drain(instance, state, node_ids, now)
+                continue
+            leaving = [s.node_id for s in instance.placement.shards if s.node_id in stopping]
+            if isinstance(state, Starting | Ready) and leaving:
+                await self._leave_node(instance, leaving[0], stopping[leaving[0]])
+                continue
             if isinstance(state, Ready) and instance.expires_at is not None and instance.expires_at <= now:
                 if self.load(instance.id):
                     continue  # still serving (on some gateway): it expires once idle
@@ -527,6 +592,30 @@ class InstanceManager:
             except Exception:  # the store away for a moment: placing what deployments miss goes on
                 log.exception("autoscaling failed; deciding again next pass")
         await self._fill_deployments()
+
+    async def _end_drain(self, instance: Instance, state: Draining, node_ids: set[NodeId], now: float) -> None:
+        """Delete a draining instance once nothing runs or queues on it, at the end of its grace, or when it lost
+        a node or a runner (its streams resume elsewhere)."""
+        load = self.load(instance.id)
+        problem = _problem(instance, node_ids)
+        if problem:
+            why = f"drained ({state.reason}): {problem}"
+        elif now >= state.until:
+            why = f"drained ({state.reason}): its grace ended with {load} running or queued; they resume elsewhere"
+        elif not load and now - state.since >= SETTLE:
+            why = f"drained ({state.reason}): its streams finished in {now - state.since:.1f}s"
+        else:
+            return
+        await self._remove(instance, f"{instance.model} {why}", kind="instance.drained")
+
+    async def _leave_node(self, instance: Instance, node_id: NodeId, until: float) -> None:
+        """A shard's node is draining: drain a ready instance until the node's deadline (the deployment keeps its
+        count, so a replacement is placed elsewhere meanwhile); re-place one still starting."""
+        reason = f"node {node_id} is draining"
+        if isinstance(instance.state, Ready):
+            await self.drain(instance.id, reason=reason, until=until, lower=False)
+        elif await self.store.set_state(instance.id, Failed(reason=reason), expected=Starting):
+            await self.store.append_event("instance.failed", reason, instance_id=instance.id)
 
     async def _fill_deployments(self) -> None:
         """Place the replicas deployments miss (``missing_replicas``), one gateway at a time per model."""
@@ -590,11 +679,12 @@ class InstanceManager:
 
 
 def missing_replicas(deployments: Sequence[Deployment], instances: Sequence[Instance]) -> dict[str, int]:
-    """Replicas each deployment lacks: its desired count less the instances of its model (in any state: a failed
-    one is being re-placed, or has said why it cannot be)."""
+    """Replicas each deployment lacks: its desired count less the instances of its model in any state but
+    draining (a failed one is being re-placed, or has said why it cannot be)."""
     have: dict[str, int] = {}
     for instance in instances:
-        have[instance.model] = have.get(instance.model, 0) + 1
+        if not isinstance(instance.state, Draining):  # on its way out: a replacement is due
+            have[instance.model] = have.get(instance.model, 0) + 1
     lacking = {d.model: d.replicas - have.get(d.model, 0) for d in deployments}
     return {model: n for model, n in lacking.items() if n > 0}
 

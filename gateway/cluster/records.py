@@ -50,7 +50,13 @@ class Ready(msgspec.Struct, frozen=True, tag_field="state", tag="ready"):
 
 
 class Draining(msgspec.Struct, frozen=True, tag_field="state", tag="draining"):
-    """Finishing in-flight requests before it is stopped; takes no new ones."""
+    """Finishing in-flight requests before it is stopped; takes no new ones (routing skips it on every gateway).
+    ``since`` and ``until`` (Unix seconds) bound the grace period: it is stopped once no gateway runs or queues
+    anything on it, or at ``until`` whatever still runs (those streams resume on another replica)."""
+
+    since: float = 0.0
+    until: float = 0.0
+    reason: str = ""
 
 
 class Failed(msgspec.Struct, frozen=True, tag_field="state", tag="failed"):

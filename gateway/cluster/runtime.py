@@ -112,6 +112,7 @@ async def control_plane(
                     on_route=loads.routed,
                     min_replicas=settings.min_replicas,
                     max_replicas=max(settings.min_replicas, settings.max_replicas),
+                    drain_grace=settings.drain_grace,
                 )
                 policy = Policy(
                     up_wait=settings.scale_up_wait,

@@ -13,12 +13,12 @@ from __future__ import annotations
 import asyncio
 import re
 from collections.abc import AsyncIterator
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 import msgspec
 from litestar import Request as HttpRequest
 from litestar import Router, delete, get, post, put
-from litestar.response import Stream
+from litestar.response import Response, Stream
 from sse_starlette.event import ServerSentEvent
 
 from meshgate.backends.placement import Candidate, InstanceId, Link, Node
@@ -164,9 +164,21 @@ async def get_instance(request: HttpRequest, instance_id: str) -> InstanceView:
     return _view(request, instance)
 
 
-@delete("/instances/{instance_id:str}", summary="Delete an instance and stop its processes", status_code=204)
-async def delete_instance(request: HttpRequest, instance_id: str) -> None:
-    await _instances(request).delete(InstanceId(instance_id))
+@delete(
+    "/instances/{instance_id:str}",
+    summary="Delete an instance: at once when idle (204), else drain it first (202, the draining instance)",
+    status_code=202,
+)
+async def delete_instance(request: HttpRequest, instance_id: str, grace: float | None = None) -> Response[Any]:
+    """An instance with requests running or queued on it (on any gateway) drains: it takes no new ones and is
+    stopped when they finish or after ``grace`` seconds (``MESHGATE_DRAIN_GRACE`` when unset; 0: at once, and
+    its streams resume on another replica)."""
+    if grace is not None and not 0 <= grace <= 86400:
+        raise InvalidRequest("grace must be between 0 and 86400 seconds", param="grace")
+    draining = await _instances(request).delete(InstanceId(instance_id), grace=grace)
+    if draining is None:
+        return Response(None, status_code=204)
+    return Response(_view(request, draining), status_code=202)
 
 
 @get("/instances/{instance_id:str}/events", summary="Server-sent state changes until ready or failed")

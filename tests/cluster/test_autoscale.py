@@ -19,7 +19,7 @@ from meshgate.gateway.cluster.autoscale import (
 )
 from meshgate.gateway.cluster.instances import InstanceManager
 from meshgate.gateway.cluster.loads import ReplicaLoad
-from meshgate.gateway.cluster.records import Deployment, Ready, Starting
+from meshgate.gateway.cluster.records import Deployment, Draining, Ready, Starting
 from meshgate.gateway.cluster.store import MemoryStore
 from meshgate.protocols.model import InvalidRequest, NotFound
 from tests.cluster.test_replicas import _manager, _ready, node
@@ -109,13 +109,31 @@ DECIDE = [
         (ScaleDown, "b", "above max_replicas (1)"),
     ),
     (
-        "above max, all busy",
+        "above max, all busy: the least loaded drains",
         {"max_replicas": 1},
         [A, B],
-        {"a": ReplicaLoad(running=1), "b": ReplicaLoad(queued=1)},
+        {"a": ReplicaLoad(running=3), "b": ReplicaLoad(queued=1)},
+        History(),
+        None,
+        (ScaleDown, "b", "above max_replicas (1)"),
+    ),
+    (
+        "a draining replica counts for nothing",
+        {"max_replicas": 1, "replicas": 1},
+        [A, stored_instance("b", model="m", state=Draining(since=990.0, until=1020.0, reason="deleted"))],
+        {"b": ReplicaLoad(running=2)},
         History(),
         None,
         None,
+    ),
+    (
+        "waiting while one drains: up, for the one that leaves",
+        {"replicas": 1},
+        [A, stored_instance("b", model="m", state=Draining(since=990.0, until=1020.0, reason="node b"))],
+        {"a": ReplicaLoad(running=4, queued=2), "b": ReplicaLoad(running=4)},
+        History({"m": 980.0}),
+        None,
+        (ScaleUp, None, "on 1 replica(s)"),
     ),
 ]
 

@@ -83,11 +83,13 @@ class Agent:
             self.proc.send_signal(signal.SIGKILL)
             self.proc.wait()
 
-    def stop(self) -> None:
+    def stop(self, *, drain: bool = False, timeout: float = 15) -> None:
+        """Stop the agent at once (SIGINT: its streams resume elsewhere), or with ``drain`` as an operator's
+        ``SIGTERM`` does (its replicas finish their streams first, within ``MESHGATE_DRAIN_GRACE``)."""
         if self.proc.poll() is None:
-            self.proc.terminate()
+            self.proc.send_signal(signal.SIGTERM if drain else signal.SIGINT)
             try:
-                self.proc.wait(15)
+                self.proc.wait(timeout)
             except subprocess.TimeoutExpired:
                 self.kill()
 

@@ -3,10 +3,18 @@ Redis, two replicas of the packaged Gemma 3 270M (one per node). A greedy stream
 official SDKs, spread over both gateways; the node serving some of them is SIGKILLed (its runner dies with its
 agent) while they generate: every stream goes on on the other replica from the tokens it had sent, and each SDK
 gets the undisturbed text. The deployment gets its second replica back once the node returns.
+
+Then a rolling restart under steady load: a client per protocol streams greedy chats without a pause, spread over
+the gateways a load balancer would send to, while each node is stopped with ``SIGTERM`` (it drains) and started
+again, then each gateway (taken out of the balancer first, then ``SIGTERM``: it finishes its streams). Every
+request completes with the undisturbed text.
 """
 
 from __future__ import annotations
 
+import signal
+import threading
+import time
 from collections.abc import Iterator
 
 import httpx
@@ -18,7 +26,13 @@ from tests.cluster.test_cluster_e2e import FAST, Agent, wait_for
 from tests.conftest import MODEL, Server
 
 # a node stays a member through a CPU stall on 2 cores (a missed heartbeat would fail its replica too)
-ENV = {**FAST, "MESHGATE_HEARTBEAT": "0.5", "MESHGATE_NODE_TTL": "15", "MESHGATE_THREADS": "1"}
+ENV = {
+    **FAST,
+    "MESHGATE_HEARTBEAT": "0.5",
+    "MESHGATE_NODE_TTL": "15",
+    "MESHGATE_THREADS": "1",
+    "MESHGATE_DRAIN_GRACE": "30",
+}
 N_CTX = 1024
 PROMPT, TOKENS = "Count from one to five hundred.", 64
 
@@ -87,3 +101,55 @@ def test_a_node_killed_mid_stream_loses_no_stream(cluster, data_dir, tmp_path):
     agents[victim] = Agent(redis_url, victim, data_dir, tmp_path, n_ctx=N_CTX, env=ENV)
     replicas = _two_ready(gateways[1])
     assert len(replicas) == 2
+
+
+def test_a_rolling_restart_of_every_node_and_gateway_loses_no_request(cluster, data_dir, tmp_path):
+    gateways, agents, redis_url = cluster
+    reference = "".join(greedy_streams(gateways[0].url, MODEL, PROMPT, 32)["openai"])
+    in_service = list(gateways)  # where a load balancer sends requests: a gateway leaves it before its SIGTERM
+    done: list[tuple[str, str]] = []
+    errors: list[str] = []
+    stop = threading.Event()
+
+    def client(protocol: str, offset: int) -> None:
+        for n in range(300):  # bounded; stopped once every process has been restarted
+            if stop.is_set():
+                return
+            url = in_service[(n + offset) % len(in_service)].url
+            try:
+                done.append((protocol, "".join(greedy_streams(url, MODEL, PROMPT, 32)[protocol])))
+            except Exception as exc:  # a lost request: the assertion below shows it
+                errors.append(f"{protocol} via {url}: {exc!r}")
+
+    clients = [threading.Thread(target=client, args=(p, i)) for i, p in enumerate(("openai", "anthropic", "ollama"))]
+    for thread in clients:
+        thread.start()
+    try:
+        for name in ("a", "b"):
+            time.sleep(2)  # streams running on the node
+            agents[name].stop(drain=True, timeout=60)
+            assert agents[name].proc.returncode == 0
+            agents[name] = Agent(redis_url, name, data_dir, tmp_path, n_ctx=N_CTX, env=ENV)
+            wait_for(lambda: len(httpx.get(f"{gateways[1].url}/cluster").json()["nodes"]) == 2, 60, "node back")
+        for i in range(2):
+            time.sleep(2)
+            old = gateways[i]
+            in_service.remove(old)
+            time.sleep(0.5)  # the balancer's deregistration delay: requests already picked it have reached it
+            old.stop()
+            assert old.proc.returncode in (0, -signal.SIGTERM)  # uvicorn raises the signal again once shut down
+            gateways[i] = Server(data_dir, "--redis", redis_url, "--n-ctx", str(N_CTX), env=ENV)
+            in_service.append(gateways[i])
+        time.sleep(2)
+    finally:
+        stop.set()
+        for thread in clients:
+            thread.join(180)
+    assert errors == []
+    assert {p for p, _ in done} == {"openai", "anthropic", "ollama"} and len(done) >= 9, len(done)
+    assert [p for p, text in done if text != reference] == []
+    events = httpx.get(f"{gateways[0].url}/events", params={"count": 1000}).json()
+    kinds = [e["kind"] for e in events]
+    assert kinds.count("node.draining") >= 2 and "instance.draining" in kinds, kinds  # busy replicas drained
+    drained = [e["message"] for e in events if e["kind"] == "instance.drained"]
+    assert any("its streams finished" in m for m in drained), drained

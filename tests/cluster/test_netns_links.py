@@ -226,7 +226,7 @@ class Hosts:
         proc = self.agents.pop(n, None)
         if proc is None or proc.poll() is not None:
             return
-        proc.send_signal(signal.SIGTERM)
+        proc.send_signal(signal.SIGINT)  # at once (SIGTERM would drain first)
         try:
             proc.wait(5)
         except subprocess.TimeoutExpired:

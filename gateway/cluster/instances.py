@@ -402,10 +402,15 @@ class InstanceManager:
         found = await self.store.get_instance(instance_id)
         if found is None:
             raise NotFound(f"instance '{instance_id}' not found")
-        if isinstance(found.state, Draining):
-            return found
         now = time.time()
         until = now + (self.drain_grace if grace is None else grace) if until is None else until
+        if isinstance(found.state, Draining):  # already draining: a shorter grace (``?grace=0``) moves its end
+            if until < found.state.until:
+                shorter = msgspec.structs.replace(found.state, until=until)
+                await self.store.set_state(instance_id, shorter, expected=Draining)
+                await self._refresh(force=True)
+                self._changed.set()
+            return self._view.get(instance_id, found)
         if lower:
             await self._record_deployment(found.model, without=instance_id)
         if isinstance(found.state, Ready) and until > now and self.load(instance_id):

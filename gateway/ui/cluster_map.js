@@ -131,12 +131,16 @@ function drawNode(node, centre, height, replicas, loadOf) {
   const barWidth = BOX.width - 2 * BOX.pad;
   const share = node.memory_total ? Math.min(1, placed / node.memory_total) : 0;
   const memory = `${bytes(node.memory_available)} free / ${bytes(node.memory_total)}`;
+  const draining = node.draining_until != null; // told to stop: its replicas drain, nothing new is placed there
+  const cores = `${node.cpu_count} cores`;
+  const about = `${node.name} (${node.id}) at ${node.address}: ${memory}, ${bytes(placed)} placed, ${cores}`;
   return svg(
     "g",
-    { class: "node", "data-node": node.id },
-    title(`${node.name} (${node.id}) at ${node.address}: ${memory}, ${bytes(placed)} placed, ${node.cpu_count} cores`),
+    { class: draining ? "node draining" : "node", "data-node": node.id },
+    title(draining ? `${about}; draining, stopping` : about),
     svg("rect", { class: "box", x: left, y: top, width: BOX.width, height, rx: 8 }),
-    svg("text", { x: left + BOX.pad, y: top + 20, class: "name" }, clip(node.name, 30)),
+    svg("text", { x: left + BOX.pad, y: top + 20, class: "name" }, clip(node.name, draining ? 19 : 30)),
+    draining ? svg("text", { x: left + BOX.width - BOX.pad, y: top + 20, "text-anchor": "end" }, "draining") : [],
     svg("text", { x: left + BOX.pad, y: top + 38, class: "memory" }, memory),
     svg("rect", { class: "bar", x: left + BOX.pad, y: top + 46, width: barWidth, height: 6, rx: 3 }),
     svg("rect", { class: "bar-placed", x: left + BOX.pad, y: top + 46, width: barWidth * share, height: 6, rx: 3 }),

@@ -64,7 +64,9 @@ async def test_the_grace_period_ends_a_drain_whatever_still_runs(cluster):
     a, b = await manager.deploy("scripted", replicas=2)
     await _ready(manager, a, b)
     busy[a.id] = 1
-    assert await manager.delete(a.id, grace=0.05) is not None
+    assert await manager.delete(a.id) is not None
+    again = await manager.delete(a.id, grace=0.05)  # deleted again, with a shorter grace: it ends sooner
+    assert again is not None and again.state.until - time.time() < 1
     time.sleep(0.1)
     await manager.reconcile()
     assert await manager.store.get_instance(a.id) is None

@@ -9,7 +9,7 @@ it still overlaps the last ``window`` seconds, plus the current one): 3 requests
 the last minute, not 3 and 3. Each counted name holds two small counters that expire; the memory version also
 caps how many names it keeps, so random callers cannot grow it without bound.
 
-    Redis keys (under the store's prefix):
+    Redis keys (under the store's prefix; listed with every other key in ``store``):
     keys                 hash    key id -> ApiKey JSON
     window:{name}:{slot} string  a counter, expiring after two windows
 """
@@ -27,13 +27,9 @@ from pathlib import Path
 from typing import Literal, Protocol
 
 import msgspec
-import redis.asyncio as aioredis
-from redis.asyncio.retry import Retry
-from redis.backoff import ExponentialBackoff
-from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError
-from redis.exceptions import TimeoutError as RedisTimeoutError
 
+from meshgate.gateway.cluster.store import connect_redis
 from meshgate.protocols.model import BackendUnavailable
 
 __all__ = ["ApiKey", "Accounts", "MemoryAccounts", "RedisAccounts", "Scope", "open_accounts", "retry_after"]
@@ -167,13 +163,7 @@ class RedisAccounts:
 
     def __init__(self, url: str, prefix: str = "meshgate:") -> None:
         self.prefix = prefix
-        # as the state store: a connection broken by a Redis restart is retried on a new one
-        self._r = aioredis.Redis.from_url(
-            url,
-            retry=Retry(ExponentialBackoff(cap=1.0, base=0.05), 5),
-            retry_on_error=[RedisConnectionError, RedisTimeoutError],
-            health_check_interval=10,
-        )
+        self._r = connect_redis(url)
         self._window = self._r.register_script(_WINDOW)
 
     async def put_key(self, key: ApiKey) -> None:

@@ -2,7 +2,8 @@
 
 One interface (``StateStore``), two implementations: ``MemoryStore``, the embedded default for a gateway on one
 machine, and ``RedisStore``, shared by several gateway replicas and node agents. This module owns every Redis
-key; nothing else talks to Redis about cluster state. Values are ``msgspec.json`` (never pickle).
+key of the cluster state and the one connection factory (``connect_redis``); the only other module that keeps
+keys is ``accounts`` (API keys and rate-limit windows), listed here too. Values are ``msgspec.json`` (never pickle).
 
 Redis keys, all under ``prefix`` (default ``meshgate:``)::
 
@@ -23,6 +24,8 @@ Redis keys, all under ``prefix`` (default ``meshgate:``)::
                                  fields every ~0.25 s; fields older than ``LOAD_STALE`` are ignored and, past
                                  ``LOAD_FORGET``, deleted by the next reader (no generation bump, no wake-up)
     claim:{name}         string  a short lease (SET NX PX) so that one gateway of many carries out a decision
+    keys                 hash    key id -> ApiKey JSON (``accounts.RedisAccounts``)
+    window:{name}:{slot} string  a rate-limit counter, expiring after two windows (``accounts.RedisAccounts``)
 
 Decisions:
     * State lives in keys, never in pub/sub: notifications only say "look again", so a lost message costs a
@@ -423,18 +426,23 @@ redis.call('HSET', KEYS[1], 'state', ARGV[3], 'updated_at', ARGV[4])
 )
 
 
+def connect_redis(url: str) -> aioredis.Redis:
+    """A client of the Redis at ``url`` (``redis://host:6379/0``), as every meshgate process opens it: a pooled
+    connection that broke (Redis restarted) is retried on a new one, with a short backoff, before an error."""
+    return aioredis.Redis.from_url(
+        url,
+        retry=Retry(ExponentialBackoff(cap=1.0, base=0.05), 5),
+        retry_on_error=[RedisConnectionError, RedisTimeoutError],
+        health_check_interval=10,
+    )
+
+
 class RedisStore:
     """The shared store at ``url`` (``redis://host:6379/0``), keys under ``prefix``; reconnects by itself."""
 
     def __init__(self, url: str, prefix: str = "meshgate:") -> None:
         self.prefix = prefix
-        # Reconnect transparently when Redis restarts: a pooled connection that broke is retried on a new one.
-        self._r = aioredis.Redis.from_url(
-            url,
-            retry=Retry(ExponentialBackoff(cap=1.0, base=0.05), 5),
-            retry_on_error=[RedisConnectionError, RedisTimeoutError],
-            health_check_interval=10,
-        )
+        self._r = connect_redis(url)
         self._channel = prefix + "changes"
         self._drop_nodes = self._r.register_script(_DROP_NODES)
         self._update_runner = self._r.register_script(_UPDATE_RUNNER)

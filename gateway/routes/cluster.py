@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import re
 from collections.abc import AsyncIterator
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any
 
 import msgspec
 from litestar import Request as HttpRequest
@@ -21,7 +21,7 @@ from litestar import Router, delete, get, post, put
 from litestar.response import Response, Stream
 from sse_starlette.event import ServerSentEvent
 
-from meshgate.backends.placement import Candidate, InstanceId, Link, Node
+from meshgate.backends.placement import Candidate, InstanceId, Link, Node, Strategy
 from meshgate.gateway.admission import Load
 from meshgate.gateway.cluster.instances import InstanceManager
 from meshgate.gateway.cluster.loads import ReplicaLoad
@@ -65,7 +65,7 @@ class CreateInstance(msgspec.Struct, frozen=True, kw_only=True):
     model: str
     candidate_id: str | None = None
     nodes: list[str] | None = None
-    strategy: Literal["single", "pipeline", "tensor", "hybrid"] | None = None
+    strategy: Strategy | None = None
     min_nodes: int | None = None
     replicas: Annotated[int, msgspec.Meta(ge=1, le=64)] = 1
     context: Annotated[int, msgspec.Meta(ge=1)] | None = None

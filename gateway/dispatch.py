@@ -298,16 +298,8 @@ class Dispatcher:
         self, instance: Instance, job: _Job, runner: Runner, request: Request, ticket: Ticket, retry: int
     ) -> AsyncIterator[Event]:
         """Wait for ``ticket``'s turn, then start the generation, which frees the slot when its stream ends."""
-        try:
-            await ticket.wait()
-            events = runner.generate(request)
-            first = await anext(events)
-        except BaseException:
-            ticket.release()
-            raise
+        first, events = await _begin(runner, request, ticket)
         if isinstance(first, Failed):
-            await aclose(events)
-            ticket.release()
             error = error_from_info(first.error)
             if retry and isinstance(error, BackendUnavailable):
                 await asyncio.sleep(0.2 * (START_RETRIES - retry))  # a node going away: its replicas fail in turn
@@ -347,16 +339,8 @@ class Dispatcher:
         when they end. A failure to start raises its ``GatewayError``."""
         runner = self._connect(replica, job.card, job.backend)
         ticket = self.admission.enter(replica.id, job.caller, replica.placement.sequences)
-        try:
-            await ticket.wait()
-            events = runner.generate(request)
-            first = await anext(events)
-        except BaseException:
-            ticket.release()
-            raise
+        first, events = await _begin(runner, request, ticket)
         if isinstance(first, Failed):
-            await aclose(events)
-            ticket.release()
             raise error_from_info(first.error)
         record = telemetry.current()
         if record is not None:
@@ -520,6 +504,22 @@ def request_routing(request: Request) -> Routing:
         return prefix_key(preamble, first), prefix_blocks([*preamble, *turns])
 
     return Routing(derive=derive)
+
+
+async def _begin(runner: Runner, request: Request, ticket: Ticket) -> tuple[Event, AsyncIterator[Event]]:
+    """Wait for ``ticket``'s turn and start ``request`` on ``runner``: its first event and the rest. When the
+    first is ``Failed`` the stream is closed and the slot freed before they are returned."""
+    try:
+        await ticket.wait()
+        events = runner.generate(request)
+        first = await anext(events)
+    except BaseException:
+        ticket.release()
+        raise
+    if isinstance(first, Failed):
+        await aclose(events)
+        ticket.release()
+    return first, events
 
 
 def _chain(

@@ -35,6 +35,7 @@ ENV = {
 }
 N_CTX = 1024
 PROMPT, TOKENS = "Count from one to five hundred.", 64
+LONG = 150  # tokens of a stream that outlasts a gateway's old 5 s shutdown wait
 
 
 @pytest.fixture(scope="module")
@@ -106,6 +107,7 @@ def test_a_node_killed_mid_stream_loses_no_stream(cluster, data_dir, tmp_path):
 def test_a_rolling_restart_of_every_node_and_gateway_loses_no_request(cluster, data_dir, tmp_path):
     gateways, agents, redis_url = cluster
     reference = "".join(greedy_streams(gateways[0].url, MODEL, PROMPT, 32)["openai"])
+    long_reference = "".join(greedy_streams(gateways[0].url, MODEL, PROMPT, LONG)["openai"])
     in_service = list(gateways)  # where a load balancer sends requests: a gateway leaves it before its SIGTERM
     done: list[tuple[str, str]] = []
     errors: list[str] = []
@@ -132,12 +134,16 @@ def test_a_rolling_restart_of_every_node_and_gateway_loses_no_request(cluster, d
             agents[name] = Agent(redis_url, name, data_dir, tmp_path, n_ctx=N_CTX, env=ENV)
             wait_for(lambda: len(httpx.get(f"{gateways[1].url}/cluster").json()["nodes"]) == 2, 60, "node back")
         for i in range(2):
-            time.sleep(2)
             old = gateways[i]
+            long = greedy_streams(old.url, MODEL, PROMPT, LONG)["anthropic"]
+            pieces = [next(long)]  # a long stream open on the gateway when it is told to stop
             in_service.remove(old)
             time.sleep(0.5)  # the balancer's deregistration delay: requests already picked it have reached it
-            old.stop()
+            old.proc.terminate()  # SIGTERM, as an operator's restart sends it
+            pieces += list(long)
+            old.proc.wait(60)
             assert old.proc.returncode in (0, -signal.SIGTERM)  # uvicorn raises the signal again once shut down
+            assert "".join(pieces) == long_reference, "the gateway finished its stream before it stopped"
             gateways[i] = Server(data_dir, "--redis", redis_url, "--n-ctx", str(N_CTX), env=ENV)
             in_service.append(gateways[i])
         time.sleep(2)

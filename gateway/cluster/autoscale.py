@@ -9,8 +9,9 @@ The rule, per deployment (a model's desired replicas, bounded by its ``min_repli
 - **Down.** When a ready replica has run and queued nothing for ``Policy.down_idle`` seconds (the keep-alive),
   no request of the model waits, more than ``min_replicas`` exist and the cooldown has passed, remove that
   replica (the one idle longest). A replica with a request running or queued is never removed for idleness.
-- **Above max.** A model with more replicas than ``max_replicas`` (the bound was lowered) loses one at once,
-  the least loaded (``ScaleDown.busy``): it drains, so its streams finish first (or resume elsewhere).
+- **Above max.** A model with more ready replicas than ``max_replicas`` (the bound was lowered) loses one at
+  once, the least loaded (``ScaleDown.busy``): it drains, so its streams finish first (or resume elsewhere).
+  Replicas still starting do not count here: one is stored a moment before the deployment that asks for it.
 - Replicas draining are on their way out: they count for nothing.
 - Every other case where a bound, the cooldown or room stopped a change is a ``Hold`` with its reason: shown to
   tests and logs, never acted on.
@@ -160,15 +161,16 @@ def _decide_one(
         "running": running,
         "queued": queued,
     }
-    if count > d.max_replicas:  # the bound was lowered: drain the least loaded, busy or not
-
-        def weight(i: Instance) -> tuple[bool, int]:
+    ready = [i for i in mine if isinstance(i.state, Ready)]
+    if len(ready) > d.max_replicas:  # the bound was lowered: drain the least loaded, busy or not
+        # (ready ones only: a replica just placed is stored a moment before the deployment that asks for it)
+        def load_of(i: Instance) -> int:
             load = loads.get(i.id, _NONE)
-            return isinstance(i.state, Ready), load.running + load.queued
+            return load.running + load.queued
 
-        extra = min(mine, key=weight)
-        figures = base | {"load": float(sum(weight(extra)[1:]))}
-        why = f"{count} replicas, above max_replicas ({d.max_replicas})"
+        extra = min(ready, key=load_of)
+        figures = base | {"load": float(load_of(extra))}
+        why = f"{len(ready)} ready replicas, above max_replicas ({d.max_replicas})"
         return ScaleDown(d.model, extra.id, why, figures, busy=True)
     cooling = now - d.scaled_at < policy.cooldown
     since = history.waiting_since.get(d.model)

@@ -411,8 +411,8 @@ def test_worker_killed_mid_generation_fails_the_streams_and_leaves_nothing(serve
     an error frame; the gateway renders each in its protocol's own mid-stream error form. vLLM's watchdog then
     stops its API server, the agent stops what is left (workers, folder, /dev/shm segments) and reports the runner
     failed, and the instance manager re-places the instance (a new epoch, a new process group).
-    One kill for the three protocols (a kill costs a re-placement, over a minute here). Concurrent streams on two
-    loaded cores can start tens of seconds apart, so the kill waits until every stream has streamed text (and a
+    One kill for the three protocols (a kill costs a re-placement, over a minute here). The streams start one after
+    another, each once the one before has streamed text, and the kill lands as soon as the last has text (a
     stream that already ended fails the test rather than passing unkilled); then each must end in an error."""
     import threading
 
@@ -432,11 +432,11 @@ def test_worker_killed_mid_generation_fails_the_streams_and_leaves_nothing(serve
         for protocol in FAULT_PROTOCOLS
     }
     started = time.monotonic()
-    for reader in readers.values():
-        reader.start()
     deadline = started + 180
-    while time.monotonic() < deadline and any(t[0] < 2 for t in tokens.values()):
-        time.sleep(0.01)
+    for protocol, reader in readers.items():  # one at a time, each once the one before has text: the last one
+        reader.start()  # started needs only a few tokens before the kill, so none can finish before it
+        while time.monotonic() < deadline and tokens[protocol][0] < 2:
+            time.sleep(0.01)
     tails = {p: (tokens[p][0], lines[p][-5:]) for p in FAULT_PROTOCOLS}  # (text lines, last lines) per stream
     assert all(t[0] >= 2 for t in tokens.values()), f"not every stream had text within 180s: {tails}"
     assert all(r.is_alive() for r in readers.values()), f"a stream ended before the kill: {tails}"

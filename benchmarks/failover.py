@@ -1,6 +1,7 @@
 """Streams that outlive their node, measured: a node killed under load, and a rolling restart of both nodes.
 
-    .venv/bin/python benchmarks/failover.py [--streams 8] [--tokens 300] [--threads 1] [--seed 1] [--json]
+    .venv/bin/python benchmarks/failover.py [--streams 8] [--tokens 300] [--threads 1] [--grace 120] [--seed 1]
+        [--protocols openai,anthropic,ollama] [--json]
 
 One cluster on loopback: ``redis-server``, two ``meshgate node`` agents (each runner ``--threads`` llama.cpp
 threads) and one gateway, two replicas of the packaged Gemma 3 270M (one per node). For each protocol (OpenAI chat,
@@ -11,8 +12,9 @@ at once, with distinct prompts, three times:
 2. **node killed**: at a random moment (uniform over 10-60% of the undisturbed run's duration, ``--seed``) one
    node's agent gets SIGKILL (its runners die with it); it is started again after the run, and the run after waits
    for both replicas;
-3. **rolling restart**: while the streams run, each node in turn gets SIGTERM (drain), is started again once it has
-   exited, and the next one goes once both replicas are ready again.
+3. **rolling restart**: while the streams run, each node in turn gets SIGTERM (it drains: its replicas take no new
+   stream and finish theirs within ``--grace`` seconds, ``MESHGATE_DRAIN_GRACE``, while a replacement is placed on
+   the other node), is started again once it has exited, and the next one goes once both replicas are ready again.
 
 Reported per run: streams completed (the SDK raised nothing and the answer is whole), texts equal to the
 undisturbed run (in the rolling restart each client sends stream after stream until both nodes are back; every one
@@ -94,14 +96,21 @@ def _wait(check, timeout: float, what: str) -> None:
 class Cluster:
     """Redis, two agents and a gateway; ``restart`` a node by name."""
 
-    def __init__(self, data_dir: Path, logs: Path, threads: int) -> None:
+    def __init__(self, data_dir: Path, logs: Path, threads: int, grace: float) -> None:
         from tests.cluster.redis_server import RedisServer
         from tests.cluster.test_cluster_e2e import FAST
         from tests.conftest import Server
 
         self.data_dir, self.logs = data_dir, logs
         # a node stays a member through a CPU stall on 2 cores: only the kills and restarts here change the cluster
-        self.env = {**FAST, "MESHGATE_HEARTBEAT": "0.5", "MESHGATE_NODE_TTL": "15", "MESHGATE_THREADS": str(threads)}
+        self.env = {
+            **FAST,
+            "MESHGATE_HEARTBEAT": "0.5",
+            "MESHGATE_NODE_TTL": "15",
+            "MESHGATE_THREADS": str(threads),
+            "MESHGATE_DRAIN_GRACE": str(grace),
+        }
+        self.grace = grace
         self.redis = RedisServer(logs / "redis")
         self.redis.__enter__()
         self.agents = {name: self._agent(name) for name in ("node-1", "node-2")}
@@ -144,8 +153,8 @@ class Cluster:
     def restart(self, name: str, graceful: bool) -> None:
         agent = self.agents[name]
         if graceful:
-            agent.proc.terminate()
-            agent.proc.wait(120)
+            agent.proc.terminate()  # SIGTERM: the node drains
+            agent.proc.wait(self.grace + 60)
         else:
             agent.kill()
         self.agents[name] = self._agent(name)
@@ -229,6 +238,7 @@ def main() -> None:
     parser.add_argument("--streams", type=int, default=8)
     parser.add_argument("--tokens", type=int, default=300)
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--grace", type=float, default=120.0, help="MESHGATE_DRAIN_GRACE of the cluster")
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--protocols", default=",".join(PROTOCOLS))
     parser.add_argument("--json", action="store_true")
@@ -249,7 +259,7 @@ def main() -> None:
             print(f"data and logs in {tmp}", file=sys.stderr)
         logs.mkdir(parents=True)
         PackagedGGUFSource(data_dir / "models").models()
-        cluster = Cluster(data_dir, logs, args.threads)
+        cluster = Cluster(data_dir, logs, args.threads, args.grace)
         runs: list[Run] = []
         try:
             for protocol in args.protocols.split(","):

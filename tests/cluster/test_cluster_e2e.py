@@ -291,6 +291,27 @@ def test_autoscaling_adds_a_replica_while_requests_wait_and_removes_it_idle(clus
                 httpx.delete(f"{gateway.url}/instances/{old['id']}")
 
 
+def test_deleting_a_busy_instance_drains_it(cluster):
+    """``DELETE /instances/{id}`` on an instance with a request running: 202 and state draining; the request ends
+    well; the instance goes once it has (the gateway's grace, ``MESHGATE_DRAIN_GRACE``, is 5 s here)."""
+    gateway, _, _ = cluster
+    created = httpx.post(f"{gateway.url}/instances", json={"model": "scripted", "nodes": ["a"]}).json()
+    wait_for(lambda: instance(gateway, created["id"])["state"]["state"] == "ready", 30, "ready on a")
+    client = openai.OpenAI(base_url=f"{gateway.url}/v1", api_key="x", max_retries=0, timeout=60)
+    ask = [{"role": "user", "content": "sleep 2"}]
+    with ThreadPoolExecutor(1) as pool:
+        answer = pool.submit(lambda: client.chat.completions.create(model="scripted", messages=ask))
+        wait_for(lambda: (instance(gateway, created["id"]).get("load") or {}).get("running"), 10, "running")
+        r = httpx.delete(f"{gateway.url}/instances/{created['id']}")
+        assert r.status_code == 202 and r.json()["state"]["state"] == "draining", r.text
+        assert r.json()["state"]["reason"] == "deleted"
+        assert answer.result().choices[0].message.content == "slept"
+    wait_for(lambda: httpx.get(f"{gateway.url}/instances/{created['id']}").status_code == 404, 10, "gone")
+    events = httpx.get(f"{gateway.url}/events", params={"count": 1000}).json()
+    drained = [e["message"] for e in events if e["kind"] == "instance.drained" and e["instance_id"] == created["id"]]
+    assert len(drained) == 1 and "streams finished" in drained[0], drained
+
+
 def test_node_loss_moves_in_flight_requests_and_replaces(cluster):
     """The only replica's node dies mid-stream: the instance is re-placed on the other node and the stream goes on
     there from the tokens it had sent (``gateway.resume``), ending as a whole answer."""

@@ -7,7 +7,7 @@ runtime, so disabling one (``MESHGATE_DISABLED_PLUGINS=llama_cpp``) keeps MLX an
 of file formats (``llama_cpp`` for GGUF) register the user models of their format beside their own sources
 (``backends.registry``).
 
-Its sources come after other plugins' (``trylast``), as before it was split out of the llama.cpp plugin: the
+Its sources come after other plugins' (``trylast``), so a backend plugin's own listing of a model wins: the
 catalog lists the first model of a name, and a user model shadows the others of its name wherever it is listed.
 
 Published as the ``models`` entry point in meshgate's own ``pyproject.toml``.

@@ -4,7 +4,7 @@ The encoders frame one JSON object per token. ``ServerSentEvent(data=..., event=
 frame (a ``StringIO``, a regex split of the data into lines, a str round trip), as much as building the JSON.
 msgspec's JSON never holds a line break (it escapes them in strings), so its frame is always one ``data:`` line:
 a fixed head and tail around the payload, both taken from ``ServerSentEvent`` itself once. A payload that does
-hold a line break (never one of ours) is framed by ``ServerSentEvent`` as before.
+hold a line break (never one of ours) is framed by ``ServerSentEvent`` itself.
 
 ``KEEPALIVE`` is the comment line sent while a request waits, the same bytes for every endpoint that sends one.
 

@@ -21,15 +21,14 @@ the way llama.cpp's own server drives its slots:
   cells, with the same numbers (checked bit for bit). A chunk is preempted for newcomers at most once
   (``PREEMPTIONS``), so a stream of short requests at most doubles a long prompt's prefill. Running streams
   still get one token per step: while a deep chunk runs, they wait for it.
-- Prompts are cut where ``Llama.eval`` cut them before batching (every ``CHUNK`` tokens from the end of the
+- Prompts are cut where ``Llama.eval`` cuts them for one sequence (every ``CHUNK`` tokens from the end of the
   cached prefix) and each chunk is decoded on its own: llama.cpp's CPU kernels give a token slightly
   different numbers when the tokens beside it in a ubatch differ (seen on Gemma 3 270M: up to 1.1 in a
   logit), which flips near-ties in greedy output. Decode tokens batched together get exactly the numbers
   they get alone: all in one call, on ggml's reference matmuls while more than ``DECODE_GROUP`` share it
   (``cpu_kernels``; ggml's tiled K-quant kernel would take them); where those cannot be had (RPC workers,
   repacked weights, a llama.cpp whose context hides its CPU backend) in groups of up to ``DECODE_GROUP``
-  (``decode_group``). So a request's greedy text does not depend on load, and alone it is what it was before
-  batching.
+  (``decode_group``). So a request's greedy text does not depend on load: with others it is what it is alone.
 - A new job joins at the next step. It takes the free slot whose cached tokens share the longest prefix with
   its prompt (chats and agents resend the same history), keeps that prefix in the KV cache and evaluates only
   the rest; at least the last prompt token is evaluated again, for its logits. A prompt cut into other chunks
@@ -102,7 +101,7 @@ def decode_group(exact: bool, parallel: int) -> int:
 
     ``exact`` with the tiled kernel on (ggml's default: ``TILED_ENV`` unset or not ``0``): balanced groups of up
     to ``DECODE_GROUP``, so every row gets its single-sequence numbers and prompts keep the kernel's numbers, so
-    greedy texts are the ones meshgate gave before batching (8 streams: ~0.7x llama.cpp's raw batched decode on
+    greedy texts are the ones each request gets alone (8 streams: ~0.7x llama.cpp's raw batched decode on
     a 2-core x86-64). The scheduler widens this to every sequence where it can run wide decodes on ggml's
     reference matmuls (``Scheduler(reference=True)``, ``cpu_kernels``). With ``GGML_CPU_TILED_MM=0`` in the
     environment of the runners and RPC workers, every row is bit-identical to the token decoded alone at any
@@ -123,7 +122,7 @@ MIN_REUSE = 32
 numbers (and so its greedy text) depend on what the slot held before (see above)."""
 
 CHUNK = 512
-"""Prompt tokens per step (``Llama``'s ``n_batch``, which fed prompts before batching)."""
+"""Prompt tokens per step (``Llama``'s ``n_batch``: the chunks ``Llama.eval`` feeds one sequence's prompt in)."""
 
 PREEMPTIONS = 1
 """Times one prompt chunk may be stopped for a newcomer: each costs up to a chunk's work, done again."""

@@ -3,8 +3,8 @@
 ggml's tiled K-quant matmul takes decodes of 8 or more sequences and sums in another order than a single
 sequence's ``vec_dot`` (``batch.TILED_ENV``). ``ggml_backend_cpu_set_use_ref(backend, true)`` sends the CPU
 backend's matmuls back to ``vec_dot`` whatever their width. The scheduler turns it on for each decode of several
-sequences and off again for prompt chunks, which keep the tiled kernel's numbers (the ones every prompt had
-before batching) and its speed. Measured on Gemma 3 270M Q4_K_M, 2 threads (``benchmarks/row_exactness.py
+sequences and off again for prompt chunks, which keep the tiled kernel's numbers (the ones a prompt gets
+alone) and its speed. Measured on Gemma 3 270M Q4_K_M, 2 threads (``benchmarks/row_exactness.py
 --reference``): every row of 8, 9, 12 and 16 sequences is bit-identical to its single decode, and a decode of 8
 costs what it costs with the tiled kernel (65.9 ms against 68.8 ms); without it 5 of 8 rows differ by up to
 0.67 in a logit.

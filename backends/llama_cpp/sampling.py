@@ -1,8 +1,8 @@
 """One request's sampler: llama.cpp's native sampler chain, and a grammar checked against its pick.
 
 The chain is the one llama-cpp-python's ``Llama.generate`` builds, in the same order, so a request samples as it
-would through ``Llama.generate`` alone: penalties, then greedy at temperature 0, else top-k, typical (1.0: off), top-p, min-p,
-temperature and the seeded distribution. It samples from the logits of one position of a batch
+would through ``Llama.generate`` alone: penalties, then greedy at temperature 0, else top-k, typical (1.0: off),
+top-p, min-p, temperature and the seeded distribution. It samples from the logits of one position of a batch
 (``llama_sampler_sample(chain, ctx, i)``), so every sequence of a batched decode keeps its own chain and seed.
 
 A grammar (tools, JSON output) is an llguidance matcher (``grammar.Grammars``). It is not applied to the whole

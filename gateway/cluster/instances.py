@@ -3,8 +3,9 @@
 ``InstanceManager`` is the gateway's side of the control plane. It plans with the pure planner over a topology
 snapshot, stores the chosen candidate as an ``Instance`` (state ``Starting``), and lets node agents start the
 shards. Its reconcile loop (in every gateway; compare-and-set on state keeps two gateways from acting twice)
-moves an instance to ``Ready`` when every shard's runner reports ready, to ``Failed(reason)`` when a node
-leaves or a runner fails, and re-places a failed instance on the nodes that remain when it fits.
+carries out the steps of the pure lifecycle rule (``lifecycle.plan``): an instance becomes ``Ready`` when every
+shard's runner reports ready, ``Failed(reason)`` when a node leaves or a runner fails, and a failed one is
+re-placed on the nodes that remain when it fits.
 
 A model may have several instances, its **replicas**: ``deploy`` places N at once, each on nodes no other
 replica of the model uses where any fit (anti-affinity; an instance that shares a node says why in ``note``),
@@ -42,6 +43,8 @@ import msgspec
 
 from meshgate.backends.base import Backend, ModelCard
 from meshgate.backends.placement import Candidate, InstanceId, NodeId, Topology
+from meshgate.gateway.cluster import lifecycle
+from meshgate.gateway.cluster.lifecycle import MAX_ATTEMPTS
 from meshgate.gateway.cluster.planner import BackendOffer, plan
 from meshgate.gateway.cluster.records import Deployment, Draining, Failed, Instance, Ready, Starting
 from meshgate.gateway.cluster.routing import Choice, PrefixTable, Replica, Routing, route
@@ -51,8 +54,6 @@ from meshgate.protocols.model import BackendUnavailable, InvalidRequest, NoCapac
 __all__ = ["InstanceManager", "missing_replicas"]
 
 log = logging.getLogger("meshgate.instances")
-MAX_ATTEMPTS = 3
-SETTLE = 1.0  # seconds a drain lasts at least: every gateway's load report has counted what it routed before
 
 
 class InstanceManager:
@@ -549,47 +550,16 @@ class InstanceManager:
     # ------------------------------------------------------------------------------------------- reconcile
 
     async def reconcile(self) -> None:
-        """One pass: promote ready instances, fail those that lost a node or a runner, re-place failed ones,
-        delete ready ones whose ``expires_at`` has passed."""
+        """One pass: the steps ``lifecycle.plan`` gives for the cached instances, carried out in order (promote,
+        fail, re-place, expire, drain, remove), then autoscaling and the replicas deployments miss."""
         nodes = await self.store.nodes()
         node_ids = {n.id for n in nodes}
         stopping = {n.id: n.draining_until for n in nodes if n.draining_until is not None}
-        joined, self._nodes = node_ids - self._nodes, node_ids
-        now = time.time()
-        for instance in list(self._view.values()):
-            state = instance.state
-            if isinstance(state, Draining):
-                await self._end_drain(instance, state, node_ids, now)
-                continue
-            leaving = [s.node_id for s in instance.placement.shards if s.node_id in stopping]
-            if isinstance(state, Starting | Ready) and leaving:
-                await self._leave_node(instance, leaving[0], stopping[leaving[0]])
-                continue
-            if isinstance(state, Ready) and instance.expires_at is not None and instance.expires_at <= now:
-                if self.load(instance.id):
-                    continue  # still serving (on some gateway): it expires once idle
-                await self._record_deployment(instance.model, without=instance.id)
-                if await self.store.delete_instance(instance.id):
-                    await self.store.append_event(
-                        "instance.expired", f"{instance.model} expired (keep_alive)", instance_id=instance.id
-                    )
-                self._view.pop(instance.id, None)
-                continue
-            if isinstance(state, Starting | Ready):
-                problem = _problem(instance, node_ids)
-                if problem:
-                    if await self.store.set_state(instance.id, Failed(reason=problem), expected=type(state)):
-                        log.warning("instance %s failed: %s", instance.id, problem)
-                        await self.store.append_event("instance.failed", problem, instance_id=instance.id)
-                elif isinstance(state, Starting) and _all_ready(instance):
-                    if await self.store.set_state(instance.id, Ready(), expected=Starting):
-                        await self.store.append_event(
-                            "instance.ready", f"{instance.model} is ready", instance_id=instance.id
-                        )
-            elif isinstance(state, Failed) and instance.attempts < MAX_ATTEMPTS:
-                await self._replace(instance, state.reason)
-            elif isinstance(state, Failed) and joined:  # it fitted nowhere; a node came (back): try it there
-                await self._replace(msgspec.structs.replace(instance, attempts=0), state.reason)
+        joined, self._nodes = bool(node_ids - self._nodes), node_ids
+        for step in lifecycle.plan(list(self._view.values()), node_ids, stopping, self.load, time.time(), joined):
+            instance = self._view.get(step.instance_id)
+            if instance is not None:
+                await self._carry_out(step, instance)
         await self._refresh()
         if self.scale is not None:
             try:
@@ -598,29 +568,26 @@ class InstanceManager:
                 log.exception("autoscaling failed; deciding again next pass")
         await self._fill_deployments()
 
-    async def _end_drain(self, instance: Instance, state: Draining, node_ids: set[NodeId], now: float) -> None:
-        """Delete a draining instance once nothing runs or queues on it, at the end of its grace, or when it lost
-        a node or a runner (its streams resume elsewhere)."""
-        load = self.load(instance.id)
-        problem = _problem(instance, node_ids)
-        if problem:
-            why = f"drained ({state.reason}): {problem}"
-        elif now >= state.until:
-            why = f"drained ({state.reason}): its grace ended with {load} running or queued; they resume elsewhere"
-        elif not load and now - state.since >= SETTLE:
-            why = f"drained ({state.reason}): its streams finished in {now - state.since:.1f}s"
+    async def _carry_out(self, step: lifecycle.Step, instance: Instance) -> None:
+        """One step of a reconcile pass, as a compare-and-set on the instance's state where it changes one."""
+        iid = instance.id
+        if isinstance(step, lifecycle.Promote):
+            if await self.store.set_state(iid, Ready(), expected=Starting):
+                await self.store.append_event("instance.ready", f"{instance.model} is ready", instance_id=iid)
+        elif isinstance(step, lifecycle.Fail):
+            expected = Ready if step.expected == "ready" else Starting
+            if await self.store.set_state(iid, Failed(reason=step.reason), expected=expected):
+                log.warning("instance %s failed: %s", iid, step.reason)
+                await self.store.append_event("instance.failed", step.reason, instance_id=iid)
+        elif isinstance(step, lifecycle.Replace):
+            await self._replace(msgspec.structs.replace(instance, attempts=0) if step.fresh else instance, step.why)
+        elif isinstance(step, lifecycle.Expire):
+            await self._record_deployment(instance.model, without=iid)
+            await self._remove(instance, f"{instance.model} expired (keep_alive)", kind="instance.expired")
+        elif isinstance(step, lifecycle.Drain):
+            await self.drain(iid, reason=step.reason, until=step.until, lower=False)
         else:
-            return
-        await self._remove(instance, f"{instance.model} {why}", kind="instance.drained")
-
-    async def _leave_node(self, instance: Instance, node_id: NodeId, until: float) -> None:
-        """A shard's node is draining: drain a ready instance until the node's deadline (the deployment keeps its
-        count, so a replacement is placed elsewhere meanwhile); re-place one still starting."""
-        reason = f"node {node_id} is draining"
-        if isinstance(instance.state, Ready):
-            await self.drain(instance.id, reason=reason, until=until, lower=False)
-        elif await self.store.set_state(instance.id, Failed(reason=reason), expected=Starting):
-            await self.store.append_event("instance.failed", reason, instance_id=instance.id)
+            await self._remove(instance, f"{instance.model} {step.why}", kind="instance.drained")
 
     async def _fill_deployments(self) -> None:
         """Place the replicas deployments miss (``missing_replicas``), one gateway at a time per model."""
@@ -712,23 +679,6 @@ def _usable(instances: Sequence[Instance]) -> Instance | None:
         if found is not None:
             return found
     return None
-
-
-def _problem(instance: Instance, node_ids: set[NodeId]) -> str | None:
-    for shard in instance.placement.shards:
-        if shard.node_id not in node_ids:
-            return f"node {shard.node_id} left the cluster"
-        status = instance.runners.get(shard.node_id)
-        if status is not None and status.epoch == instance.epoch and status.state == "failed":
-            return f"runner on {shard.node_id} failed: {status.error or 'unknown error'}"
-    return None
-
-
-def _all_ready(instance: Instance) -> bool:
-    return all(
-        (s := instance.runners.get(shard.node_id)) is not None and s.state == "ready" and s.epoch == instance.epoch
-        for shard in instance.placement.shards
-    )
 
 
 def _no_fit_message(model: str, candidates: Sequence[Candidate]) -> str:

@@ -9,7 +9,7 @@ import time
 import msgspec
 import pytest
 
-from meshgate.gateway.cluster import instances as instances_module
+from meshgate.gateway.cluster import lifecycle
 from meshgate.gateway.cluster.autoscale import Autoscaler, Policy, ScaleDown
 from meshgate.gateway.cluster.loads import ReplicaLoad
 from meshgate.gateway.cluster.records import Draining, Failed, Starting
@@ -22,7 +22,7 @@ __all__ = ["cluster"]  # the fixture, shared with test_replicas
 
 @pytest.fixture(autouse=True)
 def no_settle(monkeypatch):
-    monkeypatch.setattr(instances_module, "SETTLE", 0.0)
+    monkeypatch.setattr(lifecycle, "SETTLE", 0.0)
 
 
 async def _events(manager) -> list[str]:

@@ -37,6 +37,7 @@ import msgspec
 from meshgate.backends.base import Backend, Launched, ModelCard
 from meshgate.backends.placement import Calibration, Link, Node, NodeId
 from meshgate.backends.runner import secret as cluster_secret
+from meshgate.gateway.cluster import lifecycle
 from meshgate.gateway.cluster.node import describe_node, measure_flops
 from meshgate.gateway.cluster.records import Failed, Instance, RunnerState, RunnerStatus
 from meshgate.gateway.cluster.store import StateStore
@@ -169,17 +170,12 @@ class NodeAgent:
         log.info("node %s draining: up to %gs for its streams to finish", self.name, grace)
         deadline = time.monotonic() + grace + margin
         while time.monotonic() < deadline:
-            if not [i for i in await self.store.instances() if self._placed_here(i)]:
+            if not [i for i in await self.store.instances() if lifecycle.placed_on(i, self.node_id)]:
                 break
             await asyncio.sleep(0.25)
         else:
             log.warning("node %s: its replicas were not drained within %gs; stopping them", self.name, grace)
         await self.close()
-
-    def _placed_here(self, instance: Instance) -> bool:
-        return not isinstance(instance.state, Failed) and any(
-            s.node_id == self.node_id for s in instance.placement.shards
-        )
 
     async def _register(self) -> None:
         await self.store.put_node(self._describe(), self.ttl)
@@ -228,30 +224,21 @@ class NodeAgent:
                 log.exception("agent reconcile failed")
 
     async def reconcile(self) -> None:
-        """Start what is placed here, stop what is not, report processes that died."""
-        wanted: dict[str, Instance] = {}
+        """Start what is placed here, stop what is not, report processes that died (``lifecycle.shard_plan``)."""
         stored = await self.store.instances()
         self._epochs = {i.id: self._epochs[i.id] for i in stored if i.id in self._epochs}  # forget deleted ones
-        for instance in stored:
-            if self._placed_here(instance):
-                wanted[instance.id] = instance
-        for instance_id, (epoch, launched) in list(self.launched.items()):
-            found = wanted.get(instance_id)
-            if found is None or found.epoch != epoch:
-                del self.launched[instance_id]
-                await launched.stop()
-                log.info("stopped shard of %s (epoch %s)", instance_id, epoch)
-            elif not launched.alive:
-                del self.launched[instance_id]
-                self._failed.add((instance_id, epoch))
-                await launched.stop()  # what the dead process left: children, runtime folders, shm segments
-                await self._report(found, "failed", error="the runner process exited")
-        for instance_id, instance in wanted.items():
-            if instance_id in self.launched or instance_id in self._starting:
+        running = {iid: (epoch, launched.alive) for iid, (epoch, launched) in self.launched.items()}
+        for step in lifecycle.shard_plan(self.node_id, stored, running, set(self._starting), self._failed):
+            if isinstance(step, lifecycle.Launch):
+                self._starting[step.instance.id] = asyncio.create_task(self._launch(step.instance))
                 continue
-            if (instance_id, instance.epoch) in self._failed:
-                continue  # reported failed; the gateway re-places it with a new epoch
-            self._starting[instance_id] = asyncio.create_task(self._launch(instance))
+            _, launched = self.launched.pop(step.instance_id if isinstance(step, lifecycle.Stop) else step.instance.id)
+            await launched.stop()  # a dead one's too: what it left (children, runtime folders, shm segments)
+            if isinstance(step, lifecycle.Stop):
+                log.info("stopped shard of %s (epoch %s)", step.instance_id, step.epoch)
+            else:
+                self._failed.add((step.instance.id, step.epoch))
+                await self._report(step.instance, "failed", error="the runner process exited")
 
     async def _launch(self, instance: Instance) -> None:
         try:

@@ -16,6 +16,11 @@ first rule that holds:
 6. **Failed**: ``Replace`` it while it has tries left (``MAX_ATTEMPTS``), or with fresh tries once a node joins
    (it fitted nowhere; the new node may hold it).
 
+The node agent's rule is here too: ``shard_plan`` says which runner processes of a node to ``Launch``, to ``Stop``
+(their instance is gone, failed, re-placed with a new epoch, or moved off the node) and which have ``Died`` (to
+be reported failed, once per epoch; the gateway then re-places the instance). ``NodeAgent.reconcile`` carries it
+out.
+
 Imports msgspec, ``backends.placement`` (ids) and the cluster records only.
 """
 
@@ -37,10 +42,16 @@ __all__ = [
     "Promote",
     "Remove",
     "Replace",
+    "Died",
+    "Launch",
+    "ShardStep",
     "Step",
+    "Stop",
     "all_ready",
+    "placed_on",
     "plan",
     "problem",
+    "shard_plan",
 ]
 
 MAX_ATTEMPTS = 3
@@ -173,3 +184,58 @@ def all_ready(instance: Instance) -> bool:
         (s := instance.runners.get(shard.node_id)) is not None and s.state == "ready" and s.epoch == instance.epoch
         for shard in instance.placement.shards
     )
+
+
+# ------------------------------------------------------------------------------------------- a node's runners
+
+
+class Stop(msgspec.Struct, frozen=True, tag="stop"):
+    """Stop the runner of ``instance_id`` (of ``epoch``) here: its instance no longer wants it."""
+
+    instance_id: InstanceId
+    epoch: int
+
+
+class Died(msgspec.Struct, frozen=True, tag="died"):
+    """The runner of ``instance`` here exited on its own: clean up after it and report it failed."""
+
+    instance: Instance
+    epoch: int
+
+
+class Launch(msgspec.Struct, frozen=True, tag="launch"):
+    """Start this node's shard of ``instance``."""
+
+    instance: Instance
+
+
+ShardStep = Stop | Died | Launch
+
+
+def placed_on(instance: Instance, node: NodeId) -> bool:
+    """Whether ``instance`` wants a runner on ``node``: a shard of it is there and it has not failed."""
+    return not isinstance(instance.state, Failed) and any(s.node_id == node for s in instance.placement.shards)
+
+
+def shard_plan(
+    node: NodeId,
+    stored: Iterable[Instance],
+    running: Mapping[str, tuple[int, bool]],
+    starting: Set[str],
+    failed: Set[tuple[str, int]],
+) -> list[ShardStep]:
+    """What ``node``'s agent does in one pass. ``running``: instance id -> (epoch, alive) of each runner it
+    launched; ``starting``: instances whose runner is being launched; ``failed``: (instance id, epoch) already
+    reported failed, never launched again (the gateway re-places them with a new epoch)."""
+    wanted: dict[str, Instance] = {i.id: i for i in stored if placed_on(i, node)}
+    steps: list[ShardStep] = []
+    for instance_id, (epoch, alive) in running.items():
+        found = wanted.get(instance_id)
+        if found is None or found.epoch != epoch:
+            steps.append(Stop(InstanceId(instance_id), epoch))
+        elif not alive:
+            steps.append(Died(found, epoch))
+    for instance_id, instance in wanted.items():
+        if instance_id not in running and instance_id not in starting and (instance_id, instance.epoch) not in failed:
+            steps.append(Launch(instance))
+    return steps

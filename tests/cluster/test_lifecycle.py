@@ -6,7 +6,19 @@ from __future__ import annotations
 import pytest
 
 from meshgate.backends.placement import NodeId
-from meshgate.gateway.cluster.lifecycle import MAX_ATTEMPTS, Drain, Expire, Fail, Promote, Remove, Replace, plan
+from meshgate.gateway.cluster.lifecycle import (
+    MAX_ATTEMPTS,
+    Drain,
+    Expire,
+    Fail,
+    Launch,
+    Promote,
+    Remove,
+    Replace,
+    Stop,
+    plan,
+    shard_plan,
+)
 from meshgate.gateway.cluster.records import Draining, Failed, Ready, RunnerStatus, Starting
 from tests.cluster.test_store import instance
 
@@ -98,3 +110,29 @@ def test_plan_keeps_the_order_of_the_instances() -> None:
     ready = instance("r", state=Ready(), expires_at=1.0)
     starting = instance("s", runners=ready_runners())
     assert [type(s) for s in plan([ready, starting], AB, {}, lambda _: 0, NOW)] == [Expire, Promote]
+
+
+# ------------------------------------------------------------------------------------------- a node's runners
+
+
+def test_shard_plan_launches_stops_and_reports_deaths() -> None:
+    here = NodeId("a")
+    mine = instance("mine", nodes=("a",), state=Ready())
+    moved = instance("moved", nodes=("b",), state=Ready())  # re-placed off this node
+    newer = instance("newer", nodes=("a", "b"), epoch=2)
+    dead = instance("dead", nodes=("a",), state=Ready())
+    failed = instance("failed", nodes=("a",), state=Failed(reason="x"))
+    fresh = instance("fresh", nodes=("a",))
+    running = {"mine": (0, True), "moved": (0, True), "newer": (1, True), "dead": (0, False), "gone": (0, True)}
+    steps = shard_plan(here, [mine, moved, newer, dead, failed, fresh], running, set(), set())
+    assert {(type(s).__name__, getattr(s, "instance_id", None) or s.instance.id) for s in steps} == {
+        ("Stop", "moved"),
+        ("Stop", "newer"),  # its epoch moved on: the old process goes, the new epoch is launched next pass
+        ("Stop", "gone"),
+        ("Died", "dead"),
+        ("Launch", "fresh"),
+    }
+    assert shard_plan(here, [fresh], {}, {"fresh"}, set()) == [], "already being launched"
+    assert shard_plan(here, [fresh], {}, set(), {("fresh", 0)}) == [], "reported failed for its epoch"
+    assert [type(s) for s in shard_plan(here, [newer], {}, set(), {("newer", 1)})] == [Launch]
+    assert isinstance(shard_plan(here, [], {"x": (3, True)}, set(), set())[0], Stop)

@@ -18,7 +18,6 @@ from litestar.openapi import OpenAPIConfig
 
 from meshgate.gateway.auth import KeyRing, authorize
 from meshgate.gateway.cluster.accounts import open_accounts
-from meshgate.gateway.cluster.runtime import control_plane
 from meshgate.gateway.openapi_bodies import describe_request_bodies
 from meshgate.gateway.routes import anthropic as anthropic_routes
 from meshgate.gateway.routes import cluster as cluster_routes
@@ -27,6 +26,7 @@ from meshgate.gateway.routes import ollama as ollama_routes
 from meshgate.gateway.routes import openai as openai_routes
 from meshgate.gateway.routes import ui as ui_routes
 from meshgate.gateway.routes.common import error_response
+from meshgate.gateway.runtime import control_plane
 from meshgate.gateway.telemetry import route as metrics_route
 from meshgate.gateway.telemetry.metrics import GatewayMetrics
 from meshgate.gateway.telemetry.middleware import RequestTelemetry

@@ -133,7 +133,7 @@ def _node(settings: Settings, args: argparse.Namespace) -> int:
     import asyncio
     import signal
 
-    from meshgate.gateway.cluster.runtime import control_plane
+    from meshgate.gateway.runtime import control_plane
 
     if not settings.redis:
         print("meshgate node needs --redis URL (or MESHGATE_REDIS): the agents and gateways share it", file=sys.stderr)

@@ -21,7 +21,7 @@ from meshgate.backends.base import Backend, ModelCard, ModelDescription
 from meshgate.backends.checkpoints import describe_checkpoint, read_checkpoint
 from meshgate.backends.registry import MAX_USER_MODELS, HidingSource, ModelRegistry, RegistrySource, UserModel
 from meshgate.gateway import cli, model_admin
-from meshgate.gateway.cluster.runtime import control_plane
+from meshgate.gateway.runtime import control_plane
 from meshgate.plugins.builtin import LlamaCppSettings
 from meshgate.plugins.hookspecs import hookimpl
 from meshgate.plugins.manager import build_plugin_manager

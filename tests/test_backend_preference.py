@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 
 from meshgate.backends.base import ModelCard
-from meshgate.gateway.cluster.runtime import control_plane
+from meshgate.gateway.runtime import control_plane
 from meshgate.plugins.hookspecs import hookimpl
 from meshgate.plugins.manager import build_plugin_manager
 from meshgate.plugins.policy import by_preference

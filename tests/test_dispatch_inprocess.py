@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from meshgate.gateway.cluster.runtime import control_plane
+from meshgate.gateway.runtime import control_plane
 from meshgate.plugins.manager import build_plugin_manager
 from meshgate.plugins.settings import Settings
 from meshgate.protocols.model import (

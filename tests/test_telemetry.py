@@ -13,7 +13,7 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from meshgate.gateway.cluster.runtime import control_plane
+from meshgate.gateway.runtime import control_plane
 from meshgate.gateway.telemetry import middleware
 from meshgate.gateway.telemetry.instruments import Counter, Histogram, Instruments, exposition
 from meshgate.gateway.telemetry.logs import Fields, JsonFormatter, LineHandler, TextFormatter, logfmt

@@ -9,9 +9,9 @@ import pytest
 from meshgate.backends.placement import Node, NodeId
 from meshgate.gateway.cluster.instances import MAX_ATTEMPTS, InstanceManager
 from meshgate.gateway.cluster.records import Failed, Ready, RunnerStatus, Starting
-from meshgate.gateway.cluster.runtime import _rank
 from meshgate.gateway.cluster.store import MemoryStore
 from meshgate.gateway.dispatch import Catalog
+from meshgate.gateway.runtime import _rank
 from meshgate.plugins.hookspecs import hookimpl
 from meshgate.plugins.manager import build_plugin_manager
 from meshgate.plugins.settings import Settings

@@ -35,10 +35,9 @@ import asyncio
 import contextlib
 import logging
 import time
-import weakref
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import TypeVar
 
 import msgspec
 
@@ -52,9 +51,10 @@ from meshgate.backends.base import (
     check_embeddings,
 )
 from meshgate.backends.registry import UserModel
+from meshgate.gateway import streams
 from meshgate.gateway.admission import Admission, Ticket
 from meshgate.gateway.cluster.instances import InstanceManager
-from meshgate.gateway.cluster.loads import LoadBoard, Tally
+from meshgate.gateway.cluster.loads import LoadBoard
 from meshgate.gateway.cluster.records import Instance, Ready
 from meshgate.gateway.cluster.routing import Routing, prefix_blocks, prefix_key
 from meshgate.gateway.context_fit import Fit, cap_output, fit_context, grown_context, needed_context
@@ -68,14 +68,10 @@ from meshgate.protocols.model import (
     EmbedRequest,
     Event,
     Failed,
-    Finished,
     GatewayError,
     KeepAlive,
     NoCapacity,
-    ReasoningDelta,
     Request,
-    TextDelta,
-    ToolCallDelta,
     UnknownModel,
     Usage,
     error_from_info,
@@ -85,7 +81,6 @@ __all__ = ["Dispatcher", "normalize_model_name", "request_routing"]
 
 log = logging.getLogger("meshgate.dispatch")
 T = TypeVar("T")
-_Stream = TypeVar("_Stream", bound=AsyncIterator[Any])
 
 
 START_RETRIES = 3
@@ -290,7 +285,7 @@ class Dispatcher:
                 self._settle(instance.id)
         if not ticket.granted and request.stream:
             stream = self._keepalive_until(lambda: self._generate(instance, job, runner, request, ticket, retry))
-            _on_drop(stream, ticket.release)  # dropped before it started: leave the queue all the same
+            streams.on_drop(stream, ticket.release)  # dropped before it started: leave the queue all the same
             return stream
         return await self._generate(instance, job, runner, request, ticket, retry)
 
@@ -298,7 +293,7 @@ class Dispatcher:
         self, instance: Instance, job: _Job, runner: Runner, request: Request, ticket: Ticket, retry: int
     ) -> AsyncIterator[Event]:
         """Wait for ``ticket``'s turn, then start the generation, which frees the slot when its stream ends."""
-        first, events = await _begin(runner, request, ticket)
+        first, events = await streams.begin(runner, request, ticket)
         if isinstance(first, Failed):
             error = error_from_info(first.error)
             if retry and isinstance(error, BackendUnavailable):
@@ -309,7 +304,9 @@ class Dispatcher:
         if self.resume_wait > 0:  # a replica that fails mid-stream hands the stream on (``gateway.resume``)
             resume = self._resumer(instance, job, request)
             events = resumable(events, resume, wait=self.resume_wait, keepalive=self.keepalive, seen=first)
-        return _chain(first, events, ticket.release, job.on_usage, served=(job.card.name, instance.id), tally=tally)
+        return streams.chain(
+            first, events, ticket.release, job.on_usage, served=(job.card.name, instance.id), tally=tally
+        )
 
     def _resumer(self, instance: Instance, job: _Job, request: Request) -> Resume:
         """``job``'s ``Resume``: fail the replica that broke off (so it is re-placed), route the request again (to
@@ -339,14 +336,14 @@ class Dispatcher:
         when they end. A failure to start raises its ``GatewayError``."""
         runner = self._connect(replica, job.card, job.backend)
         ticket = self.admission.enter(replica.id, job.caller, replica.placement.sequences)
-        first, events = await _begin(runner, request, ticket)
+        first, events = await streams.begin(runner, request, ticket)
         if isinstance(first, Failed):
             raise error_from_info(first.error)
         record = telemetry.current()
         if record is not None:
             record.instance = replica.id
-        stream = _released(first, events, ticket.release)
-        _on_drop(stream, ticket.release)
+        stream = streams.released(first, events, ticket.release)
+        streams.on_drop(stream, ticket.release)
         return stream
 
     async def _bigger(
@@ -481,7 +478,7 @@ class Dispatcher:
             except GatewayError as exc:
                 yield Failed(error=exc.info())
                 return
-            async with closing(events):
+            async with streams.closing(events):
                 async for event in events:
                     yield event
         finally:
@@ -506,167 +503,6 @@ def request_routing(request: Request) -> Routing:
     return Routing(derive=derive)
 
 
-async def _begin(runner: Runner, request: Request, ticket: Ticket) -> tuple[Event, AsyncIterator[Event]]:
-    """Wait for ``ticket``'s turn and start ``request`` on ``runner``: its first event and the rest. When the
-    first is ``Failed`` the stream is closed and the slot freed before they are returned."""
-    try:
-        await ticket.wait()
-        events = runner.generate(request)
-        first = await anext(events)
-    except BaseException:
-        ticket.release()
-        raise
-    if isinstance(first, Failed):
-        await aclose(events)
-        ticket.release()
-    return first, events
-
-
-def _chain(
-    first: Event,
-    rest: AsyncIterator[Event],
-    release: Callable[[], None],
-    on_usage: Callable[[Usage], None] | None = None,
-    served: tuple[str, str] | None = None,
-    tally: Tally | None = None,
-) -> AsyncIterator[Event]:
-    """``first`` then ``rest``; ``release`` (the queue slot) when it ends, is closed, or is dropped unstarted;
-    ``on_usage`` with the last ``Usage`` seen when it ends or is closed. ``served`` (model, instance id) and what
-    the stream shows go to the request's telemetry record, if it has one."""
-    record = telemetry.current()
-    if record is not None and served is not None:
-        record.model, record.instance = served
-    stream = _relay(first, rest, release, record, tally)
-    if on_usage is not None:
-        stream = _metered(stream, on_usage)
-    _on_drop(stream, release)  # a generator closed before it started never runs its ``finally``
-    return stream
-
-
-async def _released(first: Event, rest: AsyncIterator[Event], release: Callable[[], None]) -> AsyncIterator[Event]:
-    """``first`` then ``rest``; ``release`` at the terminal event (the slot is free before the client reads the
-    end) and when the stream is closed."""
-    try:
-        async with closing(rest):
-            yield first
-            async for event in rest:
-                if type(event) in _TERMINAL:
-                    release()
-                yield event
-    finally:
-        release()
-
-
-def _on_drop(stream: AsyncIterator[Event], release: Callable[[], None]) -> None:
-    """Call ``release`` when ``stream`` is garbage (not at interpreter exit, when the loop is gone)."""
-    weakref.finalize(stream, release).atexit = False
-
-
-_TERMINAL: frozenset[type] = frozenset({Finished, Failed})
-_AFTER_FIRST_TOKEN: frozenset[type] = frozenset({Usage, Finished, Failed})
-_UNTIL_FIRST_TOKEN: frozenset[type] = _AFTER_FIRST_TOKEN | {TextDelta, ReasoningDelta, ToolCallDelta, KeepAlive}
-
-
-async def _relay(
-    first: Event,
-    rest: AsyncIterator[Event],
-    release: Callable[[], None],
-    record: telemetry.RequestRecord | None = None,
-    tally: Tally | None = None,
-) -> AsyncIterator[Event]:
-    """``first`` then ``rest``; an unexpected exception becomes a ``Failed`` event, never a crash. With a
-    ``record``, the first token's time, the last ``Usage`` and the end go into it: one set lookup per event.
-
-    The events not watched (the deltas after the first token) are counted with one integer increment: a stream
-    that ends without finishing (its client went away, or it failed) never got its final ``Usage``, so its record
-    then says how many deltas were relayed (``_note_relayed``)."""
-    watch: frozenset[type] = _UNTIL_FIRST_TOKEN if record is not None else frozenset()
-    unwatched = 0  # events relayed without a look: after the first token, each a delta (about a token)
-    counts = tally or Tally()  # the shared load's counts (``loads``), live: tokens/s while the stream runs
-    counts.tokens += 1  # the first event
-    try:
-        async with closing(rest):
-            if type(first) in watch:
-                watch = _note(record, first)
-            yield first
-            try:
-                async for event in rest:
-                    if type(event) in watch:
-                        watch = _note(record, event)
-                    else:
-                        unwatched += 1
-                        counts.tokens += 1
-                    if type(event) in _TERMINAL:
-                        release()  # the generation is over: its slot is free before the client reads the end
-                    yield event
-            except GatewayError as exc:
-                failed = Failed(error=exc.info())
-                _note(record, failed)
-                yield failed
-            except Exception as exc:
-                log.exception("backend stream raised")
-                failed = Failed(error=GatewayError(f"internal error: {exc!r}").info())
-                _note(record, failed)
-                yield failed
-    finally:
-        release()
-        if record is not None:
-            _note_relayed(record, unwatched)
-        if record is not None and record.cached_tokens:
-            counts.prefix_hits += 1
-
-
-def _note(record: telemetry.RequestRecord | None, event: Event) -> frozenset[type]:
-    """Put what ``event`` tells into ``record``; the event types to watch from now on."""
-    if record is None:
-        return frozenset()
-    if isinstance(event, Usage):
-        record.prompt_tokens, record.generated_tokens = event.prompt_tokens, event.completion_tokens
-        record.cached_tokens = event.cached_tokens
-    elif isinstance(event, Finished | Failed):
-        record.ended_at = time.perf_counter()
-        if isinstance(event, Failed):
-            record.error = event.error.message
-    elif record.first_token_at is None and not isinstance(event, KeepAlive):  # a prefill's keep-alive is no token
-        record.first_token_at = time.perf_counter()
-    return _UNTIL_FIRST_TOKEN if record.first_token_at is None else _AFTER_FIRST_TOKEN
-
-
-def _note_relayed(record: telemetry.RequestRecord, after_first: int) -> None:
-    """A stream that did not finish has no final ``Usage`` (its first one counts the prompt only): its generated
-    tokens are the deltas relayed, the first token and ``after_first`` more, unless a ``Usage`` said more."""
-    finished = record.ended_at is not None and record.error is None
-    if finished or record.first_token_at is None:
-        return
-    if after_first + 1 > (record.generated_tokens or 0):
-        record.generated_tokens = after_first + 1
-
-
-async def _metered(events: AsyncIterator[Event], on_usage: Callable[[Usage], None]) -> AsyncIterator[Event]:
-    """``events`` unchanged; the last ``Usage`` among them goes to ``on_usage`` once: at the terminal event (a
-    reader may stop there), or when the stream is closed early."""
-    usage: Usage | None = None
-    try:
-        async with closing(events):
-            async for event in events:
-                if isinstance(event, Usage):
-                    usage = event
-                elif isinstance(event, Finished | Failed) and usage is not None:
-                    on_usage(usage)
-                    usage = None
-                yield event
-    finally:
-        if usage is not None:
-            on_usage(usage)
-
-
-async def aclose(stream: AsyncIterator[Any]) -> None:
-    """Close ``stream`` if it can be closed (an async generator can; an iterator object may not)."""
-    close = getattr(stream, "aclose", None)
-    if close is not None:
-        await close()
-
-
 def _remembered(count: Callable[[Request], Awaitable[int]]) -> Callable[[Request], Awaitable[int]]:
     """``count`` that counts the same request object once (``needed_context``, then ``fit_context``)."""
     seen: list[tuple[Request, int]] = []
@@ -680,12 +516,3 @@ def _remembered(count: Callable[[Request], Awaitable[int]]) -> Callable[[Request
         return tokens
 
     return remembered
-
-
-@contextlib.asynccontextmanager
-async def closing(stream: _Stream) -> AsyncIterator[_Stream]:
-    """``contextlib.aclosing`` for any async iterator, as ``Runner.generate`` promises only iteration."""
-    try:
-        yield stream
-    finally:
-        await aclose(stream)

@@ -22,7 +22,7 @@ at debug), so a bad entry never breaks the model's requests. Other parameters (`
 ``mirostat``, ...) are shown by ``/api/show`` and not applied, as meshgate has no such setting.
 
 ``apply_defaults`` and ``end_turn_at_default_stops`` are pure; ``UserModels`` reads the registry file again only
-when it changed (one ``stat`` per request). Imports ``protocols.model`` and ``backends.registry`` only.
+when it changed (one ``stat`` per request). Imports ``protocols.model``, ``backends.registry`` and ``gateway.streams``.
 """
 
 from __future__ import annotations
@@ -36,6 +36,7 @@ from typing import Any
 import msgspec
 
 from meshgate.backends.registry import ModelRegistry, UserModel
+from meshgate.gateway.streams import closing
 from meshgate.protocols.model import UNSET, Event, Finished, Message, Request, TextPart
 
 __all__ = ["UserModels", "apply_defaults", "end_turn_at_default_stops"]
@@ -91,15 +92,11 @@ def end_turn_at_default_stops(events: AsyncIterator[Event], asked: Request, sent
 
 
 async def _as_end_of_turn(events: AsyncIterator[Event]) -> AsyncIterator[Event]:
-    try:
+    async with closing(events):  # the dispatcher's streams release their queue slot on close
         async for event in events:
             if isinstance(event, Finished) and event.reason == "stop_sequence":
                 event = Finished(reason="stop")
             yield event
-    finally:
-        close = getattr(events, "aclose", None)  # the dispatcher's streams release their queue slot on close
-        if close is not None:
-            await close()
 
 
 def _stops(params: Mapping[str, Any]) -> tuple[str, ...]:

@@ -18,7 +18,7 @@ While the new replica is found, placed or prefilled the client gets keep-alives.
 the client gets the original ``Failed``: its protocol's mid-stream error, as without resume. Each resume is
 counted on the request's telemetry record (``resumes``, ``resume_wait``): the request log and ``/metrics``.
 
-Imports protocols and the telemetry record only.
+Imports protocols, the telemetry record and ``gateway.streams`` only.
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 
+from meshgate.gateway.streams import aclose
 from meshgate.gateway.telemetry import record as telemetry
 from meshgate.protocols.model import (
     Event,
@@ -92,7 +93,7 @@ async def resumable(
                 yield event
             if failed is None:
                 return
-            await _close(current)
+            await aclose(current)
             began = time.perf_counter()
             moved = asyncio.ensure_future(_bounded(resume(tuple(progress.tokens), error_from_info(failed.error)), wait))
             try:
@@ -113,7 +114,7 @@ async def resumable(
             _note_resume(time.perf_counter() - began)
             log.info("stream resumed after %s with %d tokens sent", failed.error.kind, len(progress.tokens))
     finally:
-        await _close(current)
+        await aclose(current)
 
 
 _Content = TextDelta | ReasoningDelta | ToolCallDelta
@@ -162,9 +163,3 @@ def _note_resume(waited: float) -> None:
     if record is not None:
         record.resumes += 1
         record.resume_wait += waited
-
-
-async def _close(stream: AsyncIterator[Event]) -> None:
-    close = getattr(stream, "aclose", None)
-    if close is not None:
-        await close()

@@ -15,8 +15,9 @@ from litestar.exceptions import HTTPException
 from litestar.response import Stream
 
 from meshgate.gateway.auth import caller_of
-from meshgate.gateway.dispatch import Dispatcher, aclose
+from meshgate.gateway.dispatch import Dispatcher
 from meshgate.gateway.routes.stream import CoalescedStream
+from meshgate.gateway.streams import aclose
 from meshgate.protocols import model
 from meshgate.protocols.model import Event, GatewayError, Meta, ModelInfo
 

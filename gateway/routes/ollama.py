@@ -19,7 +19,6 @@ from litestar import Response, Router, get, head, post
 
 from meshgate.gateway import model_admin
 from meshgate.gateway.context_fit import Fit
-from meshgate.gateway.dispatch import closing
 from meshgate.gateway.routes.common import (
     collect_or_cancel,
     dispatcher_of,
@@ -32,6 +31,7 @@ from meshgate.gateway.routes.common import (
     who,
 )
 from meshgate.gateway.routes.ollama_models import ROUTES as MODEL_ROUTES
+from meshgate.gateway.streams import closing
 from meshgate.protocols import ollama, ollama_embeddings, ollama_models
 from meshgate.protocols.model import GatewayError, Request, decode_body
 

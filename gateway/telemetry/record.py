@@ -5,8 +5,8 @@ response carries in ``x-request-id``) and reads it when the response is done, fo
 metrics. In between, the code that knows a fact writes it: the auth guard's caller is read from the connection
 state; the dispatcher notes the model asked for (``note_model``) and, for a generation, the instance, the first
 token's time, the last ``Usage`` (or, for a stream that did not finish, the deltas it relayed) and how the
-stream ended (``gateway.dispatch._relay``). Tasks a request starts copy the context, so they see the same
-record; code that runs outside a request sees ``None``.
+stream ended (``gateway.streams.relay``, through ``telemetry.observe``). Tasks a request starts copy the
+context, so they see the same record; code that runs outside a request sees ``None``.
 
 Imports the standard library only.
 """

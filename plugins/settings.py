@@ -37,7 +37,8 @@ def default_data_dir() -> str:
 
 DEFAULT_CONTEXT = 4096
 """Tokens of context a model's first runner gets unless ``n_ctx`` is set: 16 slots of the packaged model in 5 GiB
-of memory (README, "Slots"); requests that need more get a bigger replica (``Settings.grow_context``)."""
+of memory (docs/operations.md, "Slots and batching"); requests that need more get a bigger replica
+(``Settings.grow_context``)."""
 
 
 class Settings(msgspec.Struct, frozen=True, kw_only=True):
@@ -55,7 +56,7 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
         api_keys: When non-empty, clients must present one of these keys.
         n_ctx: Context length runners get (capped by the model's own), fixed. Unset (the default), a model's
             first runner gets ``DEFAULT_CONTEXT`` tokens and a request that sets no ``num_ctx`` and does not fit
-            gets a replica as big as it needs, up to the model's own context (``runner_context``; README,
+            gets a replica as big as it needs, up to the model's own context (``runner_context``; docs/operations.md,
             "Context sizes without eviction").
         threads: Threads per runner; all cores when unset.
         runner_python: Interpreter for runner processes (a runtime's own virtual environment).
@@ -101,7 +102,7 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
             the replicas ``POST /instances`` places at once unless it gives its own ``min_replicas``).
         max_replicas: Autoscaling: the most replicas a new deployment grows to when requests wait
             (``MESHGATE_MAX_REPLICAS``); 1 and 1, the defaults, mean no autoscaling unless a deployment asks for it
-            (``POST /instances``, ``PUT /deployments/{model}``). README, "Autoscaling".
+            (``POST /instances``, ``PUT /deployments/{model}``). docs/operations.md, "Autoscaling".
         scale_up_wait: Seconds a model's requests must keep waiting for a slot before a replica is added.
         scale_down_idle: Seconds a replica must be idle (nothing running or queued) before it is removed, while
             more than ``min_replicas`` exist: its keep-alive under autoscaling.
@@ -113,7 +114,7 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
             runs then resumes on another replica, or is cut at a gateway.
         max_tokens: The most output tokens one request may ask for (``MESHGATE_MAX_TOKENS``). More is refused
             with a 400 by OpenAI and Anthropic endpoints and cut to it for Ollama's ``num_predict``; every request
-            is also held to the room left in its instance's context (see the README's endpoints section).
+            is also held to the room left in its instance's context (docs/endpoints.md, "Output limits").
         environ: The ``MESHGATE_*`` variables no core field reads, for plugins' own settings
             (``PluginSettings.from_settings``); filled by ``from_env``, never read from a variable itself.
     """

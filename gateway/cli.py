@@ -335,6 +335,18 @@ def _logging(settings: Settings) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    environment = Settings.from_env(os.environ)
+    parser, commands = build_parser(environment)
+    args = parser.parse_args(argv)
+    settings = _settings(args) if args.command in ("serve", "node", "models") else environment
+    return commands[args.command](settings, args)
+
+
+def build_parser(
+    environment: Settings,
+) -> tuple[argparse.ArgumentParser, dict[str, Callable[[Settings, argparse.Namespace], int]]]:
+    """``meshgate``'s argument parser and its commands by name, with those the plugins enabled in ``environment``
+    register (``meshgate_register_commands``). ``scripts/config_docs.py`` reads the flags from it."""
     parser = argparse.ArgumentParser(
         prog="meshgate",
         description="An inference gateway for OpenAI, Anthropic and Ollama clients, over models split across machines.",
@@ -399,7 +411,6 @@ def main(argv: list[str] | None = None) -> int:
         commands[name] = run
         return sub.add_parser(name, help=help)
 
-    environment = Settings.from_env(os.environ)
     build_plugin_manager(environment).hook.meshgate_register_commands(register=register)
     p = sub.add_parser("keys", help="make, list and revoke API keys of a running gateway (admin key needed)")
     p.add_argument("--url", default="http://127.0.0.1:11434", help="the gateway (default %(default)s)")
@@ -416,9 +427,7 @@ def main(argv: list[str] | None = None) -> int:
     from meshgate.gateway import bench
 
     bench.add_arguments(sub.add_parser("bench", help="measure prompt and generation speed of a running gateway"))
-    args = parser.parse_args(argv)
-    settings = _settings(args) if args.command in ("serve", "node", "models") else environment
-    return commands[args.command](settings, args)
+    return parser, commands
 
 
 if __name__ == "__main__":

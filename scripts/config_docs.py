@@ -8,9 +8,8 @@ Sources, all read from the code rather than restated here:
 - ``meshgate.plugins.settings.Settings``: one row per field, its variable ``MESHGATE_<NAME>``, type and default
   from the msgspec struct, its description from the class docstring's ``Attributes:`` section;
 - every ``PluginSettings`` subclass defined in ``plugins/*.py`` or ``backends/**/*.py``, the same way;
-- the ``meshgate serve``/``meshgate node`` flags: ``gateway.cli.main`` builds its argparse parser inline, so this
-  script runs ``main`` with ``parse_args`` intercepted to get the parser, then finds which setting each flag sets
-  by passing one flag at a time through ``gateway.cli._settings``.
+- the ``meshgate serve``/``meshgate node`` flags, from ``gateway.cli.build_parser``: which setting each flag sets
+  is found by passing one flag at a time through ``gateway.cli._settings``.
 
 tests/test_docs.py checks that the file equals ``render()``.
 """
@@ -127,23 +126,11 @@ def default_text(field: msgspec.structs.FieldInfo) -> str:
 # --- CLI flags -----------------------------------------------------------------------------------------------
 
 
-class _Parsed(Exception):
-    def __init__(self, parser: argparse.ArgumentParser) -> None:
-        self.parser = parser
-
-
 def cli_parser() -> argparse.ArgumentParser:
-    """The parser ``meshgate`` builds, caught at ``parse_args`` (plugins loaded from a clean environment)."""
-
-    def caught(self: argparse.ArgumentParser, *args: object, **kwargs: object) -> typing.NoReturn:
-        raise _Parsed(self)
-
-    with clean_environment(), mock.patch.object(argparse.ArgumentParser, "parse_args", caught):
-        try:
-            cli.main([])
-        except _Parsed as parsed:
-            return parsed.parser
-    raise RuntimeError("gateway.cli.main returned without parsing arguments")
+    """The parser ``meshgate`` builds (``gateway.cli.build_parser``), with plugins loaded from a clean environment."""
+    with clean_environment():
+        parser, _ = cli.build_parser(Settings.from_env(os.environ))
+    return parser
 
 
 def subparser(parser: argparse.ArgumentParser, name: str) -> argparse.ArgumentParser:

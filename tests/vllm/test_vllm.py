@@ -364,6 +364,7 @@ def _instance(server: Server) -> dict:
 
 FAULT_TOKENS = 3500  # tokens: ~20-30 s of the tiny model on vLLM CPU, vs a few seconds to notice a dead worker
 FAULT_PROTOCOLS = ("openai", "anthropic", "ollama")
+LEAD = 300  # text lines of the leading stream at which the kill lands whatever the others have
 
 
 def _fault_request(server: Server, protocol: str) -> tuple[str, dict]:
@@ -412,9 +413,10 @@ def test_worker_killed_mid_generation_fails_the_streams_and_leaves_nothing(serve
     an error frame; the gateway renders each in its protocol's own mid-stream error form. vLLM's watchdog then
     stops its API server, the agent stops what is left (workers, folder, /dev/shm segments) and reports the runner
     failed, and the instance manager re-places the instance (a new epoch, a new process group).
-    One kill for the three protocols (a kill costs a re-placement, over a minute here). The streams start one after
-    another, each once the one before has streamed text, and the kill lands as soon as the last has text (a
-    stream that already ended fails the test rather than passing unkilled); then each must end in an error."""
+    One kill for the three protocols (a kill costs a re-placement, over a minute here). The kill lands once every
+    stream has text, or once the leading one is a tenth of the way through (vLLM here may run one stream far
+    ahead of the others); every stream with text at the kill must end in its protocol's error (a stream that
+    already ended fails the test), and one with no text yet is retried, as any stream that sent nothing is."""
     import threading
 
     before = _ready_instance(server)
@@ -433,26 +435,30 @@ def test_worker_killed_mid_generation_fails_the_streams_and_leaves_nothing(serve
         for protocol in FAULT_PROTOCOLS
     }
     started = time.monotonic()
+    for reader in readers.values():
+        reader.start()
+    # vLLM on two loaded cores may run one of the three far ahead of the others: kill once every stream has text,
+    # or once the leader is LEAD lines in (a tenth of its tokens: it cannot have ended), whichever comes first
     deadline = started + 180
-    for protocol, reader in readers.items():  # one at a time, each once the one before has text: the last one
-        reader.start()  # started needs only a few tokens before the kill, so none can finish before it
-        while time.monotonic() < deadline and tokens[protocol][0] < 2:
-            time.sleep(0.01)
+    while time.monotonic() < deadline and not (
+        all(t[0] >= 2 for t in tokens.values()) or max(t[0] for t in tokens.values()) >= LEAD
+    ):
+        time.sleep(0.01)
     tails = {p: (tokens[p][0], lines[p][-5:]) for p in FAULT_PROTOCOLS}  # (text lines, last lines) per stream
-    assert all(t[0] >= 2 for t in tokens.values()), f"not every stream had text within 180s: {tails}"
     assert all(r.is_alive() for r in readers.values()), f"a stream ended before the kill: {tails}"
     os.kill(workers[0], signal.SIGKILL)
     killed = time.monotonic()
     at_kill = {protocol: t[0] for protocol, t in tokens.items()}
-    print(f"every stream had text {killed - started:.1f}s after the first started; text lines at the kill {at_kill}")
-    deadline = killed + 150
-    for reader in readers.values():
-        reader.join(max(0.0, deadline - time.monotonic()))
+    cut = [p for p in FAULT_PROTOCOLS if at_kill[p] >= 2]  # (an OpenAI stream's first line is its empty role delta)
+    assert cut, f"no stream had text within 180s: {tails}"
+    print(f"killed {killed - started:.1f}s after the streams started; text lines at the kill {at_kill}")
+    for protocol in FAULT_PROTOCOLS:  # one with no text yet is retried on the re-placed instance: it may end well
+        readers[protocol].join(max(0.0, killed + (150 if protocol in cut else 400) - time.monotonic()))
     assert not any(r.is_alive() for r in readers.values()), {
         p: lines[p][-3:] for p, r in readers.items() if r.is_alive()
     }
     print(f"the streams ended within {time.monotonic() - killed:.1f}s of the kill; text lines in all {tokens}")
-    for protocol in FAULT_PROTOCOLS:
+    for protocol in cut:
         _assert_protocol_error(protocol, lines[protocol])
     # vLLM's watchdog stops the API server; the agent stops what is left and reports the runner failed; the
     # instance manager re-places the instance: no process, folder or segment of the old one remains

@@ -47,7 +47,6 @@ from meshgate.protocols.model import (
     Request,
     RequestTooLarge,
     TokenLogprob,
-    Unprocessable,
     Usage,
 )
 
@@ -214,7 +213,7 @@ class LlamaEngine:
             sampler.replay(resumed)  # the grammar and the penalties' history go on from the tokens already sent
         except GrammarStuck as exc:
             sampler.close()
-            raise Unprocessable(str(exc)) from exc
+            raise GatewayError(f"structured output failed: {exc}") from exc
         # Greedy text must go on as it would have: the tokens are decoded one step each, as they were generated
         # (``batch.Job.forced``); a sampled one is only a valid continuation, so its tokens are prefilled, faster.
         exact = _value(request.sampling, "temperature") == 0
@@ -289,8 +288,8 @@ class LlamaEngine:
                 break
         job.done.set()
         if item is None:
-            if isinstance(job.failure, GrammarStuck):
-                raise Unprocessable(str(job.failure)) from job.failure
+            if isinstance(job.failure, GrammarStuck):  # the schema passed the checks: ours to fix, a 500
+                raise GatewayError(f"structured output failed: {job.failure}") from job.failure
             if job.failure is not None:
                 raise GatewayError(str(job.failure)) from job.failure
             if job.end == "cancelled":

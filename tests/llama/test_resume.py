@@ -183,6 +183,17 @@ def test_resumes_side_by_side_go_on_as_the_undisturbed_run(engines) -> None:
     assert texts == [text] * 4
 
 
+def test_a_resume_its_schema_forbids_is_a_server_error(engines) -> None:
+    """Tokens handed on that the response format's grammar rejects (they came from a replica, not the client) fail
+    the request as the gateway's own error (500), not as a 4xx that would tell the client to change its body."""
+    engine = engines[1]
+    forbidden = tuple(engine.llm.tokenize(b"hello", add_bos=False, special=False))
+    with pytest.raises(GatewayError) as failed:
+        _events(engine, msgspec.structs.replace(CASES["json"], resume=forbidden))
+    assert type(failed.value) is GatewayError and failed.value.status == 500, failed.value
+    assert failed.value.message.startswith("structured output failed: the grammar rejects a resumed token")
+
+
 def test_a_backend_without_token_ids_is_not_resumed() -> None:
     """Deltas without ``tokens`` (a backend that cannot resume): after content, the failure goes to the client."""
 

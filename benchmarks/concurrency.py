@@ -39,7 +39,7 @@ from pathlib import Path
 
 import httpx
 
-from meshgate.gateway.bench import percentile  # the nearest-rank quantile `meshgate bench` reports
+from meshgate.gateway.cli.bench import percentile  # the nearest-rank quantile `meshgate bench` reports
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))

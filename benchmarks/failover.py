@@ -61,7 +61,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.concurrency import PROMPTS  # noqa: E402  (the repository root first, for tests.* and benchmarks.*)
-from meshgate.gateway.bench import percentile  # noqa: E402
+from meshgate.gateway.cli.bench import percentile  # noqa: E402
 
 MODEL = "gemma3:270m"
 N_CTX = 2048

@@ -75,7 +75,7 @@ from benchmarks.concurrency import (  # noqa: E402  (the repository root first, 
     packaged_gguf,
     run_level,
 )
-from meshgate.gateway.bench import percentile  # noqa: E402
+from meshgate.gateway.cli.bench import percentile  # noqa: E402
 
 MODEL = "gemma3:270m"
 N_CTX = 4096  # room for a conversation's sixth turn and an agent's long system prompt
@@ -292,7 +292,7 @@ def _count(run: PrefixRun, usage: dict, reusable: int) -> None:
 def routing_cost(replicas: int, n: int = 20000) -> tuple[float, float]:
     """Microseconds per request: (request_routing + route with affinity, route without a key)."""
     from meshgate.gateway.cluster.routing import Replica, route
-    from meshgate.gateway.dispatch import request_routing
+    from meshgate.gateway.serving.dispatch import request_routing
     from meshgate.protocols.model import Message, Request, TextPart
 
     pool = [Replica(f"{n:012x}", n % 4) for n in range(replicas)]

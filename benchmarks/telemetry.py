@@ -140,7 +140,7 @@ def in_process(requests: int = 20000, tokens: int = 200000) -> None:
     import logging
     import tempfile
 
-    from meshgate.gateway.streams import chain as _chain
+    from meshgate.gateway.serving.streams import chain as _chain
     from meshgate.gateway.telemetry import logs
     from meshgate.gateway.telemetry.metrics import GatewayMetrics
     from meshgate.gateway.telemetry.middleware import RequestTelemetry

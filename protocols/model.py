@@ -214,7 +214,7 @@ class Request(_Frozen, frozen=True):
     ``resume`` continues a generation whose replica failed mid-stream: the token ids it had generated (as its
     deltas' ``tokens`` carried them). A backend that can resume takes them as its own output (they count toward
     ``max_tokens``, the grammar and stop strings see them), sends their events again, then generates the rest;
-    the gateway skips the events its client already has (``gateway.resume``).
+    the gateway skips the events its client already has (``gateway.serving.resume``).
     """
 
     model: str

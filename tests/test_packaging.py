@@ -37,17 +37,18 @@ def test_the_wheel_holds_only_the_meshgate_package(tmp_path):
     assert tops == {"meshgate"}
     assert {
         "meshgate/__init__.py",
-        "meshgate/gateway/app.py",
+        "meshgate/gateway/http/app.py",
+        "meshgate/gateway/cli/__main__.py",
         "meshgate/backends/runner/bindshim.c",
         "meshgate/protocols/model.py",
         "meshgate/plugins/hookspecs.py",
-        "meshgate/gateway/ui/index.html",  # the dashboard (package data)
-        "meshgate/gateway/ui/dashboard.js",
-        "meshgate/gateway/ui/wire.js",
-        "meshgate/gateway/ui/dashboard.css",
+        "meshgate/gateway/http/ui/index.html",  # the dashboard (package data)
+        "meshgate/gateway/http/ui/dashboard.js",
+        "meshgate/gateway/http/ui/wire.js",
+        "meshgate/gateway/http/ui/dashboard.css",
     } <= set(names)
     entry = zipfile.ZipFile(wheel).read(next(n for n in names if n.endswith("entry_points.txt"))).decode()
-    assert "meshgate = meshgate.gateway.cli:main" in entry and "meshgate.plugins.builtin" in entry
+    assert "meshgate = meshgate.gateway.cli.commands:main" in entry and "meshgate.plugins.builtin" in entry
 
 
 def test_the_public_api_is_one_import():

@@ -7,7 +7,7 @@ nothing. Compared with ``hmac.compare_digest``.
 
 How it travels:
 
-- The control plane (``gateway.runtime``) learns the cluster's secret (the operator's
+- The control plane (``gateway.http.runtime``) learns the cluster's secret (the operator's
   ``MESHGATE_CLUSTER_SECRET``, else the one the state store keeps, else this process's random one) and calls
   ``use(secret)`` once at start; ``current()`` is that value, or a random one made once per process when nobody
   called ``use`` (so a test that launches and connects in one process still matches itself).

@@ -41,7 +41,6 @@ from meshgate.gateway.cluster import lifecycle
 from meshgate.gateway.cluster.node import describe_node, measure_flops
 from meshgate.gateway.cluster.records import Failed, Instance, RunnerState, RunnerStatus
 from meshgate.gateway.cluster.store import StateStore
-from meshgate.gateway.cluster.ticks import tick_once_a_second
 from meshgate.gateway.telemetry.instruments import exposition
 from meshgate.gateway.telemetry.node_metrics import NodeMetrics
 
@@ -71,8 +70,10 @@ class NodeAgent:
         memory: int | None = None,
         flops: float | None = None,
         secret: str | None = None,
+        tune_server: Callable[[Any], None] = lambda server: None,
     ) -> None:
         self.store = store
+        self.tune_server = tune_server  # applied to the probe server (a uvicorn.Server) before it starts
         self.secret = secret or cluster_secret.current()
         self.backends = list(backends)
         self.resolve = resolve
@@ -382,7 +383,7 @@ class NodeAgent:
         _quiet_probes()
         self._server = uvicorn.Server(config)
         self._server.install_signal_handlers = lambda: None
-        tick_once_a_second(self._server)  # an idle agent wakes once a second, not ten times
+        self.tune_server(self._server)
         self._tasks.append(asyncio.create_task(self._server.serve(sockets=[sock]), name=PROBES_TASK))
 
 

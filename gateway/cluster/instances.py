@@ -16,7 +16,7 @@ Deleting an instance (by the API, ``keep_alive`` expiry, Ollama's unload) lowers
 **Drain.** ``drain`` stops routing to a replica at once (state ``Draining``: ``_pick`` takes only ready ones, on
 every gateway, as each sees the store change) and lets what runs on it finish: the reconcile loop deletes it when
 no gateway runs or queues anything on it, or when its grace period ends (streams still running then lose their
-runner and resume on another replica, ``gateway.resume``). ``DELETE /instances/{id}`` and the autoscaler drain;
+runner and resume on another replica, ``gateway.serving.resume``). ``DELETE /instances/{id}`` and the autoscaler drain;
 a node whose agent got ``SIGTERM`` says ``draining_until`` in its record, and each replica on it drains until
 then while a replacement is placed elsewhere (nothing new is planned on a draining node).
 A deployment's ``min_replicas``/``max_replicas`` bound its autoscaling, which ``scale``

@@ -13,7 +13,8 @@ hash (``gateway.cluster.store``); a gateway that stops publishing drops out afte
 ``view(id)`` gives the cluster-wide figures shown by ``/cluster``, ``meshgate ps`` and ``/ui``: running,
 queued, tokens/s (the change of the summed token counts over the last ``RATE_WINDOW`` seconds) and prefix hits.
 
-Imports the standard library, msgspec and the gateway's admission and store modules.
+Imports the standard library, msgspec and the store modules; the admission gate it reads is the ``Queues`` it is
+given (``gateway.serving.admission.Admission``), so the control room never imports the serving one.
 """
 
 from __future__ import annotations
@@ -24,16 +25,36 @@ import logging
 import time
 import uuid
 from collections import deque
+from collections.abc import Mapping
+from typing import Protocol
 
 import msgspec
 
-from meshgate.gateway.admission import Admission
 from meshgate.gateway.cluster.records import LoadReport
 from meshgate.gateway.cluster.store import StateStore
 
-__all__ = ["IDLE_PERIOD", "PERIOD", "RATE_WINDOW", "LoadBoard", "ReplicaLoad", "Tally"]
+__all__ = ["IDLE_PERIOD", "PERIOD", "RATE_WINDOW", "LoadBoard", "Queues", "ReplicaLoad", "Tally"]
 
 log = logging.getLogger("meshgate.loads")
+
+
+class QueueCounts(Protocol):
+    """One instance's queue at this gateway: requests generating and requests waiting."""
+
+    @property
+    def active(self) -> int: ...
+
+    @property
+    def queued(self) -> int: ...
+
+
+class Queues(Protocol):
+    """What the board reads of this gateway's admission gate, per instance."""
+
+    def load(self, instance_id: str) -> QueueCounts: ...
+
+    def loads(self) -> Mapping[str, QueueCounts]: ...
+
 
 PERIOD = 0.25
 """Seconds between a gateway's publications (and reads) of the shared load while it has requests in flight."""
@@ -69,7 +90,7 @@ class Tally:
 class LoadBoard:
     """This gateway's view of every instance's load, and its share of it published for the others."""
 
-    def __init__(self, store: StateStore, admission: Admission, *, gateway_id: str | None = None) -> None:
+    def __init__(self, store: StateStore, admission: Queues, *, gateway_id: str | None = None) -> None:
         self.store = store
         self.admission = admission
         self.gateway_id = gateway_id or uuid.uuid4().hex[:12]

@@ -1,6 +1,6 @@
 """Log output for ``meshgate serve`` and ``meshgate node``: text lines, or one JSON object per line.
 
-``configure(level, fmt)`` sets up the root logger once (uvicorn's loggers propagate to it; ``gateway.cli`` runs
+``configure(level, fmt)`` sets up the root logger once (uvicorn's loggers propagate to it; ``gateway.cli.commands`` runs
 uvicorn without a logging config of its own), so ``fmt="json"`` (``--log-format json``, ``MESHGATE_LOG_FORMAT``)
 turns every line the process writes into JSON::
 

@@ -1,6 +1,6 @@
 """What a generation's event stream tells the request's telemetry record, noted as the stream passes.
 
-``gateway.streams.relay`` calls ``note`` for the events it watches: every event until the first token (its
+``gateway.serving.streams.relay`` calls ``note`` for the events it watches: every event until the first token (its
 time), then only ``Usage`` and the end (one set lookup per event); the deltas after the first token are counted,
 not looked at, and ``note_relayed`` turns that count into the generated tokens of a stream that ended without
 its final ``Usage`` (its client went away, or it failed).

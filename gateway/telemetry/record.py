@@ -5,7 +5,7 @@ response carries in ``x-request-id``) and reads it when the response is done, fo
 metrics. In between, the code that knows a fact writes it: the auth guard's caller is read from the connection
 state; the dispatcher notes the model asked for (``note_model``) and, for a generation, the instance, the first
 token's time, the last ``Usage`` (or, for a stream that did not finish, the deltas it relayed) and how the
-stream ended (``gateway.streams.relay``, through ``telemetry.observe``). Tasks a request starts copy the
+stream ended (``gateway.serving.streams.relay``, through ``telemetry.observe``). Tasks a request starts copy the
 context, so they see the same record; code that runs outside a request sees ``None``.
 
 Imports the standard library only.
@@ -61,7 +61,7 @@ class RequestRecord:
         self.first_token_at: float | None = None  # perf_counter of the first generated token (text, reasoning, tool)
         self.ended_at: float | None = None  # perf_counter of the stream's end (its terminal event)
         self.error: str | None = None  # why a stream that had started failed (the status was sent already)
-        self.resumes = 0  # times the stream moved to another replica after its own failed (``gateway.resume``)
+        self.resumes = 0  # times the stream moved to another replica after its own failed (``gateway.serving.resume``)
         self.resume_wait = 0.0  # seconds the client waited for those moves
 
     def finished(self, scope: Any, status: int, error_body: bytes, protocol: str) -> None:

@@ -1,6 +1,6 @@
 """``GET /metrics``: the gateway's metrics in Prometheus text format (OpenMetrics when the scraper asks for it).
 
-Admin scope, as every route that says nothing (``gateway.auth``): with keys configured the scraper presents an
+Admin scope, as every route that says nothing (``gateway.auth.guard``): with keys configured the scraper presents an
 admin key (``authorization: Bearer``); without keys it is open, as every route is. Not in the OpenAPI schema.
 """
 

@@ -1,4 +1,4 @@
-"""Key records and sliding-window counters (``gateway.cluster.accounts``), in memory and in a real Redis."""
+"""Key records and sliding-window counters (``gateway.auth.keys``), in memory and in a real Redis."""
 
 from __future__ import annotations
 
@@ -7,9 +7,9 @@ import uuid
 
 import pytest
 
-from meshgate.gateway.auth import digest, mint
-from meshgate.gateway.cluster import accounts as accounts_module
-from meshgate.gateway.cluster.accounts import MemoryAccounts, RedisAccounts
+from meshgate.gateway.auth import keys as accounts_module
+from meshgate.gateway.auth.guard import digest, mint
+from meshgate.gateway.auth.keys import MemoryAccounts, RedisAccounts
 
 
 @pytest.fixture(params=["memory", "redis"])

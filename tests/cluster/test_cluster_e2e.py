@@ -314,7 +314,7 @@ def test_deleting_a_busy_instance_drains_it(cluster):
 
 def test_node_loss_moves_in_flight_requests_and_replaces(cluster):
     """The only replica's node dies mid-stream: the instance is re-placed on the other node and the stream goes on
-    there from the tokens it had sent (``gateway.resume``), ending as a whole answer."""
+    there from the tokens it had sent (``gateway.serving.resume``), ending as a whole answer."""
     gateway, agents, _ = cluster
     for old in httpx.get(f"{gateway.url}/instances").json():
         httpx.delete(f"{gateway.url}/instances/{old['id']}")

@@ -151,7 +151,7 @@ def test_preview_memory_matches_what_the_processes_hold(split):
 def test_worker_killed_mid_generation_hands_the_streams_on(split):
     """A greedy stream in each protocol, all three generating when the RPC worker is killed: the head runner dies
     with it, the instance is re-placed (one kill and one re-placement for the three) and each stream goes on there
-    from the tokens it had sent (``gateway.resume``): every SDK gets its whole answer, the undisturbed text."""
+    from the tokens it had sent (``gateway.serving.resume``): every SDK gets its whole answer, the undisturbed text."""
     gateway, _, _ = split
     current = next(i for i in httpx.get(f"{gateway.url}/instances").json() if i["model"] == MODEL)
     current = wait_for(

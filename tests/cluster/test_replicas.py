@@ -9,15 +9,15 @@ import time
 import pytest
 
 from meshgate.backends.placement import ModelSpec, Node, NodeId
-from meshgate.gateway.admission import Admission
 from meshgate.gateway.cluster.instances import InstanceManager, missing_replicas
 from meshgate.gateway.cluster.loads import LoadBoard
 from meshgate.gateway.cluster.planner import MAX_SEQUENCES, auto_sequences
 from meshgate.gateway.cluster.records import Deployment, LoadReport, RunnerStatus
 from meshgate.gateway.cluster.routing import Routing
 from meshgate.gateway.cluster.store import LOAD_STALE, MemoryStore, StateStore
-from meshgate.gateway.dispatch import Catalog
-from meshgate.gateway.runtime import _rank
+from meshgate.gateway.http.runtime import _rank
+from meshgate.gateway.serving.admission import Admission
+from meshgate.gateway.serving.dispatch import Catalog
 from meshgate.plugins.manager import build_plugin_manager
 from meshgate.plugins.settings import Settings
 from meshgate.protocols.model import NoCapacity

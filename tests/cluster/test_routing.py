@@ -1,5 +1,5 @@
 """The routing rule as a table (``gateway.cluster.routing``): affinity under bounded loads, spill, power of two
-choices; and the prefix key of a request (``gateway.dispatch.request_key``). Pure functions, no processes."""
+choices; and the prefix key of a request (``gateway.serving.dispatch.request_key``). Pure functions, no processes."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from meshgate.gateway.cluster.routing import (
     prefix_key,
     route,
 )
-from meshgate.gateway.dispatch import request_routing
+from meshgate.gateway.serving.dispatch import request_routing
 from meshgate.protocols.model import Message, Request, TextPart, Tool
 
 SYSTEM = "You are a coding agent. Read the code before you change it. " * 12  # ~700 characters

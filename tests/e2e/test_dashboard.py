@@ -28,8 +28,8 @@ from selenium.webdriver.common.by import By
 from selenium.webdriver.support import expected_conditions
 from selenium.webdriver.support.ui import WebDriverWait
 
-from meshgate.gateway.app import create_app
-from meshgate.gateway.routes.ui import UI_DIR
+from meshgate.gateway.http.app import create_app
+from meshgate.gateway.http.routes.ui import UI_DIR
 from meshgate.plugins.manager import build_plugin_manager
 from meshgate.plugins.settings import Settings
 from tests.cluster.redis_server import RedisServer

@@ -2,7 +2,7 @@
 clients").
 
 Schemathesis reads ``/schema/openapi.json`` from a ``meshgate serve`` subprocess with only the scripted backend (so
-answers are instant) and, for every endpoint in ``gateway.openapi_bodies.BODIES``, sends ``POSITIVE`` bodies
+answers are instant) and, for every endpoint in ``gateway.http.openapi_bodies.BODIES``, sends ``POSITIVE`` bodies
 (valid per the wire Struct's schema) and ``NEGATIVE`` ones (each breaks it somewhere). Most bodies name a model
 the gateway has (``aim``), so they get past the unknown-model 404 into translation, dispatch and encoding.
 
@@ -26,7 +26,7 @@ import schemathesis
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
-from meshgate.gateway.openapi_bodies import BODIES
+from meshgate.gateway.http.openapi_bodies import BODIES
 from tests.conftest import Server
 
 POSITIVE = 40

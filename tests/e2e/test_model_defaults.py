@@ -1,5 +1,6 @@
 """A model created with stored parameters and a system prompt (Ollama's Modelfile ``PARAMETER`` and ``SYSTEM``,
-through ``/api/create``) gets them on every request, whichever official SDK sends it (``gateway.model_defaults``).
+through ``/api/create``) gets them on every request, whichever official SDK sends it
+(``gateway.serving.model_defaults``).
 
 The packaged Gemma 3 270M is a base model that never ends a turn by itself; a stored ``stop`` of ``"\\n"`` ends it
 after one line, and that is a plain end of turn in every protocol: OpenAI ``finish_reason`` ``stop``, Anthropic

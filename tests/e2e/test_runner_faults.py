@@ -1,6 +1,6 @@
 """Runner processes under stress: a client that disconnects cancels the generation; a runner killed mid-stream
-hands its streams on to a new runner (``gateway.resume``): each client's stream goes on unbroken with the text an
-undisturbed run gives; with resume off (``MESHGATE_RESUME_WAIT=0``) each protocol gets its mid-stream error, the
+hands its streams on to a new runner (``gateway.serving.resume``): each client's stream goes on unbroken with the text
+an undisturbed run gives; with resume off (``MESHGATE_RESUME_WAIT=0``) each protocol gets its mid-stream error, the
 gateway keeps serving, and the next request starts a fresh runner."""
 
 from __future__ import annotations

@@ -19,7 +19,7 @@ import msgspec
 import pytest
 
 from meshgate.backends.llama_cpp.engine import LlamaEngine
-from meshgate.gateway.resume import resumable
+from meshgate.gateway.serving.resume import resumable
 from meshgate.protocols.model import (
     BackendUnavailable,
     Event,

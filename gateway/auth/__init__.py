@@ -1,0 +1,1 @@
+"""API keys (``keys``: stored hashed, scopes, limits) and the one guard on every route (``guard``)."""

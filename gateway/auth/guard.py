@@ -1,0 +1,189 @@
+"""Who is calling, what they may do, and how much: API keys with scopes, and rate limits, as one Litestar guard.
+
+Every route handler says what it needs in its ``opt`` (router or handler): ``scope`` is ``"public"`` (the
+Ollama probes: ``/``, ``/api/version``), ``"inference"`` (generation, model listings) or ``"admin"`` (the
+cluster API, model create/copy/delete/pull, keys); a handler that says nothing needs ``admin``, so a new route
+cannot be left open by forgetting. ``limited`` marks the generation endpoints the rate limits count.
+
+Keys: the bootstrap keys from the environment (``MESHGATE_API_KEYS``, admin) and keys made with
+``meshgate keys create`` / ``POST /keys`` (stored hashed, ``gateway.auth.keys``), presented as
+``Authorization: Bearer <key>`` or ``x-api-key``. Auth is on as soon as any key exists; without keys every
+route is open (the gateway binds to loopback unless told otherwise, see ``gateway.cli.commands``). Every presented
+credential is tried (constant-time comparisons); the first valid one names the caller, so a valid key beside a
+made-up ``Authorization`` header still counts against its own key.
+
+Limits: per key, ``rpm`` requests per minute (else ``MESHGATE_RATE_LIMIT``) and ``tpm`` tokens per minute;
+callers without a valid key are counted by client address only (whatever they send), with
+``MESHGATE_RATE_LIMIT``. Windows slide (``gateway.auth.keys``) and live in the state store's Redis when
+there is one, so every gateway shares them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import hmac
+import secrets
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from litestar.connection import ASGIConnection
+from litestar.handlers.base import BaseRouteHandler
+
+from meshgate.gateway.auth.keys import Accounts, ApiKey, Scope, retry_after
+from meshgate.protocols.model import AuthenticationFailed, PermissionDenied, RateLimited, Usage
+
+__all__ = ["Caller", "KeyRing", "authorize", "caller_of"]
+
+KEY_PREFIX = "mg"
+
+
+@dataclass(frozen=True)
+class Caller:
+    """A request's caller: ``bucket`` names its line in the queue and its rate-limit windows."""
+
+    bucket: str  # "key:<id>", "boot:<n>" or "addr:<client address>"
+    scope: Scope | None = None  # None: no valid key
+    models: frozenset[str] = frozenset()  # the models it may use; empty: all
+    rpm: int = 0
+    tpm: int = 0
+
+    def may_use(self, model: str) -> bool:
+        """A model outside the key's list is answered as unknown (as OpenAI does), never as forbidden."""
+        return not self.models or model in self.models
+
+
+def digest(key: str) -> str:
+    return hashlib.sha256(key.encode()).hexdigest()
+
+
+def mint(
+    name: str, scope: Scope = "inference", models: tuple[str, ...] = (), rpm: int = 0, tpm: int = 0
+) -> tuple[str, ApiKey]:
+    """A new key (``mg_<id>_<secret>``, shown once) and the record to store (its digest, not the key)."""
+    key_id = secrets.token_hex(6)
+    key = f"{KEY_PREFIX}_{key_id}_{secrets.token_urlsafe(24)}"
+    return key, ApiKey(
+        id=key_id, name=name, scope=scope, models=models, rpm=rpm, tpm=tpm, created=time.time(), digest=digest(key)
+    )
+
+
+class KeyRing:
+    """Resolves presented credentials against the bootstrap keys and the stored ones; applies the limits."""
+
+    def __init__(self, accounts: Accounts, bootstrap: tuple[str, ...] = (), rate_limit: int = 0) -> None:
+        self.accounts = accounts
+        self._bootstrap = [digest(k) for k in bootstrap]
+        self.rate_limit = rate_limit
+        self._stored: tuple[float, bool] = (0.0, False)  # (checked at, any stored key)
+        self._spending: set[asyncio.Task[None]] = set()
+
+    async def enabled(self) -> bool:
+        """Whether any key exists (then every non-public route needs one). Stored keys are re-counted at most
+        once a second."""
+        if self._bootstrap:
+            return True
+        checked, any_key = self._stored
+        if time.monotonic() - checked > 1.0:
+            any_key = bool(await self.accounts.keys())
+            self._stored = (time.monotonic(), any_key)
+        return any_key
+
+    def forget(self) -> None:
+        """Re-count stored keys at the next request (one was just made or revoked here)."""
+        self._stored = (0.0, False)
+
+    async def identify(self, connection: ASGIConnection) -> Caller:
+        for presented in _credentials(connection):
+            found = await self._match(presented)
+            if found is not None:
+                return found
+        return Caller(bucket=f"addr:{connection.client.host if connection.client else '-'}", rpm=self.rate_limit)
+
+    async def _match(self, presented: str) -> Caller | None:
+        hashed = digest(presented)
+        boot = [hmac.compare_digest(hashed, known) for known in self._bootstrap]  # all compared, no early exit
+        if any(boot):
+            return Caller(bucket=f"boot:{boot.index(True)}", scope="admin", rpm=self.rate_limit)
+        parts = presented.split("_")
+        if len(parts) < 3 or parts[0] != KEY_PREFIX:
+            return None
+        key = await self.accounts.get_key(parts[1])
+        if key is None or not hmac.compare_digest(hashed, key.digest):
+            return None
+        return Caller(
+            bucket=f"key:{key.id}",
+            scope=key.scope,
+            models=frozenset(key.models),
+            rpm=key.rpm or self.rate_limit,
+            tpm=key.tpm,
+        )
+
+    async def admit(self, caller: Caller) -> None:
+        """Count one request against the caller's windows; ``RateLimited`` when a window is full."""
+        if caller.tpm:
+            _, spent = await self.accounts.window(f"tokens:{caller.bucket}", 0, 0)
+            if spent >= caller.tpm:
+                raise RateLimited(
+                    f"token limit reached: {caller.tpm} tokens per minute; retry later",
+                    retry_after=retry_after(spent, 1, caller.tpm),
+                )
+        if caller.rpm:
+            counted, count = await self.accounts.window(f"requests:{caller.bucket}", 1, caller.rpm)
+            if not counted:
+                raise RateLimited(
+                    f"rate limit reached: {caller.rpm} requests per minute; retry later",
+                    retry_after=retry_after(count, 1, caller.rpm),
+                )
+
+    def meter(self, caller: Caller) -> Callable[[Usage], None]:
+        """A callback that adds a finished stream's usage to the caller's token window (in the background)."""
+
+        def spend(usage: Usage) -> None:
+            task = asyncio.ensure_future(self.spend(caller, usage.prompt_tokens + usage.completion_tokens))
+            self._spending.add(task)
+            task.add_done_callback(self._spending.discard)
+
+        return spend
+
+    async def spend(self, caller: Caller, tokens: int) -> None:
+        """Add a finished request's prompt and generated tokens to the caller's token window."""
+        if caller.tpm and tokens > 0:
+            await self.accounts.window(f"tokens:{caller.bucket}", tokens, 0)
+
+
+def _credentials(connection: ASGIConnection) -> list[str]:
+    """Every key the request presents: ``Authorization: Bearer`` and ``x-api-key`` (in that order)."""
+    found = []
+    bearer = connection.headers.get("authorization", "")
+    if bearer[:7].lower() == "bearer " and bearer[7:].strip():
+        found.append(bearer[7:].strip())
+    api_key = connection.headers.get("x-api-key", "").strip()
+    if api_key:
+        found.append(api_key)
+    return found[:2]
+
+
+async def authorize(connection: ASGIConnection, handler: BaseRouteHandler) -> None:
+    """The guard on every route: the caller (on ``connection.state.caller``), its scope, then its limits."""
+    needs = handler.opt.get("scope", "admin")
+    if needs == "public":
+        return
+    ring: KeyRing = connection.app.state.keyring
+    caller = await ring.identify(connection)
+    connection.state.caller = caller
+    if await ring.enabled():
+        if caller.scope is None:
+            raise AuthenticationFailed(
+                "invalid or missing API key: pass it as 'Authorization: Bearer <key>' or 'x-api-key: <key>'"
+            )
+        if needs == "admin" and caller.scope != "admin":
+            raise PermissionDenied("this endpoint needs an admin key; this key's scope is 'inference'")
+    if handler.opt.get("limited"):
+        await ring.admit(caller)
+
+
+def caller_of(connection: ASGIConnection) -> Caller:
+    """The caller ``authorize`` found for this request."""
+    return connection.state.caller

@@ -1,0 +1,145 @@
+"""What every protocol's handlers share: the dispatcher, request metadata, auth, responses."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+from litestar import Request as HttpRequest
+from litestar import Response
+from litestar.exceptions import HTTPException
+from litestar.response import Stream
+
+from meshgate.gateway.auth.guard import caller_of
+from meshgate.gateway.http.routes.stream import CoalescedStream
+from meshgate.gateway.serving.dispatch import Dispatcher
+from meshgate.gateway.serving.streams import aclose
+from meshgate.protocols import model
+from meshgate.protocols.model import Event, GatewayError, Meta, ModelInfo
+
+JSON = "application/json"
+
+
+def dispatcher_of(request: HttpRequest) -> Dispatcher:
+    return request.app.state.dispatcher
+
+
+def new_meta(model: str) -> Meta:
+    return Meta(id=uuid.uuid4().hex[:24], model=model, created=time.time())
+
+
+def model_infos(dispatcher: Dispatcher, request: HttpRequest | None = None) -> list[ModelInfo]:
+    """The models to list; only those the caller's key may use when it has a list."""
+    allowed = may_use(request) if request is not None else None
+    return [
+        ModelInfo(
+            name=c.name,
+            created=c.created,
+            size=c.size,
+            digest=c.digest,
+            format=c.format,
+            family=c.family,
+            parameter_size=c.parameter_size,
+            quantization=c.quantization,
+            context_length=c.context_length,
+        )
+        for c in dispatcher.models()
+        if allowed is None or allowed(c.name)
+    ]
+
+
+def who(request: HttpRequest) -> dict[str, Any]:
+    """``open_stream``'s view of the caller ``gateway.auth.guard.authorize`` found: its line in the queue, the models
+    its key may use, and (with a token budget) where its usage is counted."""
+    caller = caller_of(request)
+    meter = request.app.state.keyring.meter(caller) if caller.tpm else None
+    return {"caller": caller.bucket, "may_use": may_use(request), "on_usage": meter}
+
+
+def may_use(request: HttpRequest) -> Callable[[str], bool] | None:
+    """The caller's model filter (``None``: every model)."""
+    caller = caller_of(request)
+    return caller.may_use if caller.models else None
+
+
+class ClientGone(HTTPException):
+    """The client disconnected before its answer was complete; no one reads the response."""
+
+    status_code = 499  # nginx's "client closed request"
+
+
+async def collect_or_cancel(request: HttpRequest, opening: Awaitable[AsyncIterator[Event]]) -> model.Response:
+    """``protocols.model.collect`` of the stream ``opening`` gives, for a non-streaming answer, cancelled if the
+    client disconnects first: while the request waits for its model or its turn in the queue (it leaves the
+    queue), or while the answer is generated (the generation stops).
+
+    Litestar does not cancel a handler when its client goes (a streaming response notices when a write fails), so
+    the request's ASGI receive channel is watched for ``http.disconnect`` meanwhile; closing the event stream
+    closes the runner's stream, which cancels the generation on the runner.
+
+    Raises:
+        ClientGone: the client disconnected first.
+        GatewayError: as ``Dispatcher.open_stream`` and ``protocols.model.collect``.
+    """
+
+    async def answer() -> model.Response:
+        events = await opening
+        try:
+            return await model.collect(events)
+        finally:
+            await aclose(events)  # releases the runner's stream (a no-op once it ended)
+
+    collecting = asyncio.ensure_future(answer())
+    watching = asyncio.ensure_future(_disconnect(request))
+    try:
+        await asyncio.wait({collecting, watching}, return_when=asyncio.FIRST_COMPLETED)
+        if collecting.done():
+            return collecting.result()
+        raise ClientGone(detail="the client disconnected before the answer was complete")
+    finally:
+        for task in (collecting, watching):
+            if not task.done():
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+        # the task holds its exception, whose traceback holds this frame, which holds the task: without this
+        # cycle break every refused request (its body, its messages) stays until a garbage collection
+        del collecting, watching, task
+
+
+async def _disconnect(request: HttpRequest) -> None:
+    """Return when the client disconnects (the body was read already: nothing else comes on the channel)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+def json_response(body: bytes, status: int = 200) -> Response[bytes]:
+    return Response(body, status_code=status, media_type=JSON)
+
+
+def stream_response(chunks: AsyncIterator[bytes], media_type: str) -> Stream:
+    """A streamed 200 whose ready chunks are written together (``gateway.http.routes.stream``)."""
+    return CoalescedStream(
+        chunks, status_code=200, media_type=media_type, headers={"cache-control": "no-cache", "x-accel-buffering": "no"}
+    )
+
+
+def error_response(exc: Exception, status: int, body: bytes) -> Response[bytes]:
+    """An error body with the headers SDKs read (``retry-after`` for 429; OAI-61, ANT-48)."""
+    retry_after = getattr(exc, "retry_after", None)
+    headers = {"retry-after": str(max(1, round(retry_after)))} if retry_after else None
+    return Response(body, status_code=status, media_type=JSON, headers=headers)
+
+
+def error_handler(render: Callable[[GatewayError], tuple[int, bytes]]):
+    """A Litestar exception handler that renders ``GatewayError`` in one protocol's envelope."""
+
+    def handle(_: HttpRequest, exc: Exception) -> Response[bytes]:
+        status, body = render(exc)  # type: ignore[arg-type]  # registered for GatewayError only
+        return error_response(exc, status, body)
+
+    return handle

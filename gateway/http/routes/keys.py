@@ -1,0 +1,87 @@
+"""The keys API (admin scope): ``GET /keys``, ``POST /keys``, ``DELETE /keys/{id}``. ``meshgate keys`` uses it.
+
+A made key is shown once, in the ``POST`` answer; listings show the records (id, name, scope, models, limits),
+never a key or its digest. Errors use OpenAI's envelope, as the cluster API does.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import msgspec
+from litestar import Request as HttpRequest
+from litestar import Response, Router, delete, get, post
+
+from meshgate.gateway.auth.guard import KeyRing, mint
+from meshgate.gateway.auth.keys import ApiKey, Scope
+from meshgate.gateway.http.routes.common import error_handler, json_response
+from meshgate.protocols import openai
+from meshgate.protocols.model import GatewayError, NotFound, decode_body
+
+_Name = Annotated[str, msgspec.Meta(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9][A-Za-z0-9_.@ -]*$")]
+_Limit = Annotated[int, msgspec.Meta(ge=0, le=10**9)]
+
+
+class CreateKey(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    name: _Name
+    scope: Scope = "inference"
+    models: tuple[Annotated[str, msgspec.Meta(min_length=1, max_length=256)], ...] = ()
+    rpm: _Limit = 0
+    tpm: _Limit = 0
+
+
+class KeyView(msgspec.Struct, frozen=True, kw_only=True):
+    """A stored key as listed: everything but its digest."""
+
+    id: str
+    name: str
+    scope: Scope
+    models: tuple[str, ...]
+    rpm: int
+    tpm: int
+    created: float
+
+
+class NewKey(KeyView, frozen=True, kw_only=True):
+    key: str  # shown once
+
+
+def _view(key: ApiKey) -> dict:
+    return {name: getattr(key, name) for name in KeyView.__struct_fields__}
+
+
+def _ring(request: HttpRequest) -> KeyRing:
+    return request.app.state.keyring
+
+
+@get("/keys", summary="API keys (never the keys themselves)")
+async def list_keys(request: HttpRequest) -> Response[bytes]:
+    keys = await _ring(request).accounts.keys()
+    return json_response(msgspec.json.encode({"keys": [KeyView(**_view(k)) for k in keys]}))
+
+
+@post("/keys", summary="Make an API key; the answer is the only time it is shown", status_code=201)
+async def create_key(request: HttpRequest) -> Response[bytes]:
+    wire = decode_body(await request.body(), CreateKey)
+    secret, record = mint(wire.name, wire.scope, wire.models, wire.rpm, wire.tpm)
+    ring = _ring(request)
+    await ring.accounts.put_key(record)
+    ring.forget()
+    return json_response(msgspec.json.encode(NewKey(**_view(record), key=secret)), status=201)
+
+
+@delete("/keys/{key_id:str}", summary="Revoke an API key", status_code=204)
+async def revoke_key(request: HttpRequest, key_id: str) -> None:
+    ring = _ring(request)
+    if not await ring.accounts.delete_key(key_id):
+        raise NotFound(f"no key with id {key_id!r}", param="key_id")
+    ring.forget()
+
+
+router = Router(
+    path="/",
+    route_handlers=[list_keys, create_key, revoke_key],
+    exception_handlers={GatewayError: error_handler(openai.error_body)},
+    tags=["keys"],
+    opt={"scope": "admin"},
+)

@@ -1,0 +1,108 @@
+"""OpenAI API handlers, served with and without the ``/v1`` prefix (OAI-7).
+
+``GET /v1/models`` is shared with Anthropic clients, who always send ``anthropic-version``: they get
+Anthropic's listing shape and error envelope, everyone else OpenAI's.
+"""
+
+from __future__ import annotations
+
+from urllib.parse import unquote
+
+from litestar import Request as HttpRequest
+from litestar import Response, Router, get, post
+
+from meshgate.gateway.http.routes.common import (
+    collect_or_cancel,
+    dispatcher_of,
+    error_response,
+    json_response,
+    may_use,
+    model_infos,
+    new_meta,
+    stream_response,
+    who,
+)
+from meshgate.gateway.serving.context_fit import Fit
+from meshgate.protocols import anthropic, openai, openai_completions, openai_embeddings, openai_responses
+from meshgate.protocols.model import GatewayError, UnknownModel, decode_body
+
+SSE = "text/event-stream"
+
+
+def _is_anthropic(request: HttpRequest) -> bool:
+    return "anthropic-version" in request.headers
+
+
+def render_error(request: HttpRequest, exc: Exception) -> Response[bytes]:
+    status, body = (anthropic if _is_anthropic(request) else openai).error_body(exc)
+    return error_response(exc, status, body)
+
+
+@post(["/v1/chat/completions", "/chat/completions"], status_code=200, opt={"limited": True})
+async def chat_completions(request: HttpRequest) -> Response:
+    wire = decode_body(await request.body(), openai.ChatRequest)
+    internal = openai.chat_to_internal(wire)
+    meta = new_meta(internal.model)
+    opening = dispatcher_of(request).open_stream(internal, **who(request), fit=Fit.PROMPT_AND_OUTPUT)
+    if internal.stream:
+        events = await opening
+        return stream_response(openai.encode_chat_stream(events, meta, include_usage=openai.wants_usage(wire)), SSE)
+    return json_response(openai.encode_chat_response(await collect_or_cancel(request, opening), meta))
+
+
+@post(["/v1/completions"], status_code=200, opt={"limited": True})
+async def completions(request: HttpRequest) -> Response:
+    wire = decode_body(await request.body(), openai_completions.CompletionRequest)
+    internal = openai_completions.completion_to_internal(wire)
+    meta = new_meta(internal.model)
+    opening = dispatcher_of(request).open_stream(internal, **who(request), fit=Fit.PROMPT_AND_OUTPUT)
+    if internal.stream:
+        events = await opening
+        return stream_response(
+            openai_completions.encode_completion_stream(events, meta, include_usage=openai.wants_usage(wire)), SSE
+        )
+    return json_response(openai_completions.encode_completion_response(await collect_or_cancel(request, opening), meta))
+
+
+@post(["/v1/responses", "/responses"], status_code=200, opt={"limited": True})
+async def responses(request: HttpRequest) -> Response:
+    wire = decode_body(await request.body(), openai_responses.ResponsesRequest)
+    internal = openai_responses.responses_to_internal(wire)
+    meta = new_meta(internal.model)
+    opening = dispatcher_of(request).open_stream(internal, **who(request), fit=Fit.PROMPT_AND_OUTPUT)
+    if internal.stream:
+        events = await opening
+        return stream_response(openai_responses.encode_response_stream(events, meta), SSE)
+    return json_response(openai_responses.encode_response(await collect_or_cancel(request, opening), meta))
+
+
+@post(["/v1/embeddings", "/embeddings"], status_code=200, opt={"limited": True})
+async def embeddings(request: HttpRequest) -> Response:
+    wire = decode_body(await request.body(), openai_embeddings.EmbeddingRequest)
+    result = await dispatcher_of(request).embed(openai_embeddings.embeddings_to_internal(wire), may_use(request))
+    return json_response(openai_embeddings.encode_embeddings(result, wire.model, wire.encoding_format))
+
+
+@get(["/v1/models", "/models"], sync_to_thread=False)
+def list_models(request: HttpRequest) -> Response[bytes]:
+    models = model_infos(dispatcher_of(request), request)
+    return json_response((anthropic if _is_anthropic(request) else openai).encode_models(models))
+
+
+@get(["/v1/models/{model_id:path}", "/models/{model_id:path}"], sync_to_thread=False)
+def get_model(request: HttpRequest, model_id: str) -> Response[bytes]:
+    name = unquote(model_id.lstrip("/"))
+    card = dispatcher_of(request).resolve(name, may_use(request))
+    info = next((m for m in model_infos(dispatcher_of(request)) if m.name == card.name), None)
+    if info is None:
+        raise UnknownModel(name)
+    return json_response((anthropic if _is_anthropic(request) else openai).encode_model(info))
+
+
+router = Router(
+    path="/",
+    route_handlers=[chat_completions, completions, responses, embeddings, list_models, get_model],
+    exception_handlers={GatewayError: render_error},
+    tags=["openai"],
+    opt={"scope": "inference"},
+)

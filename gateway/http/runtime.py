@@ -1,0 +1,158 @@
+"""Assemble the control plane for a process from settings and plugins: the store, the catalog, backends, the
+instance manager and (embedded, or as ``meshgate node``) the node agent.
+
+Both ``create_app`` and ``meshgate node`` use it, so a gateway and an agent see the same backends and models.
+
+It also settles the cluster secret that runners and agents demand of callers (``backends.runner.secret``): the
+operator's ``MESHGATE_CLUSTER_SECRET``, else the one in the state store (with Redis, the first process to start
+stores its random one and every later gateway and agent reads it; in memory, this process's random one).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+import httpx
+import pluggy
+
+from meshgate.backends.base import Backend, ModelCard, ModelSource
+from meshgate.backends.registry import ModelRegistry
+from meshgate.backends.runner import secret as cluster_secret
+from meshgate.gateway.cluster.agent import NodeAgent
+from meshgate.gateway.cluster.autoscale import Autoscaler, Policy
+from meshgate.gateway.cluster.instances import InstanceManager
+from meshgate.gateway.cluster.loads import LoadBoard
+from meshgate.gateway.cluster.planner import default_rank
+from meshgate.gateway.cluster.store import MemoryStore, RedisStore, StateStore
+from meshgate.gateway.http.ticks import tick_once_a_second
+from meshgate.gateway.serving.admission import Admission
+from meshgate.gateway.serving.dispatch import Catalog, Dispatcher
+from meshgate.gateway.serving.model_defaults import UserModels
+from meshgate.plugins.policy import by_preference
+from meshgate.plugins.settings import Settings
+
+__all__ = ["ControlPlane", "control_plane", "make_store"]
+
+
+def make_store(settings: Settings) -> StateStore:
+    return RedisStore(settings.redis) if settings.redis else MemoryStore()
+
+
+@dataclass
+class ControlPlane:
+    store: StateStore
+    catalog: Catalog
+    backends: list[Backend]
+    plugins: pluggy.PluginManager
+    http: httpx.AsyncClient
+    instances: InstanceManager | None = None
+    agent: NodeAgent | None = None
+    dispatcher: Dispatcher | None = None
+    extra: dict = field(default_factory=dict)
+
+
+@contextlib.asynccontextmanager
+async def control_plane(
+    settings: Settings, plugins: pluggy.PluginManager, *, gateway: bool, agent: bool
+) -> AsyncIterator[ControlPlane]:
+    """Everything a gateway (``gateway=True``) and/or a node agent (``agent=True``) needs, started and closed."""
+    async with httpx.AsyncClient(
+        limits=httpx.Limits(max_connections=256, max_keepalive_connections=64), trust_env=False
+    ) as http:
+        backends: list[Backend] = []
+        sources: list[ModelSource] = []
+        plugins.hook.meshgate_register_backends(register=backends.append, settings=settings, http=http)
+        plugins.hook.meshgate_register_model_sources(register=sources.append, settings=settings)
+        backends = by_preference(backends, settings.backend_preference)
+        catalog = Catalog(sources)
+        await asyncio.to_thread(catalog.refresh)
+        store = make_store(settings)
+        plane = ControlPlane(store=store, catalog=catalog, backends=backends, plugins=plugins, http=http)
+        choose = plugins.hook.meshgate_choose_backend
+        try:
+            secret = settings.cluster_secret or await store.cluster_secret(cluster_secret.current())
+            cluster_secret.use(secret)  # what this process's runners demand and its runner clients present
+            if agent:
+                plane.agent = NodeAgent(
+                    store,
+                    backends,
+                    catalog.resolve,
+                    choose=choose,
+                    name=settings.node_name,
+                    address=settings.cluster_address,
+                    port=settings.agent_port,
+                    heartbeat=settings.heartbeat,
+                    ttl=settings.node_ttl,
+                    memory=settings.node_memory,
+                    probe_every=settings.link_probe_every,
+                    flops=settings.node_flops,
+                    secret=secret,
+                    tune_server=tick_once_a_second,  # an idle agent wakes once a second, not ten times
+                )
+                await plane.agent.start()
+            if gateway:
+
+                def context(backend: Backend, card: ModelCard) -> int | None:
+                    return backend.context(card) or None  # 0: the model's own (the planner reads its spec)
+
+                admission = Admission(settings.parallel, settings.max_queue)
+                loads = LoadBoard(store, admission)
+                plane.instances = InstanceManager(
+                    store,
+                    backends,
+                    resolve=catalog.resolve,
+                    choose=choose,
+                    rank=_rank(plugins),
+                    auto_place=settings.placement != "never",
+                    context=context,
+                    load=loads.load,
+                    holder=loads.gateway_id,
+                    routing=settings.routing,
+                    on_route=loads.routed,
+                    min_replicas=settings.min_replicas,
+                    max_replicas=max(settings.min_replicas, settings.max_replicas),
+                    drain_grace=settings.drain_grace,
+                )
+                policy = Policy(
+                    up_wait=settings.scale_up_wait,
+                    down_idle=settings.scale_down_idle,
+                    cooldown=settings.scale_cooldown,
+                )
+                plane.instances.scale = Autoscaler(plane.instances, policy, loads.view).step
+                await plane.instances.start()
+                await loads.start()
+                plane.dispatcher = Dispatcher(
+                    catalog,
+                    backends,
+                    choose,
+                    plane.instances,
+                    keepalive=settings.keepalive,
+                    admission=admission,
+                    max_tokens=settings.max_tokens,
+                    user_models=UserModels(ModelRegistry.in_data_dir(settings.data_dir)),
+                    loads=loads,
+                    grow_context=settings.grow_context,
+                    resume_wait=settings.resume_wait,
+                )
+            yield plane
+        finally:
+            if plane.dispatcher is not None and plane.dispatcher.loads is not None:
+                await plane.dispatcher.loads.close()
+            if plane.instances is not None:
+                await plane.instances.close()
+            if plane.agent is not None:
+                await plane.agent.close()
+            await store.close()
+
+
+def _rank(plugins: pluggy.PluginManager):
+    """The placement policy: the first plugin that answers ``meshgate_rank_candidates``, else the built-in."""
+
+    def rank(candidates, topology):
+        ranked = plugins.hook.meshgate_rank_candidates(candidates=candidates, topology=topology)
+        return ranked if ranked is not None else default_rank(candidates, topology)
+
+    return rank

@@ -1,0 +1,1 @@
+"""Ollama's model administration (show, ps, copy, delete, create, pull, keep-alive) over the dispatcher."""

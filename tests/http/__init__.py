@@ -1,0 +1,1 @@
+"""The HTTP layer: binding and auth at start-up, coalesced streaming."""

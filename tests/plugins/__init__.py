@@ -1,0 +1,1 @@
+"""The plugin contract, settings and backend choice."""

@@ -1,0 +1,1 @@
+"""The runner hop (``backends.runner``): client, stream, errors, processes, the cluster secret."""

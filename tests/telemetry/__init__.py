@@ -1,0 +1,1 @@
+"""Telemetry in process: the request log, instruments and registries."""

@@ -7,20 +7,16 @@ from litestar import Response, Router, post
 
 from meshgate.gateway.auth.guard import caller_of
 from meshgate.gateway.http.routes.common import (
-    collect_or_cancel,
     dispatcher_of,
     error_handler,
     json_response,
     may_use,
     new_meta,
-    stream_response,
-    who,
+    serve_generation,
 )
 from meshgate.gateway.serving.context_fit import Fit
 from meshgate.protocols import anthropic
 from meshgate.protocols.model import GatewayError, decode_body
-
-SSE = "text/event-stream"
 
 
 @post(["/v1/messages"], status_code=200, opt={"limited": True})
@@ -30,11 +26,13 @@ async def messages(request: HttpRequest) -> Response:
     meta = new_meta(internal.model)
     # only the prompt is checked: clients send max_tokens far beyond small contexts, and the runner caps the
     # output at the room left
-    opening = dispatcher_of(request).open_stream(internal, **who(request), fit=Fit.PROMPT)
-    if internal.stream:
-        events = await opening
-        return stream_response(anthropic.encode_message_stream(events, meta), SSE)
-    return json_response(anthropic.encode_message_response(await collect_or_cancel(request, opening), meta))
+    return await serve_generation(
+        request,
+        internal,
+        fit=Fit.PROMPT,
+        stream=lambda events: anthropic.encode_message_stream(events, meta),
+        whole=lambda answer: anthropic.encode_message_response(answer, meta),
+    )
 
 
 @post(["/v1/messages/count_tokens"], status_code=200)

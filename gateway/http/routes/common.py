@@ -16,12 +16,15 @@ from litestar.response import Stream
 
 from meshgate.gateway.auth.guard import caller_of
 from meshgate.gateway.http.routes.stream import CoalescedStream
+from meshgate.gateway.serving.context_fit import Fit
 from meshgate.gateway.serving.dispatch import Dispatcher
 from meshgate.gateway.serving.streams import aclose
 from meshgate.protocols import model
 from meshgate.protocols.model import Event, GatewayError, Meta, ModelInfo
 
 JSON = "application/json"
+SSE = "text/event-stream"
+NDJSON = "application/x-ndjson"
 
 
 def dispatcher_of(request: HttpRequest) -> Dispatcher:
@@ -115,6 +118,26 @@ async def _disconnect(request: HttpRequest) -> None:
     """Return when the client disconnects (the body was read already: nothing else comes on the channel)."""
     while (await request.receive())["type"] != "http.disconnect":
         pass
+
+
+async def serve_generation(
+    request: HttpRequest,
+    internal: model.Request,
+    *,
+    fit: Fit,
+    stream: Callable[[AsyncIterator[Event]], AsyncIterator[bytes]],
+    whole: Callable[[model.Response], bytes],
+    media_type: str = SSE,
+    clamp_output: bool = False,
+) -> Response:
+    """Every generation handler's tail: open ``internal``'s stream for the caller, then answer with ``stream``'s
+    chunks (a streamed 200) when the client asked to stream, else with ``whole`` of the collected answer.
+
+    ``fit`` is the protocol's context rule and ``clamp_output`` its output rule (``Dispatcher.open_stream``)."""
+    opening = dispatcher_of(request).open_stream(internal, **who(request), fit=fit, clamp_output=clamp_output)
+    if internal.stream:
+        return stream_response(stream(await opening), media_type)
+    return json_response(whole(await collect_or_cancel(request, opening)))
 
 
 def json_response(body: bytes, status: int = 200) -> Response[bytes]:

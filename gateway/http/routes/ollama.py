@@ -18,15 +18,14 @@ from litestar import Request as HttpRequest
 from litestar import Response, Router, get, head, post
 
 from meshgate.gateway.http.routes.common import (
-    collect_or_cancel,
+    NDJSON,
     dispatcher_of,
     error_handler,
     json_response,
     may_use,
     model_infos,
     new_meta,
-    stream_response,
-    who,
+    serve_generation,
 )
 from meshgate.gateway.http.routes.ollama_models import ROUTES as MODEL_ROUTES
 from meshgate.gateway.models import admin as model_admin
@@ -35,7 +34,6 @@ from meshgate.gateway.serving.streams import closing
 from meshgate.protocols import ollama, ollama_embeddings, ollama_models
 from meshgate.protocols.model import GatewayError, Request, decode_body
 
-NDJSON = "application/x-ndjson"
 log = logging.getLogger("meshgate.ollama")
 VERSION = "0.13.0"  # the Ollama API version we follow; clients gate features on it
 
@@ -142,15 +140,20 @@ async def _run(
         return json_response(ollama.encode_load_response(internal.model, meta, unloaded=unload, chat=chat))
     # Ollama's /api/chat drops the oldest turns to fit the context unless told ``truncate: false``
     fit = Fit.DROP_OLDEST if chat and wire.truncate is not False else Fit.PROMPT
-    opening = dispatcher.open_stream(internal, **who(request), fit=fit, clamp_output=True)
-    if internal.stream:
-        events = await opening
-        encode = ollama.encode_chat_stream if chat else ollama.encode_generate_stream
-        return stream_response(_then(encode(events, meta), after), NDJSON)
+    encode = ollama.encode_chat_stream if chat else ollama.encode_generate_stream
     encode_one = ollama.encode_chat_response if chat else ollama.encode_generate_response
-    body = encode_one(await collect_or_cancel(request, opening), meta)
-    await after()
-    return json_response(body)
+    response = await serve_generation(
+        request,
+        internal,
+        fit=fit,
+        clamp_output=True,
+        stream=lambda events: _then(encode(events, meta), after),
+        whole=lambda answer: encode_one(answer, meta),
+        media_type=NDJSON,
+    )
+    if not internal.stream:
+        await after()
+    return response
 
 
 async def _then(lines: AsyncIterator[bytes], after: Callable[[], Awaitable[None]]) -> AsyncIterator[bytes]:

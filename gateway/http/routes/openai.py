@@ -12,21 +12,17 @@ from litestar import Request as HttpRequest
 from litestar import Response, Router, get, post
 
 from meshgate.gateway.http.routes.common import (
-    collect_or_cancel,
     dispatcher_of,
     error_response,
     json_response,
     may_use,
     model_infos,
     new_meta,
-    stream_response,
-    who,
+    serve_generation,
 )
 from meshgate.gateway.serving.context_fit import Fit
 from meshgate.protocols import anthropic, openai, openai_completions, openai_embeddings, openai_responses
 from meshgate.protocols.model import GatewayError, UnknownModel, decode_body
-
-SSE = "text/event-stream"
 
 
 def _is_anthropic(request: HttpRequest) -> bool:
@@ -43,11 +39,13 @@ async def chat_completions(request: HttpRequest) -> Response:
     wire = decode_body(await request.body(), openai.ChatRequest)
     internal = openai.chat_to_internal(wire)
     meta = new_meta(internal.model)
-    opening = dispatcher_of(request).open_stream(internal, **who(request), fit=Fit.PROMPT_AND_OUTPUT)
-    if internal.stream:
-        events = await opening
-        return stream_response(openai.encode_chat_stream(events, meta, include_usage=openai.wants_usage(wire)), SSE)
-    return json_response(openai.encode_chat_response(await collect_or_cancel(request, opening), meta))
+    return await serve_generation(
+        request,
+        internal,
+        fit=Fit.PROMPT_AND_OUTPUT,
+        stream=lambda events: openai.encode_chat_stream(events, meta, include_usage=openai.wants_usage(wire)),
+        whole=lambda answer: openai.encode_chat_response(answer, meta),
+    )
 
 
 @post(["/v1/completions"], status_code=200, opt={"limited": True})
@@ -55,13 +53,14 @@ async def completions(request: HttpRequest) -> Response:
     wire = decode_body(await request.body(), openai_completions.CompletionRequest)
     internal = openai_completions.completion_to_internal(wire)
     meta = new_meta(internal.model)
-    opening = dispatcher_of(request).open_stream(internal, **who(request), fit=Fit.PROMPT_AND_OUTPUT)
-    if internal.stream:
-        events = await opening
-        return stream_response(
-            openai_completions.encode_completion_stream(events, meta, include_usage=openai.wants_usage(wire)), SSE
-        )
-    return json_response(openai_completions.encode_completion_response(await collect_or_cancel(request, opening), meta))
+    usage = openai.wants_usage(wire)
+    return await serve_generation(
+        request,
+        internal,
+        fit=Fit.PROMPT_AND_OUTPUT,
+        stream=lambda events: openai_completions.encode_completion_stream(events, meta, include_usage=usage),
+        whole=lambda answer: openai_completions.encode_completion_response(answer, meta),
+    )
 
 
 @post(["/v1/responses", "/responses"], status_code=200, opt={"limited": True})
@@ -69,11 +68,13 @@ async def responses(request: HttpRequest) -> Response:
     wire = decode_body(await request.body(), openai_responses.ResponsesRequest)
     internal = openai_responses.responses_to_internal(wire)
     meta = new_meta(internal.model)
-    opening = dispatcher_of(request).open_stream(internal, **who(request), fit=Fit.PROMPT_AND_OUTPUT)
-    if internal.stream:
-        events = await opening
-        return stream_response(openai_responses.encode_response_stream(events, meta), SSE)
-    return json_response(openai_responses.encode_response(await collect_or_cancel(request, opening), meta))
+    return await serve_generation(
+        request,
+        internal,
+        fit=Fit.PROMPT_AND_OUTPUT,
+        stream=lambda events: openai_responses.encode_response_stream(events, meta),
+        whole=lambda answer: openai_responses.encode_response(answer, meta),
+    )
 
 
 @post(["/v1/embeddings", "/embeddings"], status_code=200, opt={"limited": True})

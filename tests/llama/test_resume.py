@@ -183,6 +183,43 @@ def test_resumes_side_by_side_go_on_as_the_undisturbed_run(engines) -> None:
     assert texts == [text] * 4
 
 
+def test_a_sampled_resume_goes_on_validly_under_its_schema(engines) -> None:
+    """With sampling (temperature 0.9, seed 11) a resumed stream is not the draw the failed replica would have
+    made, but a valid continuation: what was sent before the cut is kept as sent, the rest follows from it under
+    the same grammar state, so the whole text is JSON its schema accepts, and usage counts every token the client
+    got. The seed moves on by the tokens already sent, so the same cut resumes to the same text."""
+    schema = {
+        "type": "object",
+        "properties": {
+            "name": {"type": "string", "maxLength": 12},
+            "people": {"type": "integer", "minimum": 1, "maximum": 999},
+        },
+        "required": ["name", "people"],
+        "additionalProperties": False,
+    }
+    request = msgspec.structs.replace(
+        CASES["json"],
+        sampling=Sampling(temperature=0.9, seed=11),
+        response_format=ResponseFormat(kind="json_schema", schema=schema),
+        max_tokens=120,
+    )
+    whole = [e for e in _events(engines[0], request) if isinstance(e, CONTENT)]
+    cut = len(whole) // 2
+    assert cut >= 2, whole
+    runs = [asyncio.run(_relayed(engines, request, cut)) for _ in range(2)]
+    texts = ["".join(e.text for e in run if isinstance(e, TextDelta)) for run in runs]
+    sent = [e for e in runs[0] if isinstance(e, CONTENT)]
+    assert [e.text for e in sent[:cut]] == [e.text for e in whole[:cut]]  # the part before the cut, as sent
+    assert runs[0][-1].reason == "stop", (runs[0][-1], texts[0])
+    answer = msgspec.json.decode(texts[0])
+    assert set(answer) == {"name", "people"} and isinstance(answer["people"], int) and 1 <= answer["people"] <= 999
+    assert isinstance(answer["name"], str) and len(answer["name"]) <= 12, answer
+    assert texts[1] == texts[0]  # the seed is carried: the same resume draws the same continuation
+    assert isinstance(runs[0][-1], Finished), runs[0][-1]
+    usage = [e for e in runs[0] if isinstance(e, Usage)][-1]
+    assert usage.completion_tokens >= sum(len(e.tokens) for e in sent) > 0, usage
+
+
 def test_a_resume_its_schema_forbids_is_a_server_error(engines) -> None:
     """Tokens handed on that the response format's grammar rejects (they came from a replica, not the client) fail
     the request as the gateway's own error (500), not as a 4xx that would tell the client to change its body."""

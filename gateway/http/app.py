@@ -1,8 +1,8 @@
 """``create_app(settings, plugins) -> Litestar``: the gateway's HTTP surface.
 
 Routes are thin (see ``gateway.http.routes``); shared resources (the HTTP client for runners, the dispatcher) are
-created in the lifespan and kept on ``app.state``. Errors Litestar raises itself (unknown route, wrong method)
-are rendered in the envelope of the protocol the path belongs to.
+created in the lifespan and kept on ``app.state``. Every error, Litestar's own (unknown route, wrong method)
+included, is rendered by ``gateway.http.errors`` in the envelope of the client's protocol.
 """
 
 from __future__ import annotations
@@ -12,12 +12,12 @@ import logging
 from collections.abc import AsyncIterator
 
 import pluggy
-from litestar import Litestar, Request, Response
-from litestar.exceptions import HTTPException
+from litestar import Litestar
 from litestar.openapi import OpenAPIConfig
 
 from meshgate.gateway.auth.guard import KeyRing, authorize
 from meshgate.gateway.auth.keys import open_accounts
+from meshgate.gateway.http import errors
 from meshgate.gateway.http.openapi_bodies import describe_request_bodies
 from meshgate.gateway.http.routes import anthropic as anthropic_routes
 from meshgate.gateway.http.routes import cluster as cluster_routes
@@ -25,56 +25,15 @@ from meshgate.gateway.http.routes import keys as key_routes
 from meshgate.gateway.http.routes import ollama as ollama_routes
 from meshgate.gateway.http.routes import openai as openai_routes
 from meshgate.gateway.http.routes import ui as ui_routes
-from meshgate.gateway.http.routes.common import error_response
 from meshgate.gateway.http.runtime import control_plane
 from meshgate.gateway.telemetry import route as metrics_route
 from meshgate.gateway.telemetry.metrics import GatewayMetrics
 from meshgate.gateway.telemetry.middleware import RequestTelemetry
 from meshgate.plugins.settings import Settings
-from meshgate.protocols import anthropic, ollama, openai
-from meshgate.protocols.model import MAX_JSON_DEPTH, GatewayError, InvalidRequest, NotFound, RequestTooLarge
 
 __all__ = ["create_app"]
 
 log = logging.getLogger("meshgate")
-
-
-_HUNG_UP = "client disconnected prematurely"  # Litestar's words when the body never fully arrives
-
-
-def _render_for_path(request: Request, exc: Exception) -> Response[bytes]:
-    """Litestar's own errors (no route, bad method) in the envelope of the path's protocol.
-
-    A client that hung up (``ClientGone``, or a body cut off) gets 499, nginx's "client closed request", which
-    no one reads but the request log and the metrics count apart from the client's own mistakes.
-    """
-    override = None
-    if isinstance(exc, HTTPException):
-        if exc.status_code == 499 or exc.detail == _HUNG_UP:
-            err: GatewayError = InvalidRequest(f"the client went away: {exc.detail}")
-            override = 499
-        elif exc.status_code in (404, 405):
-            err = NotFound(f"no such endpoint: {request.method} {request.url.path}")
-        elif exc.status_code == 413:
-            limit = request.app.state.settings.max_body_bytes
-            err = RequestTooLarge(
-                f"the request body is larger than {limit:,} bytes; send less (or raise MESHGATE_MAX_BODY_BYTES)"
-            )
-        else:
-            err = InvalidRequest(str(exc.detail))
-        if exc.status_code == 405:
-            override = 405
-    elif isinstance(exc, GatewayError):
-        err = exc
-    elif isinstance(exc, RecursionError):  # a body Litestar decodes itself (``data:``), nested past the stack
-        err = InvalidRequest(f"request body nests JSON too deeply; at most {MAX_JSON_DEPTH} levels are allowed")
-    else:
-        log.exception("unhandled error on %s", request.url.path, exc_info=exc)
-        err = GatewayError(f"internal error: {type(exc).__name__}")
-    path = request.url.path
-    codec = ollama if path.startswith("/api") else anthropic if path.startswith("/v1/messages") else openai
-    status, body = codec.error_body(err)
-    return error_response(err, override or status, body)
 
 
 def create_app(settings: Settings, plugins: pluggy.PluginManager) -> Litestar:
@@ -112,7 +71,7 @@ def create_app(settings: Settings, plugins: pluggy.PluginManager) -> Litestar:
         ],
         guards=[authorize],  # every route: its scope (admin unless it says otherwise) and limits (gateway.auth.guard)
         lifespan=[lifespan],
-        exception_handlers={Exception: _render_for_path},
+        exception_handlers={Exception: errors.render},  # every error, in the client's protocol's envelope
         openapi_config=OpenAPIConfig(title="meshgate", version="0.1.0", path="/schema"),
         request_max_body_size=settings.max_body_bytes,
         logging_config=None,  # the process's logging is gateway.cli.commands's (text or JSON, gateway.telemetry.logs)

@@ -8,7 +8,6 @@ from litestar import Response, Router, post
 from meshgate.gateway.auth.guard import caller_of
 from meshgate.gateway.http.routes.common import (
     dispatcher_of,
-    error_handler,
     json_response,
     may_use,
     new_meta,
@@ -16,7 +15,7 @@ from meshgate.gateway.http.routes.common import (
 )
 from meshgate.gateway.serving.context_fit import Fit
 from meshgate.protocols import anthropic
-from meshgate.protocols.model import GatewayError, decode_body
+from meshgate.protocols.model import decode_body
 
 
 @post(["/v1/messages"], status_code=200, opt={"limited": True})
@@ -48,7 +47,6 @@ async def count_tokens(request: HttpRequest) -> Response:
 router = Router(
     path="/",
     route_handlers=[messages, count_tokens],
-    exception_handlers={GatewayError: error_handler(anthropic.error_body)},
     tags=["anthropic"],
     opt={"scope": "inference"},
 )

@@ -25,10 +25,8 @@ from meshgate.backends.placement import Candidate, InstanceId, Link, Node, Strat
 from meshgate.gateway.cluster.instances import InstanceManager
 from meshgate.gateway.cluster.loads import ReplicaLoad
 from meshgate.gateway.cluster.records import Deployment, Failed, Instance, Ready, StoreEvent
-from meshgate.gateway.http.routes.common import error_handler
 from meshgate.gateway.serving.admission import Load
-from meshgate.protocols import openai
-from meshgate.protocols.model import GatewayError, InvalidRequest, NotFound
+from meshgate.protocols.model import InvalidRequest, NotFound
 
 
 class InstanceView(Instance, frozen=True):
@@ -236,7 +234,6 @@ router = Router(
         deployments,
         set_bounds,
     ],
-    exception_handlers={GatewayError: error_handler(openai.error_body)},
     tags=["cluster"],
     opt={"scope": "admin"},
 )

@@ -20,7 +20,7 @@ from meshgate.gateway.serving.context_fit import Fit
 from meshgate.gateway.serving.dispatch import Dispatcher
 from meshgate.gateway.serving.streams import aclose
 from meshgate.protocols import model
-from meshgate.protocols.model import Event, GatewayError, Meta, ModelInfo
+from meshgate.protocols.model import Event, Meta, ModelInfo
 
 JSON = "application/json"
 SSE = "text/event-stream"
@@ -156,13 +156,3 @@ def error_response(exc: Exception, status: int, body: bytes) -> Response[bytes]:
     retry_after = getattr(exc, "retry_after", None)
     headers = {"retry-after": str(max(1, round(retry_after)))} if retry_after else None
     return Response(body, status_code=status, media_type=JSON, headers=headers)
-
-
-def error_handler(render: Callable[[GatewayError], tuple[int, bytes]]):
-    """A Litestar exception handler that renders ``GatewayError`` in one protocol's envelope."""
-
-    def handle(_: HttpRequest, exc: Exception) -> Response[bytes]:
-        status, body = render(exc)  # type: ignore[arg-type]  # registered for GatewayError only
-        return error_response(exc, status, body)
-
-    return handle

@@ -14,9 +14,8 @@ from litestar import Response, Router, delete, get, post
 
 from meshgate.gateway.auth.guard import KeyRing, mint
 from meshgate.gateway.auth.keys import ApiKey, Scope
-from meshgate.gateway.http.routes.common import error_handler, json_response
-from meshgate.protocols import openai
-from meshgate.protocols.model import GatewayError, NotFound, decode_body
+from meshgate.gateway.http.routes.common import json_response
+from meshgate.protocols.model import NotFound, decode_body
 
 _Name = Annotated[str, msgspec.Meta(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9][A-Za-z0-9_.@ -]*$")]
 _Limit = Annotated[int, msgspec.Meta(ge=0, le=10**9)]
@@ -81,7 +80,6 @@ async def revoke_key(request: HttpRequest, key_id: str) -> None:
 router = Router(
     path="/",
     route_handlers=[list_keys, create_key, revoke_key],
-    exception_handlers={GatewayError: error_handler(openai.error_body)},
     tags=["keys"],
     opt={"scope": "admin"},
 )

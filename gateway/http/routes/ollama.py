@@ -20,7 +20,6 @@ from litestar import Response, Router, get, head, post
 from meshgate.gateway.http.routes.common import (
     NDJSON,
     dispatcher_of,
-    error_handler,
     json_response,
     may_use,
     model_infos,
@@ -182,7 +181,6 @@ router = Router(
         embeddings,
         *MODEL_ROUTES,
     ],
-    exception_handlers={GatewayError: error_handler(ollama.error_body)},
     tags=["ollama"],
     opt={"scope": "inference"},
 )

@@ -13,7 +13,6 @@ from litestar import Response, Router, get, post
 
 from meshgate.gateway.http.routes.common import (
     dispatcher_of,
-    error_response,
     json_response,
     may_use,
     model_infos,
@@ -22,16 +21,12 @@ from meshgate.gateway.http.routes.common import (
 )
 from meshgate.gateway.serving.context_fit import Fit
 from meshgate.protocols import anthropic, openai, openai_completions, openai_embeddings, openai_responses
-from meshgate.protocols.model import GatewayError, UnknownModel, decode_body
+from meshgate.protocols.model import UnknownModel, decode_body
 
 
 def _is_anthropic(request: HttpRequest) -> bool:
+    """Anthropic's SDKs send ``anthropic-version`` on every call: they get Anthropic's model listing."""
     return "anthropic-version" in request.headers
-
-
-def render_error(request: HttpRequest, exc: Exception) -> Response[bytes]:
-    status, body = (anthropic if _is_anthropic(request) else openai).error_body(exc)
-    return error_response(exc, status, body)
 
 
 @post(["/v1/chat/completions", "/chat/completions"], status_code=200, opt={"limited": True})
@@ -103,7 +98,6 @@ def get_model(request: HttpRequest, model_id: str) -> Response[bytes]:
 router = Router(
     path="/",
     route_handlers=[chat_completions, completions, responses, embeddings, list_models, get_model],
-    exception_handlers={GatewayError: render_error},
     tags=["openai"],
     opt={"scope": "inference"},
 )

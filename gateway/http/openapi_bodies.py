@@ -1,25 +1,25 @@
 """The request bodies of the protocol endpoints, added to the app's OpenAPI schema (``/schema/openapi.json``).
 
 The protocol handlers read the raw body and decode it with ``protocols.model.decode_body`` into a wire Struct
-(so a bad body is a 400 in the protocol's own envelope), which leaves Litestar nothing to describe. ``BODIES``
-names the Struct each ``(method, path)`` decodes; ``describe_request_bodies`` turns those Structs into JSON
-Schema with ``msgspec.json.schema_components`` and sets them as required ``application/json`` bodies, with the
-Structs under ``components/schemas``. Wire Structs are tolerant readers, and so are their schemas: no
-``additionalProperties: false``.
+(so a bad body is a 400 in the protocol's own envelope), which leaves Litestar nothing to describe. So each such
+handler names its Struct where it is declared, in its route's ``opt`` (``@post("/api/chat", opt={"body":
+ollama.ChatRequest})``); ``request_bodies`` collects them from the routers, and ``describe_request_bodies`` turns
+those Structs into JSON Schema with ``msgspec.json.schema_components`` and sets them as required
+``application/json`` bodies, with the Structs under ``components/schemas``. Wire Structs are tolerant readers,
+and so are their schemas: no ``additionalProperties: false``.
 
-A path added to a router with a body belongs in ``BODIES``; ``describe_request_bodies`` fails loudly on a
-path or method the app does not serve, so the map cannot go stale silently.
-
-Imports ``protocols`` wire modules, msgspec and Litestar's OpenAPI spec objects; nothing imports this but
-``gateway.http.app``.
+Imports msgspec, Litestar's OpenAPI spec objects and the protocol routers; nothing imports this but
+``gateway.http.app`` (and the fuzz test, for ``BODIES``).
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import fields
 from typing import Any
 
 import msgspec
+from litestar import Router
 from litestar.openapi.spec import (
     Discriminator,
     OpenAPI,
@@ -31,40 +31,28 @@ from litestar.openapi.spec import (
     Schema,
 )
 
-from meshgate.protocols import (
-    anthropic,
-    ollama,
-    ollama_embeddings,
-    ollama_models,
-    openai,
-    openai_completions,
-    openai_embeddings,
-    openai_responses_request,
-)
+from meshgate.gateway.http.routes import anthropic as anthropic_routes
+from meshgate.gateway.http.routes import ollama as ollama_routes
+from meshgate.gateway.http.routes import openai as openai_routes
 
-__all__ = ["BODIES", "describe_request_bodies"]
+__all__ = ["BODIES", "describe_request_bodies", "request_bodies"]
 
-BODIES: dict[tuple[str, str], type[msgspec.Struct]] = {
-    ("post", "/v1/chat/completions"): openai.ChatRequest,
-    ("post", "/chat/completions"): openai.ChatRequest,
-    ("post", "/v1/completions"): openai_completions.CompletionRequest,
-    ("post", "/v1/responses"): openai_responses_request.ResponsesRequest,
-    ("post", "/responses"): openai_responses_request.ResponsesRequest,
-    ("post", "/v1/embeddings"): openai_embeddings.EmbeddingRequest,
-    ("post", "/embeddings"): openai_embeddings.EmbeddingRequest,
-    ("post", "/v1/messages"): anthropic.MessagesRequest,
-    ("post", "/v1/messages/count_tokens"): anthropic.CountTokensRequest,
-    ("post", "/api/chat"): ollama.ChatRequest,
-    ("post", "/api/generate"): ollama.GenerateRequest,
-    ("post", "/api/embed"): ollama_embeddings.EmbedBody,
-    ("post", "/api/embeddings"): ollama_embeddings.EmbeddingsBody,
-    ("post", "/api/show"): ollama_models.ShowRequest,
-    ("post", "/api/copy"): ollama_models.CopyRequest,
-    ("delete", "/api/delete"): ollama_models.DeleteRequest,
-    ("post", "/api/create"): ollama_models.CreateRequest,
-    ("post", "/api/pull"): ollama_models.PullRequest,
-    ("post", "/api/push"): ollama_models.PullRequest,
-}
+
+def request_bodies(routers: Iterable[Router]) -> dict[tuple[str, str], type[msgspec.Struct]]:
+    """``(method, path)`` -> the wire Struct its handler decodes (its ``opt["body"]``), for every handler of
+    ``routers`` that names one."""
+    bodies: dict[tuple[str, str], type[msgspec.Struct]] = {}
+    for router in routers:
+        for route in router.routes:
+            for handler in getattr(route, "route_handlers", ()):
+                struct = handler.opt.get("body")
+                if struct is not None:
+                    for method in handler.http_methods:
+                        bodies[method.lower(), route.path] = struct
+    return bodies
+
+
+BODIES = request_bodies([openai_routes.router, anthropic_routes.router, ollama_routes.router])
 """``(method, path)`` -> the wire Struct its handler decodes, for every route of ours that reads a body."""
 
 _REF = "#/components/schemas/{name}"

@@ -18,7 +18,7 @@ from meshgate.protocols import anthropic
 from meshgate.protocols.model import decode_body
 
 
-@post(["/v1/messages"], status_code=200, opt={"limited": True})
+@post(["/v1/messages"], status_code=200, opt={"body": anthropic.MessagesRequest, "limited": True})
 async def messages(request: HttpRequest) -> Response:
     wire = decode_body(await request.body(), anthropic.MessagesRequest)
     internal = anthropic.messages_to_internal(wire)
@@ -34,7 +34,7 @@ async def messages(request: HttpRequest) -> Response:
     )
 
 
-@post(["/v1/messages/count_tokens"], status_code=200)
+@post(["/v1/messages/count_tokens"], status_code=200, opt={"body": anthropic.CountTokensRequest})
 async def count_tokens(request: HttpRequest) -> Response:
     """ANT-3/50/51: system, tools and messages counted with the model's own tokenizer and chat template."""
     wire = decode_body(await request.body(), anthropic.CountTokensRequest)

@@ -86,19 +86,19 @@ def tags_head(request: HttpRequest) -> Response[None]:
     return _head(_tags(request))
 
 
-@post("/api/chat", status_code=200, opt={"limited": True})
+@post("/api/chat", status_code=200, opt={"body": ollama.ChatRequest, "limited": True})
 async def chat(request: HttpRequest) -> Response:
     wire = decode_body(await request.body(), ollama.ChatRequest)
     return await _run(request, wire, ollama.chat_to_internal(wire), chat=True)
 
 
-@post("/api/generate", status_code=200, opt={"limited": True})
+@post("/api/generate", status_code=200, opt={"body": ollama.GenerateRequest, "limited": True})
 async def generate(request: HttpRequest) -> Response:
     wire = decode_body(await request.body(), ollama.GenerateRequest)
     return await _run(request, wire, ollama.generate_to_internal(wire), chat=False)
 
 
-@post("/api/embed", status_code=200, opt={"limited": True})
+@post("/api/embed", status_code=200, opt={"body": ollama_embeddings.EmbedBody, "limited": True})
 async def embed(request: HttpRequest) -> Response:
     started = time.perf_counter_ns()
     wire = decode_body(await request.body(), ollama_embeddings.EmbedBody)
@@ -108,7 +108,7 @@ async def embed(request: HttpRequest) -> Response:
     return json_response(ollama_embeddings.encode_embed(result, wire.model, time.perf_counter_ns() - started))
 
 
-@post("/api/embeddings", status_code=200, opt={"limited": True})
+@post("/api/embeddings", status_code=200, opt={"body": ollama_embeddings.EmbeddingsBody, "limited": True})
 async def embeddings(request: HttpRequest) -> Response:
     wire = decode_body(await request.body(), ollama_embeddings.EmbeddingsBody)
     keep_alive = ollama_models.parse_keep_alive(wire.keep_alive)

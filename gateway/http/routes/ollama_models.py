@@ -20,7 +20,7 @@ def _registry(request: HttpRequest):
     return model_admin.registry_of(request.app.state.settings.data_dir)
 
 
-@post("/api/show", status_code=200)
+@post("/api/show", status_code=200, opt={"body": ollama_models.ShowRequest})
 async def show(request: HttpRequest) -> Response[bytes]:
     wire = decode_body(await request.body(), ollama_models.ShowRequest)
     return json_response(await model_admin.show(dispatcher_of(request), _registry(request), wire.target))
@@ -32,21 +32,21 @@ async def ps(request: HttpRequest) -> Response[bytes]:
     return json_response(await model_admin.ps(dispatcher_of(request), instances))
 
 
-@post("/api/copy", status_code=200, opt={"scope": "admin"})
+@post("/api/copy", status_code=200, opt={"body": ollama_models.CopyRequest, "scope": "admin"})
 async def copy(request: HttpRequest) -> Response[None]:
     wire = decode_body(await request.body(), ollama_models.CopyRequest)
     await model_admin.copy(dispatcher_of(request), _registry(request), wire.source, wire.destination)
     return Response(None, status_code=200)
 
 
-@delete("/api/delete", status_code=200, opt={"scope": "admin"})
+@delete("/api/delete", status_code=200, opt={"body": ollama_models.DeleteRequest, "scope": "admin"})
 async def delete_model(request: HttpRequest) -> Response[None]:
     wire = decode_body(await request.body(), ollama_models.DeleteRequest)
     await model_admin.delete(dispatcher_of(request), _registry(request), wire.target)
     return Response(None, status_code=200)
 
 
-@post("/api/create", status_code=200, opt={"scope": "admin"})
+@post("/api/create", status_code=200, opt={"body": ollama_models.CreateRequest, "scope": "admin"})
 async def create(request: HttpRequest) -> Response:
     wire = decode_body(await request.body(), ollama_models.CreateRequest)
     lines = await model_admin.create(
@@ -55,14 +55,14 @@ async def create(request: HttpRequest) -> Response:
     return await _progress(lines, wire.stream)
 
 
-@post("/api/pull", status_code=200, opt={"scope": "admin"})
+@post("/api/pull", status_code=200, opt={"body": ollama_models.PullRequest, "scope": "admin"})
 async def pull(request: HttpRequest) -> Response:
     wire = decode_body(await request.body(), ollama_models.PullRequest)
     lines = await model_admin.pull(dispatcher_of(request), _registry(request), wire.target)
     return await _progress(lines, wire.stream)
 
 
-@post("/api/push", status_code=200, opt={"scope": "admin"})
+@post("/api/push", status_code=200, opt={"body": ollama_models.PullRequest, "scope": "admin"})
 async def push(request: HttpRequest) -> Response[bytes]:
     decode_body(await request.body(), ollama_models.PullRequest)
     return json_response(

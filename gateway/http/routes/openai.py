@@ -29,7 +29,7 @@ def _is_anthropic(request: HttpRequest) -> bool:
     return "anthropic-version" in request.headers
 
 
-@post(["/v1/chat/completions", "/chat/completions"], status_code=200, opt={"limited": True})
+@post(["/v1/chat/completions", "/chat/completions"], status_code=200, opt={"body": openai.ChatRequest, "limited": True})
 async def chat_completions(request: HttpRequest) -> Response:
     wire = decode_body(await request.body(), openai.ChatRequest)
     internal = openai.chat_to_internal(wire)
@@ -43,7 +43,7 @@ async def chat_completions(request: HttpRequest) -> Response:
     )
 
 
-@post(["/v1/completions"], status_code=200, opt={"limited": True})
+@post(["/v1/completions"], status_code=200, opt={"body": openai_completions.CompletionRequest, "limited": True})
 async def completions(request: HttpRequest) -> Response:
     wire = decode_body(await request.body(), openai_completions.CompletionRequest)
     internal = openai_completions.completion_to_internal(wire)
@@ -58,7 +58,9 @@ async def completions(request: HttpRequest) -> Response:
     )
 
 
-@post(["/v1/responses", "/responses"], status_code=200, opt={"limited": True})
+@post(
+    ["/v1/responses", "/responses"], status_code=200, opt={"body": openai_responses.ResponsesRequest, "limited": True}
+)
 async def responses(request: HttpRequest) -> Response:
     wire = decode_body(await request.body(), openai_responses.ResponsesRequest)
     internal = openai_responses.responses_to_internal(wire)
@@ -72,7 +74,11 @@ async def responses(request: HttpRequest) -> Response:
     )
 
 
-@post(["/v1/embeddings", "/embeddings"], status_code=200, opt={"limited": True})
+@post(
+    ["/v1/embeddings", "/embeddings"],
+    status_code=200,
+    opt={"body": openai_embeddings.EmbeddingRequest, "limited": True},
+)
 async def embeddings(request: HttpRequest) -> Response:
     wire = decode_body(await request.body(), openai_embeddings.EmbeddingRequest)
     result = await dispatcher_of(request).embed(openai_embeddings.embeddings_to_internal(wire), may_use(request))

@@ -34,6 +34,10 @@ a prompt longer than ``CHUNK`` gets other numbers than the one-piece prefill bef
 ``generate_step``, which prefills in chunks of 2048). A chunk in flight is not stopped (an MLX evaluation cannot
 be): a short prompt may wait for one. Not done: prefix reuse between requests.
 
+A resumed sequence (its stream moved here from a replica that failed, ``Request.resume``) takes the tokens it had
+sent as its first picks, one decode step each, as they were generated: greedy text then goes on exactly as the
+undisturbed run's, and its grammar (if any) is advanced through them.
+
 Runs only in MLX processes; imports mlx, mlx_lm and numpy (lazily) and protocols; of ours, ``structured`` for a
 type only.
 """
@@ -190,9 +194,13 @@ class Sequence:
         sampler: Sampler | None,
         cancel: threading.Event,
         constraint: Constraint | None = None,
+        forced: list[int] | None = None,
     ) -> None:
         self.tokens, self.limit, self.eos, self.sampler, self.cancel = tokens, limit, eos, sampler, cancel
         self.constraint = constraint
+        # a resumed request's tokens so far (``Request.resume``): its first picks, each decoded one step as it
+        # was generated (the same numbers as the undisturbed run, so greedy text goes on as it would have)
+        self.forced = collections.deque(forced or ())
         self.picks: queue.SimpleQueue[int | BaseException] = queue.SimpleQueue()
         self.last = -1  # the latest pick: the next step's input
         self.count = 0
@@ -400,4 +408,8 @@ class Scheduler:
                 ]
             )
         mx.eval(picks)
-        return picks.tolist()
+        chosen = picks.tolist()
+        for i, seq in enumerate(rows):
+            if seq.forced:  # a resumed sequence replays what it had sent before its own picks
+                chosen[i] = seq.forced.popleft()
+        return chosen

@@ -14,7 +14,8 @@ hidden states on).
 Greedy when temperature is 0; otherwise mlx-lm's sampling filters and a random key of the request's own, seeded
 with its seed (the same draws alone or in a batch). Response formats (JSON object, JSON schema) are enforced with
 llguidance (``structured.py``: a matcher per sequence masks its logits row before the pick); tools and logprobs
-answer ``UnsupportedFeature``.
+answer ``UnsupportedFeature``. Every text delta carries the ids of the tokens it holds, so a stream whose replica
+fails resumes on another (``Request.resume``: those ids are the new sequence's first picks, ``batch.py``).
 
 Runs only in the runner process; imports protocols and mlx/mlx_lm, never the gateway.
 """
@@ -197,6 +198,7 @@ class MlxEngine:
         load_ns, self._first_request = (self.load_ns if self._first_request else 0), False
         s = request.sampling
         seed = s.seed if isinstance(s.seed, int) else random.randrange(2**31)
+        seed = (seed + len(request.resume)) % 2**31  # a resumed request draws afresh after what was sent
         temp = float(_value(s, "temperature"))
         yield Usage(prompt_tokens=len(tokens), load_ns=load_ns)
 
@@ -208,10 +210,12 @@ class MlxEngine:
             if temp <= 0
             else Sampler(temp, float(_value(s, "top_p")), float(_value(s, "min_p")), int(_value(s, "top_k")), seed)
         )
-        seq = Sequence(tokens, limit, eos, sampler, cancel, constraint)
+        seq = Sequence(tokens, limit, eos, sampler, cancel, constraint, forced=list(request.resume))
         started = first_token_at = time.perf_counter_ns()
         count, finish = 0, Finished(reason="length")
         picked: list[int] = []
+        ids: list[int] = []  # picked since the last delta: the next delta carries them (a stream that moves to
+        # another replica resumes from the ids its client was sent)
         self.scheduler.submit(seq)
         try:
             while (token := seq.next()) is not None:
@@ -222,10 +226,12 @@ class MlxEngine:
                     break
                 count += 1
                 picked.append(token)
+                ids.append(token)
                 detok.add_token(token)
                 text, matched = stopper.feed(detok.last_segment)
                 if text:
-                    yield TextDelta(text=text)
+                    yield TextDelta(text=text, tokens=tuple(ids))
+                    ids.clear()
                 if matched is not None:
                     finish = Finished(reason="stop_sequence", stop_sequence=matched)
                     break
@@ -240,7 +246,7 @@ class MlxEngine:
             detok.finalize()
             rest = stopper.feed(detok.last_segment)[0] + stopper.flush()
             if rest:
-                yield TextDelta(text=rest)
+                yield TextDelta(text=rest, tokens=tuple(ids))
         ended = time.perf_counter_ns()
         yield Usage(
             prompt_tokens=len(tokens),

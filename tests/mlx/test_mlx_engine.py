@@ -251,3 +251,36 @@ def test_response_formats_hold_batched_rows_to_their_schemas(tiny: Path) -> None
     assert free["finish"] == "length" and free["text"]
     assert report["widest"] == 5
     assert refused["param"] == "response_format" and "'uniqueItems'" in refused["error"]
+
+
+def test_a_resumed_stream_goes_on_as_the_undisturbed_one(tiny: Path) -> None:
+    """A stream moved here after 1, 2, half and all but one of its text deltas (``Request.resume``, the ids those
+    deltas carried; the cuts of a case decode side by side in one batch): greedy, the new run's deltas equal the
+    undisturbed run's, byte for byte, under a schema too; sampled, the deltas up to the cut are the ones sent
+    (the ids are forced, not drawn again) and what follows is a fresh draw the schema accepts."""
+    schema = {
+        "type": "object",
+        "properties": {"n": {"type": "integer", "minimum": 1, "maximum": 9}, "s": {"type": "string", "maxLength": 8}},
+        "required": ["n", "s"],
+        "additionalProperties": False,
+    }
+    fmt = {"kind": "json_schema", "schema": schema}
+    cases = [
+        {"prompt": "Tell me a story", "max_tokens": 24},
+        {"prompt": "Answer in JSON", "max_tokens": 60, "format": fmt},
+        {"prompt": "Answer in JSON", "max_tokens": 60, "format": fmt, "temperature": 1.0, "seed": 5},
+    ]
+    done = _mlx(str(HERE / "resume_check.py"), str(tiny), json.dumps(cases))
+    greedy_text, greedy_json, sampled = json.loads(done.stdout.splitlines()[-1])
+    for case in (greedy_text, greedy_json, sampled):
+        assert len(case["resumed"]) == 4 and all(ids for _, ids in case["whole"]), case  # every delta has its ids
+    for case in (greedy_text, greedy_json):
+        for cut, run in case["resumed"].items():
+            assert run["events"] == case["whole"] and run["finish"] == case["finish"], (cut, run)
+    draws = set()
+    for cut, run in sampled["resumed"].items():
+        assert run["events"][: int(cut)] == sampled["whole"][: int(cut)], cut
+        answer = json.loads("".join(text for text, _ in run["events"]))
+        assert run["finish"] == "stop" and set(answer) == {"n", "s"} and 1 <= answer["n"] <= 9, answer
+        draws.add("".join(text for text, _ in run["events"]))
+    assert len(draws) > 1  # the continuations are drawn afresh, not the undisturbed draw replayed

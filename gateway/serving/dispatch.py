@@ -47,7 +47,6 @@ from meshgate.backends.base import (
     ModelCard,
     ModelSource,
     Runner,
-    check_capabilities,
     check_embeddings,
 )
 from meshgate.backends.registry import UserModel
@@ -59,6 +58,7 @@ from meshgate.gateway.serving import streams
 from meshgate.gateway.serving.admission import Admission, Ticket
 from meshgate.gateway.serving.context_fit import Fit, cap_output, fit_context, grown_context, needed_context
 from meshgate.gateway.serving.model_defaults import apply_defaults, end_turn_at_default_stops
+from meshgate.gateway.serving.prepare import prepare
 from meshgate.gateway.serving.resume import Resume, resumable
 from meshgate.gateway.telemetry import record as telemetry
 from meshgate.protocols.model import (
@@ -229,25 +229,31 @@ class Dispatcher:
 
         ``caller`` (an API key or a client address) is the line it waits in; ``fit`` the protocol's context rule;
         ``clamp_output`` cuts a ``max_tokens`` above the ``max_tokens`` setting to it (Ollama) instead of raising
-        ``OutputTooLarge``. Raises ``ContextLengthExceeded`` and ``Overloaded`` before waiting for anything but the
-        model itself. ``may_use`` restricts the models (a key's list); ``on_usage`` gets the last ``Usage`` when
-        the stream ends (a key's token budget). A user model's stored parameters and system prompt fill what the
-        request leaves unset (``gateway.serving.model_defaults``).
+        ``OutputTooLarge``. The request is prepared first (``gateway.serving.prepare``: output cap, model defaults,
+        capabilities, default stops). Raises ``ContextLengthExceeded`` and ``Overloaded`` before waiting for
+        anything but the model itself. ``may_use`` restricts the models (a key's list); ``on_usage`` gets the last
+        ``Usage`` when the stream ends (a key's token budget).
         """
-        request = cap_output(request, self.max_tokens, clamp=clamp_output)
         card = self.resolve(request.model, may_use)
-        asked, request = request, apply_defaults(request, self.user_models(card.name))  # a Modelfile's defaults
         backend = self.backend_for(card)
-        check_capabilities(request, backend.capabilities(card), card.name)
-        context = request.num_ctx if isinstance(request.num_ctx, int) else None
-        routing = request_routing(request)
-        instance = await self.instances.acquire(card, context=context, routing=routing)
+        ready = prepare(
+            request,
+            model=card.name,
+            user_model=self.user_models(card.name),
+            capabilities=backend.capabilities(card),
+            max_tokens=self.max_tokens,
+            clamp_output=clamp_output,
+        )
+        request, routing = ready.request, request_routing(ready.request)
+        instance = await self.instances.acquire(card, context=ready.context, routing=routing)
         job = _Job(
             card=card, backend=backend, request=request, caller=caller, fit=fit, on_usage=on_usage, routing=routing
         )
         if not isinstance(instance.state, Ready) and request.stream:
-            return end_turn_at_default_stops(self._keepalive_until(lambda: self._start(instance, job)), asked, request)
-        return end_turn_at_default_stops(await self._start(instance, job), asked, request)
+            events = self._keepalive_until(lambda: self._start(instance, job))
+        else:
+            events = await self._start(instance, job)
+        return end_turn_at_default_stops(events) if ready.defaults_end_turn else events
 
     async def _start(
         self, instance: Instance, job: _Job, retry: int = START_RETRIES, grow: bool = True

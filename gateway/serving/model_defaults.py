@@ -83,16 +83,9 @@ def apply_defaults(request: Request, model: UserModel | None) -> Request:
     return msgspec.structs.replace(request, **changes) if changes else request
 
 
-def end_turn_at_default_stops(events: AsyncIterator[Event], asked: Request, sent: Request) -> AsyncIterator[Event]:
-    """``events`` of ``sent`` (``asked`` with its model's defaults), where a stop the model's defaults added ends
-    the turn like the model's own end of turn: ``Finished(reason="stop")``. ``events`` itself when ``asked`` set
-    its own stops or the model adds none."""
-    if asked.stop or not sent.stop:
-        return events
-    return _as_end_of_turn(events)
-
-
-async def _as_end_of_turn(events: AsyncIterator[Event]) -> AsyncIterator[Event]:
+async def end_turn_at_default_stops(events: AsyncIterator[Event]) -> AsyncIterator[Event]:
+    """``events`` of a request whose stops came from its model's defaults (``prepare.Prepared.defaults_end_turn``):
+    a turn such a stop ended is a plain end of turn, ``Finished(reason="stop")``."""
     async with closing(events):  # the dispatcher's streams release their queue slot on close
         async for event in events:
             if isinstance(event, Finished) and event.reason == "stop_sequence":

@@ -7,9 +7,13 @@ import asyncio
 import time
 from pathlib import Path
 
+from meshgate.backends.base import Capabilities
 from meshgate.backends.registry import ModelRegistry, UserModel
 from meshgate.gateway.serving.model_defaults import UserModels, apply_defaults, end_turn_at_default_stops
+from meshgate.gateway.serving.prepare import prepare
 from meshgate.protocols.model import UNSET, Finished, Message, Request, Sampling, TextDelta, TextPart
+
+CAPS = Capabilities()
 
 
 def _model(system: str = "", **parameters) -> UserModel:
@@ -106,16 +110,16 @@ def _collect(stream) -> list:
 
 def test_a_default_stop_ends_the_turn_but_the_clients_own_stop_stays_a_stop_sequence():
     model = _model(stop=["\n"])
-    asked = _request()
-    sent = apply_defaults(asked, model)
     matched = (TextDelta(text="Hello."), Finished(reason="stop_sequence", stop_sequence="\n"))
-    assert _collect(end_turn_at_default_stops(_events(*matched), asked, sent))[-1] == Finished(reason="stop")
-    own = _request(stop=("\n",))
-    stream = _events(*matched)
-    assert end_turn_at_default_stops(stream, own, apply_defaults(own, model)) is stream
-    assert _collect(stream)[-1] == Finished(reason="stop_sequence", stop_sequence="\n")
+    ready = prepare(_request(), model="m", user_model=model, capabilities=CAPS, max_tokens=100, clamp_output=False)
+    assert ready.defaults_end_turn and ready.request.stop == ("\n",)
+    assert _collect(end_turn_at_default_stops(_events(*matched)))[-1] == Finished(reason="stop")
+    own = prepare(
+        _request(stop=("\n",)), model="m", user_model=model, capabilities=CAPS, max_tokens=100, clamp_output=False
+    )
+    assert not own.defaults_end_turn  # the client's own stop: the dispatcher leaves the stream as it is
     length = (TextDelta(text="Hello"), Finished(reason="length"))
-    assert _collect(end_turn_at_default_stops(_events(*length), asked, sent))[-1] == Finished(reason="length")
+    assert _collect(end_turn_at_default_stops(_events(*length)))[-1] == Finished(reason="length")
 
 
 def test_closing_the_wrapped_stream_closes_the_dispatchers():
@@ -128,8 +132,7 @@ def test_closing_the_wrapped_stream_closes_the_dispatchers():
         finally:
             closed.append(True)
 
-    asked = _request()
-    stream = end_turn_at_default_stops(inner(), asked, apply_defaults(asked, _model(stop=["\n"])))
+    stream = end_turn_at_default_stops(inner())
 
     async def run():
         assert await anext(stream) == TextDelta(text="a")

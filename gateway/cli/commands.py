@@ -162,7 +162,7 @@ def _node(settings: Settings, args: argparse.Namespace) -> int:
 
 
 def _models(settings: Settings, args: argparse.Namespace) -> int:
-    from meshgate.gateway.serving.dispatch import Catalog
+    from meshgate.gateway.serving.catalog import Catalog
 
     pm = build_plugin_manager(settings)
     sources: list = []

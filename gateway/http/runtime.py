@@ -29,7 +29,8 @@ from meshgate.gateway.cluster.planner import default_rank
 from meshgate.gateway.cluster.store import MemoryStore, RedisStore, StateStore
 from meshgate.gateway.http.ticks import tick_once_a_second
 from meshgate.gateway.serving.admission import Admission
-from meshgate.gateway.serving.dispatch import Catalog, Dispatcher
+from meshgate.gateway.serving.catalog import Catalog
+from meshgate.gateway.serving.dispatch import Dispatcher
 from meshgate.gateway.serving.model_defaults import UserModels
 from meshgate.plugins.policy import by_preference
 from meshgate.plugins.settings import Settings

@@ -56,7 +56,8 @@ from meshgate.backends.base import Backend, ModelCard
 from meshgate.backends.registry import ModelRegistry, RegistryFull, RegistrySource, UserModel, sha256_file
 from meshgate.gateway.cluster.records import Ready
 from meshgate.gateway.models.pull import pull_progress
-from meshgate.gateway.serving.dispatch import Dispatcher, normalize_model_name
+from meshgate.gateway.serving.catalog import normalize_model_name
+from meshgate.gateway.serving.dispatch import Dispatcher
 from meshgate.plugins.settings import Settings
 from meshgate.protocols import ollama_models
 from meshgate.protocols.model import (

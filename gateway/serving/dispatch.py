@@ -1,32 +1,33 @@
-"""Model name -> instance -> runner; runs a request and hands its event stream to the protocol encoders.
+"""Model name -> replica -> runner: runs a request and hands its event stream to the protocol encoders.
+
+    open_stream(request)
+      resolve the model and its backend; prepare the request (``gateway.serving.prepare``, one pure function)
+      _on_replica: the one retry loop                          (also for embeddings and token counts)
+        route to a replica (``InstanceManager.acquire``: placed if there is none), wait until it is ready
+        _begin: check the context (``gateway.serving.context_fit``), take a place in the replica's queue
+          (``gateway.serving.admission``), wait for a slot, start the runner's stream and take its first event
+        a replica that cannot be reached is failed (so it is re-placed) and the loop goes to another
+      wrap the events: resumable on another replica (``gateway.serving.resume``), relayed (``streams.relay``)
+      -> an ``EventStream`` that frees the slot when it is closed
 
 The first event is awaited before anything is sent to the client, so a failure to start (unknown model,
-unsupported feature, nothing fits) is a real HTTP error status; a failure after that travels in the stream as
-``Failed``. A model with no instance is placed automatically (``InstanceManager.acquire``); a streaming client
-gets keep-alives while it comes up, a non-streaming one waits. A runner that cannot be reached at the start of a
-request fails its instance (so it is re-placed) and the request is retried on another replica or the new one, up
-to ``START_RETRIES`` times; a stream whose replica fails after it started is resumed (``gateway.serving.resume``).
-``embed`` is a plain call that follows the same path (place, wait, connect, retry once if unreachable) and raises
-its error.
-
-Before a generation may wait for a slot, its prompt is checked against the instance's context
-(``gateway.serving.context_fit``, the protocol's rule); then it takes its place in the instance's bounded, fair queue
-(``gateway.serving.admission``, the caller named by the route). What cannot fit and a full queue are refused at once; a
-streaming request that waits for its turn gets keep-alives and leaves the queue if its client goes away. The slot
-is held until the event stream ends or is closed. Embeddings are not queued.
+unsupported feature, nothing fits, a full queue) is a real HTTP error status; a failure after that travels in the
+stream as ``Failed``. A streaming request that has to wait (a replica coming up, its turn in the queue) gets
+keep-alives from then on, and its failures to start become ``Failed`` too; a non-streaming one waits. A runner
+that cannot be reached at the start of a request fails its replica and the request goes to another, up to
+``START_RETRIES`` times; a stream whose replica fails after it started is resumed through the same loop.
 
 A request that sets no ``num_ctx`` (nor does its model's Modelfile) and whose whole prompt does not fit its
-replica's context is moved, when ``grow_context`` is on (``Settings.n_ctx`` unset), to a replica with the context
-it needs (``context_fit.needed_context``: doubled until it holds the prompt and some output, at most the model's
+replica's context moves, when ``grow_context`` is on (``Settings.n_ctx`` unset), to a replica with the context it
+needs (``context_fit.needed_context``: doubled until it holds the prompt and some output, at most the model's
 own), placed beside the others if none holds it yet; what fits nowhere is then refused (or trimmed) by the
-protocol's rule as before. So a 4,096-token default keeps small requests on many slots while an Open WebUI chat
-with its tool definitions, or an agent's long preamble, still gets an answer.
+protocol's rule. So a 4,096-token default keeps small requests on many slots while an Open WebUI chat with its
+tool definitions, or an agent's long preamble, still gets an answer.
 
 Counting a prompt's tokens costs the runner CPU time in proportion to its size (about 2 s for 1 MB of text), and
 only prompts whose size does not already show they fit are counted. Those counts (and Anthropic's count_tokens)
-go through a second fair queue per instance, one count at a time (``counting``): a client sending many huge
-prompts waits for its own counts, while another client's request is counted after at most one of them and never
-competes with a pile of them for the runner's cores.
+go through a second fair queue per replica, one count at a time (``counting``): a client sending many huge
+prompts waits for its own counts, while another client's request is counted after at most one of them.
 """
 
 from __future__ import annotations
@@ -36,19 +37,13 @@ import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from functools import partial
 from typing import TypeVar
 
 import msgspec
 
-from meshgate.backends.base import (
-    Backend,
-    Capabilities,
-    ModelCard,
-    ModelSource,
-    Runner,
-    check_embeddings,
-)
+from meshgate.backends.base import Backend, Capabilities, ModelCard, Runner, check_embeddings
 from meshgate.backends.registry import UserModel
 from meshgate.gateway.cluster.instances import InstanceManager
 from meshgate.gateway.cluster.loads import LoadBoard
@@ -56,10 +51,12 @@ from meshgate.gateway.cluster.records import Instance, Ready
 from meshgate.gateway.cluster.routing import Routing, prefix_blocks, prefix_key
 from meshgate.gateway.serving import streams
 from meshgate.gateway.serving.admission import Admission, Ticket
+from meshgate.gateway.serving.catalog import Catalog
 from meshgate.gateway.serving.context_fit import Fit, cap_output, fit_context, grown_context, needed_context
 from meshgate.gateway.serving.model_defaults import apply_defaults, end_turn_at_default_stops
 from meshgate.gateway.serving.prepare import prepare
 from meshgate.gateway.serving.resume import Resume, resumable
+from meshgate.gateway.serving.streams import EventStream
 from meshgate.gateway.telemetry import record as telemetry
 from meshgate.protocols.model import (
     BackendTimeout,
@@ -77,52 +74,21 @@ from meshgate.protocols.model import (
     error_from_info,
 )
 
-__all__ = ["Dispatcher", "normalize_model_name", "request_routing"]
+__all__ = ["Dispatcher", "request_routing"]
 
 log = logging.getLogger("meshgate.dispatch")
 T = TypeVar("T")
 
 
 START_RETRIES = 3
-"""Replicas a generation that finds its runner unreachable at its start moves on to (each reported, so re-placed):
+"""Replicas a request that finds its runner unreachable at its start moves on to (each reported, so re-placed):
 during a node's restart a second replica may be going too."""
 
+_UNREACHABLE = (BackendUnavailable,)
+"""What sends a request to another replica: the runner (or its replica's placement) cannot be reached."""
 
-def normalize_model_name(name: str) -> str:
-    """Ollama-style names: ``name:tag`` with ``latest`` implied."""
-    return name if ":" in name.rsplit("/", 1)[-1] else f"{name}:latest"
-
-
-class Catalog:
-    """The models the model sources offer, by name."""
-
-    def __init__(self, sources: Sequence[ModelSource]) -> None:
-        self.sources = list(sources)
-        self._cards: dict[str, ModelCard] = {}
-
-    def refresh(self) -> list[ModelCard]:
-        """Ask every source for its models (blocking: a source may assemble files)."""
-        cards: dict[str, ModelCard] = {}
-        for source in self.sources:
-            try:
-                for card in source.models():
-                    cards.setdefault(card.name, card)
-            except Exception:
-                log.exception("model source %r failed; its models are not listed", source.name)
-        self._cards = cards
-        return list(cards.values())
-
-    def models(self) -> list[ModelCard]:
-        return list(self._cards.values())
-
-    def resolve(self, name: str) -> ModelCard:
-        """The card for a client's model name; ``UnknownModel`` if none."""
-        card = self._cards.get(name) or self._cards.get(normalize_model_name(name))
-        if card is None and name.endswith(":latest"):
-            card = self._cards.get(name.removesuffix(":latest"))
-        if card is None:
-            raise UnknownModel(name)
-        return card
+_NOT_YET = (BackendUnavailable, BackendTimeout, NoCapacity)
+"""What a resume waits through (its caller bounds the wait): a replica going too, or nowhere to go yet."""
 
 
 @dataclass(frozen=True)
@@ -134,12 +100,36 @@ class _Job:
     request: Request
     caller: str
     fit: Fit
-    on_usage: Callable[[Usage], None] | None = None
-    routing: Routing | None = None  # what routing reads of the prompt (``request_routing``)
+    routing: Routing  # what routing reads of the prompt (``request_routing``)
+    grow: bool  # may move to a replica with a bigger context (the module docstring)
+    fitted: bool = False  # the request was fitted to a replica's context already (a resume)
+
+
+@dataclass(frozen=True)
+class _Started:
+    """A generation that has its slot and its first event on ``instance``; the request as it was sent."""
+
+    instance: Instance
+    request: Request
+    ticket: Ticket
+    first: Event
+    events: AsyncIterator[Event]
+
+    async def close(self) -> None:
+        self.ticket.release()
+        await streams.aclose(self.events)
+
+
+class _Grow(Exception):
+    """The request needs a replica with ``context`` tokens (``_begin``): the loop routes it there and makes
+    ``then``, the same call that may not grow again."""
+
+    def __init__(self, context: int, then: Callable[[Instance, _Visit], Awaitable[_Started]]) -> None:
+        self.context, self.then = context, then
 
 
 class Dispatcher:
-    """Resolves models, finds or places their instances, opens event streams."""
+    """Resolves models, finds or places their replicas, opens event streams."""
 
     def __init__(
         self,
@@ -169,6 +159,8 @@ class Dispatcher:
         self._choose = choose
         self.instances = instances
         self.loads = loads  # the shared load: its tallies count what this gateway streams per instance
+
+    # ------------------------------------------------------------------------------------------- models
 
     def models(self) -> list[ModelCard]:
         return self.catalog.models()
@@ -201,7 +193,7 @@ class Dispatcher:
         return await self.instances.wait_ready(instance.id)
 
     async def unload(self, name: str) -> ModelCard:
-        """Delete ``name``'s idle instances now and the busy ones once idle (Ollama's ``keep_alive: 0``): another
+        """Delete ``name``'s idle replicas now and the busy ones once idle (Ollama's ``keep_alive: 0``): another
         client's stream on a replica is never cut by it."""
         card = self.resolve(name)
         busy = False
@@ -215,6 +207,8 @@ class Dispatcher:
             await self.instances.set_expiry(card.name, time.time())  # the reconcile loop expires them when idle
         return card
 
+    # ------------------------------------------------------------------------------------------- generation
+
     async def open_stream(
         self,
         request: Request,
@@ -224,15 +218,14 @@ class Dispatcher:
         clamp_output: bool = False,
         may_use: Callable[[str], bool] | None = None,
         on_usage: Callable[[Usage], None] | None = None,
-    ) -> AsyncIterator[Event]:
-        """Start ``request``; raise its ``GatewayError`` if it fails before the first event.
+    ) -> EventStream:
+        """Start ``request``; raise its ``GatewayError`` if it fails before the first event (or, streaming, before
+        it has to wait). Whoever opens the stream closes it (``EventStream.aclose``): that frees its slot.
 
         ``caller`` (an API key or a client address) is the line it waits in; ``fit`` the protocol's context rule;
         ``clamp_output`` cuts a ``max_tokens`` above the ``max_tokens`` setting to it (Ollama) instead of raising
-        ``OutputTooLarge``. The request is prepared first (``gateway.serving.prepare``: output cap, model defaults,
-        capabilities, default stops). Raises ``ContextLengthExceeded`` and ``Overloaded`` before waiting for
-        anything but the model itself. ``may_use`` restricts the models (a key's list); ``on_usage`` gets the last
-        ``Usage`` when the stream ends (a key's token budget).
+        ``OutputTooLarge``. ``may_use`` restricts the models (a key's list); ``on_usage`` gets the last ``Usage``
+        when the stream ends (a key's token budget).
         """
         card = self.resolve(request.model, may_use)
         backend = self.backend_for(card)
@@ -244,149 +237,184 @@ class Dispatcher:
             max_tokens=self.max_tokens,
             clamp_output=clamp_output,
         )
-        request, routing = ready.request, request_routing(ready.request)
-        instance = await self.instances.acquire(card, context=ready.context, routing=routing)
         job = _Job(
-            card=card, backend=backend, request=request, caller=caller, fit=fit, on_usage=on_usage, routing=routing
+            card=card,
+            backend=backend,
+            request=ready.request,
+            caller=caller,
+            fit=fit,
+            routing=request_routing(ready.request),
+            grow=self.grow_context and not isinstance(ready.request.num_ctx, int),
         )
-        if not isinstance(instance.state, Ready) and request.stream:
-            events = self._keepalive_until(lambda: self._start(instance, job))
-        else:
-            events = await self._start(instance, job)
-        return end_turn_at_default_stops(events) if ready.defaults_end_turn else events
 
-    async def _start(
-        self, instance: Instance, job: _Job, retry: int = START_RETRIES, grow: bool = True
-    ) -> AsyncIterator[Event]:
-        """Check the context (moving to a bigger replica when the request may ``grow``), take a place in the
-        queue, generate (a waiting stream gets keep-alives). The request was routed to ``instance``: it is settled
-        there once in the queue, or on the way out before."""
-        settled = False
+        def served(started: _Started) -> EventStream:
+            return self._served(job, started, on_usage=on_usage, end_turn=ready.defaults_end_turn)
+
+        start = partial(self._on_replica, card, partial(self._begin, job), context=ready.context, routing=job.routing)
+        if not request.stream:
+            return served(await start())
+        waits: asyncio.Future[_Started] = asyncio.get_running_loop().create_future()  # resolved when it must wait
+
+        def waiting() -> None:
+            if not waits.done():
+                waits.set_result(None)  # type: ignore[arg-type]  # only done-ness is read
+
+        starting = asyncio.ensure_future(start(waiting=waiting))
         try:
-            if not isinstance(instance.state, Ready):
-                instance = await self.instances.wait_ready(instance.id)
-            runner = self._connect(instance, job.card, job.backend)
+            await asyncio.wait({starting, waits}, return_when=asyncio.FIRST_COMPLETED)
+        except BaseException:  # cancelled (the client went away): nothing may keep the slot
+            await _abandon(starting)
+            raise
+        if starting.done():
+            return served(starting.result())
+        return EventStream(self._keepalive_until(starting, served), partial(_abandon, starting))
+
+    async def _on_replica(
+        self,
+        card: ModelCard,
+        call: Callable[[Instance, _Visit], Awaitable[T]],
+        *,
+        context: int | None = None,
+        routing: Routing | None = None,
+        retries: int = START_RETRIES,
+        waiting: Callable[[], object] | None = None,
+        failed: tuple[Instance, GatewayError] | None = None,
+        patient: bool = False,
+    ) -> T:
+        """The one retry loop: ``call(replica, visit)`` on a ready replica of ``card``.
+
+        Each pass routes to a replica holding ``context`` tokens (``routing`` picks among them for a generation;
+        one is placed when there is none) and waits until it is ready. A replica that cannot be reached (its
+        placement fails, its runner does not answer, its first event says so) is failed, so it is re-placed, and
+        the next pass goes to another replica or the re-placed one: ``retries`` times, or, ``patient`` (a resume,
+        which its caller bounds in time), until one takes it, through ``_NOT_YET`` too. ``_Grow`` from ``call``
+        routes the next pass to a bigger context, once. ``waiting`` is told before anything that may take long
+        (``call`` tells it through ``visit`` too); ``failed`` is the replica (and why) a resume comes from.
+        """
+        retry_on = _NOT_YET if patient else _UNREACHABLE
+        while True:
+            if failed is not None:
+                gone, error = failed
+                log.warning("instance %s unreachable (%s); re-placing", gone.id, error.message)
+                await self.instances.report_unreachable(gone, error.message)
+                context = gone.placement.context
+                if waiting is not None:
+                    waiting()
+            instance: Instance | None = None
+            visit = _Visit(waiting)
             try:
-                count = _remembered(self._counter(instance.id, job.caller, runner))
-                token_bytes = await self._token_bytes(job.card, job.backend)
-                if grow and self.grow_context and not isinstance(job.request.num_ctx, int):
-                    bigger = await self._bigger(instance, job, count, token_bytes)
-                    if bigger is not None:
-                        self._settle(instance.id)
-                        settled = True
-                        if not isinstance(bigger.state, Ready) and job.request.stream:
-                            return self._keepalive_until(lambda: self._start(bigger, job, retry, grow=False))
-                        return await self._start(bigger, job, retry, grow=False)
-                request = await fit_context(job.request, instance.placement.context, count, job.fit, token_bytes)
-            except BackendUnavailable as error:
-                if not retry:
+                instance = await self.instances.acquire(card, context=context, routing=routing)
+                if routing is not None:
+                    visit.routed(partial(self._settle, instance.id))
+                if not isinstance(instance.state, Ready):
+                    visit.waiting()
+                    instance = await self.instances.wait_ready(instance.id)
+                return await call(instance, visit)
+            except _Grow as grow:
+                context, call = grow.context, grow.then  # type: ignore[assignment]  # T is _Started here
+                continue
+            except retry_on as error:
+                if not patient and retries <= 0:
                     raise
-                self._settle(instance.id)
-                settled = True
-                return await self._start(await self._replace(instance, job.card, error, job), job, retry - 1)
-            request = cap_output(request, self.max_tokens, clamp=True, context=instance.placement.context)
-            ticket = self.admission.enter(instance.id, job.caller, instance.placement.sequences)
-        finally:
-            if not settled:
-                self._settle(instance.id)
-        if not ticket.granted and request.stream:
-            stream = self._keepalive_until(lambda: self._generate(instance, job, runner, request, ticket, retry))
-            streams.on_drop(stream, ticket.release)  # dropped before it started: leave the queue all the same
-            return stream
-        return await self._generate(instance, job, runner, request, ticket, retry)
+                retries -= 1
+                failed = (instance, error) if instance is not None else None
+                await asyncio.sleep(0.5 if patient else 0.2 * (START_RETRIES - retries - 1))
+            finally:
+                visit.settle()
 
-    async def _generate(
-        self, instance: Instance, job: _Job, runner: Runner, request: Request, ticket: Ticket, retry: int
-    ) -> AsyncIterator[Event]:
-        """Wait for ``ticket``'s turn, then start the generation, which frees the slot when its stream ends."""
-        first, events = await streams.begin(runner, request, ticket)
-        if isinstance(first, Failed):
-            error = error_from_info(first.error)
-            if retry and isinstance(error, BackendUnavailable):
-                await asyncio.sleep(0.2 * (START_RETRIES - retry))  # a node going away: its replicas fail in turn
-                return await self._start(await self._replace(instance, job.card, error, job), job, retry - 1)
-            raise error
-        tally = self.loads.tally(instance.id) if self.loads is not None else None
-        if self.resume_wait > 0:  # a replica that fails mid-stream hands the stream on (``gateway.serving.resume``)
-            resume = self._resumer(instance, job, request)
-            events = resumable(events, resume, wait=self.resume_wait, keepalive=self.keepalive, seen=first)
-        return streams.chain(
-            first, events, ticket.release, job.on_usage, served=(job.card.name, instance.id), tally=tally
-        )
-
-    def _resumer(self, instance: Instance, job: _Job, request: Request) -> Resume:
-        """``job``'s ``Resume``: fail the replica that broke off (so it is re-placed), route the request again (to
-        another replica, or the re-placed one once ready), wait for a slot there and start the request with the
-        tokens already sent as its ``resume``."""
-        serving = [instance]
-
-        async def resume(tokens: tuple[int, ...], error: GatewayError) -> AsyncIterator[Event]:
-            while True:  # until a replica takes it, or the caller's bound (``resume_wait``) runs out
-                await self.instances.report_unreachable(serving[0], error.message)
-                context = serving[0].placement.context
-                try:
-                    replica = await self.instances.acquire(job.card, context=context, routing=job.routing)
-                    self._settle(replica.id)
-                    if not isinstance(replica.state, Ready):
-                        replica = await self.instances.wait_ready(replica.id)
-                    serving[0] = replica
-                    return await self._continue(replica, job, msgspec.structs.replace(request, resume=tokens))
-                except (BackendUnavailable, BackendTimeout, NoCapacity) as exc:  # going too, or nowhere to go yet
-                    error = exc
-                    await asyncio.sleep(0.5)  # its failure reaches the store; a node may come back
-
-        return resume
-
-    async def _continue(self, replica: Instance, job: _Job, request: Request) -> AsyncIterator[Event]:
-        """``request`` (a resume) started on ``replica`` in ``job.caller``'s turn; its events, which free the slot
-        when they end. A failure to start raises its ``GatewayError``."""
-        runner = self._connect(replica, job.card, job.backend)
-        ticket = self.admission.enter(replica.id, job.caller, replica.placement.sequences)
+    async def _begin(self, job: _Job, instance: Instance, visit: _Visit) -> _Started:
+        """``job`` on ``instance``: its prompt checked against the replica's context (``_Grow`` when it needs a
+        bigger one), a place in the replica's queue, the slot, the runner's first event. A first event that says
+        the runner is gone raises ``BackendUnavailable`` (the loop moves on); any other failure raises its error."""
+        runner = self._connect(instance, job.card, job.backend)
+        request = job.request
+        if not job.fitted:
+            count = _remembered(self._counter(instance.id, job.caller, runner))
+            token_bytes = await self._token_bytes(job.card, job.backend)
+            context, limit = instance.placement.context, job.card.context_length
+            if job.grow:
+                needed = await needed_context(request, context, limit, count, job.fit, token_bytes)
+                if needed:
+                    raise _Grow(grown_context(context, needed, limit), partial(self._begin, replace(job, grow=False)))
+            request = await fit_context(request, context, count, job.fit, token_bytes)
+            request = cap_output(request, self.max_tokens, clamp=True, context=context)
+        ticket = self.admission.enter(instance.id, job.caller, instance.placement.sequences)
+        visit.settle()
+        if not ticket.granted:
+            visit.waiting()
         first, events = await streams.begin(runner, request, ticket)
         if isinstance(first, Failed):
             raise error_from_info(first.error)
-        record = telemetry.current()
-        if record is not None:
-            record.instance = replica.id
-        stream = streams.released(first, events, ticket.release)
-        streams.on_drop(stream, ticket.release)
-        return stream
+        return _Started(instance=instance, request=request, ticket=ticket, first=first, events=events)
 
-    async def _bigger(
-        self, instance: Instance, job: _Job, count: Callable[[Request], Awaitable[int]], token_bytes: int
-    ) -> Instance | None:
-        """A replica (routed) with the context ``job``'s whole prompt needs when ``instance``'s is too small and
-        the model's own is bigger; ``None`` when it fits, or when no bigger replica can be had."""
-        context, limit = instance.placement.context, job.card.context_length
-        needed = await needed_context(job.request, context, limit, count, job.fit, token_bytes)
-        if not needed:
-            return None
-        bigger = await self.instances.acquire(
-            job.card, context=grown_context(context, needed, limit), routing=job.routing
+    def _served(
+        self, job: _Job, started: _Started, *, on_usage: Callable[[Usage], None] | None, end_turn: bool
+    ) -> EventStream:
+        """``started``'s events as the client reads them: resumed on another replica when this one fails
+        (``gateway.serving.resume``), relayed (slot, telemetry, load, a key's budget), a default stop made a plain
+        end of turn (``prepare.Prepared.defaults_end_turn``)."""
+        telemetry.note_served(job.card.name, started.instance.id)
+        events = started.events
+        if self.resume_wait > 0:
+            resume = self._resumer(job, started)
+            events = resumable(events, resume, wait=self.resume_wait, keepalive=self.keepalive, seen=started.first)
+        tally = self.loads.tally(started.instance.id) if self.loads is not None else None
+        events = streams.relay(
+            started.first, events, started.ticket.release, record=telemetry.current(), tally=tally, on_usage=on_usage
         )
-        if bigger.placement.context > context:
-            return bigger
-        if job.routing is not None:
-            self._settle(bigger.id)  # the largest there is, no bigger than this one: stay
-        return None
+        if end_turn:
+            events = end_turn_at_default_stops(events)
+        return EventStream(events, started.close)
+
+    def _resumer(self, job: _Job, started: _Started) -> Resume:
+        """``job``'s ``Resume``: through the retry loop, patiently, from the replica that broke off, with the request
+        as it was sent and the tokens already sent as its ``resume``."""
+        serving = [started.instance]
+
+        async def resume(tokens: tuple[int, ...], error: GatewayError) -> AsyncIterator[Event]:
+            again = replace(job, request=msgspec.structs.replace(started.request, resume=tokens), fitted=True)
+            moved = await self._on_replica(
+                job.card,
+                partial(self._begin, again),
+                context=serving[0].placement.context,
+                routing=job.routing,
+                failed=(serving[0], error),
+                patient=True,
+            )
+            serving[0] = moved.instance
+            telemetry.note_served(job.card.name, moved.instance.id)
+            return EventStream(streams.released(moved.first, moved.events, moved.ticket.release), moved.close)
+
+        return resume
+
+    async def _keepalive_until(
+        self, starting: asyncio.Future[_Started], served: Callable[[_Started], EventStream]
+    ) -> AsyncIterator[Event]:
+        """Keep-alives until ``starting`` has its replica's first event (the replica came up, the request's turn
+        came), then the served events; a failure to start as ``Failed``."""
+        while not starting.done():
+            await asyncio.wait({starting}, timeout=self.keepalive)
+            if not starting.done():
+                yield KeepAlive()
+        try:
+            started = starting.result()
+        except GatewayError as exc:
+            yield Failed(error=exc.info())
+            return
+        events = served(started)
+        async with streams.closing(events):
+            async for event in events:
+                yield event
 
     def _connect(self, instance: Instance, card: ModelCard, backend: Backend) -> Runner:
         urls = {node: status.url for node, status in instance.runners.items() if status.url}
         return backend.connect(card, instance.placement, urls)
 
-    async def _replace(
-        self, instance: Instance, card: ModelCard, error: GatewayError, job: _Job | None = None
-    ) -> Instance:
-        """Fail an instance whose runner cannot be reached (so it is re-placed); the instance to use now (a
-        generation's ``job`` is routed to it)."""
-        log.warning("instance %s unreachable (%s); re-placing", instance.id, error.message)
-        await self.instances.report_unreachable(instance, error.message)
-        routing = job.routing if job is not None else None
-        return await self.instances.acquire(card, context=instance.placement.context, routing=routing)
-
-    def _settle(self, instance_id: str) -> None:
-        if self.loads is not None:
+    def _settle(self, instance_id: str | None) -> None:
+        if self.loads is not None and instance_id is not None:
             self.loads.settled(instance_id)
+
+    # ------------------------------------------------------------------------------------------- embeddings, counts
 
     async def embed(self, request: EmbedRequest, may_use: Callable[[str], bool] | None = None) -> Embeddings:
         """``request``'s vectors, placing the model and waiting for it if needed; raise its ``GatewayError``.
@@ -397,26 +425,31 @@ class Dispatcher:
         card = self.resolve(request.model, may_use)
         backend = self.backend_for(card)
         check_embeddings(backend.capabilities(card), card.name)
-        instance = await self.instances.acquire(card)
-        result = await self._embed(instance, card, backend, request)
-        record = telemetry.current()
-        if record is not None:
-            record.model, record.prompt_tokens, record.generated_tokens = card.name, result.prompt_tokens, 0
+
+        async def call(instance: Instance, visit: _Visit) -> Embeddings:
+            if not request.inputs:
+                return Embeddings()
+            return await self._connect(instance, card, backend).embed(request)
+
+        result = await self._on_replica(card, call, retries=1)
+        telemetry.note_embedded(card.name, result.prompt_tokens)
         return result
 
     async def count_tokens(
         self, request: Request, may_use: Callable[[str], bool] | None = None, caller: str = "-"
     ) -> int:
         """Tokens of ``request``'s prompt as the model reads it (Anthropic's count_tokens), counted in turn with
-        every other count on the instance (``caller``'s line). A user model's stored system prompt is counted
+        every other count on the replica (``caller``'s line). A user model's stored system prompt is counted
         when the request has none, as ``open_stream`` would send it (``gateway.serving.model_defaults``)."""
         card = self.resolve(request.model, may_use)
         request = apply_defaults(request, self.user_models(card.name))
         backend = self.backend_for(card)
-        instance = await self.instances.acquire(card)
-        return await self._on_ready(
-            instance, card, backend, lambda runner: self._counter(instance.id, caller, runner)(request)
-        )
+
+        async def call(instance: Instance, visit: _Visit) -> int:
+            runner = self._connect(instance, card, backend)
+            return await self._counter(instance.id, caller, runner)(request)
+
+        return await self._on_replica(card, call, retries=1)
 
     async def _token_bytes(self, card: ModelCard, backend: Backend) -> int:
         """``backend.token_bytes(card)``, read once per model in a worker thread (it may read the model's files)."""
@@ -428,7 +461,7 @@ class Dispatcher:
         return known
 
     def _counter(self, instance_id: str, caller: str, runner: Runner) -> Callable[[Request], Awaitable[int]]:
-        """``runner.count_tokens`` in ``caller``'s turn on the instance's counting queue (see the module
+        """``runner.count_tokens`` in ``caller``'s turn on the replica's counting queue (see the module
         docstring); a full counting queue is ``Overloaded``, a caller that goes away leaves it."""
 
         async def count(request: Request) -> int:
@@ -441,55 +474,38 @@ class Dispatcher:
 
         return count
 
-    async def _embed(self, instance: Instance, card: ModelCard, backend: Backend, request: EmbedRequest) -> Embeddings:
-        if not request.inputs:
-            if not isinstance(instance.state, Ready):
-                await self.instances.wait_ready(instance.id)
-            return Embeddings()
-        return await self._on_ready(instance, card, backend, lambda runner: runner.embed(request))
 
-    async def _on_ready(
-        self,
-        instance: Instance,
-        card: ModelCard,
-        backend: Backend,
-        call: Callable[[Runner], Awaitable[T]],
-        retry: bool = True,
-    ) -> T:
-        """``call`` on the instance's runner once it is ready; an unreachable runner fails the instance (so it is
-        re-placed) and the call is tried once more on the replacement."""
-        if not isinstance(instance.state, Ready):
-            instance = await self.instances.wait_ready(instance.id)
-        try:
-            return await call(self._connect(instance, card, backend))
-        except BackendUnavailable as error:
-            if not retry:
-                raise
-            replacement = await self._replace(instance, card, error)
-            return await self._on_ready(replacement, card, backend, call, retry=False)
+async def _abandon(starting: asyncio.Future[_Started]) -> None:
+    """A stream closed while (or after) it was starting: stop the start, or free what it got."""
+    if not starting.done():
+        starting.cancel()
+        with contextlib.suppress(BaseException):
+            await starting
+    if not starting.cancelled() and starting.exception() is None:
+        await starting.result().close()
 
-    async def _keepalive_until(self, start: Callable[[], Awaitable[AsyncIterator[Event]]]) -> AsyncIterator[Event]:
-        """Keep-alives until ``start()`` gives the event stream (the instance came up, the request's turn came),
-        then its events; errors as ``Failed``. Closed early, it cancels ``start()``: a waiting request leaves
-        the queue."""
-        waiting = asyncio.ensure_future(start())
-        try:
-            while True:
-                done, _ = await asyncio.wait({waiting}, timeout=self.keepalive)
-                if done:
-                    break
-                yield KeepAlive()
-            try:
-                events = waiting.result()
-            except GatewayError as exc:
-                yield Failed(error=exc.info())
-                return
-            async with streams.closing(events):
-                async for event in events:
-                    yield event
-        finally:
-            if not waiting.done():
-                waiting.cancel()
+
+class _Visit:
+    """One pass of the retry loop at a replica: ``settle`` tells the shared load, once, that the routed request
+    reached the replica's queue (or left before); ``waiting`` that what comes next may take long."""
+
+    __slots__ = ("_settle", "_waiting")
+
+    def __init__(self, waiting: Callable[[], object] | None) -> None:
+        self._waiting = waiting
+        self._settle: Callable[[], None] | None = None
+
+    def routed(self, settle: Callable[[], None]) -> None:
+        self._settle = settle
+
+    def settle(self) -> None:
+        settle, self._settle = self._settle, None
+        if settle is not None:
+            settle()
+
+    def waiting(self) -> None:
+        if self._waiting is not None:
+            self._waiting()
 
 
 def request_routing(request: Request) -> Routing:

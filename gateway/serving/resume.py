@@ -12,7 +12,7 @@ its protocol, its usage counting everything it received, and under greedy decodi
 from an undisturbed run (batching is exact: the text does not depend on the load).
 
 A stream is resumable while every token it sent is known: no content yet (a plain retry), or a backend that puts
-``tokens`` on its deltas (llama.cpp's runner does; MLX's and vLLM's do not, so their streams fail mid-stream).
+``tokens`` on its deltas (llama.cpp's and MLX's runners do; vLLM's does not, so its streams fail mid-stream).
 While the new replica is found, placed or prefilled the client gets keep-alives. A stream resumes at most
 ``MAX_RESUMES`` times; when no replica takes over within ``resume_wait`` seconds, or the new one fails to start,
 the client gets the original ``Failed``: its protocol's mid-stream error, as without resume. Each resume is

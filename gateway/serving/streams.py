@@ -1,13 +1,17 @@
 """The plumbing between a runner's event stream and the client's: starting a generation in its slot, relaying its
-events, freeing the slot, closing streams.
+events, owning what must be freed when the stream ends, closing streams.
 
 A generation holds a queue slot (``admission.Ticket``) from its start until its stream ends: ``begin`` waits for
-the slot and takes the first event; ``chain`` (a fresh generation) and ``released`` (a resumed one) free the slot
-at the terminal event, so it is free before the client reads the end, and again (idempotently) when the stream is
-closed or dropped unstarted (``on_drop``: a generator closed before it started never runs its ``finally``).
-``relay`` turns an unexpected exception into a ``Failed`` event and notes on the request's telemetry record
-what the stream shows (first token, usage, end: ``telemetry.observe``); ``metered`` hands the last ``Usage``
-to a key's token budget. ``aclose`` and ``closing`` close any async iterator.
+the slot and takes the first event; ``relay`` (a fresh generation) and ``released`` (a resumed one) free the slot
+at the terminal event, so it is free before the client reads the end. What a stream holds is freed by closing it:
+the dispatcher hands out an ``EventStream``, whose ``aclose`` closes the events and runs its cleanups (free the
+slot, close the runner's stream, stop a start still under way) whether or not anyone began reading it. Every
+reader closes what it opened (the HTTP response when it is done, ``collect_or_cancel``, the tests): no finalizer
+is needed to give a slot back.
+
+``relay`` also turns an unexpected exception into a ``Failed`` event, notes on the request's telemetry record what
+the stream shows (first token, usage, end: ``telemetry.observe``), counts tokens for the shared load and hands the
+last ``Usage`` to a key's token budget. ``aclose`` and ``closing`` close any async iterator.
 
 Imports protocols, the telemetry record and the shared load's ``Tally`` only.
 """
@@ -15,9 +19,9 @@ Imports protocols, the telemetry record and the shared load's ``Tally`` only.
 from __future__ import annotations
 
 import contextlib
+import inspect
 import logging
-import weakref
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, TypeVar
 
 from meshgate.backends.base import Runner
@@ -34,7 +38,7 @@ from meshgate.protocols.model import (
     Usage,
 )
 
-__all__ = ["aclose", "begin", "chain", "closing", "metered", "on_drop", "relay", "released"]
+__all__ = ["EventStream", "aclose", "begin", "closing", "relay", "released"]
 
 log = logging.getLogger("meshgate.dispatch")
 _Stream = TypeVar("_Stream", bound=AsyncIterator[Any])
@@ -56,27 +60,6 @@ async def begin(runner: Runner, request: Request, ticket: Ticket) -> tuple[Event
     return first, events
 
 
-def chain(
-    first: Event,
-    rest: AsyncIterator[Event],
-    release: Callable[[], None],
-    on_usage: Callable[[Usage], None] | None = None,
-    served: tuple[str, str] | None = None,
-    tally: Tally | None = None,
-) -> AsyncIterator[Event]:
-    """``first`` then ``rest``; ``release`` (the queue slot) when it ends, is closed, or is dropped unstarted;
-    ``on_usage`` with the last ``Usage`` seen when it ends or is closed. ``served`` (model, instance id) and what
-    the stream shows go to the request's telemetry record, if it has one."""
-    record = telemetry.current()
-    if record is not None and served is not None:
-        record.model, record.instance = served
-    stream = relay(first, rest, release, record, tally)
-    if on_usage is not None:
-        stream = metered(stream, on_usage)
-    on_drop(stream, release)  # a generator closed before it started never runs its ``finally``
-    return stream
-
-
 async def released(first: Event, rest: AsyncIterator[Event], release: Callable[[], None]) -> AsyncIterator[Event]:
     """``first`` then ``rest``; ``release`` at the terminal event (the slot is free before the client reads the
     end) and when the stream is closed."""
@@ -91,11 +74,6 @@ async def released(first: Event, rest: AsyncIterator[Event], release: Callable[[
         release()
 
 
-def on_drop(stream: AsyncIterator[Event], release: Callable[[], None]) -> None:
-    """Call ``release`` when ``stream`` is garbage (not at interpreter exit, when the loop is gone)."""
-    weakref.finalize(stream, release).atexit = False
-
-
 _TERMINAL: frozenset[type] = frozenset({Finished, Failed})
 
 
@@ -103,67 +81,104 @@ async def relay(
     first: Event,
     rest: AsyncIterator[Event],
     release: Callable[[], None],
+    *,
     record: telemetry.RequestRecord | None = None,
     tally: Tally | None = None,
+    on_usage: Callable[[Usage], None] | None = None,
 ) -> AsyncIterator[Event]:
-    """``first`` then ``rest``; an unexpected exception becomes a ``Failed`` event, never a crash. With a
-    ``record``, the first token's time, the last ``Usage`` and the end go into it: one set lookup per event.
+    """``first`` then ``rest``; ``release`` (the slot) at the terminal event and when the stream is closed; an
+    unexpected exception becomes a ``Failed`` event, never a crash. With a ``record``, the first token's time, the
+    last ``Usage`` and the end go into it; ``on_usage`` gets the last ``Usage`` once, at the terminal event (a
+    reader may stop there) or when the stream is closed early. One set lookup per event.
 
     The events not watched (the deltas after the first token) are counted with one integer increment: a stream
     that ends without finishing (its client went away, or it failed) never got its final ``Usage``, so its record
-    then says how many deltas were relayed (``_note_relayed``)."""
+    then says how many deltas were relayed (``observe.note_relayed``)."""
     watch: frozenset[type] = observe.UNTIL_FIRST_TOKEN if record is not None else frozenset()
+    if on_usage is not None:
+        watch = watch | {Usage}
     unwatched = 0  # events relayed without a look: after the first token, each a delta (about a token)
     counts = tally or Tally()  # the shared load's counts (``loads``), live: tokens/s while the stream runs
     counts.tokens += 1  # the first event
+    usage: Usage | None = None  # the last one, not yet handed to ``on_usage``
+
+    def seen(event: Event) -> frozenset[type]:
+        nonlocal usage
+        if isinstance(event, Usage):
+            usage = event
+        if record is None:
+            return watch
+        return observe.note(record, event) | ({Usage} if on_usage is not None else frozenset())
+
     try:
         async with closing(rest):
             if type(first) in watch:
-                watch = observe.note(record, first)
+                watch = seen(first)
             yield first
             try:
                 async for event in rest:
                     if type(event) in watch:
-                        watch = observe.note(record, event)
+                        watch = seen(event)
                     else:
                         unwatched += 1
                         counts.tokens += 1
                     if type(event) in _TERMINAL:
                         release()  # the generation is over: its slot is free before the client reads the end
+                        if usage is not None and on_usage is not None:
+                            on_usage(usage)
+                            usage = None
                     yield event
             except GatewayError as exc:
                 failed = Failed(error=exc.info())
-                observe.note(record, failed)
+                seen(failed)
                 yield failed
             except Exception as exc:
                 log.exception("backend stream raised")
                 failed = Failed(error=GatewayError(f"internal error: {exc!r}").info())
-                observe.note(record, failed)
+                seen(failed)
                 yield failed
     finally:
         release()
+        if usage is not None and on_usage is not None:
+            on_usage(usage)
         if record is not None:
             observe.note_relayed(record, unwatched)
         if record is not None and record.cached_tokens:
             counts.prefix_hits += 1
 
 
-async def metered(events: AsyncIterator[Event], on_usage: Callable[[Usage], None]) -> AsyncIterator[Event]:
-    """``events`` unchanged; the last ``Usage`` among them goes to ``on_usage`` once: at the terminal event (a
-    reader may stop there), or when the stream is closed early."""
-    usage: Usage | None = None
-    try:
-        async with closing(events):
-            async for event in events:
-                if isinstance(event, Usage):
-                    usage = event
-                elif isinstance(event, Finished | Failed) and usage is not None:
-                    on_usage(usage)
-                    usage = None
-                yield event
-    finally:
-        if usage is not None:
-            on_usage(usage)
+Cleanup = Callable[[], Awaitable[None] | None]
+
+
+class EventStream:
+    """A generation's events as the client reads them, and what is freed when the stream is closed.
+
+    ``aclose`` closes ``events`` and then runs each cleanup once (a slot's release, the runner's stream, a start
+    still waiting for its turn), in order, whether the stream was read to its end, in part or not at all: an
+    async generator closed before it started never runs its ``finally``, so what it would free is listed here.
+    """
+
+    __slots__ = ("_cleanups", "_events")
+
+    def __init__(self, events: AsyncIterator[Event], *cleanups: Cleanup) -> None:
+        self._events = events
+        self._cleanups = list(cleanups)
+
+    def __aiter__(self) -> EventStream:
+        return self
+
+    def __anext__(self) -> Awaitable[Event]:
+        return self._events.__anext__()
+
+    async def aclose(self) -> None:
+        cleanups, self._cleanups = self._cleanups, []
+        try:
+            await aclose(self._events)
+        finally:
+            for cleanup in cleanups:
+                done = cleanup()
+                if inspect.isawaitable(done):
+                    await done
 
 
 async def aclose(stream: AsyncIterator[Any]) -> None:

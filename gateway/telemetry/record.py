@@ -3,7 +3,8 @@
 ``gateway.telemetry.middleware`` creates a ``RequestRecord`` when a request arrives (its id is the one the
 response carries in ``x-request-id``) and reads it when the response is done, for the request log line and the
 metrics. In between, the code that knows a fact writes it: the auth guard's caller is read from the connection
-state; the dispatcher notes the model asked for (``note_model``) and, for a generation, the instance, the first
+state; the dispatcher notes the model asked for (``note_model``), the replica that serves (``note_served``), an
+embedding's tokens (``note_embedded``) and, for a generation, the first
 token's time, the last ``Usage`` (or, for a stream that did not finish, the deltas it relayed) and how the
 stream ended (``gateway.serving.streams.relay``, through ``telemetry.observe``). Tasks a request starts copy the
 context, so they see the same record; code that runs outside a request sees ``None``.
@@ -18,7 +19,7 @@ import secrets
 import time
 from typing import Any
 
-__all__ = ["RequestRecord", "current", "new_request_id", "note_model"]
+__all__ = ["RequestRecord", "current", "new_request_id", "note_embedded", "note_model", "note_served"]
 
 
 class RequestRecord:
@@ -95,6 +96,20 @@ def note_model(asked: str) -> None:
     record = _current.get()
     if record is not None:
         record.asked = asked
+
+
+def note_served(model: str, instance: str) -> None:
+    """The model and the replica that serve a generation (again when a resume moves it)."""
+    record = _current.get()
+    if record is not None:
+        record.model, record.instance = model, instance
+
+
+def note_embedded(model: str, prompt_tokens: int) -> None:
+    """An embedding request's model and the tokens it embedded (its log line's ``prompt_tokens``)."""
+    record = _current.get()
+    if record is not None:
+        record.model, record.prompt_tokens, record.generated_tokens = model, prompt_tokens, 0
 
 
 def new_request_id() -> str:

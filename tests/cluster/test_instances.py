@@ -11,7 +11,7 @@ from meshgate.gateway.cluster.instances import MAX_ATTEMPTS, InstanceManager
 from meshgate.gateway.cluster.records import Failed, Ready, RunnerStatus, Starting
 from meshgate.gateway.cluster.store import MemoryStore
 from meshgate.gateway.http.runtime import _rank
-from meshgate.gateway.serving.dispatch import Catalog
+from meshgate.gateway.serving.catalog import Catalog
 from meshgate.plugins.hookspecs import hookimpl
 from meshgate.plugins.manager import build_plugin_manager
 from meshgate.plugins.settings import Settings

@@ -17,7 +17,7 @@ from meshgate.gateway.cluster.routing import Routing
 from meshgate.gateway.cluster.store import LOAD_STALE, MemoryStore, StateStore
 from meshgate.gateway.http.runtime import _rank
 from meshgate.gateway.serving.admission import Admission
-from meshgate.gateway.serving.dispatch import Catalog
+from meshgate.gateway.serving.catalog import Catalog
 from meshgate.plugins.manager import build_plugin_manager
 from meshgate.plugins.settings import Settings
 from meshgate.protocols.model import NoCapacity

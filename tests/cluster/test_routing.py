@@ -1,5 +1,6 @@
 """The routing rule as a table (``gateway.cluster.routing``): affinity under bounded loads, spill, power of two
-choices; and the prefix key of a request (``gateway.serving.dispatch.request_key``). Pure functions, no processes."""
+choices; and the prefix key of a request (``gateway.serving.dispatch.request_routing``). Pure functions, no
+processes."""
 
 from __future__ import annotations
 

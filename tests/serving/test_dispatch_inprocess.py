@@ -62,3 +62,32 @@ async def test_a_full_queue_is_refused_at_once(plane):
     assert first is not None
     text = [e async for e in waiting if isinstance(e, TextDelta)]
     assert "".join(e.text for e in text) == "Hello, world"
+
+
+async def _load(plane):
+    (instance,) = await plane.store.instances()
+    return plane.dispatcher.admission.load(instance.id)
+
+
+async def test_a_stream_closed_before_it_is_read_frees_its_slot(plane):
+    await collect(await plane.dispatcher.open_stream(_request("hello")))  # placed and ready
+    unread = await plane.dispatcher.open_stream(_request("sleep 5", stream=True), caller="a")
+    assert (await _load(plane)).active == 1
+    await unread.aclose()  # no event read: an async generator here would never run its ``finally``
+    assert (await _load(plane)).active == 0
+    response = await collect(await plane.dispatcher.open_stream(_request("hello"), caller="b"))
+    assert response.usage.completion_tokens > 0
+
+
+async def test_a_waiting_stream_closed_before_its_turn_leaves_the_queue(plane):
+    await collect(await plane.dispatcher.open_stream(_request("hello")))
+    running = await plane.dispatcher.open_stream(_request("sleep 5", stream=True), caller="a")
+    await anext(running)
+    waiting = await plane.dispatcher.open_stream(_request("hello", stream=True), caller="b")
+    assert (await _load(plane)).queued == 1
+    await waiting.aclose()
+    assert (await _load(plane)).queued == 0
+    third = await plane.dispatcher.open_stream(_request("hello", stream=True), caller="c")  # the queue has room
+    await running.aclose()
+    text = [e async for e in third if isinstance(e, TextDelta)]
+    assert "".join(e.text for e in text) == "Hello, world"

@@ -136,7 +136,8 @@ async def serve_generation(
     ``fit`` is the protocol's context rule and ``clamp_output`` its output rule (``Dispatcher.open_stream``)."""
     opening = dispatcher_of(request).open_stream(internal, **who(request), fit=fit, clamp_output=clamp_output)
     if internal.stream:
-        return stream_response(stream(await opening), media_type)
+        events = await opening
+        return stream_response(stream(events), media_type, closes=events)
     return json_response(whole(await collect_or_cancel(request, opening)))
 
 
@@ -144,10 +145,15 @@ def json_response(body: bytes, status: int = 200) -> Response[bytes]:
     return Response(body, status_code=status, media_type=JSON)
 
 
-def stream_response(chunks: AsyncIterator[bytes], media_type: str) -> Stream:
-    """A streamed 200 whose ready chunks are written together (``gateway.http.routes.stream``)."""
+def stream_response(chunks: AsyncIterator[bytes], media_type: str, closes: AsyncIterator[Any] | None = None) -> Stream:
+    """A streamed 200 whose ready chunks are written together (``gateway.http.routes.stream``); ``closes`` (the
+    event stream the chunks encode) is closed when the response is done, however it ends."""
     return CoalescedStream(
-        chunks, status_code=200, media_type=media_type, headers={"cache-control": "no-cache", "x-accel-buffering": "no"}
+        chunks,
+        closes=closes,
+        status_code=200,
+        media_type=media_type,
+        headers={"cache-control": "no-cache", "x-accel-buffering": "no"},
     )
 
 

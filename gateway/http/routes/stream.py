@@ -8,9 +8,10 @@ data ready, so every line the runner wrote at once (a batched runner writes all 
 in one chunk; and the writer runs one event-loop turn after the first frame appears, so the first token is never
 held back for company.
 
-A client that disconnects cancels both (Litestar's disconnect listener), which closes the event stream and the
-runner's connection. Frames pile up while the client reads slowly only to ``_MAX_PENDING``; beyond that the puller
-waits, and so does the runner's socket.
+A client that disconnects cancels both (Litestar's disconnect listener). Whatever ends the response, it closes
+the frames' iterator and then ``closes`` (the dispatcher's event stream): that frees the request's queue slot and
+the runner's connection even when the encoder never started. Frames pile up while the client reads slowly only to
+``_MAX_PENDING``; beyond that the puller waits, and so does the runner's socket.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ if TYPE_CHECKING:
     from litestar.connection import Request
     from litestar.datastructures.cookie import Cookie
     from litestar.response.base import ASGIResponse
-    from litestar.types import Send
+    from litestar.types import Receive, Scope, Send
 
 __all__ = ["CoalescedStream"]
 
@@ -41,7 +42,21 @@ _MAX_PENDING = 1024
 
 
 class _CoalescedASGIStream(ASGIStreamingResponse):
-    """Writes the iterator's items in as few ASGI messages as their arrival allows."""
+    """Writes the iterator's items in as few ASGI messages as their arrival allows; closes them and ``closes``
+    when done."""
+
+    def __init__(self, *, closes: Any = None, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.closes = closes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            for stream in (self.iterator, self.closes):
+                close = getattr(stream, "aclose", None)
+                if close is not None:
+                    await close()
 
     async def _stream(self, send: Send) -> None:
         loop = asyncio.get_running_loop()
@@ -81,7 +96,12 @@ class _CoalescedASGIStream(ASGIStreamingResponse):
 
 
 class CoalescedStream(Stream):
-    """A ``Stream`` of ``bytes`` whose ready items are written together (see the module docstring)."""
+    """A ``Stream`` of ``bytes`` whose ready items are written together, closing ``closes`` when it is done (see
+    the module docstring)."""
+
+    def __init__(self, content: Any, *, closes: Any = None, **kwargs: Any) -> None:
+        super().__init__(content, **kwargs)
+        self.closes = closes
 
     def to_asgi_response(  # the same as ``Stream.to_asgi_response``, with the coalescing ASGI response
         self,
@@ -98,6 +118,7 @@ class CoalescedStream(Stream):
         **_: Any,
     ) -> ASGIResponse:
         return _CoalescedASGIStream(
+            closes=self.closes,
             background=self.background or background,
             content_length=0,
             cookies=self.cookies if cookies is None else itertools.chain(self.cookies, cookies),

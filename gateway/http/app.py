@@ -13,6 +13,7 @@ from collections.abc import AsyncIterator
 
 import pluggy
 from litestar import Litestar
+from litestar.di import Provide
 from litestar.openapi import OpenAPIConfig
 
 from meshgate.gateway.auth.guard import KeyRing, authorize
@@ -25,6 +26,7 @@ from meshgate.gateway.http.routes import keys as key_routes
 from meshgate.gateway.http.routes import ollama as ollama_routes
 from meshgate.gateway.http.routes import openai as openai_routes
 from meshgate.gateway.http.routes import ui as ui_routes
+from meshgate.gateway.http.routes.common import provide_dispatcher
 from meshgate.gateway.http.runtime import control_plane
 from meshgate.gateway.telemetry import route as metrics_route
 from meshgate.gateway.telemetry.metrics import GatewayMetrics
@@ -69,6 +71,7 @@ def create_app(settings: Settings, plugins: pluggy.PluginManager) -> Litestar:
             ui_routes.router,  # the dashboard at /ui (static, public; it sends an admin key itself)
             *([metrics_route.metrics] if settings.metrics else []),  # GET /metrics (admin scope)
         ],
+        dependencies={"dispatcher": Provide(provide_dispatcher, sync_to_thread=False)},
         guards=[authorize],  # every route: its scope (admin unless it says otherwise) and limits (gateway.auth.guard)
         lifespan=[lifespan],
         exception_handlers={Exception: errors.render},  # every error, in the client's protocol's envelope
@@ -77,7 +80,7 @@ def create_app(settings: Settings, plugins: pluggy.PluginManager) -> Litestar:
         logging_config=None,  # the process's logging is gateway.cli.commands's (text or JSON, gateway.telemetry.logs)
         debug=False,
     )
-    describe_request_bodies(app.openapi_schema)  # handlers decode raw bodies: Litestar cannot see their Structs
+    describe_request_bodies(app.openapi_schema)  # bodies are decoded by a dependency: Litestar cannot see their Structs
     app.state.settings = settings
     app.state.plugins = plugins
     # every response carries its request id (``x-request-id`` for OpenAI SDKs, ``request-id`` for Anthropic's);

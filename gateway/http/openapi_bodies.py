@@ -1,9 +1,10 @@
 """The request bodies of the protocol endpoints, added to the app's OpenAPI schema (``/schema/openapi.json``).
 
-The protocol handlers read the raw body and decode it with ``protocols.model.decode_body`` into a wire Struct
-(so a bad body is a 400 in the protocol's own envelope), which leaves Litestar nothing to describe. So each such
-handler names its Struct where it is declared, in its route's ``opt`` (``@post("/api/chat", opt={"body":
-ollama.ChatRequest})``); ``request_bodies`` collects them from the routers, and ``describe_request_bodies`` turns
+The protocol handlers take their body as ``wire``, a dependency that decodes it with ``protocols.model.decode_body``
+into a wire Struct (so a bad body is a 400 in the protocol's own envelope), which leaves Litestar nothing to
+describe. Each such route names its Struct where it is declared (``@post("/api/chat",
+dependencies=body(ollama.ChatRequest))``, ``gateway.http.routes.common.body``); ``request_bodies`` collects them
+from the routers, and ``describe_request_bodies`` turns
 those Structs into JSON Schema with ``msgspec.json.schema_components`` and sets them as required
 ``application/json`` bodies, with the Structs under ``components/schemas``. Wire Structs are tolerant readers,
 and so are their schemas: no ``additionalProperties: false``.
@@ -39,13 +40,14 @@ __all__ = ["BODIES", "describe_request_bodies", "request_bodies"]
 
 
 def request_bodies(routers: Iterable[Router]) -> dict[tuple[str, str], type[msgspec.Struct]]:
-    """``(method, path)`` -> the wire Struct its handler decodes (its ``opt["body"]``), for every handler of
-    ``routers`` that names one."""
+    """``(method, path)`` -> the wire Struct its handler decodes (its ``wire`` dependency), for every handler of
+    ``routers`` that has one."""
     bodies: dict[tuple[str, str], type[msgspec.Struct]] = {}
     for router in routers:
         for route in router.routes:
             for handler in getattr(route, "route_handlers", ()):
-                struct = handler.opt.get("body")
+                provider = (handler.dependencies or {}).get("wire")
+                struct = getattr(getattr(provider, "dependency", None), "struct", None)
                 if struct is not None:
                     for method in handler.http_methods:
                         bodies[method.lower(), route.path] = struct

@@ -348,13 +348,16 @@ def test_runtime_files_stay_under_the_runtime_dir(server: Server, runtime_dir: P
 # ---------------------------------------------------------------------------------------------------- faults
 
 
-def _stream_lines(url: str, body: dict, tokens: list[int], out: list) -> None:
-    """Read one streaming response line by line; ``tokens[0]`` counts the lines that carry generated text."""
+def _stream_lines(url: str, body: dict, tokens: list[int], out: list, on_text=None) -> None:
+    """Read one streaming response line by line; ``tokens[0]`` counts the lines that carry generated text;
+    ``on_text()`` is called at the first of them, from this thread (no polling gap)."""
     with httpx.stream("POST", url, json=body, timeout=180) as response:
         for line in response.iter_lines():
             out.append(line)
             if '"content":"' in line.replace(" ", "") or '"text_delta"' in line:
                 tokens[0] += 1
+                if tokens[0] == 1 and on_text is not None:
+                    on_text()
 
 
 def _instance(server: Server) -> dict:
@@ -424,14 +427,20 @@ def test_worker_killed_mid_generation_fails_the_stream_and_leaves_nothing(server
     [old_folder] = list(runtime_dir.iterdir())
     tokens: list[int] = [0]
     lines: list[str] = []
+    # The worker is stopped (SIGSTOP) the moment the first token reaches the client: the tiny model decodes
+    # faster than a polling reader reads, so a kill timed by the reader alone can land after the last token. A
+    # stopped TP worker holds up every decode step; the stream is then open with tokens sent, and the kill lands.
     reader = threading.Thread(
-        target=_stream_lines, args=(*_fault_request(server, "anthropic"), tokens, lines), daemon=True
+        target=_stream_lines,
+        args=(*_fault_request(server, "anthropic"), tokens, lines, lambda: os.kill(workers[0], signal.SIGSTOP)),
+        daemon=True,
     )
     reader.start()
     deadline = time.monotonic() + 120
-    while time.monotonic() < deadline and tokens[0] < 2:
+    while time.monotonic() < deadline and tokens[0] < 1:
         time.sleep(0.01)
-    assert tokens[0] >= 2 and reader.is_alive(), lines[-5:]
+    time.sleep(1.0)  # what was decoded before the stop reaches the client
+    assert tokens[0] >= 1 and reader.is_alive(), lines[-5:]
     os.kill(workers[0], signal.SIGKILL)
     killed, at_kill = time.monotonic(), tokens[0]
     reader.join(150)

@@ -1,4 +1,11 @@
-"""What every protocol's handlers share: the dispatcher, request metadata, auth, responses."""
+"""What every protocol's handlers share: their dependencies (the request body, the dispatcher), request metadata,
+auth, responses.
+
+Handlers take their request body as ``wire``, a wire Struct provided by ``body(Struct)`` in their route's
+``dependencies``: decoded with ``protocols.model.decode_body``, so a bad body is a 400 in the client's protocol's
+envelope (``gateway.http.errors``) with the field to fix, and the Struct is the body in the OpenAPI schema
+(``gateway.http.openapi_bodies``). The app provides ``dispatcher`` to every handler that names it.
+"""
 
 from __future__ import annotations
 
@@ -11,6 +18,8 @@ from typing import Any
 
 from litestar import Request as HttpRequest
 from litestar import Response
+from litestar.datastructures import State
+from litestar.di import Provide
 from litestar.exceptions import HTTPException
 from litestar.response import Stream
 
@@ -20,15 +29,31 @@ from meshgate.gateway.serving.context_fit import Fit
 from meshgate.gateway.serving.dispatch import Dispatcher
 from meshgate.gateway.serving.streams import aclose
 from meshgate.protocols import model
-from meshgate.protocols.model import Event, Meta, ModelInfo
+from meshgate.protocols.model import Event, Meta, ModelInfo, decode_body
 
 JSON = "application/json"
 SSE = "text/event-stream"
 NDJSON = "application/x-ndjson"
 
 
-def dispatcher_of(request: HttpRequest) -> Dispatcher:
-    return request.app.state.dispatcher
+class WireBody:
+    """Provides a handler's ``wire``: the request body decoded as ``struct`` (the module docstring)."""
+
+    def __init__(self, struct: type[Any]) -> None:
+        self.struct = struct
+
+    async def __call__(self, request: HttpRequest) -> Any:
+        return decode_body(await request.body(), self.struct)
+
+
+def body(struct: type[Any]) -> dict[str, Provide]:
+    """A route's ``dependencies`` for a handler that takes its body as ``wire: struct``."""
+    return {"wire": Provide(WireBody(struct))}
+
+
+def provide_dispatcher(state: State) -> Dispatcher:
+    """The app's ``dispatcher`` dependency."""
+    return state.dispatcher
 
 
 def new_meta(model: str) -> Meta:
@@ -122,6 +147,7 @@ async def _disconnect(request: HttpRequest) -> None:
 
 async def serve_generation(
     request: HttpRequest,
+    dispatcher: Dispatcher,
     internal: model.Request,
     *,
     fit: Fit,
@@ -134,7 +160,7 @@ async def serve_generation(
     chunks (a streamed 200) when the client asked to stream, else with ``whole`` of the collected answer.
 
     ``fit`` is the protocol's context rule and ``clamp_output`` its output rule (``Dispatcher.open_stream``)."""
-    opening = dispatcher_of(request).open_stream(internal, **who(request), fit=fit, clamp_output=clamp_output)
+    opening = dispatcher.open_stream(internal, **who(request), fit=fit, clamp_output=clamp_output)
     if internal.stream:
         events = await opening
         return stream_response(stream(events), media_type, closes=events)

@@ -11,11 +11,12 @@ from typing import Annotated
 import msgspec
 from litestar import Request as HttpRequest
 from litestar import Response, Router, delete, get, post
+from litestar.di import NamedDependency
 
 from meshgate.gateway.auth.guard import KeyRing, mint
 from meshgate.gateway.auth.keys import ApiKey, Scope
-from meshgate.gateway.http.routes.common import json_response
-from meshgate.protocols.model import NotFound, decode_body
+from meshgate.gateway.http.routes.common import body, json_response
+from meshgate.protocols.model import NotFound
 
 _Name = Annotated[str, msgspec.Meta(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9][A-Za-z0-9_.@ -]*$")]
 _Limit = Annotated[int, msgspec.Meta(ge=0, le=10**9)]
@@ -59,9 +60,13 @@ async def list_keys(request: HttpRequest) -> Response[bytes]:
     return json_response(msgspec.json.encode({"keys": [KeyView(**_view(k)) for k in keys]}))
 
 
-@post("/keys", summary="Make an API key; the answer is the only time it is shown", status_code=201)
-async def create_key(request: HttpRequest) -> Response[bytes]:
-    wire = decode_body(await request.body(), CreateKey)
+@post(
+    "/keys",
+    summary="Make an API key; the answer is the only time it is shown",
+    status_code=201,
+    dependencies=body(CreateKey),
+)
+async def create_key(request: HttpRequest, wire: NamedDependency[CreateKey]) -> Response[bytes]:
     secret, record = mint(wire.name, wire.scope, wire.models, wire.rpm, wire.tpm)
     ring = _ring(request)
     await ring.accounts.put_key(record)

@@ -16,10 +16,11 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 
 from litestar import Request as HttpRequest
 from litestar import Response, Router, get, head, post
+from litestar.di import NamedDependency
 
 from meshgate.gateway.http.routes.common import (
     NDJSON,
-    dispatcher_of,
+    body,
     json_response,
     may_use,
     model_infos,
@@ -29,9 +30,10 @@ from meshgate.gateway.http.routes.common import (
 from meshgate.gateway.http.routes.ollama_models import ROUTES as MODEL_ROUTES
 from meshgate.gateway.models import admin as model_admin
 from meshgate.gateway.serving.context_fit import Fit
+from meshgate.gateway.serving.dispatch import Dispatcher
 from meshgate.gateway.serving.streams import closing
 from meshgate.protocols import ollama, ollama_embeddings, ollama_models
-from meshgate.protocols.model import GatewayError, Request, decode_body
+from meshgate.protocols.model import GatewayError, Request
 
 log = logging.getLogger("meshgate.ollama")
 VERSION = "0.13.0"  # the Ollama API version we follow; clients gate features on it
@@ -45,8 +47,8 @@ def _version() -> Response[bytes]:
     return json_response(ollama.encode_version(VERSION))
 
 
-def _tags(request: HttpRequest) -> Response[bytes]:
-    return json_response(ollama.encode_tags(model_infos(dispatcher_of(request), request)))
+def _tags(request: HttpRequest, dispatcher: Dispatcher) -> Response[bytes]:
+    return json_response(ollama.encode_tags(model_infos(dispatcher, request)))
 
 
 def _head(response: Response[bytes] | Response[str]) -> Response[None]:
@@ -77,51 +79,61 @@ def version_head() -> Response[None]:
 
 
 @get(["/api/tags"], sync_to_thread=False)
-def tags(request: HttpRequest) -> Response[bytes]:
-    return _tags(request)
+def tags(request: HttpRequest, dispatcher: NamedDependency[Dispatcher]) -> Response[bytes]:
+    return _tags(request, dispatcher)
 
 
 @head(["/api/tags"], sync_to_thread=False, include_in_schema=False)
-def tags_head(request: HttpRequest) -> Response[None]:
-    return _head(_tags(request))
+def tags_head(request: HttpRequest, dispatcher: NamedDependency[Dispatcher]) -> Response[None]:
+    return _head(_tags(request, dispatcher))
 
 
-@post("/api/chat", status_code=200, opt={"body": ollama.ChatRequest, "limited": True})
-async def chat(request: HttpRequest) -> Response:
-    wire = decode_body(await request.body(), ollama.ChatRequest)
-    return await _run(request, wire, ollama.chat_to_internal(wire), chat=True)
+@post("/api/chat", status_code=200, opt={"limited": True}, dependencies=body(ollama.ChatRequest))
+async def chat(
+    request: HttpRequest, wire: NamedDependency[ollama.ChatRequest], dispatcher: NamedDependency[Dispatcher]
+) -> Response:
+    return await _run(request, dispatcher, wire, ollama.chat_to_internal(wire), chat=True)
 
 
-@post("/api/generate", status_code=200, opt={"body": ollama.GenerateRequest, "limited": True})
-async def generate(request: HttpRequest) -> Response:
-    wire = decode_body(await request.body(), ollama.GenerateRequest)
-    return await _run(request, wire, ollama.generate_to_internal(wire), chat=False)
+@post("/api/generate", status_code=200, opt={"limited": True}, dependencies=body(ollama.GenerateRequest))
+async def generate(
+    request: HttpRequest, wire: NamedDependency[ollama.GenerateRequest], dispatcher: NamedDependency[Dispatcher]
+) -> Response:
+    return await _run(request, dispatcher, wire, ollama.generate_to_internal(wire), chat=False)
 
 
-@post("/api/embed", status_code=200, opt={"body": ollama_embeddings.EmbedBody, "limited": True})
-async def embed(request: HttpRequest) -> Response:
+@post("/api/embed", status_code=200, opt={"limited": True}, dependencies=body(ollama_embeddings.EmbedBody))
+async def embed(
+    request: HttpRequest, wire: NamedDependency[ollama_embeddings.EmbedBody], dispatcher: NamedDependency[Dispatcher]
+) -> Response:
     started = time.perf_counter_ns()
-    wire = decode_body(await request.body(), ollama_embeddings.EmbedBody)
     keep_alive = ollama_models.parse_keep_alive(wire.keep_alive)
-    result = await dispatcher_of(request).embed(ollama_embeddings.embed_to_internal(wire), may_use(request))
-    await model_admin.apply_keep_alive(dispatcher_of(request), wire.model, keep_alive)
+    result = await dispatcher.embed(ollama_embeddings.embed_to_internal(wire), may_use(request))
+    await model_admin.apply_keep_alive(dispatcher, wire.model, keep_alive)
     return json_response(ollama_embeddings.encode_embed(result, wire.model, time.perf_counter_ns() - started))
 
 
-@post("/api/embeddings", status_code=200, opt={"body": ollama_embeddings.EmbeddingsBody, "limited": True})
-async def embeddings(request: HttpRequest) -> Response:
-    wire = decode_body(await request.body(), ollama_embeddings.EmbeddingsBody)
+@post("/api/embeddings", status_code=200, opt={"limited": True}, dependencies=body(ollama_embeddings.EmbeddingsBody))
+async def embeddings(
+    request: HttpRequest,
+    wire: NamedDependency[ollama_embeddings.EmbeddingsBody],
+    dispatcher: NamedDependency[Dispatcher],
+) -> Response:
     keep_alive = ollama_models.parse_keep_alive(wire.keep_alive)
-    result = await dispatcher_of(request).embed(ollama_embeddings.embeddings_to_internal(wire), may_use(request))
-    await model_admin.apply_keep_alive(dispatcher_of(request), wire.model, keep_alive)
+    result = await dispatcher.embed(ollama_embeddings.embeddings_to_internal(wire), may_use(request))
+    await model_admin.apply_keep_alive(dispatcher, wire.model, keep_alive)
     return json_response(ollama_embeddings.encode_embeddings(result))
 
 
 async def _run(
-    request: HttpRequest, wire: ollama.ChatRequest | ollama.GenerateRequest, internal: Request, *, chat: bool
+    request: HttpRequest,
+    dispatcher: Dispatcher,
+    wire: ollama.ChatRequest | ollama.GenerateRequest,
+    internal: Request,
+    *,
+    chat: bool,
 ) -> Response:
     """Generate (or load/unload, OLL-17), then apply ``keep_alive`` (OLL-15) once the reply is complete."""
-    dispatcher = dispatcher_of(request)
     meta = new_meta(internal.model)
     keep_alive = ollama_models.parse_keep_alive(wire.keep_alive)
 
@@ -143,6 +155,7 @@ async def _run(
     encode_one = ollama.encode_chat_response if chat else ollama.encode_generate_response
     response = await serve_generation(
         request,
+        dispatcher,
         internal,
         fit=fit,
         clamp_output=True,

@@ -7,11 +7,12 @@ from collections.abc import AsyncIterator
 
 from litestar import Request as HttpRequest
 from litestar import Response, delete, get, post
+from litestar.di import NamedDependency
 
-from meshgate.gateway.http.routes.common import dispatcher_of, json_response, stream_response
+from meshgate.gateway.http.routes.common import body, json_response, stream_response
 from meshgate.gateway.models import admin as model_admin
+from meshgate.gateway.serving.dispatch import Dispatcher
 from meshgate.protocols import ollama_models
-from meshgate.protocols.model import decode_body
 
 NDJSON = "application/x-ndjson"
 
@@ -20,51 +21,55 @@ def _registry(request: HttpRequest):
     return model_admin.registry_of(request.app.state.settings.data_dir)
 
 
-@post("/api/show", status_code=200, opt={"body": ollama_models.ShowRequest})
-async def show(request: HttpRequest) -> Response[bytes]:
-    wire = decode_body(await request.body(), ollama_models.ShowRequest)
-    return json_response(await model_admin.show(dispatcher_of(request), _registry(request), wire.target))
+@post("/api/show", status_code=200, dependencies=body(ollama_models.ShowRequest))
+async def show(
+    request: HttpRequest, wire: NamedDependency[ollama_models.ShowRequest], dispatcher: NamedDependency[Dispatcher]
+) -> Response[bytes]:
+    return json_response(await model_admin.show(dispatcher, _registry(request), wire.target))
 
 
 @get("/api/ps")
-async def ps(request: HttpRequest) -> Response[bytes]:
+async def ps(request: HttpRequest, dispatcher: NamedDependency[Dispatcher]) -> Response[bytes]:
     instances = await request.app.state.plane.store.instances()
-    return json_response(await model_admin.ps(dispatcher_of(request), instances))
+    return json_response(await model_admin.ps(dispatcher, instances))
 
 
-@post("/api/copy", status_code=200, opt={"body": ollama_models.CopyRequest, "scope": "admin"})
-async def copy(request: HttpRequest) -> Response[None]:
-    wire = decode_body(await request.body(), ollama_models.CopyRequest)
-    await model_admin.copy(dispatcher_of(request), _registry(request), wire.source, wire.destination)
+@post("/api/copy", status_code=200, opt={"scope": "admin"}, dependencies=body(ollama_models.CopyRequest))
+async def copy(
+    request: HttpRequest, wire: NamedDependency[ollama_models.CopyRequest], dispatcher: NamedDependency[Dispatcher]
+) -> Response[None]:
+    await model_admin.copy(dispatcher, _registry(request), wire.source, wire.destination)
     return Response(None, status_code=200)
 
 
-@delete("/api/delete", status_code=200, opt={"body": ollama_models.DeleteRequest, "scope": "admin"})
-async def delete_model(request: HttpRequest) -> Response[None]:
-    wire = decode_body(await request.body(), ollama_models.DeleteRequest)
-    await model_admin.delete(dispatcher_of(request), _registry(request), wire.target)
+@delete("/api/delete", status_code=200, opt={"scope": "admin"}, dependencies=body(ollama_models.DeleteRequest))
+async def delete_model(
+    request: HttpRequest, wire: NamedDependency[ollama_models.DeleteRequest], dispatcher: NamedDependency[Dispatcher]
+) -> Response[None]:
+    await model_admin.delete(dispatcher, _registry(request), wire.target)
     return Response(None, status_code=200)
 
 
-@post("/api/create", status_code=200, opt={"body": ollama_models.CreateRequest, "scope": "admin"})
-async def create(request: HttpRequest) -> Response:
-    wire = decode_body(await request.body(), ollama_models.CreateRequest)
+@post("/api/create", status_code=200, opt={"scope": "admin"}, dependencies=body(ollama_models.CreateRequest))
+async def create(
+    request: HttpRequest, wire: NamedDependency[ollama_models.CreateRequest], dispatcher: NamedDependency[Dispatcher]
+) -> Response:
     lines = await model_admin.create(
-        dispatcher_of(request), _registry(request), wire, model_admin.model_roots(request.app.state.settings)
+        dispatcher, _registry(request), wire, model_admin.model_roots(request.app.state.settings)
     )
     return await _progress(lines, wire.stream)
 
 
-@post("/api/pull", status_code=200, opt={"body": ollama_models.PullRequest, "scope": "admin"})
-async def pull(request: HttpRequest) -> Response:
-    wire = decode_body(await request.body(), ollama_models.PullRequest)
-    lines = await model_admin.pull(dispatcher_of(request), _registry(request), wire.target)
+@post("/api/pull", status_code=200, opt={"scope": "admin"}, dependencies=body(ollama_models.PullRequest))
+async def pull(
+    request: HttpRequest, wire: NamedDependency[ollama_models.PullRequest], dispatcher: NamedDependency[Dispatcher]
+) -> Response:
+    lines = await model_admin.pull(dispatcher, _registry(request), wire.target)
     return await _progress(lines, wire.stream)
 
 
-@post("/api/push", status_code=200, opt={"body": ollama_models.PullRequest, "scope": "admin"})
-async def push(request: HttpRequest) -> Response[bytes]:
-    decode_body(await request.body(), ollama_models.PullRequest)
+@post("/api/push", status_code=200, opt={"scope": "admin"}, dependencies=body(ollama_models.PullRequest))
+async def push(request: HttpRequest, wire: NamedDependency[ollama_models.PullRequest]) -> Response[bytes]:
     return json_response(
         ollama_models.error_line("push is not supported: meshgate has no registry to push to"), status=501
     )

@@ -180,7 +180,7 @@ def run(engine_name: str, gguf_path: str, rows: list[tuple[str, dict, str | None
         jobs, results = ctx.Queue(), ctx.Queue()
         proc = ctx.Process(target=child, args=(engine_name, gguf_path, jobs, results), daemon=True)
         proc.start()
-        _, setup, _ = results.get(timeout=600)
+        _, setup, _ = _first_result(results, proc, 600)
         out.setdefault("tokenizer (once)", f"{setup:.2f} s")
         while todo:
             group, schema, forbidden = todo[0]
@@ -201,6 +201,18 @@ def run(engine_name: str, gguf_path: str, rows: list[tuple[str, dict, str | None
             if proc.is_alive():
                 proc.kill()
     return out
+
+
+def _first_result(results: Any, proc: Any, timeout: float) -> tuple:
+    """The child's first message (its setup time); a child that died first (a missing package) ends the run."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            return results.get(timeout=1)
+        except Exception:  # queue.Empty
+            if not proc.is_alive():
+                raise SystemExit(f"the engine's process exited ({proc.exitcode}) before it was ready: see above")
+    raise SystemExit(f"the engine's process was not ready in {timeout:.0f} s")
 
 
 def main() -> None:

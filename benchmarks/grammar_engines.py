@@ -211,7 +211,7 @@ def _first_result(results: Any, proc: Any, timeout: float) -> tuple:
             return results.get(timeout=1)
         except Exception:  # queue.Empty
             if not proc.is_alive():
-                raise SystemExit(f"the engine's process exited ({proc.exitcode}) before it was ready: see above")
+                raise SystemExit(f"the engine's process exited ({proc.exitcode}) before it was ready") from None
     raise SystemExit(f"the engine's process was not ready in {timeout:.0f} s")
 
 

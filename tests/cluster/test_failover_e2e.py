@@ -128,7 +128,7 @@ def test_a_rolling_restart_of_every_node_and_gateway_loses_no_request(cluster, d
     try:
         for name in ("a", "b"):
             time.sleep(2)  # streams running on the node
-            agents[name].stop(drain=True, timeout=60)
+            agents[name].stop(drain=True, timeout=90)  # the drain is bounded by its grace (30 s) and margin (5 s)
             assert agents[name].proc.returncode == 0
             agents[name] = Agent(redis_url, name, data_dir, tmp_path, n_ctx=N_CTX, env=ENV)
             wait_for(lambda: len(httpx.get(f"{gateways[1].url}/cluster").json()["nodes"]) == 2, 60, "node back")

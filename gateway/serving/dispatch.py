@@ -376,7 +376,6 @@ class Dispatcher:
             moved = await self._on_replica(
                 job.card,
                 partial(self._begin, again),
-                context=serving[0].placement.context,
                 routing=job.routing,
                 failed=(serving[0], error),
                 patient=True,

@@ -75,6 +75,7 @@ async def released(first: Event, rest: AsyncIterator[Event], release: Callable[[
 
 
 _TERMINAL: frozenset[type] = frozenset({Finished, Failed})
+_USAGE: frozenset[type] = frozenset({Usage})
 
 
 async def relay(
@@ -94,9 +95,10 @@ async def relay(
     The events not watched (the deltas after the first token) are counted with one integer increment: a stream
     that ends without finishing (its client went away, or it failed) never got its final ``Usage``, so its record
     then says how many deltas were relayed (``observe.note_relayed``)."""
-    watch: frozenset[type] = observe.UNTIL_FIRST_TOKEN if record is not None else frozenset()
-    if on_usage is not None:
-        watch = watch | {Usage}
+    # what to look at: the record's events (``observe``'s sets, ``Usage`` among them), else ``Usage`` for a budget
+    watch: frozenset[type] = (
+        observe.UNTIL_FIRST_TOKEN if record is not None else _USAGE if on_usage is not None else frozenset()
+    )
     unwatched = 0  # events relayed without a look: after the first token, each a delta (about a token)
     counts = tally or Tally()  # the shared load's counts (``loads``), live: tokens/s while the stream runs
     counts.tokens += 1  # the first event
@@ -106,9 +108,7 @@ async def relay(
         nonlocal usage
         if isinstance(event, Usage):
             usage = event
-        if record is None:
-            return watch
-        return observe.note(record, event) | ({Usage} if on_usage is not None else frozenset())
+        return watch if record is None else observe.note(record, event)
 
     try:
         async with closing(rest):
@@ -181,7 +181,7 @@ class EventStream:
                     await done
 
 
-async def aclose(stream: AsyncIterator[Any]) -> None:
+async def aclose(stream: object) -> None:
     """Close ``stream`` if it can be closed (an async generator can; an iterator object may not)."""
     close = getattr(stream, "aclose", None)
     if close is not None:

@@ -27,6 +27,8 @@ from litestar.response import Stream
 from litestar.response.streaming import ASGIStreamingResponse
 from litestar.utils.helpers import get_enum_string_value
 
+from meshgate.gateway.serving.streams import aclose
+
 if TYPE_CHECKING:
     from litestar.app import Litestar
     from litestar.background_tasks import BackgroundTask, BackgroundTasks
@@ -53,10 +55,9 @@ class _CoalescedASGIStream(ASGIStreamingResponse):
         try:
             await super().__call__(scope, receive, send)
         finally:
-            for stream in (self.iterator, self.closes):
-                close = getattr(stream, "aclose", None)
-                if close is not None:
-                    await close()
+            await aclose(self.iterator)
+            if self.closes is not None:
+                await aclose(self.closes)
 
     async def _stream(self, send: Send) -> None:
         loop = asyncio.get_running_loop()

@@ -18,6 +18,9 @@ Decisions worth knowing:
 - ``UNSET`` sampling values are omitted (the server's default); an explicit ``None`` goes out as ``null``.
   ``repeat_penalty`` is sent as ``repetition_penalty`` and ``top_k``/``min_p`` as top-level extras (vLLM's names).
 - ``prefill`` becomes ``continue_final_message: true`` with ``add_generation_prompt: false`` (vLLM's extras).
+- Token ids (vLLM's ``token_ids`` on each choice, sent when the request asks ``return_token_ids``) go on the
+  deltas' ``tokens``: those of a chunk whose text was held back ride on the next delta, so a delta carries the
+  tokens whose text it completes (what ``Request.resume`` needs).
 - A finish with a string ``stop_reason`` (vLLM names the stop string it matched) is ``stop_sequence``.
 - Reasoning is read from ``reasoning_content`` or ``reasoning`` on deltas. Reasoning parts of earlier assistant
   turns are not sent back (servers re-render them from the chat template, if at all).
@@ -64,7 +67,15 @@ from meshgate.protocols.model import (
     Usage,
 )
 
-__all__ = ["StreamDecoder", "chat_messages", "encode_request", "error_from_response", "request_body"]
+__all__ = [
+    "CHAT_PATH",
+    "COMPLETIONS_PATH",
+    "StreamDecoder",
+    "chat_messages",
+    "encode_request",
+    "error_from_response",
+    "request_body",
+]
 
 CHAT_PATH = "/v1/chat/completions"
 COMPLETIONS_PATH = "/v1/completions"
@@ -231,6 +242,7 @@ class _Choice(_Wire):
     logprobs: _Logprobs | None = None
     finish_reason: str | None = None
     stop_reason: str | int | None = None
+    token_ids: list[int] | None = None  # vLLM's, with ``return_token_ids``
 
 
 class _Details(_Wire):
@@ -318,6 +330,7 @@ class StreamDecoder:
         self._data: list[bytes] = []
         self._finish: Finished | None = None
         self._usage: Usage | None = None
+        self._tokens: list[int] = []  # token ids not yet put on a delta (their text was held back)
         self.done = False
 
     def feed(self, data: bytes) -> list[Event]:
@@ -357,7 +370,7 @@ class StreamDecoder:
             return [Failed(error=_error(error).info())]
         events: list[Event] = []
         for choice in chunk.choices or ():
-            events += _choice_events(choice)
+            events += self._with_tokens(_choice_events(choice), choice.token_ids)
             if choice.finish_reason is not None and choice.finish_reason not in _FINISH:  # vLLM: abort, error
                 self.done = True
                 why = f"the upstream ended the generation with finish_reason={choice.finish_reason!r}"
@@ -371,6 +384,16 @@ class StreamDecoder:
                 completion_tokens=chunk.usage.completion_tokens,
                 cached_tokens=(details.cached_tokens or 0) if details else 0,
             )
+        return events
+
+    def _with_tokens(self, events: list[Event], token_ids: list[int] | None) -> list[Event]:
+        """``events`` with the ids of the tokens since the last delta that carried any on their first delta."""
+        self._tokens += token_ids or ()
+        for i, event in enumerate(events):
+            if isinstance(event, TextDelta | ReasoningDelta | ToolCallDelta) and self._tokens:
+                events[i] = msgspec.structs.replace(event, tokens=tuple(self._tokens))
+                self._tokens = []
+                break
         return events
 
     def _end(self, otherwise: GatewayError) -> list[Event]:

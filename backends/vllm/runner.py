@@ -9,6 +9,17 @@ applied, as the model reads it); there are no embeddings. Every call presents th
 backend gave vLLM as its API key (``VLLM_API_KEY``); a 401 from vLLM (the two disagree) is a
 ``BackendProtocolError``, never the client's own authentication error.
 
+A stream can be resumed (``Request.resume``) when its request is plain text: no response format, no tools, no log
+probabilities. Such a request asks vLLM for ``return_token_ids``, so every delta carries its token ids. A resumed
+one goes to ``/v1/completions`` with the token prompt the original had (the chat template applied by vLLM's own
+``/tokenize``, as its chat endpoint applies it) followed by the tokens already sent, the same sampling (a seed moved
+on by the tokens sent, as the other runners move it: sampled, the continuation is a valid one from that point,
+not the undisturbed run's draw) and the tokens left of ``max_tokens``. vLLM cannot replay those tokens as events, so the stream opens with one empty delta carrying
+them all (the gateway skips it), and the usage counts them as output, not prompt. A response format or a forced
+tool call is not resumed: vLLM's grammar would start over at the continuation (it cannot be given the tokens
+already generated), so such a stream fails mid-stream as before. A stop string that straddles the tokens sent and
+those after them is not seen by the continuation.
+
 Structured output is vLLM's own (llguidance, chosen by ``launch.STRUCTURED_OUTPUTS``): response formats and forced
 tool calls pass through as OpenAI fields, after ``structured`` has refused, with the 400 the other runners
 give, what would not be enforced.
@@ -32,13 +43,23 @@ from meshgate.protocols.model import (
     EmbedRequest,
     Event,
     Failed,
+    Finished,
     GatewayError,
     Request,
     ResponseFormat,
+    TextDelta,
     ToolChoice,
     UnsupportedFeature,
+    Usage,
 )
-from meshgate.protocols.openai_client import StreamDecoder, chat_messages, encode_request, error_from_response
+from meshgate.protocols.openai_client import (
+    CHAT_PATH,
+    COMPLETIONS_PATH,
+    StreamDecoder,
+    chat_messages,
+    error_from_response,
+    request_body,
+)
 from meshgate.protocols.schema_rules import JSON_OPTIONS, check_schema, enforceable
 
 __all__ = ["JSON_OPTIONS", "VllmRunner", "structured"]
@@ -46,8 +67,9 @@ __all__ = ["JSON_OPTIONS", "VllmRunner", "structured"]
 _PEER = "vLLM"
 
 
-class _Count(msgspec.Struct):
+class _Tokenized(msgspec.Struct):
     count: int
+    tokens: list[int] = []
 
 
 class VllmRunner:
@@ -66,10 +88,33 @@ class VllmRunner:
         """Stream ``request``'s events; always ends in exactly one ``Finished`` or ``Failed``."""
         try:
             request = structured(request)
+            if request.resume:
+                path, body = await self._continuation(request)
+            else:
+                path = CHAT_PATH if request.raw_prompt is None else COMPLETIONS_PATH
+                body = request_body(request, self.served_name)
+                if _resumable(request):
+                    body["return_token_ids"] = True
         except GatewayError as exc:
             yield _failed(exc)
             return
-        path, body = encode_request(request, self.served_name)
+        resumed = len(request.resume)
+        if resumed:
+            yield TextDelta(text="", tokens=request.resume)  # what the client has, skipped by the gateway
+            if request.max_tokens is not None and request.max_tokens <= resumed:
+                yield Usage(prompt_tokens=len(body["prompt"]) - resumed, completion_tokens=resumed)
+                yield Finished(reason="length")
+                return
+        async for event in self._stream(path, msgspec.json.encode(body)):
+            if isinstance(event, Usage) and resumed:  # the tokens sent before were prompt to vLLM, output to us
+                event = msgspec.structs.replace(
+                    event,
+                    prompt_tokens=event.prompt_tokens - resumed,
+                    completion_tokens=event.completion_tokens + resumed,
+                )
+            yield event
+
+    async def _stream(self, path: str, body: bytes) -> AsyncIterator[Event]:
         decoder = StreamDecoder()
         try:
             with mapped_transport_errors(_PEER):
@@ -94,14 +139,37 @@ class VllmRunner:
         for event in decoder.close():
             yield event
 
+    async def _continuation(self, request: Request) -> tuple[str, dict[str, Any]]:
+        """The completions request that goes on from ``request.resume``: the original prompt's tokens, then those."""
+        if not _resumable(request):
+            raise UnsupportedFeature("vLLM cannot resume a stream with a response format, tools or log probabilities")
+        prompt = (await self._tokenize(request)).tokens
+        left = None if request.max_tokens is None else max(1, request.max_tokens - len(request.resume))
+        body = request_body(
+            msgspec.structs.replace(request, raw_prompt="", messages=(), max_tokens=left), self.served_name
+        )
+        body["prompt"] = [*prompt, *request.resume]
+        body["return_token_ids"] = True
+        if isinstance(body.get("seed"), int):  # drawn afresh after what was sent, as the other runners do
+            body["seed"] = (body["seed"] + len(request.resume)) % 2**31
+        return COMPLETIONS_PATH, body
+
     async def count_tokens(self, request: Request) -> int:
         """Tokens of ``request``'s prompt with the chat template applied (vLLM's ``/tokenize``)."""
+        return (await self._tokenize(request)).count
+
+    async def _tokenize(self, request: Request) -> _Tokenized:
+        """``request``'s prompt as vLLM's chat (or completions) endpoint tokenizes it."""
         body: dict[str, object] = {"model": self.served_name}
         if request.raw_prompt is not None:
             body["prompt"] = request.raw_prompt
         else:
             body["messages"] = chat_messages(request.messages)
-            body["add_generation_prompt"] = True
+            if request.prefill and request.messages and request.messages[-1].role == "assistant":
+                body["continue_final_message"] = True
+                body["add_generation_prompt"] = False
+            else:
+                body["add_generation_prompt"] = True
             if request.tools:
                 body["tools"] = [
                     {"type": "function", "function": {"name": t.name, "parameters": t.parameters}}
@@ -119,7 +187,7 @@ class VllmRunner:
         if response.status_code != 200:
             raise error_from_response(response.status_code, response.content)
         try:
-            return msgspec.json.decode(response.content, type=_Count).count
+            return msgspec.json.decode(response.content, type=_Tokenized)
         except msgspec.DecodeError as exc:
             raise BackendProtocolError(f"vLLM sent an invalid token count: {exc}") from exc
 
@@ -173,6 +241,11 @@ def structured(request: Request) -> Request:
         if choice.mode == "required" and len(tools) == 1:
             choice = ToolChoice(mode="tool", name=tools[0].name, parallel=choice.parallel)
     return msgspec.structs.replace(request, response_format=fmt, tools=tools, tool_choice=choice)
+
+
+def _resumable(request: Request) -> bool:
+    """Whether a stream of ``request`` can go on from its tokens (see the module docstring)."""
+    return request.response_format.kind == "text" and not request.tools and not request.logprobs
 
 
 def _failed(err: GatewayError) -> Failed:

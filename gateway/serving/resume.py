@@ -7,12 +7,14 @@ dispatcher's) for the same request on another replica with ``Request.resume`` se
 events carried (each delta's ``tokens``). That replica takes those tokens as its own output (prefilled after the
 prompt; the grammar, stop strings and tool-call state go through them), sends their events again and generates
 the rest; the events the client already has are skipped here, counted by kind-blind position (a backend's events
-for a given token sequence are the same whichever replica made them). So the client sees one unbroken stream in
+for a given token sequence are the same whichever replica made them), or as one delta carrying all their tokens
+from a backend that cannot replay them event by event (vLLM). So the client sees one unbroken stream in
 its protocol, its usage counting everything it received, and under greedy decoding the text it would have got
 from an undisturbed run (batching is exact: the text does not depend on the load).
 
 A stream is resumable while every token it sent is known: no content yet (a plain retry), or a backend that puts
-``tokens`` on its deltas (llama.cpp's and MLX's runners do; vLLM's does not, so its streams fail mid-stream).
+``tokens`` on its deltas (llama.cpp's and MLX's runners do; vLLM's does for plain text: its streams with a
+response format, tools or log probabilities fail mid-stream, see ``backends.vllm.runner``).
 While the new replica is found, placed or prefilled the client gets keep-alives. A stream resumes at most
 ``MAX_RESUMES`` times; when no replica takes over within ``resume_wait`` seconds, or the new one fails to start,
 the client gets the original ``Failed``: its protocol's mid-stream error, as without resume. Each resume is
@@ -77,8 +79,7 @@ async def resumable(
             failed: Failed | None = None
             async for event in current:
                 if isinstance(event, _Content):
-                    if progress.skip:
-                        progress.skip -= 1
+                    if progress.replayed(event):
                         continue
                     progress.sent_event(event)
                 elif isinstance(event, Usage) and progress.fresh:
@@ -123,13 +124,14 @@ _Content = TextDelta | ReasoningDelta | ToolCallDelta
 class _Progress:
     """What a stream has sent its client, and what a resumed replica must skip of its replay."""
 
-    __slots__ = ("exact", "fresh", "held", "sent", "skip", "tokens")
+    __slots__ = ("exact", "fresh", "held", "sent", "skip", "skip_tokens", "tokens")
 
     def __init__(self) -> None:
         self.sent = 0  # content events relayed to the client
         self.tokens: list[int] = []  # the ids they carried
         self.exact = True  # every token sent is known (the first delta carried ids)
         self.skip = 0  # the resumed replica's replayed content events still to drop
+        self.skip_tokens = 0  # the tokens they carry
         self.fresh = False  # resumed, and none of the new replica's own content relayed yet
         self.held: Usage | None = None  # the new replica's Usage while ``fresh``
 
@@ -146,8 +148,19 @@ class _Progress:
     def may_resume(self, failed: Failed, resumes: int) -> bool:
         return failed.error.kind in RESUMABLE and resumes < MAX_RESUMES and (self.exact or not self.sent)
 
+    def replayed(self, event: _Content) -> bool:
+        """Whether ``event`` replays one the client has: it is among the first ``sent`` content events of a resumed
+        replica and does not carry tokens beyond those sent. A replica that replays event by event (llama.cpp,
+        MLX) sends the same events again; one that cannot (vLLM) sends one delta carrying every sent token."""
+        if self.skip and (self.skip_tokens > 0 or not event.tokens):
+            self.skip -= 1
+            self.skip_tokens -= len(event.tokens)
+            return True
+        self.skip = 0
+        return False
+
     def resumed(self) -> None:
-        self.skip, self.fresh, self.held = self.sent, True, None
+        self.skip, self.skip_tokens, self.fresh, self.held = self.sent, len(self.tokens), True, None
 
 
 async def _bounded(start: Awaitable[AsyncIterator[Event]], wait: float) -> AsyncIterator[Event]:

@@ -236,6 +236,26 @@ def test_completions_chunks() -> None:
     assert _decode(body) == [TextDelta(text=" there"), Finished()]
 
 
+def test_token_ids_ride_on_the_delta_that_completes_their_text() -> None:
+    """vLLM's ``return_token_ids``: a chunk whose text is held back (half a character, a stop string's prefix)
+    carries ids with empty content; they go on the next delta, so the deltas' tokens are exactly those sent."""
+    body = _sse(
+        _chunk({"role": "assistant", "content": ""}),
+        _chunk({"content": "He"}, token_ids=[5]),
+        _chunk({"content": ""}, token_ids=[6]),
+        _chunk({"content": "llo!"}, token_ids=[7, 8]),
+        _chunk({"content": ""}, "stop", token_ids=[2]),
+        USAGE,
+        b"[DONE]",
+    )
+    events = _decode(body)
+    assert [e for e in events if isinstance(e, TextDelta)] == [
+        TextDelta(text="He", tokens=(5,)),
+        TextDelta(text="llo!", tokens=(6, 7, 8)),
+    ]
+    assert isinstance(events[-1], Finished) and isinstance(events[-2], Usage)
+
+
 @pytest.mark.parametrize(
     "error",
     [

@@ -72,6 +72,9 @@ def cluster(tmp_path_factory, data_dir, runtime_dir: Path) -> Iterator[Server]:
         # In turn, so both replicas serve whatever the timing: with affinity two short prompts may hash to one
         # replica and finish before the next arrives (routing itself is tests/cluster/test_routing.py's).
         "MESHGATE_ROUTING": "round_robin",
+        # Streams are not resumed here: the fault test checks that a stream whose replica died ends with its
+        # protocol's error when no other may take over (resume itself: test_vllm's worker-kill test).
+        "MESHGATE_RESUME_WAIT": "0",
     }
     nodes = {name: {"MESHGATE_CLUSTER_ADDRESS": address} for name, address in ADDRESSES.items()}
     with linked_cluster(
@@ -221,9 +224,9 @@ def actors(runtime_dir: Path, on: str | None = None) -> list[int]:
 def test_a_ray_worker_killed_mid_generation_fails_the_stream_and_the_instance_is_replaced(
     cluster: Server, runtime_dir: Path, pipeline: dict
 ) -> None:
-    """SIGKILL vLLM's stage-1 actor on the other node while a stream runs: the OpenAI stream ends with an error,
-    the gateway stays up, the head's agent sees its vLLM server gone and the instance is re-placed over Ray (a new
-    epoch, new processes) and answers alike; at the end, deleting it leaves nothing."""
+    """SIGKILL vLLM's stage-1 actor on the other node while a stream runs (resume off): the OpenAI stream ends with
+    an error, the gateway stays up, the head's agent sees its vLLM server gone and the instance is re-placed over
+    Ray (a new epoch, new processes) and answers alike; at the end, deleting it leaves nothing."""
     current = pipeline["instance"]
     head = min(current["placement"]["shards"], key=lambda s: s["layer_start"])["node_id"]
     [victim] = actors(runtime_dir, on=ADDRESSES[next(n for n in ADDRESSES if n != head)])

@@ -28,7 +28,7 @@ import contextlib
 import logging
 import socket
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import httpx
@@ -381,13 +381,28 @@ class NodeAgent:
         # server (an embedded agent shares its process) logs its start and stop to; _quiet_probes mutes this one
         config = uvicorn.Config(app, access_log=False, lifespan="off", log_config=None)
         _quiet_probes()
-        self._server = uvicorn.Server(config)
-        self._server.install_signal_handlers = lambda: None
+        self._server = _probe_server(config)
         self.tune_server(self._server)
         self._tasks.append(asyncio.create_task(self._server.serve(sockets=[sock]), name=PROBES_TASK))
 
 
 PROBES_TASK = "agent-probes"
+
+
+def _probe_server(config: Any) -> Any:
+    """A ``uvicorn.Server`` for ``config`` that leaves signals alone. Since uvicorn 0.29 ``serve`` takes SIGINT
+    and SIGTERM on the main thread and raises them again once it has shut down: the probe server would stop at the
+    node's first ``SIGTERM``, and that signal would reach the process's own handler twice (asyncio's wake-up fd
+    sees it at once, uvicorn raises it again seconds later), which ``meshgate node`` reads as "stop at once",
+    cutting its drain short. The process's owner handles signals; the probe server stops when the agent closes."""
+    import uvicorn
+
+    class ProbeServer(uvicorn.Server):
+        @contextlib.contextmanager
+        def capture_signals(self) -> Iterator[None]:
+            yield
+
+    return ProbeServer(config)
 
 
 def _quiet_probes() -> None:

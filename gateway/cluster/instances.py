@@ -395,11 +395,14 @@ class InstanceManager:
         grace: float | None = None,
         until: float | None = None,
         lower: bool = True,
+        settle: bool = False,
     ) -> Instance | None:
         """Take the instance out of routing and delete it once what runs on it has finished, or at ``until``
         (default: ``grace`` seconds from now). ``lower``: its deployment asks for one replica fewer (a deletion, a
-        scale-down); else (its node is stopping) the reconcile loop places a replacement while it drains. An idle
-        instance, or one that is not ready, is deleted at once. Returns it while it drains, None once gone."""
+        scale-down); else (its node is stopping) the reconcile loop places a replacement while it drains. One that
+        is not ready is deleted at once, and so is an idle one unless ``settle``: then it drains for at least
+        ``lifecycle.SETTLE`` seconds, so that a stream another gateway began on it in the last moments (not yet in
+        the shared load) finishes there too. Returns it while it drains, None once gone."""
         found = await self.store.get_instance(instance_id)
         if found is None:
             raise NotFound(f"instance '{instance_id}' not found")
@@ -414,7 +417,7 @@ class InstanceManager:
             return self._view.get(instance_id, found)
         if lower:
             await self._record_deployment(found.model, without=instance_id)
-        if isinstance(found.state, Ready) and until > now and self.load(instance_id):
+        if isinstance(found.state, Ready) and until > now and (settle or self.load(instance_id)):
             state = Draining(since=now, until=until, reason=reason)
             if await self.store.set_state(instance_id, state, expected=Ready):
                 left = until - now
@@ -585,7 +588,8 @@ class InstanceManager:
             await self._record_deployment(instance.model, without=iid)
             await self._remove(instance, f"{instance.model} expired (keep_alive)", kind="instance.expired")
         elif isinstance(step, lifecycle.Drain):
-            await self.drain(iid, reason=step.reason, until=step.until, lower=False)
+            with contextlib.suppress(NotFound):  # another gateway removed it in the meantime
+                await self.drain(iid, reason=step.reason, until=step.until, lower=False, settle=True)
         else:
             await self._remove(instance, f"{instance.model} {step.why}", kind="instance.drained")
 

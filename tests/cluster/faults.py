@@ -1,5 +1,6 @@
 """Streaming chats through the official SDKs, for tests that kill a process mid-generation (a long sampled one;
-greedy ones in all three protocols, as text pieces), and whether a process still runs."""
+greedy ones in all three protocols, as text pieces), whether a process still runs, and the streams a gateway
+resumed."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import anthropic
+import httpx
 import ollama
 import openai
 
@@ -72,3 +74,9 @@ def alive(pid: int) -> bool:
         return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] not in "ZX"
     except OSError:
         return False
+
+
+def resumes(url: str) -> float:
+    """Streams the gateway at ``url`` continued on another replica (``meshgate_stream_resumes_total``, all models)."""
+    text = httpx.get(f"{url}/metrics", timeout=10).text
+    return sum(float(x.rsplit(" ", 1)[1]) for x in text.splitlines() if x.startswith("meshgate_stream_resumes_total{"))

@@ -111,6 +111,24 @@ async def test_a_draining_node_hands_its_replicas_to_the_others(cluster):
     assert ready.id not in {i.id for i in await manager.store.instances()}
 
 
+async def test_a_replica_on_a_draining_node_drains_even_when_it_looks_idle(cluster, monkeypatch):
+    """The shared load may not show yet a stream another gateway began on it a moment ago: a replica whose node
+    stops drains for ``SETTLE`` seconds at least instead of being deleted at once (that stream would be cut)."""
+    monkeypatch.setattr(lifecycle, "SETTLE", 0.2)
+    manager, _ = cluster
+    [a] = await manager.deploy("scripted", replicas=1, nodes=["n1"])
+    await _ready(manager, a)
+    await manager.store.put_node(msgspec.structs.replace(node("n1"), draining_until=time.time() + 30), ttl=600)
+    await manager._refresh(force=True)
+    await manager.reconcile()
+    assert isinstance((await manager.store.get_instance(a.id)).state, Draining)
+    time.sleep(0.25)
+    await manager._refresh(force=True)
+    await manager.reconcile()
+    assert await manager.store.get_instance(a.id) is None
+    assert any("drained (node n1 is draining): its streams finished" in e for e in await _events(manager))
+
+
 async def test_lowering_max_replicas_drains_the_least_loaded_busy_replica(cluster):
     manager, busy = cluster
     a, b = await manager.deploy("scripted", replicas=2, min_replicas=1, max_replicas=2)

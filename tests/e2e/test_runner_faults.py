@@ -20,7 +20,7 @@ import openai
 import pytest
 
 from meshgate.gateway.telemetry.middleware import REPORT_DELAY
-from tests.cluster.faults import greedy_streams
+from tests.cluster.faults import greedy_streams, resumes
 from tests.conftest import MODEL, Server
 from tests.e2e.agent_clients import request_lines
 
@@ -146,13 +146,6 @@ def test_runner_killed_mid_stream_in_each_protocol(server):
 RESUMED_TOKENS = 96
 
 
-def _resumes(server: Server) -> float:
-    text = httpx.get(f"{server.url}/metrics", timeout=10).text
-    return sum(
-        float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith("meshgate_stream_resumes_total{")
-    )
-
-
 def test_runner_killed_mid_stream_is_resumed_in_each_protocol(resuming):
     """A greedy stream in each protocol and a non-streaming request, all four generating when the runner is killed:
     the gateway re-places the instance and continues each on the new runner from the tokens already sent. Every
@@ -166,7 +159,7 @@ def test_runner_killed_mid_stream_is_resumed_in_each_protocol(resuming):
     oai = openai.OpenAI(base_url=f"{resuming.url}/v1", api_key="x", max_retries=0, timeout=120)
     plain = oai.completions.create(model=MODEL, prompt=LONG, max_tokens=RESUMED_TOKENS, temperature=0).choices[0].text
 
-    resumed_before = _resumes(resuming)
+    resumed_before = resumes(resuming.url)
     streams = greedy_streams(resuming.url, MODEL, LONG, RESUMED_TOKENS)
     got = {protocol: next(text) for protocol, text in streams.items()}  # all three generating
     unary: dict[str, str] = {}
@@ -190,7 +183,7 @@ def test_runner_killed_mid_stream_is_resumed_in_each_protocol(resuming):
     assert got == reference
     assert unary["text"] == plain
     assert runner_pid(resuming) != pid
-    assert _resumes(resuming) - resumed_before == 4
+    assert resumes(resuming.url) - resumed_before == 4
     time.sleep(REPORT_DELAY + 0.2)  # the request lines are written in batches
     lines = [r for r in request_lines(resuming.log.read_text(errors="replace")) if r.get("resumes")]
     assert len(lines) == 4 and all(r["status"] == 200 and r["error"] is None for r in lines), lines

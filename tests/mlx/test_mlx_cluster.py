@@ -24,7 +24,7 @@ import openai
 import pytest
 
 from tests.cluster.agents import linked_cluster
-from tests.cluster.faults import alive, greedy_streams
+from tests.cluster.faults import alive, greedy_streams, resumes
 from tests.cluster.test_cluster_e2e import instance, wait_for
 from tests.conftest import Server
 from tests.mlx.test_mlx_engine import mlx_python
@@ -185,21 +185,14 @@ def test_a_rank_killed_mid_generation_resumes_every_stream(cluster):
     assert len(set(reference.values())) == 1 and len(reference["openai"]) > 40, reference
     shards = sorted(current["placement"]["shards"], key=lambda s: s["layer_start"])
     head_pid, follower_pid = (current["runners"][s["node_id"]]["pid"] for s in shards)
-    before = _resumes(cluster)
+    before = resumes(cluster.url)
     streams = greedy_streams(cluster.url, MODEL, PROMPTS[0], RESUMED)
     got = {protocol: next(text) for protocol, text in streams.items()}  # text has reached every client
     os.kill(follower_pid, signal.SIGKILL)
     for protocol, text in streams.items():
         got[protocol] += "".join(text)
     assert got == reference
-    assert _resumes(cluster) - before >= 1  # at least one stream was still running at the kill (all, mostly)
+    assert resumes(cluster.url) - before >= 1  # at least one stream was still running at the kill (all, mostly)
     assert not alive(head_pid), "the head of the broken ring gone"
     replaced = instance(cluster, current["id"])
     assert replaced["epoch"] > current["epoch"] and replaced["placement"]["strategy"] == "pipeline", replaced
-
-
-def _resumes(gateway: Server) -> float:
-    text = httpx.get(f"{gateway.url}/metrics", timeout=10).text
-    return sum(
-        float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith("meshgate_stream_resumes_total{")
-    )

@@ -29,7 +29,7 @@ import ollama
 import openai
 import pytest
 
-from tests.cluster.faults import alive
+from tests.cluster.faults import alive, resumes
 from tests.conftest import Server
 from tests.structured_schemas import LIST, PICK
 
@@ -216,15 +216,17 @@ def test_real_gemma_greedy_tokens_under_tp2_equal_tp1(python: Path, converted_ge
     the greedy text of TP=1 (its all-reduce sums partial products in another order, the one place where a split
     can change the numbers). A pipeline computes each layer whole on one rank, so its numbers are those of one
     process by construction; its plumbing (VLLM_PP_LAYER_PARTITION, stages over Ray) is tested with the tiny
-    model in test_vllm_ray, sparing a third start of Gemma (~90 s here). First in the module, so the shared tiny
-    instance is not up yet and its idle workers do not take CPU from these starts."""
+    model in test_vllm_ray, sparing a third start of Gemma (~90 s here). The two start at once (a start is mostly
+    one Python thread: imports, loading, profiling), first in the module, so the shared tiny instance is not up
+    yet and its idle workers do not take CPU from them."""
+    modes = ("single", "tensor")
+
+    async def both(runtime: Path) -> list[tuple[list[str], float]]:
+        starts = (_launch_and_generate(python, converted_gemma, runtime, mode, GEMMA_PROMPTS) for mode in modes)
+        return await asyncio.wait_for(asyncio.gather(*starts), 500)
+
     with short_dir("mg-vllm-") as runtime:
-        results = {
-            mode: asyncio.run(
-                asyncio.wait_for(_launch_and_generate(python, converted_gemma, runtime, mode, GEMMA_PROMPTS), 500)
-            )
-            for mode in ("single", "tensor")
-        }
+        results = dict(zip(modes, asyncio.run(both(runtime)), strict=True))
         for mode, (texts, startup) in results.items():
             print(f"Gemma 3 270M vLLM {mode}: ready in {startup:.1f}s, {texts}")
         reference = results["single"][0]
@@ -398,7 +400,7 @@ def test_worker_killed_mid_generation_resumes_the_stream_and_leaves_nothing(serv
     workers = sorted(p for p in before_pids if "Worker" in Path(f"/proc/{p}/comm").read_text())
     assert len(workers) == 2, f"no TP workers among {[(p, _cmdline(p)) for p in before_pids]}"
     [old_folder] = list(runtime_dir.iterdir())
-    resumes = _resumes(server)
+    before_resumes = resumes(server.url)
     tokens: list[int] = [0]
     lines: list[str] = []
     # The worker is stopped (SIGSTOP) the moment the first token reaches the client: the tiny model decodes
@@ -424,7 +426,7 @@ def test_worker_killed_mid_generation_resumes_the_stream_and_leaves_nothing(serv
     assert _anthropic_text(lines) == _anthropic_text(reference) and len(_anthropic_text(reference)) > 100
     assert "event: error" not in "\n".join(lines)
     assert _output_tokens(lines) == _output_tokens(reference) == FAULT_TOKENS
-    assert _resumes(server) == resumes + 1
+    assert resumes(server.url) == before_resumes + 1
     # vLLM's watchdog stops the API server; the agent stops what is left and reports the runner failed; the
     # instance manager re-places the instance: no process, folder or segment of the old one remains
     deadline = time.monotonic() + 120
@@ -454,13 +456,6 @@ def _anthropic_text(lines: list[str]) -> str:
 def _output_tokens(lines: list[str]) -> int:
     deltas = (json.loads(line[6:]) for line in lines if line.startswith("data: "))
     return next(d["usage"]["output_tokens"] for d in deltas if d["type"] == "message_delta")
-
-
-def _resumes(server: Server) -> float:
-    text = httpx.get(f"{server.url}/metrics", timeout=10).text
-    return sum(
-        float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith("meshgate_stream_resumes_total{")
-    )
 
 
 def _ready_instance(server: Server, timeout: float = 400) -> dict:

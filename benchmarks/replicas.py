@@ -55,6 +55,7 @@ import asyncio
 import json
 import os
 import random
+import subprocess
 import sys
 import time
 from collections.abc import Iterator
@@ -317,6 +318,37 @@ def routing_cost(replicas: int, n: int = 20000) -> tuple[float, float]:
 # ------------------------------------------------------------------------------------------- the run
 
 
+_RAW_CHILD = """
+import sys
+sys.path.insert(0, sys.argv[1])
+from benchmarks.concurrency import PROMPTS, RawDecoder
+raw = RawDecoder(sys.argv[2], int(sys.argv[3]), 2048)
+raw.decode_rate(1, 4, PROMPTS)
+print("ready", flush=True)
+sys.stdin.readline()
+print(raw.decode_rate(int(sys.argv[4]), int(sys.argv[5]), PROMPTS), flush=True)
+"""
+
+
+def raw_pair_rate(gguf: Path, threads: int, n: int, steps: int) -> float:
+    """Tokens per second of two raw llama.cpp processes decoding ``n // 2`` sequences each, started together: the
+    most two one-node replicas could give on this box (against ``RawDecoder.decode_rate(n)`` in one process)."""
+    argv = [sys.executable, "-c", _RAW_CHILD, str(ROOT), str(gguf), str(threads), str(n // 2), str(steps)]
+    procs = [subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True) for _ in range(2)]
+    try:
+        for proc in procs:
+            assert proc.stdout is not None and proc.stdout.readline().strip() == "ready"
+        for proc in procs:
+            assert proc.stdin is not None
+            proc.stdin.write("go\n")
+            proc.stdin.flush()
+        return sum(float(proc.communicate(timeout=600)[0]) for proc in procs)
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--levels", default="8,16", help="concurrent streams per level, comma-separated")
@@ -364,6 +396,8 @@ def main() -> None:
         raw = RawDecoder(str(packaged_gguf(data_dir)), args.threads, 2048)
         raw.decode_rate(1, 4, PROMPTS)
         report["raw_tok_s"] = {n: raw.decode_rate(n, args.tokens, PROMPTS) for n in levels}
+        gguf = packaged_gguf(data_dir)
+        report["raw_pair_tok_s"] = {n: raw_pair_rate(gguf, args.threads, n, args.tokens) for n in levels}
         report["capacity"] = {nodes: [asdict(lv) for lv in lvs] for nodes, lvs in capacity.items()}
         say("")
         say(
@@ -371,11 +405,12 @@ def main() -> None:
             f"{args.threads} llama.cpp thread(s) a node"
         )
         say(f"{'streams':>7} {'1 replica tok/s':>16} {'2 replicas tok/s':>17} {'ratio':>6} {'raw 1 proc':>10} "
-            f"{'TTFT p50/p99, 1':>16} {'TTFT p50/p99, 2':>16}")  # fmt: skip
+            f"{'raw 2 procs':>11} {'ratio':>6} {'TTFT p50/p99, 1':>16} {'TTFT p50/p99, 2':>16}")  # fmt: skip
         for a, b in zip(capacity[1], capacity[2], strict=True):
+            one, two = report["raw_tok_s"][a.concurrency], report["raw_pair_tok_s"][a.concurrency]
             say(
                 f"{a.concurrency:>7} {a.tok_s:16.1f} {b.tok_s:17.1f} {b.tok_s / a.tok_s:6.2f} "
-                f"{report['raw_tok_s'][a.concurrency]:10.1f} {a.ttft_p50:7.2f}/{a.ttft_p99:<7.2f}s "
+                f"{one:10.1f} {two:11.1f} {two / one:6.2f} {a.ttft_p50:7.2f}/{a.ttft_p99:<7.2f}s "
                 f"{b.ttft_p50:7.2f}/{b.ttft_p99:<7.2f}s"
             )
         if "eighth_cold_prompt_ttft_s" in report:

@@ -23,23 +23,23 @@ gap a client saw between two text pieces (p50 of each stream's longest gap, and 
 
 Every loop is bounded; every process is stopped on the way out.
 
-Measured 2026-12-02 on the 2-core box (each runner 1 thread; other test runs shared the box), ``--streams 8
---tokens 300``, before drain existed (SIGTERM stopped a node's runners at once, so the rolling restart is resumes):
+Measured 2026-12-04 on the 2-core box (each runner 1 thread), ``--streams 8 --tokens 300``, grace 120 s:
 
-    | protocol  | run                     | completed | equal to undisturbed | resumed | longest gap p50 / max | wall |
-    | openai    | undisturbed             | 8/8       | 8/8                  |  0      |  0.34 /  0.80 s       | 45 s |
-    | openai    | node-1 killed at 7.5 s  | 8/8       | 8/8                  |  4      |  0.73 /  8.37 s       | 39 s |
-    | openai    | rolling restart         | 8/8       | 8/8                  |  8      | 14.30 / 17.19 s       | 60 s |
-    | anthropic | undisturbed             | 8/8       | 8/8                  |  0      |  0.33 /  0.70 s       | 41 s |
-    | anthropic | node-1 killed at 9.4 s  | 8/8       | 8/8                  |  8      | 14.31 / 14.50 s       | 46 s |
-    | anthropic | rolling restart         | 8/8       | 8/8                  | 12      | 11.81 / 16.13 s       | 52 s |
-    | ollama    | undisturbed             | 8/8       | 8/8                  |  0      |  0.25 /  0.57 s       | 38 s |
-    | ollama    | node-1 killed at 18.2 s | 8/8       | 8/8                  |  8      | 25.83 / 26.62 s       | 57 s |
-    | ollama    | rolling restart         | 8/8       | 8/8                  | 11      | 17.42 / 20.87 s       | 56 s |
+    | protocol  | run                      | completed | equal to undisturbed | resumed | longest gap p50 / max | wall |
+    | openai    | undisturbed              | 8/8       | 8/8                  | 0       | 0.34 / 0.45 s         | 30 s |
+    | openai    | node-1 killed at 5.0 s   | 8/8       | 8/8                  | 4       | 0.57 / 6.27 s         | 38 s |
+    | openai    | rolling restart          | 16/16     | 16/16                | 0       | 0.53 / 1.35 s         | 71 s |
+    | anthropic | undisturbed              | 8/8       | 8/8                  | 0       | 0.21 / 0.44 s         | 27 s |
+    | anthropic | node-1 killed at 6.2 s   | 8/8       | 8/8                  | 8       | 9.14 / 9.24 s         | 42 s |
+    | anthropic | rolling restart          | 16/16     | 16/16                | 0       | 0.97 / 2.01 s         | 63 s |
+    | ollama    | undisturbed              | 8/8       | 8/8                  | 0       | 0.24 / 0.67 s         | 29 s |
+    | ollama    | node-1 killed at 14.1 s  | 8/8       | 8/8                  | 8       | 13.76 / 15.79 s       | 41 s |
+    | ollama    | rolling restart          | 16/16     | 16/16                | 0       | 0.88 / 1.71 s         | 59 s |
 
-Every stream completed with the undisturbed text. The gaps are what a resume costs here: when the killed node
-held both replicas (8 resumed) a replica is placed and loaded first, and every resumed stream then decodes the
-tokens it had sent one step each (up to ~300 steps of a batch of 8 on one thread) before its next token.
+Every stream completed with the undisturbed text. A kill costs a resume: when the killed node held both replicas
+(8 resumed) a replica is placed and loaded first, and every resumed stream then decodes the tokens it had sent
+one step each before its next token. A rolling restart costs none: each node drains (its streams finish on it
+while a replacement is placed on the other), so the longest gap is a replica's start beside the load.
 """
 
 from __future__ import annotations

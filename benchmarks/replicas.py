@@ -23,29 +23,31 @@ runner with ``--threads`` llama.cpp threads, 1 by default) and one gateway, serv
 
 Every loop is bounded; every process is stopped on the way out.
 
-Measured 2026-12-02 on the 2-core box, quiet (load average 1.5-2.3; each node's runner 1 thread, so the 2-replica
-cluster's two runners have the box's two cores and share them with the gateway, the agents, Redis and the clients),
-after runner slots began sharing cached prefixes and short prompts began going least-loaded:
+Measured 2026-12-04 on the 2-core box, quiet (each node's runner 1 thread, so the 2-replica cluster's two runners
+have the box's two cores and share them with the gateway, the agents, Redis and the clients). "raw 2 procs": two
+llama.cpp processes in this script, each decoding n/2 sequences, started together, against "raw 1 proc" decoding n:
+the engine's own ceiling for two one-thread replicas on this box.
 
     --levels 8,16 --tokens 32 --rounds 2
-    | streams | 1 replica tok/s | 2 replicas tok/s | ratio | raw 1 proc | TTFT p50/p99, 1 | TTFT p50/p99, 2 |
-    |       8 |            51.1 |             61.8 |  1.21 |       73.7 | 0.79 / 1.61 s   | 0.47 / 0.92 s   |
-    |      16 |            53.3 |             74.8 |  1.40 |       77.0 | 1.29 / 7.99 s   | 0.98 / 1.83 s   |
-    first token of the 8th of 8 cold prompts (1 replica, 1 thread): 1.09 s
-    gateway CPU per streamed token at one stream: 0.703 ms (0.548 net of idle)
+    | streams | 1 replica | 2 replicas | ratio | raw 1 proc | raw 2 procs | ratio | TTFT p50/p99, 1 | TTFT p50/p99, 2 |
+    |       8 |  51.1 t/s |   78.3 t/s |  1.53 |   71.0 t/s |   107.2 t/s |  1.51 | 0.79 / 1.60 s   | 0.45 / 0.82 s   |
+    |      16 |  56.4 t/s |   96.2 t/s |  1.71 |   85.7 t/s |   137.6 t/s |  1.61 | 1.00 / 7.71 s   | 0.64 / 1.28 s   |
+    first token of the 8th of 8 cold prompts (1 replica, 1 thread): 1.00 s
+    gateway CPU per streamed token at one stream: 0.625 ms (0.540 net of idle)
 
     (16 chats x 6 turns, 4 agents x 3 tasks, ~4,000-token shared system prompt, --tokens 32)
     | routing      | reused / reusable      | TTFT p50 | TTFT p99 | chat p50 | agent p50 | wall  |
-    | affinity     | 53284 / 53933  (98.8%) |   0.61 s |  28.15 s |   0.59 s |    0.79 s |  62 s |
-    | least_loaded | 49836 / 53933  (92.4%) |   0.80 s |  29.50 s |   0.82 s |    0.60 s |  73 s |
-    | round_robin  | 45031 / 53933  (83.5%) |   1.02 s |  29.23 s |   1.05 s |    0.91 s | 101 s |
-    routing cost: 18.8 us a request with the prefix key (2 replicas), 21.5 us (8); 3 us without a key
+    | affinity     | 53281 / 53933  (98.8%) |   0.79 s |  29.26 s |   0.78 s |    0.81 s |  65 s |
+    | least_loaded | 49990 / 53933  (92.7%) |   0.82 s |  32.36 s |   0.86 s |    0.59 s |  78 s |
+    | round_robin  | 45792 / 53933  (84.9%) |   1.08 s |  34.41 s |   1.13 s |    0.88 s | 106 s |
+    routing cost: 22.3 us a request with the prefix key (2 replicas), 29.5 us (8); 3.6 us without a key
 
-Before slots shared prefixes (same box, same day) affinity reused 70.6% with a TTFT p99 of 84.9 s and round-robin
-39.6%: a task beside another on the replica holding its preamble prefilled the 4k preamble again in its own slot.
-Now a slot copies another's cached prefix, so every rule reuses more; affinity still reuses most and is fastest.
-Two replicas give 1.2-1.4x one replica here, about one raw llama.cpp process's ceiling: the box has two cores for
-both runners and everything else, where the one-replica run has a core to spare for the rest.
+Two replicas give what two raw llama.cpp processes give here (1.51-1.61x one process: batching n/2 sequences is
+less efficient than n, and the two share the box's memory bandwidth and the rest of the load), so the cluster
+adds all the capacity the engine can on this box. Affinity reuses the most (98.8%) and finishes the workload
+fastest (65 s against 106 s), but its TTFT p50 is 73% of round-robin's, not half: with two replicas, round-robin
+still finds most of a chat's history on the replica it lands on (slots share cached prefixes), so the turns it
+misses cost little next to queueing behind ~10 streams a one-thread runner.
 """
 
 from __future__ import annotations

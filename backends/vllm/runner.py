@@ -13,12 +13,12 @@ A stream can be resumed (``Request.resume``) when its request is plain text: no 
 probabilities. Such a request asks vLLM for ``return_token_ids``, so every delta carries its token ids. A resumed
 one goes to ``/v1/completions`` with the token prompt the original had (the chat template applied by vLLM's own
 ``/tokenize``, as its chat endpoint applies it) followed by the tokens already sent, the same sampling (a seed moved
-on by the tokens sent, as the other runners move it: sampled, the continuation is a valid one from that point,
-not the undisturbed run's draw) and the tokens left of ``max_tokens``. vLLM cannot replay those tokens as events, so the stream opens with one empty delta carrying
-them all (the gateway skips it), and the usage counts them as output, not prompt. A response format or a forced
-tool call is not resumed: vLLM's grammar would start over at the continuation (it cannot be given the tokens
-already generated), so such a stream fails mid-stream as before. A stop string that straddles the tokens sent and
-those after them is not seen by the continuation.
+on by the tokens sent, as the other runners move it: sampled, the continuation is a valid one from that point, not
+the undisturbed run's draw) and the tokens left of ``max_tokens``. vLLM cannot replay those tokens as events, so the
+stream opens with one empty delta carrying them all (the gateway skips it), and the usage counts them as output, not
+prompt. A response format or a forced tool call is not resumed: vLLM's grammar would start over at the continuation
+(it cannot be given the tokens already generated), so such a stream fails mid-stream. A stop string that straddles
+the tokens sent and those after them is not seen by the continuation.
 
 Structured output is vLLM's own (llguidance, chosen by ``launch.STRUCTURED_OUTPUTS``): response formats and forced
 tool calls pass through as OpenAI fields, after ``structured`` has refused, with the 400 the other runners

@@ -3,10 +3,8 @@ server: scripted shapes and the real model (ANT-2, ANT-6, ANT-7, ANT-30)."""
 
 from __future__ import annotations
 
-from tests.compat.venvs import run_probe
+from tests.compat.venvs import ANTHROPIC_0, run_probe
 from tests.conftest import MODEL
-
-ANTHROPIC_0 = "anthropic==0.125.0"
 
 
 def test_anthropic_0x_scripted_shapes(scripted_server):

@@ -3,10 +3,8 @@ server: scripted shapes, and the real model."""
 
 from __future__ import annotations
 
-from tests.compat.venvs import run_probe
+from tests.compat.venvs import OPENAI_1, run_probe
 from tests.conftest import MODEL
-
-OPENAI_1 = "openai==1.97.1"
 
 
 def test_openai_1x_scripted_shapes(scripted_server):

@@ -3,8 +3,7 @@
 
 from __future__ import annotations
 
-from tests.compat.test_openai_v1 import OPENAI_1
-from tests.compat.venvs import run_probe
+from tests.compat.venvs import OPENAI_1, run_probe
 
 
 def test_oai_66_openai_1x_responses_scripted(scripted_server):

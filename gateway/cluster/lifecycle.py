@@ -57,9 +57,10 @@ __all__ = [
 MAX_ATTEMPTS = 3
 """Re-placements tried for a failed instance before it says why it fits nowhere."""
 
-SETTLE = 1.0
-"""Seconds a drain lasts at least: every gateway's load report (published every 0.25 s while busy) has counted
-what it routed to the replica before it saw the drain."""
+SETTLE = 2.5
+"""Seconds a drain lasts at least: every gateway's load report has counted what it routed to the replica before
+it saw the drain. An idle gateway publishes and reads the shared load once a second (``loads.IDLE_PERIOD``), so a
+stream it began just before the drain reaches another gateway's view up to about two seconds later."""
 
 
 class Remove(msgspec.Struct, frozen=True, tag="remove"):

@@ -43,6 +43,7 @@ Imports only ``protocols.model``; pure (no I/O).
 
 from __future__ import annotations
 
+import decimal
 import json
 from typing import Any
 
@@ -50,13 +51,18 @@ from meshgate.protocols.model import InvalidRequest
 
 __all__ = [
     "ANNOTATIONS",
+    "ANY",
     "ENFORCED",
     "FORMATS",
+    "FRACTION_DIGITS",
     "JSON_OPTIONS",
     "MAX_DEPTH",
     "MAX_ENUM_VALUES",
+    "MAX_SAFE_INTEGER",
     "MAX_SCHEMA_BYTES",
+    "NUMBER",
     "REFUSED",
+    "SIGNIFICANT_DIGITS",
     "check_schema",
     "enforceable",
 ]
@@ -236,8 +242,10 @@ def check_schema(schema: Any, what: str, *, param: str | None = None) -> None:
     return None
 
 
-def enforceable(schema: dict[str, Any]) -> dict[str, Any]:
-    """A copy of a checked ``schema`` in the form grammar compilers take, walked without recursion:
+def enforceable(schema: dict[str, Any], *, steps: bool = True) -> dict[str, Any]:
+    """A copy of a checked ``schema`` in the form grammar compilers take, with every run a small model could fall
+    into bounded where a JSON consumer would not notice (``docs/endpoints.md``, "Structured output: what is
+    bounded"). Walked without recursion, schema by schema (a property named ``type`` or ``nullable`` is a name):
 
     - OpenAPI's ``"nullable": true`` (which llguidance ignores) becomes ``anyOf`` the schema and ``{"type": "null"}``.
     - An object schema that lists ``properties`` and says nothing of others (no ``additionalProperties`` or
@@ -245,34 +253,154 @@ def enforceable(schema: dict[str, Any]) -> dict[str, Any]:
       OpenAI's strict mode hold it: every answer still validates against the schema as sent, and a small model
       does not invent property after property until ``max_tokens`` cuts the JSON off. Not inside ``allOf``, whose
       branches are merged and each list only some of the properties.
+    - An ``integer`` with no bound on a side is held to ``MAX_SAFE_INTEGER`` (16 digits) on that side; a
+      ``number`` to ``SIGNIFICANT_DIGITS`` significant digits, at most ``FRACTION_DIGITS`` of them decimals,
+      written without an exponent (``_BY_SIZE``, beside the bounds the schema gives). A schema that gives its
+      own ``multipleOf``, or a bound beyond these, keeps it: a number then gets only the sides and the step it
+      lacks (below 10^15 in size, ``FRACTION_DIGITS`` decimals), and a side whose given bound lies beyond the
+      default is left as given. The packaged model loves digits: without this it wrote 26-digit integers until
+      ``max_tokens`` cut the call off before its next required key, and it fills whatever room a bound leaves.
+    - A value the schema leaves open (``true``, ``{}``, a schema of annotations only, the values of an object
+      that lists no ``properties``, the items of an array with no ``items``; ``json_object``'s ``{"type":
+      "object"}``) is any JSON value whose numbers are bounded as above, at every depth (``ANY``, a ``$defs``
+      entry added to the copy). Not inside ``allOf`` branches, which the compilers merge.
+
+    ``steps=False`` leaves ``multipleOf`` out of what is added, for llguidance before 1.9 (vLLM 0.32 pins 1.7.6),
+    where any ``multipleOf`` refuses every negative number: a number there is bounded in size only (below 10^15,
+    no exponent), its decimals left to the model.
+
+    Unbounded on purpose: strings (no ``maxLength``), arrays (no ``maxItems``) and the keys of open objects. A
+    bound a small model would notice would cut real answers, and ``max_tokens`` ends them either way; whitespace
+    is bounded by the JSON options (``JSON_OPTIONS``: none free under a schema).
     """
     copy: dict[str, Any] = json.loads(json.dumps(schema))
-    stack: list[tuple[Any, bool]] = [(copy, False)]  # (node, whether it is a branch of allOf)
+    used: set[str] = set()  # the $defs entries added (ANY, NUMBER)
+
+    def is_open(sub: Any) -> bool:
+        return sub is True or (isinstance(sub, dict) and all(key in ANNOTATIONS for key in sub))
+
+    def child(sub: Any, in_all_of: bool) -> Any:
+        """``sub`` as it should stand, pushed to be walked; an open value becomes a reference to ``ANY``."""
+        if is_open(sub) and not in_all_of:
+            used.add(ANY)
+            return {**(sub if isinstance(sub, dict) else {}), "$ref": _ref(ANY)}
+        stack.append((sub, in_all_of))
+        return sub
+
+    stack: list[tuple[Any, bool]] = [(copy, False)]  # (schema, whether it is a branch of allOf)
     while stack:
         node, in_all_of = stack.pop()
-        if isinstance(node, list):
-            stack.extend((item, in_all_of) for item in node)
-            continue
         if not isinstance(node, dict):
             continue
-        nullable = node.pop("nullable", False)
         for key, value in node.items():
-            if key not in ("enum", "const", "default", "examples"):
-                stack.append((value, key == "allOf"))
-        closed = (
-            "properties" in node
-            and not in_all_of
-            and "allOf" not in node
-            and "additionalProperties" not in node
-            and "patternProperties" not in node
-        )
-        if closed:
-            node["additionalProperties"] = False
-        if nullable is True:
+            if key in _SCHEMA_MAPS and isinstance(value, dict):
+                for name, sub in value.items():
+                    value[name] = child(sub, False)
+            elif key in _SCHEMA_LISTS and isinstance(value, list):
+                value[:] = [child(sub, key == "allOf") for sub in value]
+            elif key == "items" and isinstance(value, list):
+                value[:] = [child(sub, False) for sub in value]
+            elif key in ("items", "additionalProperties"):
+                node[key] = child(value, False)
+        kinds = node.get("type")
+        kinds = set(kinds) if isinstance(kinds, list) else {kinds}
+        if not in_all_of and "allOf" not in node:
+            if "properties" in node and "additionalProperties" not in node and "patternProperties" not in node:
+                node["additionalProperties"] = False
+            elif "object" in kinds and "additionalProperties" not in node:
+                node["additionalProperties"] = child(True, False)
+            if "array" in kinds and "items" not in node:
+                node["items"] = child(True, False)
+        if steps and node.get("type") == "number" and all(k in _PLAIN_NUMBER for k in node):
+            del node["type"]  # a number bounded by nothing of its own: the one NUMBER, compiled once
+            node["$ref"] = _ref(NUMBER)
+            used.add(NUMBER)
+        elif kinds & {"integer", "number"} and "enum" not in node and "const" not in node:
+            _bound_numbers(node, "number" in kinds, steps)
+        if node.pop("nullable", False) is True:
             inner = dict(node)
             node.clear()
             node["anyOf"] = [inner, {"type": "null"}]
+    if used:
+        defs = copy.setdefault("$defs", {})
+        number: dict[str, Any] = {"type": "number"}
+        _bound_numbers(number, True, steps)
+        if NUMBER in used or (ANY in used and steps):
+            defs[NUMBER], number = number, {"$ref": _ref(NUMBER)}
+        if ANY in used:
+            defs[ANY] = {
+                "anyOf": [
+                    {"type": ["string", "boolean", "null"]},
+                    number,
+                    {"type": "array", "items": {"$ref": _ref(ANY)}},
+                    {"type": "object", "additionalProperties": {"$ref": _ref(ANY)}},
+                ]
+            }
     return copy
+
+
+MAX_SAFE_INTEGER = 2**53 - 1
+"""The largest integer a schema leaves unbounded may reach (either sign): the largest every JSON consumer holds
+exactly (JavaScript's ``Number.MAX_SAFE_INTEGER``, 16 digits, as llama.cpp's converter allows 16)."""
+
+SIGNIFICANT_DIGITS = 15
+"""The most significant digits of a number a schema leaves unbounded: what a double holds exactly (``DBL_DIG``)."""
+
+FRACTION_DIGITS = 10
+"""The most decimals of such a number (``1e-10`` is the finest step llguidance holds exactly)."""
+
+ANY = "meshgate-any"
+"""The ``$defs`` entry ``enforceable`` adds for a value a schema leaves open."""
+
+NUMBER = "meshgate-number"
+"""The ``$defs`` entry ``enforceable`` adds for a number bounded by nothing of its own: every such number refers to
+it, so its ``anyOf`` compiles once (20 numbers inline took 69 ms to compile, 4 ms by reference;
+``benchmarks/number_bounds.py``)."""
+
+_PLAIN_NUMBER = ANNOTATIONS | {"type", "nullable"}
+_SIZE = 10**SIGNIFICANT_DIGITS  # a number without an exponent and SIGNIFICANT_DIGITS digits is below this
+_BY_SIZE = [
+    {
+        "exclusiveMinimum": -(10**size),
+        "exclusiveMaximum": 10**size,
+        "multipleOf": float(f"1e-{SIGNIFICANT_DIGITS - size}") if size < SIGNIFICANT_DIGITS else 1,
+    }
+    for size in range(SIGNIFICANT_DIGITS - FRACTION_DIGITS, SIGNIFICANT_DIGITS + 1)
+]
+"""A number of at most ``SIGNIFICANT_DIGITS`` digits, as one branch per count of digits before the point (fewer
+than 10^size, to ``SIGNIFICANT_DIGITS - size`` decimals)."""
+
+
+def _bound_numbers(node: dict[str, Any], fractional: bool, steps: bool) -> None:
+    """Add the default bounds a numeric ``node`` does not give itself (see ``enforceable``)."""
+    lower = [node[k] for k in ("minimum", "exclusiveMinimum") if k in node]
+    upper = [node[k] for k in ("maximum", "exclusiveMaximum") if k in node]
+    if not fractional:
+        if not lower and all(bound > -MAX_SAFE_INTEGER for bound in upper):
+            node["minimum"] = -MAX_SAFE_INTEGER
+        if not upper and all(bound < MAX_SAFE_INTEGER for bound in lower):
+            node["maximum"] = MAX_SAFE_INTEGER
+        return
+    within = all(-_SIZE < bound < _SIZE and _exponent(bound) >= -FRACTION_DIGITS for bound in lower + upper)
+    if steps and within and "multipleOf" not in node and "anyOf" not in node:
+        node["anyOf"] = [dict(branch) for branch in _BY_SIZE]  # the node's own bounds hold beside them
+        return
+    if not lower and all(bound > -_SIZE for bound in upper):  # a step or bounds of the schema's own: keep them
+        node["exclusiveMinimum"] = -_SIZE
+    if not upper and all(bound < _SIZE for bound in lower):
+        node["exclusiveMaximum"] = _SIZE
+    if steps and "multipleOf" not in node and all(_exponent(bound) >= -FRACTION_DIGITS for bound in lower + upper):
+        node["multipleOf"] = float(f"1e-{FRACTION_DIGITS}")
+
+
+def _exponent(bound: int | float) -> int:
+    """The decimal exponent of ``bound``'s last digit as JSON writes it (``0.25`` -> -2, ``3`` -> 0)."""
+    exponent = decimal.Decimal(repr(bound)).as_tuple().exponent
+    return exponent if isinstance(exponent, int) else 0
+
+
+def _ref(name: str) -> str:
+    return f"#/$defs/{name}"
 
 
 _HINT = "enforced keywords (see docs/protocols.md, structured output)"

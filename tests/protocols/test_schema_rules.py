@@ -4,6 +4,7 @@ naming the keyword, where it is, and the bound)."""
 
 from __future__ import annotations
 
+from decimal import Decimal
 from typing import Literal
 
 import pytest
@@ -11,13 +12,21 @@ from pydantic import BaseModel, Field
 
 from meshgate.protocols.model import InvalidRequest
 from meshgate.protocols.schema_rules import (
+    ANY,
+    FRACTION_DIGITS,
     MAX_DEPTH,
     MAX_ENUM_VALUES,
+    MAX_SAFE_INTEGER,
     MAX_SCHEMA_BYTES,
+    NUMBER,
     REFUSED,
+    SIGNIFICANT_DIGITS,
     check_schema,
     enforceable,
 )
+
+ANY_REF = f"#/$defs/{ANY}"
+NUMBER_REF = f"#/$defs/{NUMBER}"
 
 
 class Address(BaseModel):
@@ -135,7 +144,119 @@ def test_objects_that_list_their_properties_are_closed_except_in_all_of_and_wher
     }
     out = enforceable(schema)
     assert out["additionalProperties"] is False
-    assert out["properties"]["x"]["additionalProperties"] == {"type": "integer"}
-    assert "additionalProperties" not in out["$defs"]["p"]
+    assert out["properties"]["x"]["additionalProperties"]["type"] == "integer"
+    assert out["$defs"]["p"]["additionalProperties"] == {"$ref": ANY_REF}  # open, its numbers bounded
     assert "additionalProperties" not in out["items"] and "additionalProperties" not in out["items"]["allOf"][0]
     assert out["items"]["allOf"][0]["properties"]["a"]["additionalProperties"] is False
+
+
+# ------------------------------------------------------------------------------ what enforceable bounds (issue 36)
+
+SAFE = MAX_SAFE_INTEGER
+
+
+def _by_size(node: dict) -> list[tuple[int, float]]:
+    """A bounded number's branches as (exclusive size bound, step)."""
+    return [(branch["exclusiveMaximum"], branch["multipleOf"]) for branch in node["anyOf"]]
+
+
+def test_an_integer_with_no_bounds_is_held_to_what_json_consumers_hold_exactly():
+    out = enforceable({"type": "object", "properties": {"days": {"type": "integer"}}, "required": ["days"]})
+    assert out["properties"]["days"] == {"type": "integer", "minimum": -SAFE, "maximum": SAFE}
+    assert SAFE == 9007199254740991 and len(str(SAFE)) == 16
+
+
+def test_an_integer_keeps_the_bounds_it_gives_and_gets_the_missing_side():
+    assert enforceable({"type": "integer", "minimum": 1, "maximum": 5}) == {
+        "type": "integer",
+        "minimum": 1,
+        "maximum": 5,
+    }
+    assert enforceable({"type": "integer", "exclusiveMinimum": 0}) == {
+        "type": "integer",
+        "exclusiveMinimum": 0,
+        "maximum": SAFE,
+    }
+    beyond = {"type": "integer", "minimum": 10**17}  # a given bound beyond the default: that side stays as given
+    assert enforceable(beyond) == beyond
+    assert enforceable({"type": "integer", "enum": [10**20]}) == {"type": "integer", "enum": [10**20]}
+    either = enforceable({"type": ["integer", "null"]})
+    assert either["minimum"] == -SAFE and either["maximum"] == SAFE
+
+
+def test_a_number_has_at_most_fifteen_significant_digits_and_ten_decimals():
+    out = enforceable(
+        {"type": "object", "properties": {"a": {"type": "number", "description": "A"}, "b": {"type": "number"}}}
+    )
+    assert out["properties"] == {"a": {"description": "A", "$ref": NUMBER_REF}, "b": {"$ref": NUMBER_REF}}  # one def
+    number = out["$defs"][NUMBER]
+    assert number["type"] == "number" and set(number) == {"type", "anyOf"}
+    branches = _by_size(number)
+    assert branches[0] == (10 ** (SIGNIFICANT_DIGITS - FRACTION_DIGITS), 1e-10)  # below 100000: ten decimals
+    assert branches[-1] == (10**SIGNIFICANT_DIGITS, 1)  # 15 digits before the point: none after it
+    # digits before the point (size has one more) and after it (the step's) make fifteen in every branch
+    assert all(len(str(size)) - 1 - Decimal(repr(step)).as_tuple().exponent == 15 for size, step in branches)
+    probability = enforceable({"type": "number", "minimum": 0, "maximum": 1})  # its bounds hold beside the branches
+    assert probability["minimum"] == 0 and probability["maximum"] == 1 and _by_size(probability) == branches
+    nullable = enforceable({"type": "number", "nullable": True})
+    assert nullable["anyOf"] == [{"$ref": NUMBER_REF}, {"type": "null"}] and NUMBER in nullable["$defs"]
+    unstepped = enforceable({"type": "number"}, steps=False)  # for vLLM's llguidance: sizes only, inline
+    assert unstepped == {"type": "number", "exclusiveMinimum": -(10**15), "exclusiveMaximum": 10**15}
+
+
+def test_a_number_with_a_step_or_bounds_of_its_own_keeps_them():
+    assert enforceable({"type": "number", "multipleOf": 0.5}) == {
+        "type": "number",
+        "multipleOf": 0.5,
+        "exclusiveMinimum": -(10**SIGNIFICANT_DIGITS),
+        "exclusiveMaximum": 10**SIGNIFICANT_DIGITS,
+    }
+    big = enforceable({"type": "number", "minimum": 0, "maximum": 1e17})
+    assert big == {"type": "number", "minimum": 0, "maximum": 1e17, "multipleOf": 1e-10}
+    fine = enforceable({"type": "number", "minimum": 1e-12, "maximum": 1})  # finer than the default step: none
+    assert fine == {"type": "number", "minimum": 1e-12, "maximum": 1}
+
+
+def test_open_values_become_any_value_with_bounded_numbers_at_every_depth():
+    out = enforceable({"type": "object"})  # json_object, Ollama's format "json"
+    assert out["additionalProperties"] == {"$ref": ANY_REF}
+    any_value = out["$defs"][ANY]["anyOf"]
+    assert {"type": "array", "items": {"$ref": ANY_REF}} in any_value
+    assert {"type": "object", "additionalProperties": {"$ref": ANY_REF}} in any_value
+    assert {"$ref": NUMBER_REF} in any_value and out["$defs"][NUMBER]["anyOf"]
+    listed = enforceable(
+        {
+            "type": "object",
+            "properties": {"x": {}, "y": True, "z": {"description": "anything"}, "tags": {"type": "array"}},
+            "$defs": {"free": {"type": "object", "additionalProperties": True}},
+        }
+    )
+    props = listed["properties"]
+    assert props["x"] == props["y"] == {"$ref": ANY_REF} and props["z"] == {"description": "anything", "$ref": ANY_REF}
+    assert props["tags"]["items"] == {"$ref": ANY_REF}
+    assert listed["$defs"]["free"]["additionalProperties"] == {"$ref": ANY_REF}
+    assert ANY not in enforceable({"type": "object", "properties": {"a": {"type": "string"}}}).get("$defs", {})
+
+
+def test_property_names_are_names_not_keywords():
+    """A property called ``nullable``, ``type`` or ``properties`` is not read as the keyword."""
+    schema = {
+        "type": "object",
+        "properties": {
+            "nullable": {"type": "boolean"},
+            "type": {"type": "integer"},
+            "properties": {"type": "string"},
+        },
+    }
+    out = enforceable(schema)
+    assert set(out["properties"]) == {"nullable", "type", "properties"}
+    assert out["properties"]["nullable"] == {"type": "boolean"}
+    assert out["properties"]["type"]["maximum"] == SAFE
+    assert out["additionalProperties"] is False and "additionalProperties" not in out["properties"]
+
+
+def test_all_of_branches_are_merged_by_the_compiler_and_left_open():
+    schema = {"allOf": [{"type": "object", "properties": {"a": {"type": "integer"}}}, {"required": ["a"]}]}
+    out = enforceable(schema)
+    first = out["allOf"][0]
+    assert "additionalProperties" not in first and first["properties"]["a"]["maximum"] == SAFE

@@ -110,20 +110,24 @@ def test_structured_requests_reach_vllm_in_the_form_llguidance_reads() -> None:
     their schemas; what vLLM would not enforce is refused naming the field."""
     from meshgate.backends.vllm.runner import JSON_OPTIONS, structured
     from meshgate.protocols.model import InvalidRequest, Request, ResponseFormat, Tool, ToolChoice
-    from meshgate.protocols.schema_rules import enforceable
+    from meshgate.protocols.schema_rules import ANY, MAX_SAFE_INTEGER, enforceable
 
     base = Request(model="m", raw_prompt="x")
     sent = structured(msgspec_replace(base, response_format=ResponseFormat(kind="json_object")))
     assert sent.response_format.kind == "json_schema"
-    assert sent.response_format.schema == {"type": "object", "x-guidance": JSON_OPTIONS}
+    assert sent.response_format.schema == {**enforceable({"type": "object"}, steps=False), "x-guidance": JSON_OPTIONS}
+    any_number = sent.response_format.schema["$defs"][ANY]["anyOf"][1]  # open values: numbers bounded, no step
+    assert any_number == {"type": "number", "exclusiveMinimum": -(10**15), "exclusiveMaximum": 10**15}
     nullable = {"type": "object", "properties": {"a": {"type": "string", "nullable": True}}, "x-guidance": {}}
     sent = structured(msgspec_replace(base, response_format=ResponseFormat(kind="json_schema", schema=nullable)))
-    assert sent.response_format.schema == {**enforceable(nullable), "x-guidance": JSON_OPTIONS}  # theirs replaced
+    theirs_replaced = {**enforceable(nullable, steps=False), "x-guidance": JSON_OPTIONS}
+    assert sent.response_format.schema == theirs_replaced
     assert sent.response_format.schema["properties"]["a"] == {"anyOf": [{"type": "string"}, {"type": "null"}]}
     tool = Tool(name="t", parameters={"type": "object", "properties": {"n": {"type": "integer", "nullable": True}}})
     forced = structured(msgspec_replace(base, tools=(tool,), tool_choice=ToolChoice(mode="tool", name="t")))
-    assert forced.tools[0].parameters == enforceable(tool.parameters)
-    assert forced.tools[0].parameters["properties"]["n"] == {"anyOf": [{"type": "integer"}, {"type": "null"}]}
+    assert forced.tools[0].parameters == enforceable(tool.parameters, steps=False)
+    bounded = {"type": "integer", "minimum": -MAX_SAFE_INTEGER, "maximum": MAX_SAFE_INTEGER}
+    assert forced.tools[0].parameters["properties"]["n"] == {"anyOf": [bounded, {"type": "null"}]}
     one = structured(msgspec_replace(base, tools=(tool,), tool_choice=ToolChoice(mode="required")))
     assert (one.tool_choice.mode, one.tool_choice.name) == ("tool", "t")  # the one call required allows
     two = (tool, Tool(name="u", parameters={"type": "object"}))

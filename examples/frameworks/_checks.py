@@ -18,6 +18,9 @@ KEY = os.environ.get("MESHGATE_API_KEY", "unused")  # any string unless the gate
 ASK = "Say hello in five words."
 TOOL_ASK = "What is the weather in Paris? Use the get_weather tool."
 REVIEW_ASK = "Rate this review from 1 to 5 and say if the reader liked it: 'Great book, I loved every page.'"
+STAT_ASK = "How many days a year does it rain in Paris? Answer with the days and the metric."
+TYPED_TOKENS = 48
+"""The output limit of the ``typed`` check: an unbounded integer must leave room for the keys after it."""
 
 
 class Review(BaseModel):
@@ -25,6 +28,13 @@ class Review(BaseModel):
 
     score: int = Field(ge=1, le=5)
     liked: bool
+
+
+class Stat(BaseModel):
+    """A typed answer whose integer has no bounds: the gateway holds it to what JSON consumers hold exactly."""
+
+    days: int
+    metric: str = Field(max_length=20)
 
 
 def get_weather(location: str) -> str:
@@ -67,6 +77,13 @@ def valid_review(review: Review | dict) -> str:
     score = data["score"]
     assert isinstance(score, int) and 1 <= score <= 5, f"score {score!r} is not an integer from 1 to 5"
     return f"score={score} liked={data['liked']}"
+
+
+def valid_stat(stat: Stat | dict) -> str:
+    """A whole ``Stat`` (every key there) whose ``days`` a JavaScript client would hold exactly."""
+    data = stat.model_dump() if isinstance(stat, Stat) else Stat.model_validate(stat).model_dump()
+    assert abs(data["days"]) <= 2**53 - 1, f"days {data['days']} is beyond what JSON consumers hold exactly"
+    return f"days={data['days']} metric={data['metric']!r}"
 
 
 def done() -> None:

@@ -1,7 +1,23 @@
 """LangChain's ChatAnthropic against meshgate's Anthropic Messages API: chat, streaming, a forced tool call,
 structured output (a forced tool, LangChain's default for Anthropic)."""
 
-from _checks import ASK, KEY, MODEL, REVIEW_ASK, TOOL_ASK, URL, Review, check, done, get_weather, valid_review
+from _checks import (
+    ASK,
+    KEY,
+    MODEL,
+    REVIEW_ASK,
+    STAT_ASK,
+    TOOL_ASK,
+    TYPED_TOKENS,
+    URL,
+    Review,
+    Stat,
+    check,
+    done,
+    get_weather,
+    valid_review,
+    valid_stat,
+)
 from langchain_anthropic import ChatAnthropic
 from langchain_core.tools import tool
 
@@ -31,6 +47,17 @@ def structured() -> str:
     return valid_review(review)
 
 
-for name, run in [("chat", chat), ("stream", stream), ("forced tool", forced_tool), ("structured", structured)]:
+def typed() -> str:
+    return valid_stat(llm.bind(max_tokens=TYPED_TOKENS).with_structured_output(Stat).invoke(STAT_ASK))
+
+
+CHECKS = [
+    ("chat", chat),
+    ("stream", stream),
+    ("forced tool", forced_tool),
+    ("structured", structured),
+    ("typed", typed),
+]
+for name, run in CHECKS:
     check(f"langchain-anthropic {name}", run)
 done()

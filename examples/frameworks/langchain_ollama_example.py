@@ -5,14 +5,18 @@ from _checks import (
     ASK,
     MODEL,
     REVIEW_ASK,
+    STAT_ASK,
     TOOL_ASK,
+    TYPED_TOKENS,
     URL,
     WEATHER_SCHEMA,
     Review,
+    Stat,
     check,
     done,
     get_weather,
     valid_review,
+    valid_stat,
 )
 from langchain_core.tools import tool
 from langchain_ollama import ChatOllama
@@ -44,6 +48,18 @@ def structured() -> str:
     return valid_review(review)
 
 
-for name, run in [("chat", chat), ("stream", stream), ("forced tool", forced_tool), ("structured", structured)]:
+def typed() -> str:
+    stat = llm.bind(num_predict=TYPED_TOKENS).with_structured_output(Stat, method="json_schema").invoke(STAT_ASK)
+    return valid_stat(stat)
+
+
+CHECKS = [
+    ("chat", chat),
+    ("stream", stream),
+    ("forced tool", forced_tool),
+    ("structured", structured),
+    ("typed", typed),
+]
+for name, run in CHECKS:
     check(f"langchain-ollama {name}", run)
 done()

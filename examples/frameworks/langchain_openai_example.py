@@ -1,6 +1,22 @@
 """LangChain's ChatOpenAI against meshgate's OpenAI API: chat, streaming, a forced tool call, structured output."""
 
-from _checks import ASK, KEY, MODEL, REVIEW_ASK, TOOL_ASK, URL, Review, check, done, get_weather, valid_review
+from _checks import (
+    ASK,
+    KEY,
+    MODEL,
+    REVIEW_ASK,
+    STAT_ASK,
+    TOOL_ASK,
+    TYPED_TOKENS,
+    URL,
+    Review,
+    Stat,
+    check,
+    done,
+    get_weather,
+    valid_review,
+    valid_stat,
+)
 from langchain_core.tools import tool
 from langchain_openai import ChatOpenAI
 
@@ -30,6 +46,18 @@ def structured() -> str:
     return valid_review(review)
 
 
-for name, run in [("chat", chat), ("stream", stream), ("forced tool", forced_tool), ("structured", structured)]:
+def typed() -> str:
+    stat = llm.bind(max_tokens=TYPED_TOKENS).with_structured_output(Stat, method="json_schema").invoke(STAT_ASK)
+    return valid_stat(stat)
+
+
+CHECKS = [
+    ("chat", chat),
+    ("stream", stream),
+    ("forced tool", forced_tool),
+    ("structured", structured),
+    ("typed", typed),
+]
+for name, run in CHECKS:
     check(f"langchain-openai {name}", run)
 done()

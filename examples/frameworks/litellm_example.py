@@ -4,7 +4,23 @@ tool call, structured output (``response_format`` from a Pydantic model)."""
 import json
 
 import litellm
-from _checks import ASK, KEY, MODEL, REVIEW_ASK, TOOL_ASK, URL, WEATHER_SCHEMA, Review, check, done, valid_review
+from _checks import (
+    ASK,
+    KEY,
+    MODEL,
+    REVIEW_ASK,
+    STAT_ASK,
+    TOOL_ASK,
+    TYPED_TOKENS,
+    URL,
+    WEATHER_SCHEMA,
+    Review,
+    Stat,
+    check,
+    done,
+    valid_review,
+    valid_stat,
+)
 
 BASE = {"model": f"openai/{MODEL}", "api_base": f"{URL}/v1", "api_key": KEY, "temperature": 0}
 WEATHER = {
@@ -44,6 +60,18 @@ def structured() -> str:
     return valid_review(Review.model_validate_json(answer.choices[0].message.content))
 
 
-for name, run in [("chat", chat), ("stream", stream), ("forced tool", forced_tool), ("structured", structured)]:
+def typed() -> str:
+    answer = litellm.completion(**BASE, messages=user(STAT_ASK), response_format=Stat, max_tokens=TYPED_TOKENS)
+    return valid_stat(Stat.model_validate_json(answer.choices[0].message.content))
+
+
+CHECKS = [
+    ("chat", chat),
+    ("stream", stream),
+    ("forced tool", forced_tool),
+    ("structured", structured),
+    ("typed", typed),
+]
+for name, run in CHECKS:
     check(f"litellm {name}", run)
 done()

@@ -3,7 +3,23 @@
 
 import asyncio
 
-from _checks import ASK, KEY, MODEL, REVIEW_ASK, TOOL_ASK, URL, WEATHER_SCHEMA, Review, acheck, done, valid_review
+from _checks import (
+    ASK,
+    KEY,
+    MODEL,
+    REVIEW_ASK,
+    STAT_ASK,
+    TOOL_ASK,
+    TYPED_TOKENS,
+    URL,
+    WEATHER_SCHEMA,
+    Review,
+    Stat,
+    acheck,
+    done,
+    valid_review,
+    valid_stat,
+)
 from pydantic_ai import Agent
 from pydantic_ai.direct import model_request
 from pydantic_ai.messages import ModelRequest, ToolCallPart
@@ -52,7 +68,13 @@ def checks(model: Model) -> dict:
         agent = Agent(model, output_type=Review, model_settings={"max_tokens": 32, "temperature": 0}, retries=0)
         return valid_review((await agent.run(REVIEW_ASK)).output)
 
-    return {"chat": chat, "stream": stream, "forced tool": forced_tool, "structured": structured}
+    async def typed() -> str:
+        settings = {"max_tokens": TYPED_TOKENS, "temperature": 0}
+        return valid_stat(
+            (await Agent(model, output_type=Stat, model_settings=settings, retries=0).run(STAT_ASK)).output
+        )
+
+    return {"chat": chat, "stream": stream, "forced tool": forced_tool, "structured": structured, "typed": typed}
 
 
 async def main() -> None:  # one event loop for every check: the providers' clients keep their connections

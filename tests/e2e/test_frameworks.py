@@ -1,8 +1,9 @@
 """The framework examples (``examples/frameworks``) against a default-started gateway serving the real Gemma 3 270M.
 
 Each example (LangChain over the three protocols, pydantic-ai over OpenAI and Anthropic, LiteLLM, and the official
-JavaScript SDKs) runs plain chat, streaming, a forced tool call and structured output with a bounded integer, and
-prints ``ok``/``FAIL`` per check. They run at once (the runner batches them in its slots), so the suite waits for
+JavaScript SDKs) runs plain chat, streaming, a forced tool call, structured output with a bounded integer, and a
+typed answer whose integer has no bounds within 48 tokens (issue 36: it ran on until the token limit), and prints
+``ok``/``FAIL`` per check. They run at once (the runner batches them in its slots), so the suite waits for
 the slowest, not the sum. Nothing is installed here: the ``frameworks`` extra and ``npm ci`` in
 ``examples/frameworks/js`` come with ``scripts/test``.
 """
@@ -21,7 +22,7 @@ import pytest
 from tests.conftest import MODEL, ROOT, Server
 
 HERE = ROOT / "examples" / "frameworks"
-CHECKS = ("chat", "stream", "forced tool", "structured")
+CHECKS = ("chat", "stream", "forced tool", "structured", "typed")
 EXAMPLES = {
     "langchain-openai": ([sys.executable, "langchain_openai_example.py"], 1),
     "langchain-anthropic": ([sys.executable, "langchain_anthropic_example.py"], 1),

@@ -19,6 +19,15 @@ export const REVIEW_SCHEMA = {
   additionalProperties: false,
 };
 
+export const STAT_ASK = "How many days a year does it rain in Paris? Answer with the days and the metric.";
+export const TYPED_TOKENS = 48; // an unbounded integer must leave room for the keys after it
+export const STAT_SCHEMA = {
+  type: "object",
+  properties: { days: { type: "integer" }, metric: { type: "string", maxLength: 20 } },
+  required: ["days", "metric"],
+  additionalProperties: false,
+};
+
 export function assert(ok, message) {
   if (!ok) throw new Error(message);
 }
@@ -28,6 +37,13 @@ export function validReview(review) {
   assert(Number.isInteger(score) && score >= 1 && score <= 5, `score ${JSON.stringify(score)} is not an integer from 1 to 5`);
   assert(typeof liked === "boolean", `liked ${JSON.stringify(liked)} is not a boolean`);
   return `score=${score} liked=${liked}`;
+}
+
+export function validStat(stat) {
+  const { days, metric } = stat;
+  assert(Number.isSafeInteger(days), `days ${JSON.stringify(days)} is not an integer JavaScript holds exactly`);
+  assert(typeof metric === "string", `metric ${JSON.stringify(metric)} is not a string`);
+  return `days=${days} metric=${JSON.stringify(metric)}`;
 }
 
 export async function run(prefix, checks) {

@@ -1,7 +1,10 @@
 // The official ollama package against meshgate's Ollama API: chat, streaming, a forced tool call (tools with
 // `format`, as Ollama has no tool_choice), structured output (`format` = the JSON schema).
 import { Ollama } from "ollama";
-import { ASK, MODEL, REVIEW_ASK, REVIEW_SCHEMA, TOOL_ASK, URL, WEATHER_SCHEMA, assert, run, validReview } from "./checks.mjs";
+import {
+  ASK, MODEL, REVIEW_ASK, REVIEW_SCHEMA, STAT_ASK, STAT_SCHEMA, TOOL_ASK, TYPED_TOKENS, URL, WEATHER_SCHEMA, assert, run, validReview,
+  validStat,
+} from "./checks.mjs";
 
 const client = new Ollama({ host: URL });
 const user = (content) => [{ role: "user", content }];
@@ -14,7 +17,7 @@ await run("js ollama", {
   },
   async stream() {
     const pieces = [];
-    const stream = await client.chat({ model: MODEL, messages: user(ASK), stream: true, options: { num_predict: 16 } });
+    const stream = await client.chat({ model: MODEL, messages: user(ASK), stream: true, options: { num_predict: 16, temperature: 0 } });
     for await (const part of stream) if (part.message.content) pieces.push(part.message.content);
     assert(pieces.length > 1 && pieces.join("").trim(), `pieces: ${JSON.stringify(pieces)}`);
     return `${pieces.length} chunks`;
@@ -39,5 +42,14 @@ await run("js ollama", {
       options: { num_predict: 32, temperature: 0 },
     });
     return validReview(JSON.parse(answer.message.content));
+  },
+  async typed() {
+    const answer = await client.chat({
+      model: MODEL,
+      messages: user(STAT_ASK),
+      format: STAT_SCHEMA,
+      options: { num_predict: TYPED_TOKENS, temperature: 0 },
+    });
+    return validStat(JSON.parse(answer.message.content));
   },
 });

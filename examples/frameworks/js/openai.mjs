@@ -1,6 +1,9 @@
 // The official openai SDK against meshgate's OpenAI API: chat, streaming, a forced tool call, structured output.
 import OpenAI from "openai";
-import { ASK, KEY, MODEL, REVIEW_ASK, REVIEW_SCHEMA, TOOL_ASK, URL, WEATHER_SCHEMA, assert, run, validReview } from "./checks.mjs";
+import {
+  ASK, KEY, MODEL, REVIEW_ASK, REVIEW_SCHEMA, STAT_ASK, STAT_SCHEMA, TOOL_ASK, TYPED_TOKENS, URL, WEATHER_SCHEMA, assert, run,
+  validReview, validStat,
+} from "./checks.mjs";
 
 const client = new OpenAI({ baseURL: `${URL}/v1`, apiKey: KEY, maxRetries: 0 });
 const user = (content) => [{ role: "user", content }];
@@ -13,7 +16,7 @@ await run("js openai", {
     return JSON.stringify(text);
   },
   async stream() {
-    const stream = await client.chat.completions.create({ model: MODEL, messages: user(ASK), max_tokens: 16, stream: true });
+    const stream = await client.chat.completions.create({ model: MODEL, messages: user(ASK), max_tokens: 16, temperature: 0, stream: true });
     const pieces = [];
     for await (const chunk of stream) if (chunk.choices[0]?.delta?.content) pieces.push(chunk.choices[0].delta.content);
     assert(pieces.length > 1 && pieces.join("").trim(), `pieces: ${JSON.stringify(pieces)}`);
@@ -42,5 +45,15 @@ await run("js openai", {
       temperature: 0,
     });
     return validReview(JSON.parse(answer.choices[0].message.content));
+  },
+  async typed() {
+    const answer = await client.chat.completions.create({
+      model: MODEL,
+      messages: user(STAT_ASK),
+      response_format: { type: "json_schema", json_schema: { name: "stat", schema: STAT_SCHEMA, strict: true } },
+      max_tokens: TYPED_TOKENS,
+      temperature: 0,
+    });
+    return validStat(JSON.parse(answer.choices[0].message.content));
   },
 });

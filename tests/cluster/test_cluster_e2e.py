@@ -169,7 +169,7 @@ def test_create_wait_serve_delete(cluster):
     ready = instance(gateway, created["id"])
     pid = ready["runners"]["a"]["pid"]
     client = openai.OpenAI(base_url=f"{gateway.url}/v1", api_key="x", max_retries=0)
-    reply = client.completions.create(model=MODEL, prompt="The sky is", max_tokens=3)
+    reply = client.completions.create(model=MODEL, prompt="The sky is", max_tokens=3, temperature=0)
     assert reply.usage.completion_tokens == 3
     assert httpx.delete(f"{gateway.url}/instances/{created['id']}").status_code == 204
     wait_for(
@@ -323,7 +323,11 @@ def test_node_loss_moves_in_flight_requests_and_replaces(cluster):
     client = openai.OpenAI(base_url=f"{gateway.url}/v1", api_key="x", max_retries=0)
     stream = iter(
         client.chat.completions.create(
-            model=MODEL, stream=True, max_tokens=200, messages=[{"role": "user", "content": "Count to a thousand."}]
+            model=MODEL,
+            stream=True,
+            max_tokens=200,
+            temperature=0,  # greedy: it never ends by itself before max_tokens
+            messages=[{"role": "user", "content": "Count to a thousand."}],
         )
     )
     next(stream)
@@ -345,7 +349,7 @@ def test_node_loss_moves_in_flight_requests_and_replaces(cluster):
         "re-placed on b",
     )
     assert replaced["epoch"] == 1
-    reply = client.completions.create(model=MODEL, prompt="Hello", max_tokens=2)
+    reply = client.completions.create(model=MODEL, prompt="Hello", max_tokens=2, temperature=0)
     assert reply.usage.completion_tokens == 2
     kinds = [
         e["kind"]

@@ -184,7 +184,7 @@ def test_worker_killed_mid_generation_hands_the_streams_on(split):
         raise
     assert replaced["placement"]["strategy"] == "pipeline", "re-placed with its own constraints"
     reply = openai.OpenAI(base_url=f"{gateway.url}/v1", api_key="x", max_retries=0).completions.create(
-        model=MODEL, prompt="Hello", max_tokens=2
+        model=MODEL, prompt="Hello", max_tokens=2, temperature=0
     )
     assert reply.usage.completion_tokens == 2
     wait_for(lambda: not alive(head_pid) and not alive(worker_pid), 30, "the old head and worker gone")

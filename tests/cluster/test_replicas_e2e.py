@@ -24,6 +24,8 @@ from tests.conftest import MODEL, ROOT, Server
 
 ENV = {**FAST, "MESHGATE_THREADS": "1"}
 N_CTX = 1024
+LONG = 400
+"""The tokens of the stream that serves while ``num_ctx`` requests come (``test_num_ctx_never_evicts...``)."""
 
 
 @pytest.fixture(scope="module")
@@ -148,11 +150,14 @@ def test_num_ctx_never_evicts_a_replica_that_serves(two_gateways, replicas):
 
     def long_stream() -> None:
         lines = []
+        # greedy counting never ends by itself: the stream runs its whole num_predict, long after the checks below
+        # begin (at one thread, 400 tokens take ~20 s), whatever the box's speed or the other gateway's lag
+        options = {"num_predict": LONG, "num_ctx": N_CTX, "temperature": 0}
         with httpx.stream(
             "POST",
             f"{one.url}/api/generate",
-            json={"model": MODEL, "prompt": "Count slowly:", "options": {"num_predict": 120, "num_ctx": N_CTX}},
-            timeout=180,
+            json={"model": MODEL, "prompt": "Count from 1 to 1000: 1, 2, 3, 4,", "options": options},
+            timeout=300,
         ) as r:
             for line in r.iter_lines():
                 if line:
@@ -165,9 +170,10 @@ def test_num_ctx_never_evicts_a_replica_that_serves(two_gateways, replicas):
     wait_for(lambda: done.get("started"), 60, "the long stream's first token")
     busy = wait_for(
         lambda: [i for i in httpx.get(f"{two.url}/instances").json() if (i.get("load") or {}).get("running")],
-        10,
+        60,
         "the other gateway seeing the stream's load",
     )
+    assert "last" not in done, "the stream ended before the other gateway saw it: the test proves nothing"
     assert {i["id"] for i in busy} <= original  # type: ignore[union-attr]
     smaller = httpx.post(
         f"{two.url}/api/generate",
@@ -182,8 +188,8 @@ def test_num_ctx_never_evicts_a_replica_that_serves(two_gateways, replicas):
         timeout=180,
     )
     assert bigger.status_code == 200, bigger.text
-    streaming.join(180)
-    assert '"done":true' in str(done["last"]) and '"eval_count":120' in str(done["last"]), done["last"]
+    streaming.join(300)
+    assert '"done":true' in str(done["last"]) and f'"eval_count":{LONG}' in str(done["last"]), done["last"]
     now = {i["id"]: i for i in httpx.get(f"{one.url}/instances").json()}
     assert original < set(now), "the bigger replica was placed beside the others"
     [extra] = [i for i in now.values() if i["id"] not in original]

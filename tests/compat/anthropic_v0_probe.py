@@ -16,7 +16,9 @@ message = client.messages.create(
 )
 seen["text"] = message.content[0].text
 seen["stop_reason"] = message.stop_reason
-with client.messages.stream(model=model, max_tokens=4, messages=[{"role": "user", "content": "hello"}]) as s:
+with client.messages.stream(
+    model=model, max_tokens=4, temperature=0, messages=[{"role": "user", "content": "hello"}]
+) as s:
     seen["stream_text"] = "".join(s.text_stream)
     seen["stream_output_tokens"] = s.get_final_message().usage.output_tokens
 beta = client.beta.messages.create(

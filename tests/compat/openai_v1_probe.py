@@ -8,7 +8,7 @@ import openai
 url, model = sys.argv[1], sys.argv[2]
 client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
 seen = {"version": openai.__version__}
-limit = {"max_tokens": 4}  # the scripted answer is 2 tokens; the real model is held to 4
+limit = {"max_tokens": 4, "temperature": 0}  # the scripted answer is 2 tokens; the real model is held to 4, greedy
 reply = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "hello"}], **limit)
 seen["chat"] = reply.choices[0].message.content
 seen["finish"] = reply.choices[0].finish_reason

@@ -102,7 +102,8 @@ def _create_brief(server: Server) -> None:
 
 def _requests(server: Server, since: int = 0) -> list[dict]:
     """The request log lines of model API calls the gateway wrote after ``since`` of them."""
-    time.sleep(REPORT_DELAY + 0.2)  # the gateway writes its request lines in batches
+    time.sleep(REPORT_DELAY + 0.2)  # the gateway writes its request lines in batches (its requests have ended)
+    httpx.get(f"{server.url}/metrics", timeout=30).raise_for_status()  # a scrape writes what is pending, now
     lines = request_lines(server.log.read_text(errors="replace"))
     return [r for r in lines if r["path"].startswith("/v1/")][since:]
 

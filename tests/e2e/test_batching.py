@@ -164,7 +164,13 @@ def test_a_long_prefill_sends_keep_alives(real_server):
     keep-alive setting) until the first token, where it used to stay silent (Claude Code gives up on a stream
     silent for 300 s, proxies often after 60 s)."""
     prompt = "A slow river bends past seven old mills at dawn. " * 140  # ~1,550 tokens, not cached by other tests
-    body = {"model": MODEL, "max_tokens": 2, "stream": True, "messages": [{"role": "user", "content": prompt}]}
+    body = {
+        "model": MODEL,
+        "max_tokens": 2,
+        "temperature": 0,  # greedy: a sampled first token may end the turn, and no content block would come
+        "stream": True,
+        "messages": [{"role": "user", "content": prompt}],
+    }
     pings, started, first = 0, None, None
     with httpx.stream("POST", f"{real_server.url}/v1/messages", json=body, timeout=600) as r:
         assert r.status_code == 200

@@ -67,7 +67,9 @@ def test_anthropic_prompt_too_long(ant, context):
 
 def test_anthropic_large_max_tokens_is_capped_not_refused(ant):
     """Claude Code sends max_tokens 32000 whatever the context: only the prompt must fit."""
-    with ant.messages.stream(model=MODEL, max_tokens=32000, messages=[{"role": "user", "content": "Say hi."}]) as s:
+    with ant.messages.stream(
+        model=MODEL, max_tokens=32000, messages=[{"role": "user", "content": "Say hi."}], extra_body={"temperature": 0}
+    ) as s:
         first = next(e for e in s if e.type == "content_block_delta")
     assert first.delta.text
 

@@ -175,7 +175,8 @@ def test_the_dashboard_places_a_model_and_shows_it_ready(cluster, browser, tmp_p
     # Rates: from the page's /metrics scrapes (every 2 s, over 10 s), after two generations; "-" without /metrics.
     client = openai.OpenAI(base_url=f"{gateway.url}/v1", api_key=ADMIN_KEY, max_retries=0, timeout=120)
     for _ in range(2):
-        assert client.completions.create(model=MODEL, prompt="Count: one, two,", max_tokens=4).usage.completion_tokens
+        reply = client.completions.create(model=MODEL, prompt="Count: one, two,", max_tokens=4, temperature=0)
+        assert reply.usage.completion_tokens
     try:
         until.until(lambda d: _number(_text(d, f"{row} .rps")) > 0 and _number(_text(d, f"{row} .tps")) > 0)
     except TimeoutException:

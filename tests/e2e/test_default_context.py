@@ -100,7 +100,10 @@ def test_eight_short_requests_at_once_out_of_the_box(default_server):
     assert instance["placement"]["sequences"] >= 8, instance["placement"]
     with ThreadPoolExecutor(8) as pool:
         results = list(
-            pool.map(lambda i: _chat(default_server, f"Count to {i + 3}:", options={"num_predict": 16}), range(8))
+            pool.map(
+                lambda i: _chat(default_server, f"Count to {i + 3}:", options={"num_predict": 16, "temperature": 0}),
+                range(8),
+            )
         )
     assert [status for status, _, _ in results] == [200] * 8
     assert all(frame["text"] and frame["eval_count"] >= 1 for _, frame, _ in results)
@@ -114,7 +117,7 @@ def test_open_webui_sized_prompt_gets_a_bigger_context(default_server):
     tools = open_webui_like_tools()
     assert 20_000 < len(json.dumps(tools)) < 24_000
     content = "What is the capital of France? Answer in one word."
-    status, frame, first = _chat(default_server, content, tools=tools, options={"num_predict": 8})
+    status, frame, first = _chat(default_server, content, tools=tools, options={"num_predict": 8, "temperature": 0})
     assert status == 200, frame
     assert frame["done"] and frame["prompt_eval_count"] > 4096, frame  # more than the default context holds
     assert frame["text"] or frame["message"].get("tool_calls"), frame

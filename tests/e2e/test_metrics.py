@@ -49,7 +49,7 @@ def test_requests_of_every_protocol_are_counted_with_their_tokens(real_server, o
             stream_options={"include_usage": True},
         )
     )
-    message = ant.messages.create(model=MODEL, max_tokens=4, messages=chat)
+    message = ant.messages.create(model=MODEL, max_tokens=4, messages=chat, extra_body={"temperature": 0})
     ollama_chat = oll.chat(model=MODEL, messages=chat, options={"num_predict": 4, "temperature": 0})
     unknown = httpx.post(
         f"{real_server.url}/api/chat", json={"model": "no-such-model", "messages": chat, "stream": False}, timeout=30

@@ -3,7 +3,8 @@ through ``/api/create``) gets them on every request, whichever official SDK send
 (``gateway.serving.model_defaults``).
 
 The packaged Gemma 3 270M is a base model that never ends a turn by itself; a stored ``stop`` of ``"\\n"`` ends it
-after one line, and that is a plain end of turn in every protocol: OpenAI ``finish_reason`` ``stop``, Anthropic
+after one line (the greedy answer, by a stored ``temperature`` of 0, ends its line within the stored
+``num_predict``), and that is a plain end of turn in every protocol: OpenAI ``finish_reason`` ``stop``, Anthropic
 ``stop_reason`` ``end_turn``, Ollama ``done_reason`` ``stop``. What a request sets itself wins.
 """
 
@@ -20,7 +21,9 @@ QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 
 @pytest.fixture(scope="module")
 def brief(oll) -> str:
-    done = oll.create(model=BRIEF, from_=MODEL, parameters={"stop": ["\n"], "num_predict": 24}, system=SYSTEM)
+    # a stored temperature of 0: every answer is the greedy one, so whether it reaches the stop is not chance
+    parameters = {"stop": ["\n"], "num_predict": 24, "temperature": 0}
+    done = oll.create(model=BRIEF, from_=MODEL, parameters=parameters, system=SYSTEM)
     assert done.status == "success"
     shown = oll.show(BRIEF)
     assert f'SYSTEM """{SYSTEM}"""' in shown.modelfile and "num_predict" in shown.parameters

@@ -109,6 +109,6 @@ def test_oai_37_n_above_one_is_a_clear_400(client):
 
 def test_oai_22_max_tokens_and_max_completion_tokens(client):
     both = client.chat.completions.create(
-        model=MODEL, max_tokens=9, max_completion_tokens=3, messages=[{"role": "user", "content": "Hi"}]
+        model=MODEL, max_tokens=9, max_completion_tokens=3, temperature=0, messages=[{"role": "user", "content": "Hi"}]
     )
     assert both.usage.completion_tokens == 3 and both.choices[0].finish_reason == "length"

@@ -56,7 +56,7 @@ def test_openai_stream_and_plain_agree_at_temperature_zero(oai):
 
 def test_openai_max_tokens_gives_length(oai):
     completion = oai.chat.completions.create(
-        model=MODEL, messages=[{"role": "user", "content": PROMPT}], max_completion_tokens=3
+        model=MODEL, messages=[{"role": "user", "content": PROMPT}], max_completion_tokens=3, temperature=0
     )
     assert completion.choices[0].finish_reason == "length"
     assert completion.usage.completion_tokens == 3
@@ -181,7 +181,7 @@ def test_ollama_streams_by_default_as_ndjson(real_server):
     with httpx.stream(
         "POST",
         f"{real_server.url}/api/generate",
-        json={"model": MODEL, "prompt": "Hello", "options": {"num_predict": 3}},
+        json={"model": MODEL, "prompt": "Hello", "options": {"num_predict": 3, "temperature": 0}},
     ) as r:
         assert r.headers["content-type"].startswith("application/x-ndjson")
         lines = [line for line in r.iter_lines()]

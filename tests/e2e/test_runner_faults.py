@@ -70,7 +70,13 @@ def test_client_disconnect_cancels_generation(server):
         "POST",
         f"{server.url}/v1/chat/completions",
         timeout=30,
-        json={"model": MODEL, "stream": True, "max_tokens": 1500, "messages": [{"role": "user", "content": LONG}]},
+        json={
+            "model": MODEL,
+            "stream": True,
+            "max_tokens": 1500,
+            "temperature": 0,  # greedy: it never ends by itself, so only the cancel stops it
+            "messages": [{"role": "user", "content": LONG}],
+        },
     ) as r:
         lines = r.iter_lines()
         for _ in range(6):
@@ -88,7 +94,7 @@ def test_client_disconnect_cancels_generation(server):
     ok = httpx.post(
         f"{server.url}/api/generate",
         timeout=60,
-        json={"model": MODEL, "prompt": "Hi", "stream": False, "options": {"num_predict": 2}},
+        json={"model": MODEL, "prompt": "Hi", "stream": False, "options": {"num_predict": 2, "temperature": 0}},
     )
     assert ok.status_code == 200 and ok.json()["eval_count"] == 2
 
@@ -101,28 +107,33 @@ def _kill_after_first_chunk(server: Server, chunks: Iterator) -> tuple[int, list
 
 
 def _next_request_works(server: Server, old_pid: int) -> None:
-    response = ollama.Client(host=server.url).generate(model=MODEL, prompt="Hello", options={"num_predict": 3})
+    response = ollama.Client(host=server.url).generate(
+        model=MODEL, prompt="Hello", options={"num_predict": 3, "temperature": 0}
+    )
     assert response.eval_count == 3
     assert runner_pid(server) != old_pid
 
 
 def test_runner_killed_mid_stream_in_each_protocol(server):
     """A stream in each protocol, all three generating when the runner is killed (one kill, one restart for the
-    three): each SDK raises its mid-stream error, and the next request is served by a new runner."""
+    three): each SDK raises its mid-stream error, and the next request is served by a new runner. Greedy, so that
+    none of them ends by itself before the kill."""
     warm(server)
     long = [{"role": "user", "content": LONG}]
     openai_stream = iter(
         openai.OpenAI(base_url=f"{server.url}/v1", api_key="x", max_retries=0).chat.completions.create(
-            model=MODEL, stream=True, max_tokens=1500, messages=long
+            model=MODEL, stream=True, max_tokens=1500, temperature=0, messages=long
         )
     )
     anthropic_stream = iter(
         anthropic.Anthropic(base_url=server.url, api_key="x", max_retries=0).messages.create(
-            model=MODEL, max_tokens=1500, stream=True, messages=long
+            model=MODEL, max_tokens=1500, stream=True, messages=long, extra_body={"temperature": 0}
         )
     )
     ollama_stream = iter(
-        ollama.Client(host=server.url).chat(model=MODEL, stream=True, options={"num_predict": 1500}, messages=long)
+        ollama.Client(host=server.url).chat(
+            model=MODEL, stream=True, options={"num_predict": 1500, "temperature": 0}, messages=long
+        )
     )
     next(openai_stream)
     next(anthropic_stream)
@@ -234,7 +245,12 @@ def test_non_streaming_client_that_leaves_cancels_generation(server):
             httpx.post(
                 f"{server.url}/api/generate",
                 timeout=3,
-                json={"model": MODEL, "prompt": LONG, "stream": False, "options": {"num_predict": -1}},
+                json={
+                    "model": MODEL,
+                    "prompt": LONG,
+                    "stream": False,
+                    "options": {"num_predict": -1, "temperature": 0},
+                },
             )
         gone.set()
 

@@ -53,8 +53,13 @@ async def test_ready_frames_share_one_message_and_the_first_is_not_held_back():
         yield b"e"  # the last two and the end of the body: one message
 
     recorder = Recorder()
+
+    async def sent(count: int) -> None:
+        while len(recorder.bodies) < count:
+            await asyncio.sleep(0.01)
+
     task = asyncio.create_task(run(frames(), recorder))
-    await asyncio.sleep(0.3)
+    await asyncio.wait_for(sent(2), 5)  # "c" went out before "d" is ready (a fixed wait may end before the pause)
     later.set()
     await asyncio.wait_for(task, 5)
     assert [(body, more) for _, body, more in recorder.bodies] == [(b"ab", True), (b"c", True), (b"de", False)]

@@ -86,5 +86,12 @@ def valid_stat(stat: Stat | dict) -> str:
     return f"days={data['days']} metric={data['metric']!r}"
 
 
+def run_checks(prefix: str, *runs: Callable[[], str]) -> None:
+    """Run each check, named after its function (``forced_tool``: ``forced tool``), then exit 1 if any failed."""
+    for run in runs:
+        check(f"{prefix} {run.__name__.replace('_', ' ')}", run)
+    done()
+
+
 def done() -> None:
     sys.exit(1 if _failed else 0)

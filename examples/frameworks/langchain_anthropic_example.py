@@ -12,9 +12,8 @@ from _checks import (
     URL,
     Review,
     Stat,
-    check,
-    done,
     get_weather,
+    run_checks,
     valid_review,
     valid_stat,
 )
@@ -51,13 +50,4 @@ def typed() -> str:
     return valid_stat(llm.bind(max_tokens=TYPED_TOKENS).with_structured_output(Stat).invoke(STAT_ASK))
 
 
-CHECKS = [
-    ("chat", chat),
-    ("stream", stream),
-    ("forced tool", forced_tool),
-    ("structured", structured),
-    ("typed", typed),
-]
-for name, run in CHECKS:
-    check(f"langchain-anthropic {name}", run)
-done()
+run_checks("langchain-anthropic", chat, stream, forced_tool, structured, typed)

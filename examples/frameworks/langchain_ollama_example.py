@@ -12,9 +12,8 @@ from _checks import (
     WEATHER_SCHEMA,
     Review,
     Stat,
-    check,
-    done,
     get_weather,
+    run_checks,
     valid_review,
     valid_stat,
 )
@@ -53,13 +52,4 @@ def typed() -> str:
     return valid_stat(stat)
 
 
-CHECKS = [
-    ("chat", chat),
-    ("stream", stream),
-    ("forced tool", forced_tool),
-    ("structured", structured),
-    ("typed", typed),
-]
-for name, run in CHECKS:
-    check(f"langchain-ollama {name}", run)
-done()
+run_checks("langchain-ollama", chat, stream, forced_tool, structured, typed)

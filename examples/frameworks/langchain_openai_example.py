@@ -11,9 +11,8 @@ from _checks import (
     URL,
     Review,
     Stat,
-    check,
-    done,
     get_weather,
+    run_checks,
     valid_review,
     valid_stat,
 )
@@ -51,13 +50,4 @@ def typed() -> str:
     return valid_stat(stat)
 
 
-CHECKS = [
-    ("chat", chat),
-    ("stream", stream),
-    ("forced tool", forced_tool),
-    ("structured", structured),
-    ("typed", typed),
-]
-for name, run in CHECKS:
-    check(f"langchain-openai {name}", run)
-done()
+run_checks("langchain-openai", chat, stream, forced_tool, structured, typed)

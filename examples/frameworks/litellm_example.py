@@ -16,8 +16,7 @@ from _checks import (
     WEATHER_SCHEMA,
     Review,
     Stat,
-    check,
-    done,
+    run_checks,
     valid_review,
     valid_stat,
 )
@@ -65,13 +64,4 @@ def typed() -> str:
     return valid_stat(Stat.model_validate_json(answer.choices[0].message.content))
 
 
-CHECKS = [
-    ("chat", chat),
-    ("stream", stream),
-    ("forced tool", forced_tool),
-    ("structured", structured),
-    ("typed", typed),
-]
-for name, run in CHECKS:
-    check(f"litellm {name}", run)
-done()
+run_checks("litellm", chat, stream, forced_tool, structured, typed)

@@ -255,7 +255,8 @@ def enforceable(schema: dict[str, Any], *, steps: bool = True) -> dict[str, Any]
       branches are merged and each list only some of the properties.
     - An ``integer`` with no bound on a side is held to ``MAX_SAFE_INTEGER`` (16 digits) on that side; a
       ``number`` to ``SIGNIFICANT_DIGITS`` significant digits, at most ``FRACTION_DIGITS`` of them decimals,
-      written without an exponent (``_BY_SIZE``, beside the bounds the schema gives). A schema that gives its
+      written without an exponent (``_BY_SIZE``, beside the bounds the schema gives; a number that says nothing
+      more refers to the one ``NUMBER`` entry added to ``$defs``). A schema that gives its
       own ``multipleOf``, or a bound beyond these, keeps it: a number then gets only the sides and the step it
       lacks (below 10^15 in size, ``FRACTION_DIGITS`` decimals), and a side whose given bound lies beyond the
       default is left as given. The packaged model loves digits: without this it wrote 26-digit integers until

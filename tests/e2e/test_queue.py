@@ -64,7 +64,8 @@ async def _until(server, **expected) -> dict:
 
 async def test_overflow_is_refused_at_once_in_each_protocol(server):
     async with httpx.AsyncClient(base_url=server.url, timeout=30) as http:
-        running = asyncio.create_task(http.post("/v1/chat/completions", json=_chat("sleep 2.5")))
+        # the slot is held 5 s: the queue stays full while four refusals are asked, however busy the box is
+        running = asyncio.create_task(http.post("/v1/chat/completions", json=_chat("sleep 5")))
         await _until(server, active=1)
         waiting = [
             asyncio.create_task(http.post("/v1/chat/completions", json=_chat("hello"))) for _ in range(MAX_QUEUE)

@@ -98,18 +98,23 @@ def vllm_venv() -> Path:
 
 
 def make_all() -> None:
-    """Every venv the suite uses: vLLM's (the longest) beside the others, which go in the order the tests need them."""
-    from concurrent.futures import ThreadPoolExecutor
-
-    with ThreadPoolExecutor(1) as pool:
-        vllm = pool.submit(vllm_venv)
+    """Every venv the suite uses: vLLM's (the longest) in a process of its own beside the others, which go in the
+    order the tests need them. Not in a thread: a thread's fork (pip) could inherit the other thread's
+    interpreter copy still open for writing, and running that interpreter then fails with "Text file busy"
+    (it did, on a fresh clone: the SDK venvs and MLX's were left to the tests to make)."""
+    vllm = subprocess.Popen([sys.executable, "-m", "tests.compat.venvs", "--vllm"], cwd=ROOT)
+    try:
         for make in (lambda: sdk_python(OPENAI_1), lambda: sdk_python(ANTHROPIC_0), mlx_venv):
             print(make(), flush=True)
-        print(vllm.result(), flush=True)
+    finally:
+        if vllm.wait() != 0:
+            raise RuntimeError("the vLLM venv could not be made (its error is above)")
 
 
 if __name__ == "__main__":
     if sys.argv[1:] == ["--all"]:
         make_all()
+    elif sys.argv[1:] == ["--vllm"]:
+        print(vllm_venv(), flush=True)
     else:
         print(sdk_python(sys.argv[1]))

@@ -402,7 +402,9 @@ class InstanceManager:
         scale-down); else (its node is stopping) the reconcile loop places a replacement while it drains. One that
         is not ready is deleted at once, and so is an idle one unless ``settle``: then it drains for at least
         ``lifecycle.SETTLE`` seconds, so that a stream another gateway began on it in the last moments (not yet in
-        the shared load) finishes there too. Returns it while it drains, None once gone."""
+        the shared load) finishes there too. Two gateways acting on one node's drain both get here: the one whose
+        Ready -> Draining write loses leaves the replica to the other's drain, never deletes it. Returns it while
+        it drains, None once gone."""
         found = await self.store.get_instance(instance_id)
         if found is None:
             raise NotFound(f"instance '{instance_id}' not found")
@@ -431,6 +433,11 @@ class InstanceManager:
                 await self._refresh(force=True)
                 self._changed.set()
                 return self._view.get(instance_id)
+            now_found = await self.store.get_instance(instance_id)  # the state moved since it was read
+            if now_found is None or isinstance(now_found.state, Draining):  # another gateway removed or drains it
+                await self._refresh(force=True)
+                return None if now_found is None else self._view.get(instance_id, now_found)
+            found = now_found
         await self._remove(found, f"deleted instance {instance_id} ({reason})", kind="instance.deleted")
         return None
 

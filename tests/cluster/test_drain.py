@@ -129,6 +129,31 @@ async def test_a_replica_on_a_draining_node_drains_even_when_it_looks_idle(clust
     assert any("drained (node n1 is draining): its streams finished" in e for e in await _events(manager))
 
 
+async def test_a_drain_that_loses_the_race_to_another_gateway_leaves_the_replica_draining(cluster, monkeypatch):
+    """Two gateways carry out one node's Drain: the second read the replica Ready, and its Ready -> Draining
+    write fails because the first's won. It must not delete the replica (that cut a stream in the rolling-restart
+    test on a fresh clone)."""
+    manager, busy = cluster
+    a, b = await manager.deploy("scripted", replicas=2)
+    await _ready(manager, a, b)
+    busy[a.id] = 1
+    stale = await manager.store.get_instance(a.id)  # what the second gateway read: Ready
+    first = await manager.drain(a.id, reason="node a is stopping", lower=False, settle=True)
+    assert first is not None and isinstance(first.state, Draining)
+    real = manager.store.get_instance
+    reads: list[str] = []
+
+    async def stale_first(instance_id):
+        reads.append(instance_id)
+        return stale if len(reads) == 1 else await real(instance_id)
+
+    monkeypatch.setattr(manager.store, "get_instance", stale_first)
+    second = await manager.drain(a.id, reason="node a is stopping", lower=False, settle=True)
+    assert second is not None and isinstance(second.state, Draining)
+    assert await real(a.id) is not None, "the replica was deleted under its stream"
+    assert not any("deleted instance" in e for e in await _events(manager))
+
+
 async def test_lowering_max_replicas_drains_the_least_loaded_busy_replica(cluster):
     manager, busy = cluster
     a, b = await manager.deploy("scripted", replicas=2, min_replicas=1, max_replicas=2)

@@ -200,7 +200,9 @@ def test_num_ctx_never_evicts_a_replica_that_serves(two_gateways, replicas):
 
 def test_pipeline_replicas_over_rpc(two_gateways, replicas):
     one, two = two_gateways
-    for old in replicas:
+    # the replicas there now (a fresh clone once found one of the module's first two already gone: a 404 here;
+    # why is not known yet, see the stop note of issue 36)
+    for old in [i for i in httpx.get(f"{one.url}/instances").json() if i["model"] == MODEL]:
         _delete(one, old["id"])
     body = {"model": MODEL, "replicas": 2, "strategy": "pipeline", "min_nodes": 2}
     r = httpx.post(f"{one.url}/instances", json=body, timeout=60)

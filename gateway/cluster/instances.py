@@ -51,7 +51,7 @@ from meshgate.gateway.cluster.routing import Choice, PrefixTable, Replica, Routi
 from meshgate.gateway.cluster.store import StateStore
 from meshgate.protocols.model import BackendUnavailable, InvalidRequest, NoCapacity, NotFound
 
-__all__ = ["InstanceManager", "missing_replicas"]
+__all__ = ["InstanceManager", "given_up", "missing_replicas"]
 
 log = logging.getLogger("meshgate.instances")
 
@@ -447,13 +447,15 @@ class InstanceManager:
         self._view.pop(instance.id, None)
 
     async def set_expiry(self, model: str, expires_at: float | None) -> None:
-        """Set when ``model``'s ready instances are unloaded (``None``: never; Ollama's ``keep_alive``)."""
+        """Set when ``model``'s ready instances are unloaded (``None``: never; Ollama's ``keep_alive``). Each write
+        holds only over the ready state and epoch it read: one failed, drained or deleted meanwhile stays so."""
         await self._refresh()
         for instance in self.cached(model):
             if isinstance(instance.state, Ready) and instance.expires_at != expires_at:
                 current = await self.store.get_instance(instance.id)
-                if current is not None:
-                    await self.store.put_instance(msgspec.structs.replace(current, expires_at=expires_at))
+                if current is not None and isinstance(current.state, Ready):
+                    changed = msgspec.structs.replace(current, expires_at=expires_at)
+                    await self.store.update_instance(changed, expected=Ready, epoch=current.epoch)
         await self._refresh(force=True)
 
     # ------------------------------------------------------------------------------------------- hot path
@@ -551,8 +553,10 @@ class InstanceManager:
         raise BackendUnavailable(f"instance {instance_id} was not ready within {timeout:.0f}s")
 
     async def report_unreachable(self, instance: Instance, error: str) -> None:
-        """The gateway could not reach the instance's runner: fail it so it is re-placed."""
-        if await self.store.set_state(instance.id, Failed(reason=f"runner unreachable: {error}"), expected=Ready):
+        """The gateway could not reach the instance's runner: fail it so it is re-placed. Only the epoch the
+        caller reached fails: a late report about a placement already replaced changes nothing."""
+        failed = Failed(reason=f"runner unreachable: {error}")
+        if await self.store.set_state(instance.id, failed, expected=Ready, epoch=instance.epoch):
             await self.store.append_event("instance.failed", f"runner unreachable: {error}", instance_id=instance.id)
         await self._refresh(force=True)
         self._changed.set()
@@ -581,12 +585,13 @@ class InstanceManager:
     async def _carry_out(self, step: lifecycle.Step, instance: Instance) -> None:
         """One step of a reconcile pass, as a compare-and-set on the instance's state where it changes one."""
         iid = instance.id
-        if isinstance(step, lifecycle.Promote):
-            if await self.store.set_state(iid, Ready(), expected=Starting):
+        if isinstance(step, lifecycle.Promote):  # a replica that came up has its tries back
+            ready = msgspec.structs.replace(instance, state=Ready(), attempts=0, updated_at=time.time())
+            if await self.store.update_instance(ready, expected=Starting, epoch=instance.epoch):
                 await self.store.append_event("instance.ready", f"{instance.model} is ready", instance_id=iid)
         elif isinstance(step, lifecycle.Fail):
             expected = Ready if step.expected == "ready" else Starting
-            if await self.store.set_state(iid, Failed(reason=step.reason), expected=expected):
+            if await self.store.set_state(iid, Failed(reason=step.reason), expected=expected, epoch=instance.epoch):
                 log.warning("instance %s failed: %s", iid, step.reason)
                 await self.store.append_event("instance.failed", step.reason, instance_id=iid)
         elif isinstance(step, lifecycle.Replace):
@@ -613,35 +618,42 @@ class InstanceManager:
             try:
                 deployment = next(d for d in await self.store.deployments() if d.model == model)
                 async with self._create_lock:
-                    await self.create(
+                    created = await self.create(
                         model, context=deployment.context, reason=f"deployment: {deployment.replicas} replicas"
                     )
             except Exception as exc:  # no room, the model left the catalog: say so, try again next pass
                 log.warning("cannot place a replica of %s: %s", model, exc)
+                continue
+            stale = next((i for i in self.cached(model) if given_up(i)), None)
+            if stale is not None:  # its substitute is placed: the record that said why it failed goes
+                why = stale.state.reason if isinstance(stale.state, Failed) else ""
+                await self._remove(
+                    stale, f"{model}: {created.id} placed in place of {stale.id} ({why})", kind="instance.superseded"
+                )
 
     async def _replace(self, instance: Instance, why: str) -> None:
-        """Plan again on the nodes that remain: with the instance's own constraints if it still fits so, else
-        with none."""
+        """Plan again on the nodes that remain, for the context it held: with the instance's own constraints if it
+        still fits so, else with none. Written over the failed state and epoch read, in one step."""
         candidates: list[Candidate] = []
+        context = instance.placement.context or None
         try:
             if instance.strategy or instance.min_nodes:
                 candidates = await self.preview(
-                    instance.model, strategy=instance.strategy, min_nodes=instance.min_nodes
+                    instance.model, strategy=instance.strategy, min_nodes=instance.min_nodes, context=context
                 )
             if not any(c.fits for c in candidates):
-                candidates = await self.preview(instance.model)
+                candidates = await self.preview(instance.model, context=context)
         except Exception as exc:  # the model vanished from the catalog, no backend, ...
             candidates, why = [], f"{why}; cannot plan: {exc}"
         fitting = [c for c in candidates if c.fits]
         attempts = instance.attempts + 1
         if not fitting:
-            await self.store.put_instance(msgspec.structs.replace(instance, attempts=MAX_ATTEMPTS))
-            await self.store.append_event(
-                "instance.unplaceable", _no_fit_message(instance.model, candidates), instance_id=instance.id
-            )
+            given_up = msgspec.structs.replace(instance, attempts=MAX_ATTEMPTS)
+            if await self.store.update_instance(given_up, expected=Failed, epoch=instance.epoch):
+                await self.store.append_event(
+                    "instance.unplaceable", _no_fit_message(instance.model, candidates), instance_id=instance.id
+                )
             return
-        if not await self.store.set_state(instance.id, Starting(), expected=Failed):
-            return  # another gateway is re-placing it
         replaced = msgspec.structs.replace(
             instance,
             placement=fitting[0],
@@ -651,7 +663,8 @@ class InstanceManager:
             attempts=attempts,
             updated_at=time.time(),
         )
-        await self.store.put_instance(replaced)
+        if not await self.store.update_instance(replaced, expected=Failed, epoch=instance.epoch, runners=True):
+            return  # another gateway re-placed it, or it was deleted
         self.replacements[instance.model] = self.replacements.get(instance.model, 0) + 1
         await self.store.append_event(
             "instance.replaced",
@@ -662,14 +675,21 @@ class InstanceManager:
 
 
 def missing_replicas(deployments: Sequence[Deployment], instances: Sequence[Instance]) -> dict[str, int]:
-    """Replicas each deployment lacks: its desired count less the instances of its model in any state but
-    draining (a failed one is being re-placed, or has said why it cannot be)."""
+    """Replicas each deployment lacks: its desired count less the instances of its model that are coming up,
+    serving or being re-placed. A draining one is on its way out, and one that failed for good (``given_up``: no
+    tries left) holds nothing: a substitute is due for each."""
     have: dict[str, int] = {}
     for instance in instances:
-        if not isinstance(instance.state, Draining):  # on its way out: a replacement is due
+        if not isinstance(instance.state, Draining) and not given_up(instance):
             have[instance.model] = have.get(instance.model, 0) + 1
     lacking = {d.model: d.replicas - have.get(d.model, 0) for d in deployments}
     return {model: n for model, n in lacking.items() if n > 0}
+
+
+def given_up(instance: Instance) -> bool:
+    """Failed with no re-placement tries left: it waits for a node to join, and its deployment places a
+    substitute meanwhile."""
+    return isinstance(instance.state, Failed) and instance.attempts >= MAX_ATTEMPTS
 
 
 def _check_bounds(lo: int | None, hi: int | None) -> None:

@@ -38,8 +38,11 @@ Decisions:
       A cache keyed on ``generation()`` must therefore be re-read at least once per heartbeat TTL.
     * ``links()`` returns only links whose two ends are live nodes; the others stay stored until their node is
       pruned or removed, so a link put just before its node registers is not lost.
-    * Compare-and-set (``set_state``) and runner reports (``update_runner``) are Lua scripts, atomic on the
-      server; ``update_runner`` never re-creates a deleted instance.
+    * Compare-and-set (``set_state``, ``update_instance``) and runner reports (``update_runner``) are Lua
+      scripts, atomic on the server; ``update_runner`` never re-creates a deleted instance. Every change of an
+      existing instance record is conditional on the state and epoch its writer read (``update_instance``), so a
+      write made from a stale read (an expiry set while another gateway fails or re-places the instance) is
+      refused, never reverts the newer state; ``put_instance`` is for a new record.
     * ``MemoryStore`` keeps encoded bytes too, so both implementations hand out fresh objects and behave alike.
     * Audit events are not state: appending one bumps no generation and wakes no watcher.
 
@@ -147,8 +150,16 @@ class StateStore(Protocol):
     async def update_runner(self, instance_id: InstanceId, status: RunnerStatus) -> bool:
         """Record one node's runner status; False (and nothing stored) if the instance does not exist."""
 
-    async def set_state(self, instance_id: InstanceId, state: InstanceState, *, expected: type | None = None) -> bool:
-        """Set the state if the instance exists and (when given) its state is of class ``expected``."""
+    async def set_state(
+        self, instance_id: InstanceId, state: InstanceState, *, expected: type | None = None, epoch: int | None = None
+    ) -> bool:
+        """Set the state if the instance exists and (when given) its state is of class ``expected`` and its record
+        is of ``epoch``."""
+
+    async def update_instance(self, inst: Instance, *, expected: type, epoch: int, runners: bool = False) -> bool:
+        """Write ``inst``'s record and state if the stored instance's state is of class ``expected`` and its record
+        is of ``epoch`` (what the writer read); ``runners``: its runner reports become ``inst.runners`` (a
+        re-placement clears them), else they stay as stored. False, and nothing written, otherwise."""
 
     async def append_event(
         self,
@@ -299,12 +310,22 @@ class MemoryStore:
         inst = await self.get_instance(instance_id)
         return inst is not None and self._replace(inst, runners={**inst.runners, status.node_id: status})
 
-    async def set_state(self, instance_id: InstanceId, state: InstanceState, *, expected: type | None = None) -> bool:
+    async def set_state(
+        self, instance_id: InstanceId, state: InstanceState, *, expected: type | None = None, epoch: int | None = None
+    ) -> bool:
         tag = None if expected is None else state_tag(expected)
         inst = await self.get_instance(instance_id)
         if inst is None or (tag is not None and state_tag(inst.state) != tag):
             return False
+        if epoch is not None and inst.epoch != epoch:
+            return False
         return self._replace(inst, state=state, updated_at=time.time())
+
+    async def update_instance(self, inst: Instance, *, expected: type, epoch: int, runners: bool = False) -> bool:
+        current = await self.get_instance(inst.id)
+        if current is None or state_tag(current.state) != state_tag(expected) or current.epoch != epoch:
+            return False
+        return self._replace(inst, runners=inst.runners if runners else current.runners)
 
     def _replace(self, inst: Instance, **changes: object) -> bool:
         self._instances[inst.id] = _encode(msgspec.structs.replace(inst, **changes))
@@ -413,13 +434,38 @@ redis.call('HSET', KEYS[1], ARGV[2], ARGV[3])
     + " return 1"
 )
 
-# KEYS: instance:{id}, generation  ARGV: channel, expected tag ('' = any), state JSON, updated_at
+# KEYS: instance:{id}, generation  ARGV: channel, expected tag ('' = any), state JSON, updated_at, epoch ('' = any)
 _SET_STATE = (
     """
 local current = redis.call('HGET', KEYS[1], 'state')
 if not current then return 0 end
 if ARGV[2] ~= '' and cjson.decode(current)['state'] ~= ARGV[2] then return 0 end
+if ARGV[5] ~= '' and (cjson.decode(redis.call('HGET', KEYS[1], 'record'))['epoch'] or 0) ~= tonumber(ARGV[5]) then
+  return 0
+end
 redis.call('HSET', KEYS[1], 'state', ARGV[3], 'updated_at', ARGV[4])
+"""
+    + _BUMP.format(gen=2, kind="instances")
+    + " return 1"
+)
+
+
+# KEYS: instance:{id}, generation  ARGV: channel, expected tag, expected epoch, record JSON, state JSON,
+# updated_at, "1" to replace the runner reports, then field, value pairs of the new ones
+_UPDATE_INSTANCE = (
+    """
+local record = redis.call('HGET', KEYS[1], 'record')
+local current = redis.call('HGET', KEYS[1], 'state')
+if not record or not current then return 0 end
+if cjson.decode(current)['state'] ~= ARGV[2] then return 0 end
+if (cjson.decode(record)['epoch'] or 0) ~= tonumber(ARGV[3]) then return 0 end
+if ARGV[7] == '1' then
+  for _, field in ipairs(redis.call('HKEYS', KEYS[1])) do
+    if string.sub(field, 1, 7) == 'runner:' then redis.call('HDEL', KEYS[1], field) end
+  end
+  for i = 8, #ARGV, 2 do redis.call('HSET', KEYS[1], ARGV[i], ARGV[i + 1]) end
+end
+redis.call('HSET', KEYS[1], 'record', ARGV[4], 'state', ARGV[5], 'updated_at', ARGV[6])
 """
     + _BUMP.format(gen=2, kind="instances")
     + " return 1"
@@ -447,6 +493,7 @@ class RedisStore:
         self._drop_nodes = self._r.register_script(_DROP_NODES)
         self._update_runner = self._r.register_script(_UPDATE_RUNNER)
         self._set_state = self._r.register_script(_SET_STATE)
+        self._update_instance = self._r.register_script(_UPDATE_INSTANCE)
         self._watchers = _Watchers()
         self._listener: asyncio.Task[None] | None = None
         self._subscribed = asyncio.Event()
@@ -549,10 +596,29 @@ class RedisStore:
         args = [self._channel, f"runner:{status.node_id}", _encode(status)]
         return bool(await self._update_runner(keys=keys, args=args))
 
-    async def set_state(self, instance_id: InstanceId, state: InstanceState, *, expected: type | None = None) -> bool:
+    async def set_state(
+        self, instance_id: InstanceId, state: InstanceState, *, expected: type | None = None, epoch: int | None = None
+    ) -> bool:
         keys = [self._key("instance", instance_id), self._key("generation")]
-        args = [self._channel, "" if expected is None else state_tag(expected), _encode(state), repr(time.time())]
+        tag = "" if expected is None else state_tag(expected)
+        args = [self._channel, tag, _encode(state), repr(time.time()), "" if epoch is None else str(epoch)]
         return bool(await self._set_state(keys=keys, args=args))
+
+    async def update_instance(self, inst: Instance, *, expected: type, epoch: int, runners: bool = False) -> bool:
+        keys = [self._key("instance", inst.id), self._key("generation")]
+        args: list[str | bytes] = [
+            self._channel,
+            state_tag(expected),
+            str(epoch),
+            _encode(msgspec.structs.replace(inst, runners={})),
+            _encode(inst.state),
+            repr(inst.updated_at),
+            "1" if runners else "0",
+        ]
+        if runners:
+            for node_id, status in inst.runners.items():
+                args += [f"runner:{node_id}", _encode(status)]
+        return bool(await self._update_instance(keys=keys, args=args))
 
     async def append_event(
         self,

@@ -136,3 +136,98 @@ async def test_an_instance_that_fitted_nowhere_is_placed_when_a_node_joins(manag
     await manager.reconcile()
     moved = await manager.store.get_instance(instance.id)
     assert isinstance(moved.state, Starting) and moved.placement.shards[0].node_id == "slow", moved
+
+
+# ---------------------------------------------------------------------------- issue 37: state changes checked
+
+
+async def _ready(manager, instance):
+    """Report every shard's runner ready for the instance's current epoch and let a pass promote it."""
+    current = await manager.store.get_instance(instance.id)
+    for shard in current.placement.shards:
+        status = RunnerStatus(node_id=shard.node_id, state="ready", url="x", epoch=current.epoch)
+        await manager.store.update_runner(instance.id, status)
+    await manager._refresh(force=True)
+    await manager.reconcile()
+    return await manager.store.get_instance(instance.id)
+
+
+async def _fail_runners(manager, instance):
+    current = await manager.store.get_instance(instance.id)
+    for shard in current.placement.shards:
+        status = RunnerStatus(node_id=shard.node_id, state="failed", error="boom", epoch=current.epoch)
+        await manager.store.update_runner(instance.id, status)
+    await manager._refresh(force=True)
+    await manager.reconcile()  # failed
+    await manager._refresh(force=True)
+    await manager.reconcile()  # re-placed
+
+
+async def test_a_late_failure_report_of_a_replaced_epoch_leaves_the_new_placement(manager):
+    instance = await manager.create("scripted", nodes=["fast"])
+    first = await _ready(manager, instance)
+    await _fail_runners(manager, instance)
+    second = await _ready(manager, instance)
+    assert isinstance(second.state, Ready) and second.epoch == first.epoch + 1
+    await manager.report_unreachable(first, "connection refused")  # a stream on epoch 0 broke just now
+    assert isinstance((await manager.store.get_instance(instance.id)).state, Ready)
+    await manager.report_unreachable(second, "connection refused")  # the one it reached: fails
+    assert isinstance((await manager.store.get_instance(instance.id)).state, Failed)
+
+
+async def test_a_replica_that_came_up_gets_its_tries_back(manager):
+    """Three failures over a replica's whole life, each followed by a good run, never leave it failed for good."""
+    instance = await manager.create("scripted", nodes=["fast"])
+    await _ready(manager, instance)
+    for _ in range(MAX_ATTEMPTS + 1):
+        await _fail_runners(manager, instance)
+        current = await _ready(manager, instance)
+        assert isinstance(current.state, Ready) and current.attempts == 0, current
+    assert current.epoch == MAX_ATTEMPTS + 1
+
+
+async def test_a_replica_failed_for_good_gets_a_substitute(manager):
+    """A runner that fails on every try: its deployment places a substitute (the failed record goes, its reason
+    in the event), instead of counting the failed record as a replica for ever."""
+    [instance] = await manager.deploy("scripted", nodes=["fast"])
+    await _ready(manager, instance)
+    for _ in range(MAX_ATTEMPTS + 1):
+        await _fail_runners(manager, instance)
+    stuck = await manager.store.get_instance(instance.id)
+    if stuck is not None:  # the pass that gave up may already have placed the substitute
+        await manager._refresh(force=True)
+        await manager.reconcile()
+    assert await manager.store.get_instance(instance.id) is None
+    [substitute] = manager.cached("scripted")
+    assert substitute.id != instance.id and isinstance(substitute.state, Starting)
+    event = [e for e in await manager.store.events() if e.kind == "instance.superseded"][-1]
+    assert instance.id in event.message and "boom" in event.message
+
+
+async def test_a_replaced_replica_keeps_its_context(manager):
+    [instance] = await manager.deploy("scripted", nodes=["fast"], context=8192)
+    assert instance.placement.context == 8192
+    await _ready(manager, instance)
+    await _fail_runners(manager, instance)
+    moved = await manager.store.get_instance(instance.id)
+    assert isinstance(moved.state, Starting) and moved.epoch == 1
+    assert moved.placement.context == 8192
+
+
+async def test_an_expiry_written_after_another_gateway_failed_the_replica_never_revives_it(manager):
+    """The read-modify-write of ``set_expiry`` with another gateway's write in between (the store's reply to the
+    read is the last moment it was ready): the failure stands, nothing is written over it."""
+    instance = await manager.create("scripted", nodes=["fast"])
+    await _ready(manager, instance)
+    store, read = manager.store, manager.store.get_instance
+
+    async def read_then_other_gateway_fails_it(instance_id):
+        found = await read(instance_id)
+        store.get_instance = read  # once
+        await store.set_state(instance_id, Failed(reason="runner unreachable: x"), expected=Ready)
+        return found
+
+    store.get_instance = read_then_other_gateway_fails_it
+    await manager.set_expiry("scripted", time.time() + 60)
+    got = await store.get_instance(instance.id)
+    assert isinstance(got.state, Failed) and got.expires_at is None, got

@@ -9,6 +9,7 @@ import asyncio
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 
+import msgspec
 import pytest
 
 from meshgate.backends.placement import Candidate, InstanceId, Link, Node, NodeId, Shard
@@ -238,6 +239,45 @@ async def test_set_state_compare_and_set(store: StateStore, peer: StateStore) ->
     assert await store.get_instance(InstanceId("nope")) is None
     with pytest.raises(TypeError):
         await store.set_state(InstanceId("i1"), Ready(), expected=str)
+
+
+async def test_a_state_change_from_a_superseded_epoch_is_refused(store: StateStore) -> None:
+    """A late failure report about epoch 0 never fails the re-placed epoch 1."""
+    await store.put_instance(instance("i1", state=Ready(), epoch=1))
+    assert await store.set_state(InstanceId("i1"), Failed(reason="late"), expected=Ready, epoch=0) is False
+    assert isinstance((await store.get_instance(InstanceId("i1"))).state, Ready)  # type: ignore[union-attr]
+    assert await store.set_state(InstanceId("i1"), Failed(reason="now"), expected=Ready, epoch=1) is True
+
+
+async def test_update_instance_writes_only_over_the_state_and_epoch_it_read(
+    store: StateStore, peer: StateStore
+) -> None:
+    """The lost update of issue 37 (9): an expiry written from a read made before another gateway failed the
+    instance must not put it back to ready, and nothing may re-create a deleted record."""
+    await store.put_instance(instance("i1", state=Ready()))
+    await store.update_runner(InstanceId("i1"), RunnerStatus(NodeId("a"), "ready", url="http://a"))
+    read = await store.get_instance(InstanceId("i1"))
+    assert read is not None
+    assert await peer.set_state(InstanceId("i1"), Failed(reason="runner on a failed"), expected=Ready)
+    stale = msgspec.structs.replace(read, expires_at=123.0)
+    assert await store.update_instance(stale, expected=Ready, epoch=read.epoch) is False
+    got = await store.get_instance(InstanceId("i1"))
+    assert got is not None and got.state == Failed(reason="runner on a failed") and got.expires_at is None
+
+    # the write the state allows: runner reports kept unless asked to replace them
+    fresh = msgspec.structs.replace(got, expires_at=5.0, runners={})
+    assert await store.update_instance(fresh, expected=Failed, epoch=0) is True
+    got = await store.get_instance(InstanceId("i1"))
+    assert got is not None and got.expires_at == 5.0 and got.runners.keys() == {"a"}
+    moved = msgspec.structs.replace(got, state=Starting(), epoch=1, runners={}, placement=got.placement)
+    assert await store.update_instance(moved, expected=Failed, epoch=0, runners=True) is True
+    got = await store.get_instance(InstanceId("i1"))
+    assert got is not None and got.runners == {} and got.epoch == 1 and isinstance(got.state, Starting)
+    assert await store.update_instance(moved, expected=Starting, epoch=0) is False  # epoch 1 now
+
+    await store.delete_instance(InstanceId("i1"))
+    assert await store.update_instance(moved, expected=Starting, epoch=1) is False
+    assert await store.get_instance(InstanceId("i1")) is None and await store.instances() == []
 
 
 async def test_many_concurrent_compare_and_sets_one_winner(store: StateStore, peer: StateStore) -> None:

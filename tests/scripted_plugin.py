@@ -135,6 +135,18 @@ def _answer_tool_result(request: Request) -> list[Event]:
     return [Usage(prompt_tokens=3), TextDelta(text=text), Usage(prompt_tokens=3, completion_tokens=1), Finished()]
 
 
+async def _breaks_once(request: Request) -> AsyncIterator[Event]:
+    yield Usage(prompt_tokens=2)
+    yield TextDelta(text="first", tokens=(11,))
+    if not request.resume:
+        await asyncio.sleep(0.05)
+        yield Failed(error=ErrorInfo(kind="BackendUnavailable", message="runner lost"))
+        return
+    yield TextDelta(text=" second", tokens=(12,))
+    yield Usage(prompt_tokens=2, completion_tokens=2)
+    yield Finished(reason="stop")
+
+
 _CORE = asyncio.Lock()  # the scripted runner's one core, which costly counts take in turn
 
 
@@ -143,6 +155,10 @@ class ScriptedRunner:
         last = request.messages[-1].text.strip() if request.messages else (request.raw_prompt or "")
         if last == "crash":
             raise RuntimeError("the scripted backend crashed")
+        if last == "breaks once":  # its replica is lost after one token; a resume (``Request.resume``) goes on
+            async for event in _breaks_once(request):
+                yield event
+            return
         script = SCRIPTS.get(last)
         if last.startswith("sleep "):
             await asyncio.sleep(float(last.split()[1]))

@@ -88,7 +88,9 @@ _UNREACHABLE = (BackendUnavailable,)
 """What sends a request to another replica: the runner (or its replica's placement) cannot be reached."""
 
 _NOT_YET = (BackendUnavailable, BackendTimeout, NoCapacity)
-"""What a resume waits through (its caller bounds the wait): a replica going too, or nowhere to go yet."""
+"""What a resume waits through (its caller bounds the wait): a replica going too, or nowhere to go yet. Of these
+only ``_UNREACHABLE`` fails the replica: a full queue (``Overloaded``) or no room is load, and a busy replica is
+healthy."""
 
 
 @dataclass(frozen=True)
@@ -317,7 +319,7 @@ class Dispatcher:
                 if not patient and retries <= 0:
                     raise
                 retries -= 1
-                failed = (instance, error) if instance is not None else None
+                failed = (instance, error) if instance is not None and isinstance(error, _UNREACHABLE) else None
                 await asyncio.sleep(0.5 if patient else 0.2 * (START_RETRIES - retries - 1))
             finally:
                 visit.settle()
@@ -372,6 +374,9 @@ class Dispatcher:
         serving = [started.instance]
 
         async def resume(tokens: tuple[int, ...], error: GatewayError) -> AsyncIterator[Event]:
+            # the lost stream's slot is free now: re-placed, its replica keeps its id and gate, and the resume must
+            # not queue behind its own ticket (a moved stream's ticket is freed when ``resumable`` closes it)
+            started.ticket.release()
             again = replace(job, request=msgspec.structs.replace(started.request, resume=tokens), fitted=True)
             moved = await self._on_replica(
                 job.card,

@@ -108,8 +108,11 @@ async def resumable(
                 yield failed
                 return
             finally:
-                if not moved.done():
+                if not moved.done():  # the client left while it waited
                     moved.cancel()
+                    await asyncio.wait({moved})  # it may have got its replica's stream all the same
+                if not moved.cancelled() and moved.exception() is None and moved.result() is not current:
+                    await aclose(moved.result())  # a stream no one will read: free its slot
             resumes += 1
             progress.resumed()
             _note_resume(time.perf_counter() - began)

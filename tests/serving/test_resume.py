@@ -17,6 +17,7 @@ from meshgate.protocols.model import (
     Finished,
     GatewayError,
     InvalidRequest,
+    KeepAlive,
     TextDelta,
     ToolCallDelta,
     Usage,
@@ -92,3 +93,36 @@ def test_a_runner_error_is_not_resumed() -> None:
     refused = Failed(error=InvalidRequest("bad grammar").info())
     got, asked = _run([A, refused], [[A, Finished()]])
     assert asked == [] and got == [A, refused]
+
+
+def test_a_client_gone_just_as_the_resume_arrives_closes_the_resumed_stream() -> None:
+    """The client hangs up while it waits (on a keep-alive) and the new replica's stream arrives at that moment:
+    that stream, which holds its replica's slot, is closed too, never left open (issue 37, 13)."""
+    closed: list[str] = []
+    arrived = asyncio.Event()
+
+    class Resumed:  # as the dispatcher's ``EventStream``: closing it frees its slot even when never read
+        def __aiter__(self) -> Resumed:
+            return self
+
+        async def __anext__(self) -> Event:
+            raise StopAsyncIteration
+
+        async def aclose(self) -> None:
+            closed.append("resumed")
+
+    async def resume(tokens: tuple[int, ...], error: GatewayError) -> AsyncIterator[Event]:
+        await asyncio.sleep(0.05)  # after the first keep-alive went out
+        stream = Resumed()
+        arrived.set()
+        return stream
+
+    async def main() -> None:
+        stream = resumable(_events([A, CUT]), resume, wait=5, keepalive=0.01)
+        assert await anext(stream) == A
+        assert isinstance(await anext(stream), KeepAlive)
+        await arrived.wait()  # the resume has its stream; the client's still sits at its keep-alive
+        await stream.aclose()
+
+    asyncio.run(main())
+    assert closed == ["resumed"]

@@ -7,8 +7,11 @@ cannot be left open by forgetting. ``limited`` marks the generation endpoints th
 
 Keys: the bootstrap keys from the environment (``MESHGATE_API_KEYS``, admin) and keys made with
 ``meshgate keys create`` / ``POST /keys`` (stored hashed, ``gateway.auth.keys``), presented as
-``Authorization: Bearer <key>`` or ``x-api-key``. Auth is on as soon as any key exists; without keys every
-route is open (the gateway binds to loopback unless told otherwise, see ``gateway.cli.commands``). Every presented
+``Authorization: Bearer <key>`` or ``x-api-key``. Auth is on as soon as any key exists, and stays on for good
+once one has (the accounts are sealed, ``gateway.auth.keys``): a store that loses its keys (restarted empty,
+flushed, failed over, the last key revoked) leaves every route but the public ones closed until a bootstrap key
+is presented; it never opens them. Before any key, every route is open (the gateway binds to loopback unless
+told otherwise, see ``gateway.cli.commands``). Every presented
 credential is tried (constant-time comparisons); the first valid one names the caller, so a valid key beside a
 made-up ``Authorization`` header still counts against its own key.
 
@@ -76,23 +79,26 @@ class KeyRing:
         self.accounts = accounts
         self._bootstrap = [digest(k) for k in bootstrap]
         self.rate_limit = rate_limit
-        self._stored: tuple[float, bool] = (0.0, False)  # (checked at, any stored key)
+        self._stored: tuple[float, bool] = (0.0, False)  # (checked at, sealed)
+        self._sealed = False  # seen sealed once: on for the life of this process, whatever the store says later
         self._spending: set[asyncio.Task[None]] = set()
 
     async def enabled(self) -> bool:
-        """Whether any key exists (then every non-public route needs one). Stored keys are re-counted at most
-        once a second."""
-        if self._bootstrap:
+        """Whether auth is on (then every non-public route needs a key): a bootstrap key, or accounts that are
+        sealed (a key exists or once did). Asked of the accounts at most once a second until it is on; then it
+        stays on in this process. The accounts unreachable before that: ``BackendUnavailable`` (a 503)."""
+        if self._bootstrap or self._sealed:
             return True
-        checked, any_key = self._stored
+        checked, sealed = self._stored
         if time.monotonic() - checked > 1.0:
-            any_key = bool(await self.accounts.keys())
-            self._stored = (time.monotonic(), any_key)
-        return any_key
+            sealed = await self.accounts.sealed()
+            self._stored = (time.monotonic(), sealed)
+        self._sealed = sealed
+        return sealed
 
     def forget(self) -> None:
-        """Re-count stored keys at the next request (one was just made or revoked here)."""
-        self._stored = (0.0, False)
+        """Ask the accounts again at the next request (a key was just made or revoked here)."""
+        self._stored = (0.0, self._sealed)
 
     async def identify(self, connection: ASGIConnection) -> Caller:
         for presented in _credentials(connection):

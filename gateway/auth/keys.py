@@ -4,6 +4,12 @@ Keys are stored hashed (``ApiKey.digest``: SHA-256 of the key, which is random a
 enough); the key itself is shown once, when it is made. Without Redis the records live in
 ``<data_dir>/keys.json`` (mode 0600) so they survive a restart; with Redis every gateway shares them.
 
+**Sealed.** The first key made seals the accounts: from then on auth stays on (``sealed()``), whether or not any key
+is left. Revoking the last key, a FLUSHDB, Redis restarting without persistence or a failover to an empty replica
+never opens the gateway: with Redis the seal is kept twice, in Redis (``auth``) and in a file of the gateway's
+own (``<data_dir>/sealed/<store>``, see ``open_accounts``), and a gateway that finds it in one puts it back in the
+other. Only an operator removing both (and ``keys.json``'s ``sealed`` without Redis) opens it again.
+
 Limits count with a sliding window over two fixed windows (the previous window's count weighted by how much of
 it still overlaps the last ``window`` seconds, plus the current one): 3 requests at :59 and 3 at :00 are 6 in
 the last minute, not 3 and 3. Each counted name holds two small counters that expire; the memory version also
@@ -11,13 +17,16 @@ caps how many names it keeps, so random callers cannot grow it without bound.
 
     Redis keys (under the store's prefix; listed with every other key in ``store``):
     keys                 hash    key id -> ApiKey JSON
+    auth                 string  "sealed" once any key has been made; never removed by meshgate
     window:{name}:{slot} string  a counter, expiring after two windows
 """
 
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
+import logging
 import math
 import os
 import time
@@ -33,6 +42,8 @@ from meshgate.gateway.cluster.store import connect_redis
 from meshgate.protocols.model import BackendUnavailable
 
 __all__ = ["ApiKey", "Accounts", "MemoryAccounts", "RedisAccounts", "Scope", "open_accounts", "retry_after"]
+
+log = logging.getLogger("meshgate.auth")
 
 Scope = Literal["inference", "admin"]
 
@@ -55,6 +66,10 @@ class Accounts(Protocol):
     async def get_key(self, key_id: str) -> ApiKey | None: ...
     async def keys(self) -> list[ApiKey]: ...
     async def delete_key(self, key_id: str) -> bool: ...
+    async def sealed(self) -> bool:
+        """Whether any key has ever been made here (then auth is on for good; see the module docstring)."""
+        ...
+
     async def window(self, name: str, amount: int, limit: int, window: float = 60.0) -> tuple[bool, float]:
         """Count ``amount`` on ``name`` unless that takes the last ``window`` seconds past ``limit`` (0: no
         limit, always counted). Returns (counted, the count in the window before this amount)."""
@@ -63,9 +78,23 @@ class Accounts(Protocol):
     async def close(self) -> None: ...
 
 
-def open_accounts(redis: str | None, data_dir: str) -> Accounts:
-    """The key store of a gateway with these settings: Redis when it has one, else ``<data_dir>/keys.json``."""
-    return RedisAccounts(redis) if redis else MemoryAccounts(Path(data_dir) / "keys.json")
+def open_accounts(redis: str | None, data_dir: str, prefix: str = "meshgate:") -> Accounts:
+    """The key store of a gateway with these settings: Redis when it has one (its seal remembered in
+    ``<data_dir>/sealed/``, one file per Redis and prefix), else ``<data_dir>/keys.json``."""
+    if not redis:
+        return MemoryAccounts(Path(data_dir) / "keys.json")
+    where = hashlib.sha256(f"{redis} {prefix}".encode()).hexdigest()[:16]
+    return RedisAccounts(redis, prefix, seal=Path(data_dir) / "sealed" / where)
+
+
+def _write_private(path: Path, data: bytes) -> None:
+    """``data`` to ``path`` (mode 0600), atomically."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "wb") as f:
+        f.write(data)
+    os.replace(tmp, path)
 
 
 def _slot(window: float, now: float) -> tuple[int, float]:
@@ -81,31 +110,36 @@ def retry_after(count: float, amount: int, limit: int, window: float = 60.0) -> 
 
 
 class MemoryAccounts:
-    """One process's keys (persisted to ``path`` when given) and counters (at most ``max_names`` names)."""
+    """One process's keys (persisted to ``path`` when given: ``{"sealed": bool, "keys": [...]}``; a plain list
+    of keys, the format before the seal, reads as sealed when it holds any) and counters (at most ``max_names``
+    names)."""
 
     def __init__(self, path: Path | None = None, max_names: int = 100_000) -> None:
         self.path = path
         self.max_names = max_names
         self._keys: dict[str, ApiKey] = {}
+        self._sealed = False
         self._windows: OrderedDict[str, tuple[int, int, int]] = OrderedDict()  # name -> (slot, previous, current)
         if path is not None and path.exists():
-            for item in json.loads(path.read_text() or "[]"):
+            saved = json.loads(path.read_text() or "[]")
+            items = saved if isinstance(saved, list) else saved.get("keys", [])
+            for item in items:
                 key = msgspec.convert(item, ApiKey)
                 self._keys[key.id] = key
+            self._sealed = bool(self._keys) or (isinstance(saved, dict) and saved.get("sealed") is True)
 
     def _save(self) -> None:
-        if self.path is None:
-            return
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = self.path.with_suffix(".tmp")
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        with os.fdopen(fd, "wb") as f:
-            f.write(msgspec.json.encode(list(self._keys.values())))
-        os.replace(tmp, self.path)
+        if self.path is not None:
+            saved = {"sealed": self._sealed, "keys": list(self._keys.values())}
+            _write_private(self.path, msgspec.json.encode(saved))
 
     async def put_key(self, key: ApiKey) -> None:
         self._keys[key.id] = key
+        self._sealed = True
         self._save()
+
+    async def sealed(self) -> bool:
+        return self._sealed
 
     async def get_key(self, key_id: str) -> ApiKey | None:
         return self._keys.get(key_id)
@@ -154,21 +188,49 @@ def _reachable() -> Iterator[None]:
     """Redis down past the client's retries: a 503 the client may retry, not an internal error."""
     try:
         yield
-    except RedisError as exc:
-        raise BackendUnavailable(f"the key and limit store (Redis) is unreachable: {exc}") from exc
+    except RedisError as exc:  # its text names the Redis address: the log has it, the client does not
+        log.warning("key store unreachable: %r", exc)
+        raise BackendUnavailable("the key and limit store is unreachable; retry shortly") from exc
 
 
 class RedisAccounts:
-    """Keys and counters in Redis at ``url``, shared by every gateway."""
+    """Keys and counters in Redis at ``url``, shared by every gateway; ``seal``: this gateway's own copy of the
+    seal (a file), kept where Redis cannot lose it."""
 
-    def __init__(self, url: str, prefix: str = "meshgate:") -> None:
+    def __init__(self, url: str, prefix: str = "meshgate:", *, seal: Path | None = None) -> None:
         self.prefix = prefix
+        self.seal = seal
         self._r = connect_redis(url)
         self._window = self._r.register_script(_WINDOW)
 
     async def put_key(self, key: ApiKey) -> None:
+        self._remember_seal()
         with _reachable():
-            await self._r.hset(self.prefix + "keys", key.id, msgspec.json.encode(key))
+            async with self._r.pipeline(transaction=True) as pipe:
+                pipe.hset(self.prefix + "keys", key.id, msgspec.json.encode(key))
+                pipe.set(self.prefix + "auth", "sealed")
+                await pipe.execute()
+
+    async def sealed(self) -> bool:
+        """Sealed in Redis (or keys stored there from before the seal) or in this gateway's file; whichever lost
+        it gets it back."""
+        remembered = self.seal is not None and self.seal.exists()
+        with _reachable():
+            async with self._r.pipeline(transaction=False) as pipe:
+                in_store, stored_keys = await pipe.exists(self.prefix + "auth").hlen(self.prefix + "keys").execute()
+            if remembered and not in_store:
+                log.warning("the key store lost its seal (emptied or restarted empty): auth stays on; sealing it again")
+                await self._r.set(self.prefix + "auth", "sealed")
+            elif stored_keys and not in_store:
+                await self._r.set(self.prefix + "auth", "sealed")
+        sealed = remembered or bool(in_store) or bool(stored_keys)
+        if sealed and not remembered:
+            self._remember_seal()
+        return sealed
+
+    def _remember_seal(self) -> None:
+        if self.seal is not None and not self.seal.exists():
+            _write_private(self.seal, b"sealed\n")
 
     async def get_key(self, key_id: str) -> ApiKey | None:
         with _reachable():

@@ -182,7 +182,7 @@ def _loopback(host: str) -> bool:
 
 
 def _stored_keys(settings: Settings) -> bool:
-    """Whether ``meshgate keys create`` made any key this gateway will read (then auth is on)."""
+    """Whether ``meshgate keys create`` ever made a key this gateway will read (then auth is on for good)."""
     import asyncio
 
     from meshgate.gateway.auth.keys import open_accounts
@@ -190,7 +190,7 @@ def _stored_keys(settings: Settings) -> bool:
     async def any_key() -> bool:
         accounts = open_accounts(settings.redis, settings.data_dir)
         try:
-            return bool(await accounts.keys())
+            return await accounts.sealed()
         finally:
             await accounts.close()
 

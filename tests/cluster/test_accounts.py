@@ -5,11 +5,13 @@ from __future__ import annotations
 import json
 import uuid
 
+import msgspec
 import pytest
+import redis.asyncio as redis
 
 from meshgate.gateway.auth import keys as accounts_module
 from meshgate.gateway.auth.guard import digest, mint
-from meshgate.gateway.auth.keys import MemoryAccounts, RedisAccounts
+from meshgate.gateway.auth.keys import MemoryAccounts, RedisAccounts, open_accounts
 
 
 @pytest.fixture(params=["memory", "redis"])
@@ -47,7 +49,7 @@ async def test_memory_keys_survive_a_restart_in_a_private_file(tmp_path):
     secret, record = mint("bob", "admin")
     await MemoryAccounts(path).put_key(record)
     assert await MemoryAccounts(path).get_key(record.id) == record
-    assert secret not in path.read_text() and json.loads(path.read_text())[0]["digest"] == digest(secret)
+    assert secret not in path.read_text() and json.loads(path.read_text())["keys"][0]["digest"] == digest(secret)
     assert path.stat().st_mode & 0o777 == 0o600
 
 
@@ -79,3 +81,47 @@ async def test_memory_counters_are_bounded():
     for i in range(3000):
         await accounts.window(f"requests:addr:10.0.{i // 256}.{i % 256}", 1, 5)
     assert len(accounts._windows) == 100
+
+
+async def test_the_first_key_seals_the_accounts_for_good(pair):
+    """Auth fails closed (issue 37, 1): revoking the last key leaves the accounts sealed."""
+    one, two = pair
+    assert not await one.sealed() and not await two.sealed()
+    _, record = mint("carol", "inference")
+    await one.put_key(record)
+    assert await two.sealed()
+    await two.delete_key(record.id)
+    assert await two.keys() == [] and await one.sealed() and await two.sealed()
+
+
+async def test_memory_accounts_stay_sealed_across_a_restart_with_no_key_left(tmp_path):
+    path = tmp_path / "keys.json"
+    accounts = MemoryAccounts(path)
+    _, record = mint("dave", "admin")
+    await accounts.put_key(record)
+    await accounts.delete_key(record.id)
+    assert await MemoryAccounts(path).sealed()
+    path.write_text(json.dumps([json.loads(msgspec.json.encode(record))]))  # a keys.json from before the seal
+    assert await MemoryAccounts(path).sealed()
+
+
+async def test_a_flushed_redis_is_sealed_again_from_the_gateways_own_copy(redis_server, tmp_path):
+    """The store restarted empty (FLUSHDB): a gateway that saw the seal keeps auth on and puts the seal back, so a
+    gateway started afterwards (with no file of its own) sees it too."""
+    prefix = f"test-{uuid.uuid4().hex[:8]}:"
+    first = open_accounts(redis_server.url, str(tmp_path / "a"), prefix)
+    _, record = mint("erin", "admin")
+    await first.put_key(record)
+    client = redis.Redis.from_url(redis_server.url)
+    try:
+        for key in await client.keys(f"{prefix}*"):
+            await client.delete(key)
+    finally:
+        await client.aclose()
+    later = open_accounts(redis_server.url, str(tmp_path / "b"), prefix)
+    try:
+        assert await first.keys() == [] and await first.sealed()
+        assert await later.sealed()  # sealed again in Redis by the first gateway
+    finally:
+        await first.close()
+        await later.close()

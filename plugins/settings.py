@@ -112,6 +112,9 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
         drain_grace: Seconds the streams of a replica being drained (deleted, scaled down, on a node told to stop)
             and of a gateway told to stop (``SIGTERM``) have to finish (``MESHGATE_DRAIN_GRACE``); what still
             runs then resumes on another replica, or is cut at a gateway.
+        store_timeout: Seconds any one call to the state store (Redis) may take before it fails
+            (``MESHGATE_STORE_TIMEOUT``): a request that needs the store then gets a 503 with ``retry-after``, never
+            a hang; what can be served from the last known state is (docs/operations.md, "When Redis is away").
         max_tokens: The most output tokens one request may ask for (``MESHGATE_MAX_TOKENS``). More is refused
             with a 400 by OpenAI and Anthropic endpoints and cut to it for Ollama's ``num_predict``; every request
             is also held to the room left in its instance's context (docs/endpoints.md, "Output limits").
@@ -155,6 +158,7 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     scale_cooldown: Annotated[float, msgspec.Meta(ge=0)] = 30.0
     resume_wait: Annotated[float, msgspec.Meta(ge=0)] = 60.0
     drain_grace: Annotated[float, msgspec.Meta(ge=0)] = 30.0
+    store_timeout: Annotated[float, msgspec.Meta(gt=0)] = 2.0
     rate_limit: int = 0
     max_body_bytes: int = 64 << 20
     link_probe_every: float = 30.0

@@ -29,7 +29,8 @@ Error tree (status on the class)::
     ├── Unprocessable (422)
     ├── RateLimited (429)
     ├── NoCapacity (503)          no placement fits / overloaded
-    │   └── Overloaded (503)      the instance's queue is full; retry after ``retry_after`` seconds
+    │   ├── Overloaded (503)      the instance's queue is full; retry after ``retry_after`` seconds
+    │   └── StoreUnavailable (503) the cluster's state store did not answer in time; retry after ``retry_after``
     ├── BackendUnavailable (503)  runner down, crashed or unreachable
     ├── BackendProtocolError (502)
     └── BackendTimeout (504)
@@ -83,6 +84,7 @@ __all__ = [
     "Response",
     "ResponseFormat",
     "Sampling",
+    "StoreUnavailable",
     "TextDelta",
     "TextPart",
     "TokenLogprob",
@@ -500,6 +502,15 @@ class Overloaded(NoCapacity):
 
     def __init__(self, message: str, *, param: str | None = None, retry_after: float = 1.0) -> None:
         super().__init__(message, param=param)
+        self.retry_after = retry_after
+
+
+class StoreUnavailable(NoCapacity):
+    """The cluster's state store (Redis) did not answer within its timeout, or refused the connection. The message
+    never names the store's address; ``retry_after`` is a fair guess in seconds."""
+
+    def __init__(self, message: str = "", *, param: str | None = None, retry_after: float = 2.0) -> None:
+        super().__init__(message or "the cluster's state store is unreachable; retry shortly", param=param)
         self.retry_after = retry_after
 
 

@@ -19,6 +19,11 @@ Limits: per key, ``rpm`` requests per minute (else ``MESHGATE_RATE_LIMIT``) and 
 callers without a valid key are counted by client address only (whatever they send), with
 ``MESHGATE_RATE_LIMIT``. Windows slide (``gateway.auth.keys``) and live in the state store's Redis when
 there is one, so every gateway shares them.
+
+While Redis is away (``StoreUnavailable``): a key this gateway checked against the store within ``KEY_GRACE``
+seconds is still taken as it was (a key revoked meanwhile works that long here; revoking is immediate whenever
+the store answers), any other key gets the 503; the rate-limit windows count in this gateway's memory instead, so
+limits hold per gateway, and the usage spent then counts there too.
 """
 
 from __future__ import annotations
@@ -34,12 +39,14 @@ from dataclasses import dataclass
 from litestar.connection import ASGIConnection
 from litestar.handlers.base import BaseRouteHandler
 
-from meshgate.gateway.auth.keys import Accounts, ApiKey, Scope, retry_after
-from meshgate.protocols.model import AuthenticationFailed, PermissionDenied, RateLimited, Usage
+from meshgate.gateway.auth.keys import Accounts, ApiKey, MemoryAccounts, Scope, retry_after
+from meshgate.protocols.model import AuthenticationFailed, PermissionDenied, RateLimited, StoreUnavailable, Usage
 
 __all__ = ["Caller", "KeyRing", "authorize", "caller_of"]
 
 KEY_PREFIX = "mg"
+KEY_GRACE = 60.0
+"""Seconds a key checked against the store is still taken as it was while the store does not answer."""
 
 
 @dataclass(frozen=True)
@@ -81,12 +88,14 @@ class KeyRing:
         self.rate_limit = rate_limit
         self._stored: tuple[float, bool] = (0.0, False)  # (checked at, sealed)
         self._sealed = False  # seen sealed once: on for the life of this process, whatever the store says later
+        self._checked: dict[str, tuple[ApiKey, float]] = {}  # key id -> (record, monotonic time the store gave it)
+        self._local = MemoryAccounts(max_names=10_000)  # the windows while the store is away
         self._spending: set[asyncio.Task[None]] = set()
 
     async def enabled(self) -> bool:
         """Whether auth is on (then every non-public route needs a key): a bootstrap key, or accounts that are
         sealed (a key exists or once did). Asked of the accounts at most once a second until it is on; then it
-        stays on in this process. The accounts unreachable before that: ``BackendUnavailable`` (a 503)."""
+        stays on in this process. The accounts unreachable before that: ``StoreUnavailable`` (a 503)."""
         if self._bootstrap or self._sealed:
             return True
         checked, sealed = self._stored
@@ -115,7 +124,7 @@ class KeyRing:
         parts = presented.split("_")
         if len(parts) < 3 or parts[0] != KEY_PREFIX:
             return None
-        key = await self.accounts.get_key(parts[1])
+        key = await self._lookup(parts[1])
         if key is None or not hmac.compare_digest(hashed, key.digest):
             return None
         return Caller(
@@ -126,17 +135,41 @@ class KeyRing:
             tpm=key.tpm,
         )
 
+    async def _lookup(self, key_id: str) -> ApiKey | None:
+        """The stored key ``key_id``; while the store does not answer, the record it gave within ``KEY_GRACE``."""
+        try:
+            key = await self.accounts.get_key(key_id)
+        except StoreUnavailable:
+            known = self._checked.get(key_id)
+            if known is None or time.monotonic() - known[1] > KEY_GRACE:
+                raise
+            return known[0]
+        now = time.monotonic()
+        if key is None:
+            self._checked.pop(key_id, None)
+        else:
+            self._checked[key_id] = (key, now)
+            if len(self._checked) > 10_000:  # made-up ids never get here (no record): only real keys, bounded
+                self._checked = {k: v for k, v in self._checked.items() if now - v[1] <= KEY_GRACE}
+        return key
+
+    async def _window(self, name: str, amount: int, limit: int) -> tuple[bool, float]:
+        try:
+            return await self.accounts.window(name, amount, limit)
+        except StoreUnavailable:
+            return await self._local.window(name, amount, limit)
+
     async def admit(self, caller: Caller) -> None:
         """Count one request against the caller's windows; ``RateLimited`` when a window is full."""
         if caller.tpm:
-            _, spent = await self.accounts.window(f"tokens:{caller.bucket}", 0, 0)
+            _, spent = await self._window(f"tokens:{caller.bucket}", 0, 0)
             if spent >= caller.tpm:
                 raise RateLimited(
                     f"token limit reached: {caller.tpm} tokens per minute; retry later",
                     retry_after=retry_after(spent, 1, caller.tpm),
                 )
         if caller.rpm:
-            counted, count = await self.accounts.window(f"requests:{caller.bucket}", 1, caller.rpm)
+            counted, count = await self._window(f"requests:{caller.bucket}", 1, caller.rpm)
             if not counted:
                 raise RateLimited(
                     f"rate limit reached: {caller.rpm} requests per minute; retry later",
@@ -156,7 +189,7 @@ class KeyRing:
     async def spend(self, caller: Caller, tokens: int) -> None:
         """Add a finished request's prompt and generated tokens to the caller's token window."""
         if caller.tpm and tokens > 0:
-            await self.accounts.window(f"tokens:{caller.bucket}", tokens, 0)
+            await self._window(f"tokens:{caller.bucket}", tokens, 0)
 
 
 def _credentials(connection: ASGIConnection) -> list[str]:

@@ -38,8 +38,8 @@ from typing import Literal, Protocol
 import msgspec
 from redis.exceptions import RedisError
 
-from meshgate.gateway.cluster.store import connect_redis
-from meshgate.protocols.model import BackendUnavailable
+from meshgate.gateway.cluster.store import STORE_TIMEOUT, connect_redis
+from meshgate.protocols.model import StoreUnavailable
 
 __all__ = ["ApiKey", "Accounts", "MemoryAccounts", "RedisAccounts", "Scope", "open_accounts", "retry_after"]
 
@@ -78,13 +78,15 @@ class Accounts(Protocol):
     async def close(self) -> None: ...
 
 
-def open_accounts(redis: str | None, data_dir: str, prefix: str = "meshgate:") -> Accounts:
+def open_accounts(
+    redis: str | None, data_dir: str, prefix: str = "meshgate:", *, timeout: float = STORE_TIMEOUT
+) -> Accounts:
     """The key store of a gateway with these settings: Redis when it has one (its seal remembered in
     ``<data_dir>/sealed/``, one file per Redis and prefix), else ``<data_dir>/keys.json``."""
     if not redis:
         return MemoryAccounts(Path(data_dir) / "keys.json")
     where = hashlib.sha256(f"{redis} {prefix}".encode()).hexdigest()[:16]
-    return RedisAccounts(redis, prefix, seal=Path(data_dir) / "sealed" / where)
+    return RedisAccounts(redis, prefix, seal=Path(data_dir) / "sealed" / where, timeout=timeout)
 
 
 def _write_private(path: Path, data: bytes) -> None:
@@ -188,19 +190,21 @@ def _reachable() -> Iterator[None]:
     """Redis down past the client's retries: a 503 the client may retry, not an internal error."""
     try:
         yield
-    except RedisError as exc:  # its text names the Redis address: the log has it, the client does not
+    except (RedisError, OSError) as exc:  # its text names the Redis address: the log has it, the client does not
         log.warning("key store unreachable: %r", exc)
-        raise BackendUnavailable("the key and limit store is unreachable; retry shortly") from exc
+        raise StoreUnavailable("the key and limit store is unreachable; retry shortly") from exc
 
 
 class RedisAccounts:
     """Keys and counters in Redis at ``url``, shared by every gateway; ``seal``: this gateway's own copy of the
     seal (a file), kept where Redis cannot lose it."""
 
-    def __init__(self, url: str, prefix: str = "meshgate:", *, seal: Path | None = None) -> None:
+    def __init__(
+        self, url: str, prefix: str = "meshgate:", *, seal: Path | None = None, timeout: float = STORE_TIMEOUT
+    ) -> None:
         self.prefix = prefix
         self.seal = seal
-        self._r = connect_redis(url)
+        self._r = connect_redis(url, timeout)
         self._window = self._r.register_script(_WINDOW)
 
     async def put_key(self, key: ApiKey) -> None:

@@ -49,7 +49,7 @@ from meshgate.gateway.cluster.planner import BackendOffer, plan
 from meshgate.gateway.cluster.records import Deployment, Draining, Failed, Instance, Ready, Starting
 from meshgate.gateway.cluster.routing import Choice, PrefixTable, Replica, Routing, route
 from meshgate.gateway.cluster.store import StateStore
-from meshgate.protocols.model import BackendUnavailable, InvalidRequest, NoCapacity, NotFound
+from meshgate.protocols.model import BackendUnavailable, InvalidRequest, NoCapacity, NotFound, StoreUnavailable
 
 __all__ = ["InstanceManager", "given_up", "missing_replicas"]
 
@@ -556,9 +556,12 @@ class InstanceManager:
         """The gateway could not reach the instance's runner: fail it so it is re-placed. Only the epoch the
         caller reached fails: a late report about a placement already replaced changes nothing."""
         failed = Failed(reason=f"runner unreachable: {error}")
-        if await self.store.set_state(instance.id, failed, expected=Ready, epoch=instance.epoch):
-            await self.store.append_event("instance.failed", f"runner unreachable: {error}", instance_id=instance.id)
-        await self._refresh(force=True)
+        try:
+            if await self.store.set_state(instance.id, failed, expected=Ready, epoch=instance.epoch):
+                await self.store.append_event("instance.failed", failed.reason, instance_id=instance.id)
+            await self._refresh(force=True)
+        except StoreUnavailable:  # the agent reports a dead runner too, and the next request finds it again
+            log.warning("could not report instance %s unreachable: the state store is away", instance.id)
         self._changed.set()
 
     # ------------------------------------------------------------------------------------------- reconcile

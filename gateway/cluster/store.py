@@ -46,19 +46,21 @@ Decisions:
     * ``MemoryStore`` keeps encoded bytes too, so both implementations hand out fresh objects and behave alike.
     * Audit events are not state: appending one bumps no generation and wakes no watcher.
 
-Imports msgspec, redis and ``backends.placement``; nothing imports this but the gateway.
+Imports msgspec, redis, ``backends.placement`` and the protocols' errors; nothing imports this but the gateway.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
+import inspect
 import itertools
 import logging
 import time
 from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
-from typing import Protocol, runtime_checkable
+from typing import Protocol, TypeVar, runtime_checkable
 
 import msgspec
 import redis.asyncio as aioredis
@@ -66,7 +68,6 @@ from redis.asyncio.retry import Retry
 from redis.backoff import ExponentialBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError
-from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from meshgate.backends.placement import InstanceId, Link, Node, NodeId
 from meshgate.gateway.cluster.records import (
@@ -78,10 +79,22 @@ from meshgate.gateway.cluster.records import (
     StoreEvent,
     state_tag,
 )
+from meshgate.protocols.model import StoreUnavailable
 
-__all__ = ["KINDS", "LOAD_FORGET", "LOAD_STALE", "MAX_EVENTS", "MemoryStore", "RedisStore", "StateStore"]
+__all__ = [
+    "KINDS",
+    "LOAD_FORGET",
+    "LOAD_STALE",
+    "MAX_EVENTS",
+    "STORE_TIMEOUT",
+    "MemoryStore",
+    "RedisStore",
+    "StateStore",
+    "connect_redis",
+]
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 KINDS = ("nodes", "links", "instances")
 MAX_EVENTS = 10_000
@@ -472,23 +485,55 @@ redis.call('HSET', KEYS[1], 'record', ARGV[4], 'state', ARGV[5], 'updated_at', A
 )
 
 
-def connect_redis(url: str) -> aioredis.Redis:
-    """A client of the Redis at ``url`` (``redis://host:6379/0``), as every meshgate process opens it: a pooled
-    connection that broke (Redis restarted) is retried on a new one, with a short backoff, before an error."""
+STORE_TIMEOUT = 2.0
+"""Seconds one store call may take by default (``Settings.store_timeout``)."""
+
+
+def connect_redis(url: str, timeout: float = STORE_TIMEOUT) -> aioredis.Redis:
+    """A client of the Redis at ``url`` (``redis://host:6379/0``), as every meshgate process opens it. Every
+    connect and every reply is bounded by ``timeout`` seconds (a paused or black-holed Redis fails a call then,
+    never hangs it); a pooled connection that broke (Redis restarted) is retried on a new one, three times with a
+    short backoff, before an error. A timeout is not retried: the call has had its time."""
     return aioredis.Redis.from_url(
         url,
-        retry=Retry(ExponentialBackoff(cap=1.0, base=0.05), 5),
-        retry_on_error=[RedisConnectionError, RedisTimeoutError],
+        socket_timeout=timeout,
+        socket_connect_timeout=timeout,
+        retry=Retry(ExponentialBackoff(cap=0.25, base=0.05), 3, supported_errors=(RedisConnectionError,)),
+        retry_on_error=[RedisConnectionError],
         health_check_interval=10,
     )
 
 
-class RedisStore:
-    """The shared store at ``url`` (``redis://host:6379/0``), keys under ``prefix``; reconnects by itself."""
+def _bounded(cls: type[T]) -> type[T]:
+    """Every public coroutine method of ``cls`` raises ``StoreUnavailable`` (a 503 with ``retry-after``, no
+    address in its message) where Redis fails, times out or refuses the connection; the log keeps the details."""
+    for name, method in list(vars(cls).items()):
+        if name.startswith("_") or not inspect.iscoroutinefunction(method):
+            continue
 
-    def __init__(self, url: str, prefix: str = "meshgate:") -> None:
+        def guarded(method: Callable[..., Awaitable[object]] = method, name: str = name) -> Callable[..., object]:
+            @functools.wraps(method)
+            async def call(*args: object, **kwargs: object) -> object:
+                try:
+                    return await method(*args, **kwargs)
+                except (RedisError, OSError) as exc:
+                    log.warning("state store call %s failed: %r", name, exc)
+                    raise StoreUnavailable() from exc
+
+            return call
+
+        setattr(cls, name, guarded())
+    return cls
+
+
+@_bounded
+class RedisStore:
+    """The shared store at ``url`` (``redis://host:6379/0``), keys under ``prefix``; reconnects by itself; every
+    call bounded by ``timeout`` seconds (``StoreUnavailable`` past it)."""
+
+    def __init__(self, url: str, prefix: str = "meshgate:", *, timeout: float = STORE_TIMEOUT) -> None:
         self.prefix = prefix
-        self._r = connect_redis(url)
+        self._r = connect_redis(url, timeout)
         self._channel = prefix + "changes"
         self._drop_nodes = self._r.register_script(_DROP_NODES)
         self._update_runner = self._r.register_script(_UPDATE_RUNNER)

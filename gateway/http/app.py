@@ -53,7 +53,7 @@ def create_app(settings: Settings, plugins: pluggy.PluginManager) -> Litestar:
             )
             app.state.dispatcher = plane.dispatcher
             app.state.plane = plane
-            accounts = open_accounts(settings.redis, settings.data_dir)
+            accounts = open_accounts(settings.redis, settings.data_dir, timeout=settings.store_timeout)
             app.state.keyring = KeyRing(accounts, settings.api_keys, settings.rate_limit)
             try:
                 yield

@@ -39,7 +39,7 @@ __all__ = ["ControlPlane", "control_plane", "make_store"]
 
 
 def make_store(settings: Settings) -> StateStore:
-    return RedisStore(settings.redis) if settings.redis else MemoryStore()
+    return RedisStore(settings.redis, timeout=settings.store_timeout) if settings.redis else MemoryStore()
 
 
 @dataclass

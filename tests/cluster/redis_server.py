@@ -115,6 +115,16 @@ class RedisServer:
             self.proc.wait(timeout=self.timeout)
         self.proc = None
 
+    def pause(self) -> None:
+        """SIGSTOP: the server holds its connections and answers nothing (a stalled or black-holed Redis)."""
+        assert self.proc is not None
+        self.proc.send_signal(signal.SIGSTOP)
+
+    def resume(self) -> None:
+        """SIGCONT after ``pause`` (nothing when it is not running)."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGCONT)
+
     def restart(self, *, kill: bool = False) -> None:
         """Stop and start again on the same port and directory."""
         self.stop(kill=kill)

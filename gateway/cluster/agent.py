@@ -43,6 +43,7 @@ from meshgate.gateway.cluster.records import Failed, Instance, RunnerState, Runn
 from meshgate.gateway.cluster.store import StateStore
 from meshgate.gateway.telemetry.instruments import exposition
 from meshgate.gateway.telemetry.node_metrics import NodeMetrics
+from meshgate.protocols.model import StoreUnavailable
 
 __all__ = ["NodeAgent"]
 
@@ -75,6 +76,7 @@ class NodeAgent:
         self.store = store
         self.tune_server = tune_server  # applied to the probe server (a uvicorn.Server) before it starts
         self.secret = secret or cluster_secret.current()
+        self._secret_conflict = False
         self.backends = list(backends)
         self.resolve = resolve
         self.choose = choose
@@ -164,15 +166,21 @@ class NodeAgent:
         instance is placed here any more (the gateways drain and delete them), at most ``grace`` + ``margin``
         seconds, then ``close``."""
         self.draining_until = time.time() + grace
-        await self._register()
-        await self.store.append_event(
-            "node.draining", f"node {self.name} drains: its streams have {grace:g}s to finish", node_id=self.node_id
-        )
+        try:
+            await self._register()
+            await self.store.append_event(
+                "node.draining", f"node {self.name} drains: its streams have {grace:g}s to finish", node_id=self.node_id
+            )
+        except StoreUnavailable:  # the heartbeat says it again (``_describe``) once the store answers
+            log.warning("node %s draining; the state store is away: the gateways learn it once it is back", self.name)
         log.info("node %s draining: up to %gs for its streams to finish", self.name, grace)
         deadline = time.monotonic() + grace + margin
         while time.monotonic() < deadline:
-            if not [i for i in await self.store.instances() if lifecycle.placed_on(i, self.node_id)]:
-                break
+            try:
+                if not [i for i in await self.store.instances() if lifecycle.placed_on(i, self.node_id)]:
+                    break
+            except StoreUnavailable:  # a SIGTERM is still a drain: its streams keep their grace
+                pass
             await asyncio.sleep(0.25)
         else:
             log.warning("node %s: its replicas were not drained within %gs; stopping them", self.name, grace)
@@ -200,8 +208,22 @@ class NodeAgent:
             await asyncio.sleep(self.heartbeat)
             try:
                 await self._register()
+                await self._hold_secret()
+            except StoreUnavailable:
+                log.warning("heartbeat: the state store is away; trying again in %gs", self.heartbeat)
             except Exception:
                 log.exception("heartbeat failed")
+
+    async def _hold_secret(self) -> None:
+        """Confirm the secret this node's runners demand, or put it back where the store lost it or holds one a
+        process made up meanwhile (``StateStore.cluster_secret``, ``held``)."""
+        stored = await self.store.cluster_secret(self.secret, held=True)
+        if stored != self.secret and not self._secret_conflict:
+            self._secret_conflict = True
+            log.error(
+                "the state store holds another confirmed cluster secret than this node's runners demand: set the "
+                "same MESHGATE_CLUSTER_SECRET everywhere, or restart this agent to take the stored one"
+            )
 
     # ------------------------------------------------------------------------------------------- shards
 

@@ -17,7 +17,9 @@ Redis keys, all under ``prefix`` (default ``meshgate:``)::
     events               stream  field e -> StoreEvent JSON, its id the stream id; XADD MAXLEN ~ 10000
     generation           int     bumped by every write that changes nodes, links or instances
     changes              pub/sub channel; messages "nodes" | "links" | "instances" (wake-ups only)
-    cluster_secret       string  the secret runners and agents demand of callers; set once (SET NX), never changed
+    cluster_secret       string  the secret runners and agents demand of callers; set once (SET NX), replaced only
+                                 while provisional by the one running agents hold (``cluster_secret``)
+    cluster_secret_provisional  string  "1" while the stored secret was made up by a process that held none
     deployments          hash    model -> Deployment JSON (desired replicas; a write bumps the generation and
                                  publishes "instances")
     loads                hash    field "{instance_id} {gateway_id}" -> LoadReport JSON; each gateway rewrites its
@@ -210,8 +212,14 @@ class StateStore(Protocol):
         """Take the lease ``name`` for ``ttl`` seconds unless another holder has it (its holder renews it): True if
         ``holder`` has it now."""
 
-    async def cluster_secret(self, proposed: str) -> str:
-        """The cluster's secret: the one stored, else ``proposed``, stored now (the first caller's wins)."""
+    async def cluster_secret(self, proposed: str, *, held: bool = False) -> str:
+        """The cluster's secret: the one stored, else ``proposed``, stored now (the first caller's wins).
+
+        A secret stored by a caller that does not hold it yet (``held`` False: a gateway, an agent that just
+        started) is *provisional*. A caller whose running runners already demand ``proposed`` (``held``: a node
+        agent, at every heartbeat) confirms it when stored, stores it when the store lost it, and replaces a
+        provisional other one: after a store restarted empty, the secret the running processes hold wins over one
+        a gateway started meanwhile made up. A confirmed other secret is returned as it is."""
 
     def watch(self) -> AsyncIterator[str]:
         """Wake-ups: the kinds ("nodes", "links", "instances") that changed. Ends when the store closes."""
@@ -264,6 +272,7 @@ class MemoryStore:
         self._last_id = (0, 0)
         self._generation = 0
         self._secret: str | None = None
+        self._provisional = False
         self._deployments: dict[str, bytes] = {}
         self._loads: dict[str, bytes] = {}
         self._claims: dict[str, tuple[str, float]] = {}
@@ -369,9 +378,11 @@ class MemoryStore:
     async def generation(self) -> int:
         return self._generation
 
-    async def cluster_secret(self, proposed: str) -> str:
-        if self._secret is None:
-            self._secret = proposed
+    async def cluster_secret(self, proposed: str, *, held: bool = False) -> str:
+        if self._secret is None or (held and self._provisional):
+            self._secret, self._provisional = proposed, not held
+        elif held and self._secret == proposed:
+            self._provisional = False
         return self._secret
 
     async def put_deployment(self, deployment: Deployment) -> None:
@@ -485,6 +496,18 @@ redis.call('HSET', KEYS[1], 'record', ARGV[4], 'state', ARGV[5], 'updated_at', A
 )
 
 
+# KEYS: cluster_secret, cluster_secret_provisional  ARGV: proposed, held ("1": the caller's runners demand it)
+_SECRET = """
+local stored = redis.call('GET', KEYS[1])
+if not stored or (ARGV[2] == '1' and stored ~= ARGV[1] and redis.call('EXISTS', KEYS[2]) == 1) then
+  redis.call('SET', KEYS[1], ARGV[1])
+  if ARGV[2] == '1' then redis.call('DEL', KEYS[2]) else redis.call('SET', KEYS[2], '1') end
+  return ARGV[1]
+end
+if ARGV[2] == '1' and stored == ARGV[1] then redis.call('DEL', KEYS[2]) end
+return stored
+"""
+
 STORE_TIMEOUT = 2.0
 """Seconds one store call may take by default (``Settings.store_timeout``)."""
 
@@ -539,6 +562,7 @@ class RedisStore:
         self._update_runner = self._r.register_script(_UPDATE_RUNNER)
         self._set_state = self._r.register_script(_SET_STATE)
         self._update_instance = self._r.register_script(_UPDATE_INSTANCE)
+        self._secret_script = self._r.register_script(_SECRET)
         self._watchers = _Watchers()
         self._listener: asyncio.Task[None] | None = None
         self._subscribed = asyncio.Event()
@@ -688,11 +712,9 @@ class RedisStore:
     async def generation(self) -> int:
         return int(await self._r.get(self._key("generation")) or 0)
 
-    async def cluster_secret(self, proposed: str) -> str:
-        key = self._key("cluster_secret")
-        async with self._r.pipeline(transaction=True) as pipe:
-            _, stored = await pipe.set(key, proposed, nx=True).get(key).execute()
-        return stored.decode()
+    async def cluster_secret(self, proposed: str, *, held: bool = False) -> str:
+        keys = [self._key("cluster_secret"), self._key("cluster_secret_provisional")]
+        return (await self._secret_script(keys=keys, args=[proposed, "1" if held else "0"])).decode()
 
     async def put_deployment(self, deployment: Deployment) -> None:
         await self._write(

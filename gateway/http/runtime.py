@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
@@ -36,6 +37,9 @@ from meshgate.plugins.policy import by_preference
 from meshgate.plugins.settings import Settings
 
 __all__ = ["ControlPlane", "control_plane", "make_store"]
+
+
+log = logging.getLogger("meshgate.runtime")
 
 
 def make_store(settings: Settings) -> StateStore:
@@ -72,10 +76,13 @@ async def control_plane(
         await asyncio.to_thread(catalog.refresh)
         store = make_store(settings)
         plane = ControlPlane(store=store, catalog=catalog, backends=backends, plugins=plugins, http=http)
+        following: asyncio.Task[None] | None = None
         choose = plugins.hook.meshgate_choose_backend
         try:
             secret = settings.cluster_secret or await store.cluster_secret(cluster_secret.current())
             cluster_secret.use(secret)  # what this process's runners demand and its runner clients present
+            if not settings.cluster_secret and not agent:
+                following = asyncio.create_task(follow_secret(store), name="cluster-secret")
             if agent:
                 plane.agent = NodeAgent(
                     store,
@@ -140,6 +147,8 @@ async def control_plane(
                 )
             yield plane
         finally:
+            if following is not None:
+                following.cancel()
             if plane.dispatcher is not None and plane.dispatcher.loads is not None:
                 await plane.dispatcher.loads.close()
             if plane.instances is not None:
@@ -147,6 +156,26 @@ async def control_plane(
             if plane.agent is not None:
                 await plane.agent.close()
             await store.close()
+
+
+SECRET_EVERY = 2.0
+"""Seconds between a gateway's reads of the cluster secret (``follow_secret``)."""
+
+
+async def follow_secret(store: StateStore, every: float = SECRET_EVERY) -> None:
+    """A gateway's side of the secret's survival: read it again every ``every`` seconds and use what the store
+    says. After the store restarted empty, the first read puts this gateway's back (provisional); a node agent
+    whose runners demand another one replaces it at its next heartbeat, and the next read here takes that one
+    (``StateStore.cluster_secret``), so runners never answer 401 for longer than a heartbeat and this period."""
+    while True:
+        await asyncio.sleep(every)
+        try:
+            found = await store.cluster_secret(cluster_secret.current())
+        except Exception:  # the store away: keep the one in use
+            continue
+        if found != cluster_secret.current():
+            log.warning("the cluster secret in the state store changed (it was emptied); using the stored one")
+            cluster_secret.use(found)
 
 
 def _rank(plugins: pluggy.PluginManager):

@@ -21,6 +21,7 @@ from meshgate.backends.runner.control import JsonHandler, serve_control
 from meshgate.backends.runner.process import RunnerProcess
 from meshgate.gateway.cluster.agent import NodeAgent
 from meshgate.gateway.cluster.store import MemoryStore, RedisStore, StateStore
+from meshgate.gateway.http import runtime
 from meshgate.protocols.model import BackendProtocolError, Failed, Finished, Request, TextDelta
 from tests.cluster.conftest import redis_server  # noqa: F401 (a fixture)
 
@@ -194,3 +195,56 @@ def test_a_secret_that_cannot_travel_in_a_header_is_refused() -> None:
     for bad in ("", "two words", "line\r\nx-injected: 1", "caf\u00e9"):
         with pytest.raises(ValueError):
             cluster_secret.use(bad)
+
+
+@pytest.mark.parametrize("kind", ["memory", "redis"])
+async def test_the_secret_running_runners_hold_survives_a_store_restarted_empty(
+    kind: str, request: pytest.FixtureRequest
+) -> None:
+    """Issue 37, 14: the store loses the secret; a gateway started meanwhile makes one up (provisional); the next
+    heartbeat of an agent whose runners demand the old one puts that back, and the gateway's next read takes it.
+    A confirmed secret is never replaced, and a provisional one that agrees is confirmed."""
+    if kind == "memory":
+        agent_side = gateway_side = MemoryStore()
+    else:
+        server = request.getfixturevalue("redis_server")
+        prefix = f"secret-{id(request)}:"
+        agent_side, gateway_side = RedisStore(server.url, prefix=prefix), RedisStore(server.url, prefix=prefix)
+    try:
+        assert await agent_side.cluster_secret("old", held=True) == "old"
+        assert await gateway_side.cluster_secret("made-up") == "old"  # a gateway joining takes the stored one
+        if kind == "memory":
+            agent_side._secret = None  # type: ignore[attr-defined]  # the store restarted empty
+        else:
+            import redis.asyncio as aioredis
+
+            client = aioredis.Redis.from_url(server.url)
+            for key in await client.keys(f"{prefix}*"):
+                await client.delete(key)
+            await client.aclose()
+        assert await gateway_side.cluster_secret("made-up") == "made-up"  # provisional
+        assert await agent_side.cluster_secret("old", held=True) == "old"  # the heartbeat: runners demand "old"
+        assert await gateway_side.cluster_secret("made-up") == "old"  # the gateway's next read (follow_secret)
+        assert await agent_side.cluster_secret("other", held=True) == "old"  # confirmed: never replaced
+    finally:
+        await agent_side.close()
+        if gateway_side is not agent_side:
+            await gateway_side.close()
+
+
+async def test_a_gateway_follows_the_secret_the_store_holds(monkeypatch) -> None:
+    monkeypatch.setattr(cluster_secret, "_current", None)  # this process's own is put back afterwards
+    store = MemoryStore()
+    await store.cluster_secret("mine")
+    cluster_secret.use("mine")
+    following = asyncio.create_task(runtime.follow_secret(store, every=0.01))
+    try:
+        await store.cluster_secret("the-agents", held=True)  # replaces the provisional one
+        for _ in range(200):
+            if cluster_secret.current() == "the-agents":
+                break
+            await asyncio.sleep(0.01)
+        assert cluster_secret.current() == "the-agents"
+    finally:
+        following.cancel()
+        await store.close()

@@ -132,8 +132,9 @@ class InstanceManager:
 
     async def _reconcile_loop(self) -> None:
         while True:
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._changed.wait(), self.reconcile_every)
+            with contextlib.suppress(TimeoutError):  # ``asyncio.timeout``: 3.11's ``wait_for`` can swallow a
+                async with asyncio.timeout(self.reconcile_every):  # cancel that meets a wake-up (close hung on it)
+                    await self._changed.wait()
             self._changed.clear()
             try:
                 await self._refresh()
@@ -312,7 +313,7 @@ class InstanceManager:
                 placed.append(instance)
                 for node_id, size in instance.placement.memory_per_node.items():
                     reserved[node_id] = reserved.get(node_id, 0) + size
-            await self._record_deployment(card.name, context=context, bounds=(min_replicas, max_replicas))
+            await self._record_deployment(card.name, context=context, bounds=(min_replicas, max_replicas), pinned=True)
         return placed
 
     async def set_bounds(self, model: str, min_replicas: int | None, max_replicas: int | None) -> Deployment:
@@ -325,7 +326,7 @@ class InstanceManager:
         lo = current.min_replicas if min_replicas is None else min_replicas
         hi = current.max_replicas if max_replicas is None else max_replicas
         _check_bounds(lo, hi)
-        await self._record_deployment(model, bounds=(lo, hi))
+        await self._record_deployment(model, bounds=(lo, hi), pinned=True)
         found = next(d for d in await self.store.deployments() if d.model == model)
         await self.store.append_event(
             "deployment.bounds",
@@ -341,6 +342,7 @@ class InstanceManager:
         context: int | None = None,
         without: str | None = None,
         bounds: tuple[int | None, int | None] = (None, None),
+        pinned: bool | None = None,
     ) -> None:
         """Make ``model``'s deployment ask for the instances it has now, less ``without`` (none: forget the
         deployment), and at least its ``min_replicas``. Called after an instance is stored and before one is
@@ -378,8 +380,18 @@ class InstanceManager:
                 min_replicas=lo,
                 max_replicas=max(hi, lo),
                 updated_at=time.time(),
+                pinned=base.pinned if pinned is None else pinned,
             )
         )
+
+    async def beyond_minimum(self, model: str) -> int:
+        """How many of ``model``'s replicas a request's ``keep_alive`` may unload: all of them unless an admin
+        pinned its deployment, then those above its ``min_replicas`` (draining and given-up ones not counted)."""
+        deployment = next((d for d in await self.store.deployments() if d.model == model), None)
+        live = [i for i in self.cached(model) if not isinstance(i.state, Draining) and not given_up(i)]
+        if deployment is None or not deployment.pinned:
+            return len(live)
+        return max(0, len(live) - deployment.min_replicas)
 
     async def delete(self, instance_id: InstanceId, *, grace: float | None = None) -> Instance | None:
         """Remove an instance and lower its deployment's count: at once when nothing runs or queues on it (or
@@ -600,6 +612,10 @@ class InstanceManager:
         elif isinstance(step, lifecycle.Replace):
             await self._replace(msgspec.structs.replace(instance, attempts=0) if step.fresh else instance, step.why)
         elif isinstance(step, lifecycle.Expire):
+            if await self.beyond_minimum(instance.model) <= 0:  # an admin's minimum stays: the expiry goes instead
+                kept = msgspec.structs.replace(instance, expires_at=None)
+                await self.store.update_instance(kept, expected=Ready, epoch=instance.epoch)
+                return
             await self._record_deployment(instance.model, without=iid)
             await self._remove(instance, f"{instance.model} expired (keep_alive)", kind="instance.expired")
         elif isinstance(step, lifecycle.Drain):

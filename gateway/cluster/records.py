@@ -124,7 +124,9 @@ class Deployment(msgspec.Struct, frozen=True, kw_only=True):
     """How many replicas (instances) of ``model`` the cluster should run: the desired count every gateway, and a
     restarted one, agree on. ``context`` is the tokens each replica holds (``None``: the backend's default);
     ``min_replicas`` and ``max_replicas`` bound autoscaling; ``scaled_at`` is when the autoscaler last changed
-    it (its cooldown, shared by every gateway); times are Unix seconds."""
+    it (its cooldown, shared by every gateway); times are Unix seconds. ``pinned``: an admin placed it or set
+    its bounds (``POST /instances``, ``PUT /deployments``), so a request's ``keep_alive`` never takes it below
+    ``min_replicas``; one a first request placed (not pinned) unloads whole, as Ollama's does."""
 
     model: str
     replicas: int = 1
@@ -133,6 +135,7 @@ class Deployment(msgspec.Struct, frozen=True, kw_only=True):
     context: int | None = None
     updated_at: float = 0.0
     scaled_at: float = 0.0
+    pinned: bool = False
 
 
 class LoadReport(msgspec.Struct, frozen=True, array_like=True):

@@ -45,9 +45,9 @@ import msgspec
 
 from meshgate.backends.base import Backend, Capabilities, ModelCard, Runner, check_embeddings
 from meshgate.backends.registry import UserModel
-from meshgate.gateway.cluster.instances import InstanceManager
+from meshgate.gateway.cluster.instances import InstanceManager, given_up
 from meshgate.gateway.cluster.loads import LoadBoard
-from meshgate.gateway.cluster.records import Instance, Ready
+from meshgate.gateway.cluster.records import Draining, Instance, Ready
 from meshgate.gateway.cluster.routing import Routing, prefix_blocks, prefix_key
 from meshgate.gateway.serving import streams
 from meshgate.gateway.serving.admission import Admission, Ticket
@@ -196,16 +196,23 @@ class Dispatcher:
 
     async def unload(self, name: str) -> ModelCard:
         """Delete ``name``'s idle replicas now and the busy ones once idle (Ollama's ``keep_alive: 0``): another
-        client's stream on a replica is never cut by it."""
+        client's stream on a replica is never cut by it, and a deployment an admin pinned keeps its
+        ``min_replicas`` (``InstanceManager.beyond_minimum``)."""
         card = self.resolve(name)
         busy = False
+        left = await self.instances.beyond_minimum(card.name)
         for instance in self.instances.cached(card.name):
+            if left <= 0:
+                break
+            if isinstance(instance.state, Draining) or given_up(instance):
+                continue
             if self.loads is not None and self.loads.load(instance.id) > 0:
                 busy = True
                 continue
             with contextlib.suppress(GatewayError):
                 await self.instances.delete(instance.id)
-        if busy:
+                left -= 1
+        if busy and left > 0:
             await self.instances.set_expiry(card.name, time.time())  # the reconcile loop expires them when idle
         return card
 

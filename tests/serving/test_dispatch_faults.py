@@ -66,3 +66,40 @@ async def test_a_resume_that_meets_a_full_queue_never_fails_the_busy_replica(tmp
         failed = [e for e in await plane.store.events() if e.kind == "instance.failed"]
         assert len(failed) == 1, [e.message for e in failed]  # the lost one only, never for load
         assert "runner lost" in failed[0].message
+
+
+async def test_keep_alive_never_takes_an_admins_deployment_below_its_minimum(tmp_path):
+    """Issue 37, 8: an inference key's ``keep_alive: 0`` (``unload``) or short ``keep_alive`` (an expiry) left a
+    model placed with ``POST /instances`` (``min_replicas`` 1) with no deployment and no replica. Now they unload
+    only replicas above the minimum of a deployment an admin pinned; a first request's own placement still unloads
+    whole, as Ollama's does."""
+    async with await _plane(tmp_path, max_queue=4) as plane:
+        [pinned] = await plane.instances.deploy("scripted", replicas=1, min_replicas=1, max_replicas=2)
+        await asyncio.wait_for(plane.instances.wait_ready(pinned.id, timeout=20), 25)
+        await plane.dispatcher.unload("scripted")
+        await plane.instances.set_expiry("scripted", time.time() - 1)
+        await asyncio.sleep(1.5)  # reconcile passes (every 0.5 s) see the expiry
+        [kept] = await plane.store.instances()
+        assert kept.id == pinned.id and kept.expires_at is None
+        [deployment] = await plane.store.deployments()
+        assert deployment.min_replicas == 1 and deployment.replicas == 1 and deployment.pinned
+
+        text, _ = await asyncio.wait_for(_read(plane.dispatcher.open_stream(_request("hello"))), 20)
+        assert text == "Hello, world"
+        await plane.dispatcher.unload("scripted")  # a request's keep_alive 0 on the admin's model: nothing goes
+        assert [i.id for i in await plane.store.instances()] == [pinned.id]
+
+
+async def test_keep_alive_zero_unloads_a_model_a_request_placed(tmp_path):
+    async with await _plane(tmp_path, max_queue=4) as plane:
+        text, _ = await asyncio.wait_for(_read(plane.dispatcher.open_stream(_request("hello"))), 20)
+        assert text == "Hello, world"
+        [deployment] = await plane.store.deployments()
+        assert not deployment.pinned
+        await plane.dispatcher.unload("scripted")  # idle, or draining a moment while the shared load settles
+        for _ in range(100):
+            if not await plane.store.instances():
+                break
+            await asyncio.sleep(0.1)
+
+        assert await plane.store.instances() == [] and await plane.store.deployments() == []

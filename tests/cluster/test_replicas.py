@@ -169,7 +169,7 @@ async def test_requests_go_to_the_less_loaded_replica_and_a_prefix_keeps_its_rep
 
 async def test_expiry_waits_while_any_gateway_has_work_on_the_replica(cluster):
     manager, busy = cluster
-    [one] = await manager.deploy("scripted", replicas=1)
+    one = await manager.acquire(manager.resolve("scripted"))  # placed by a request: keep_alive may unload it
     await _ready(manager, one)
     await manager.set_expiry("scripted", time.time() - 1)
     busy[one.id] = 1

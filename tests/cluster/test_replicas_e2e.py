@@ -225,8 +225,13 @@ def test_pipeline_replicas_over_rpc(two_gateways, replicas):
 
 
 def test_keep_alive_zero_unloads_idle_replicas_and_never_cuts_a_stream(two_gateways):
+    """An admin's deployment keeps its ``min_replicas`` whatever a request's ``keep_alive`` says (issue 37, 8): the
+    two replicas placed by ``POST /instances`` are its minimum until the admin lowers it to 1; then ``keep_alive:
+    0`` unloads the idle one and never the one a stream runs on."""
     one, two = two_gateways
     done: dict[str, object] = {}
+    r = httpx.put(f"{one.url}/deployments/{MODEL}", json={"min_replicas": 1}, timeout=30)
+    assert r.status_code == 200 and r.json()["min_replicas"] == 1, r.text
 
     def long_stream() -> None:
         with httpx.stream(

@@ -472,6 +472,10 @@ class InstanceManager:
 
     # ------------------------------------------------------------------------------------------- hot path
 
+    def ids(self) -> set[str]:
+        """The ids of every instance in this gateway's view."""
+        return set(self._view)
+
     def cached(self, model: str) -> list[Instance]:
         return [i for i in self._view.values() if i.model == model]
 

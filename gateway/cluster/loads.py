@@ -25,7 +25,7 @@ import logging
 import time
 import uuid
 from collections import deque
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Protocol
 
 import msgspec
@@ -54,6 +54,8 @@ class Queues(Protocol):
     def load(self, instance_id: str) -> QueueCounts: ...
 
     def loads(self) -> Mapping[str, QueueCounts]: ...
+
+    def forget(self, live: set[str]) -> None: ...
 
 
 PERIOD = 0.25
@@ -90,9 +92,17 @@ class Tally:
 class LoadBoard:
     """This gateway's view of every instance's load, and its share of it published for the others."""
 
-    def __init__(self, store: StateStore, admission: Queues, *, gateway_id: str | None = None) -> None:
+    def __init__(
+        self,
+        store: StateStore,
+        admission: Queues,
+        *,
+        gateway_id: str | None = None,
+        live: Callable[[], set[str]] | None = None,
+    ) -> None:
         self.store = store
         self.admission = admission
+        self.live = live  # the instance ids that exist (the gateway's view); what concerns others is forgotten
         self.gateway_id = gateway_id or uuid.uuid4().hex[:12]
         self._tallies: dict[str, Tally] = {}
         self._others: dict[str, tuple[int, int]] = {}  # instance id -> (running, queued) of the other gateways
@@ -128,6 +138,15 @@ class LoadBoard:
         if pending:
             pending.popleft()
 
+    def forget(self, live: set[str]) -> None:
+        """Keep only what concerns the instances in ``live`` (the ones that exist): this gateway's tallies, its
+        routed-but-unsettled counts and its admission gates of the others go (a stream still running on a deleted
+        instance keeps its own tally object)."""
+        for table in (self._tallies, self._pending):
+            for instance_id in [i for i in table if i not in live]:
+                del table[instance_id]
+        self.admission.forget(live)
+
     def view(self, instance_id: str) -> ReplicaLoad:
         own = self.admission.load(instance_id)
         running, queued = self._others.get(instance_id, (0, 0))
@@ -161,6 +180,8 @@ class LoadBoard:
 
     async def _loop(self) -> None:
         while True:
+            if self.live is not None:
+                self.forget(self.live())
             try:
                 await self.sync()
             except Exception as exc:  # Redis away for a moment: routing uses the last snapshot meanwhile

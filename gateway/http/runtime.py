@@ -107,7 +107,7 @@ async def control_plane(
                     return backend.context(card) or None  # 0: the model's own (the planner reads its spec)
 
                 admission = Admission(settings.parallel, settings.max_queue)
-                loads = LoadBoard(store, admission)
+                loads = LoadBoard(store, admission, live=lambda: plane.instances.ids() if plane.instances else set())
                 plane.instances = InstanceManager(
                     store,
                     backends,

@@ -160,6 +160,19 @@ class GatewayMetrics(Instruments):
         self._nodes, self._links, self._instances = await asyncio.gather(
             store.nodes(), store.links(), store.instances()
         )
+        self.forget_instances({i.id for i in self._instances})
+
+    def forget_instances(self, live: set[str]) -> None:
+        """Drop the per-instance series of instances that no longer exist: over churn (autoscaling, re-placement
+        by new ids, keep-alive) they would grow without bound."""
+        for counter in (
+            self.prompt_tokens,
+            self.generated_tokens,
+            self.instance_requests,
+            self.prefix_hits,
+            self.cached_tokens,
+        ):  # each labelled (model, instance)
+            counter.values = {k: v for k, v in counter.values.items() if k[1] in live}
 
     def extra(self) -> Iterator[Metric]:
         yield from self._queues()

@@ -12,7 +12,9 @@ The rule, per deployment (a model's desired replicas, bounded by its ``min_repli
 - **Above max.** A model with more ready replicas than ``max_replicas`` (the bound was lowered) loses one at
   once, the least loaded (``ScaleDown.busy``): it drains, so its streams finish first (or resume elsewhere).
   Replicas still starting do not count here: one is stored a moment before the deployment that asks for it.
-- Replicas draining are on their way out: they count for nothing.
+- Replicas draining are on their way out: they count for nothing. While one drains because its node stops
+  (``Draining.replaced``: its replacement is placed elsewhere) its model does not scale up: a rolling restart
+  under load would otherwise add replicas it no longer needs once the restart is over.
 - Every other case where a bound, the cooldown or room stopped a change is a ``Hold`` with its reason: shown to
   tests and logs, never acted on.
 
@@ -136,7 +138,8 @@ def decide(
     actions: list[Action] = []
     for d in deployments:
         mine = [i for i in instances if i.model == d.model and not isinstance(i.state, Draining)]
-        action = _decide_one(d, mine, loads, now, policy, history, (room or {}).get(d.model, True))
+        draining = any(i.model == d.model and isinstance(i.state, Draining) and i.state.replaced for i in instances)
+        action = _decide_one(d, mine, loads, now, policy, history, (room or {}).get(d.model, True), draining)
         if action is not None:
             actions.append(action)
     return actions
@@ -150,6 +153,7 @@ def _decide_one(
     policy: Policy,
     history: History,
     room: bool,
+    draining: bool = False,
 ) -> Action | None:
     count = len(mine)
     running = sum(loads.get(i.id, _NONE).running for i in mine)
@@ -184,6 +188,8 @@ def _decide_one(
             return Hold(d.model, f"{why}, but it has max_replicas ({d.max_replicas})", figures)
         if d.replicas > count or any(not isinstance(i.state, Ready) for i in mine):
             return Hold(d.model, f"{why}; a replica is still coming up", figures)
+        if draining:
+            return Hold(d.model, f"{why}; a replica's node is stopping (its replacement takes its load)", figures)
         if cooling:
             return Hold(d.model, f"{why}; scaled {now - d.scaled_at:.0f}s ago (cooldown {policy.cooldown:g}s)", figures)
         if not room:
@@ -262,8 +268,8 @@ class Autoscaler:
         now = self.clock()
         again = decide([deployment], instances, loads, now, self.policy, self.history, room)
         action = again[0] if again else None
-        if isinstance(action, ScaleUp):
-            count = sum(1 for i in instances if i.model == action.model)
+        if isinstance(action, ScaleUp):  # from the replicas that serve: never the draining ones (an overshoot)
+            count = sum(1 for i in instances if i.model == action.model and not isinstance(i.state, Draining))
             await store.put_deployment(msgspec.structs.replace(deployment, replicas=count + 1, scaled_at=now))
             message = f"{action.model}: {count} -> {count + 1} replicas: {action.reason}"
             await store.append_event("deployment.scaled_up", message, data=_data(action))

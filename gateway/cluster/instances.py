@@ -432,7 +432,7 @@ class InstanceManager:
         if lower:
             await self._record_deployment(found.model, without=instance_id)
         if isinstance(found.state, Ready) and until > now and (settle or self.load(instance_id)):
-            state = Draining(since=now, until=until, reason=reason)
+            state = Draining(since=now, until=until, reason=reason, replaced=not lower)
             if await self.store.set_state(instance_id, state, expected=Ready):
                 left = until - now
                 await self.store.append_event(

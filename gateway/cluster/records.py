@@ -57,6 +57,7 @@ class Draining(msgspec.Struct, frozen=True, tag_field="state", tag="draining"):
     since: float = 0.0
     until: float = 0.0
     reason: str = ""
+    replaced: bool = False  # its deployment kept its count (its node stops): a replacement is placed elsewhere
 
 
 class Failed(msgspec.Struct, frozen=True, tag_field="state", tag="failed"):

@@ -43,6 +43,15 @@ DECIDE = [
     ("cooldown", {"scaled_at": 990.0}, [A, B], WAITING, History({"m": 980.0}), None, (Hold, None, "cooldown 30s")),
     ("no room", {}, [A, B], WAITING, History({"m": 980.0}), {"m": False}, (Hold, None, "no node has room")),
     (
+        "one drains, its node stopping (a rolling restart)",
+        {},
+        [A, B, stored_instance("c", model="m", state=Draining(since=990.0, until=1020.0, replaced=True))],
+        WAITING,
+        History({"m": 980.0}),
+        None,
+        (Hold, None, "node is stopping"),
+    ),
+    (
         "one placed, not yet stored",
         {"replicas": 3},
         [A, B],
@@ -301,3 +310,23 @@ async def test_bounds_of_new_deployments_and_changing_them(memory_store) -> None
     await fixed.deploy("scripted", replicas=2)  # N placed at once, no bounds: stays N
     [d] = await memory_store.deployments()
     assert (d.replicas, d.min_replicas, d.max_replicas) == (2, 2, 2)
+
+
+async def test_a_scale_up_beside_a_draining_replica_counts_only_those_that_serve(memory_store) -> None:
+    """Issue 37, 10: ``decide`` leaves draining replicas out and the executor counted them, so a scale-up during
+    a deletion's drain asked for one replica too many (1 serving + 1 draining -> 3)."""
+    views: dict[str, ReplicaLoad] = {}
+    busy: dict[str, int] = {}
+    clock = Clock()
+    [manager], [scaler] = await _gateways(memory_store, 1, views, busy, clock)
+    a, b = await manager.deploy("scripted", replicas=2, min_replicas=1, max_replicas=3)
+    await _ready(manager, a, b)
+    busy[b.id] = 1  # a stream still runs on b: the deletion drains it
+    assert await manager.delete(b.id) is not None
+    views[a.id] = ReplicaLoad(running=2, queued=5)
+    await _step([manager], [scaler])  # waiting starts
+    clock.now += 11
+    [done] = await _step([manager], [scaler])
+    assert [type(x) for x in done] == [ScaleUp]
+    [deployment] = await memory_store.deployments()
+    assert deployment.replicas == 2, deployment

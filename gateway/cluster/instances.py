@@ -184,22 +184,32 @@ class InstanceManager:
         reserved: dict[str, int] | None = None,
     ) -> list[Candidate]:
         """Every candidate placement for ``model``, fitting ones first, best first (``context``: tokens of KV
-        cache to hold; the backend's default for the model when None). ``reserved``: bytes per node already
-        promised to instances placed but not loaded yet, taken off what the nodes report available."""
+        cache to hold; the backend's default for the model when None).
+
+        A node offers what it reports available, but never more than its total (its ``--memory`` cap, if any)
+        less what the instances placed on it already take (``placed_memory``): a runner placed a moment ago has
+        not loaded yet, and a capped node's free memory does not shrink as placements fill the cap. ``reserved``:
+        more bytes per node to take off (none by default)."""
         card = self.resolve(model)
         offers = self._offers(card)
         backend = offers[0][0]
         if context is None and self.context:
             context = self.context(backend, card)
         topology = await self.topology(usable=True)
-        if reserved:
-            topology = Topology(
-                nodes=tuple(
-                    msgspec.structs.replace(n, memory_available=max(0, n.memory_available - reserved.get(n.id, 0)))
-                    for n in topology.nodes
-                ),
-                links=topology.links,
-            )
+        placed = self.placed_memory()
+        topology = Topology(
+            nodes=tuple(
+                msgspec.structs.replace(
+                    n,
+                    memory_available=max(
+                        0,
+                        min(n.memory_available, n.memory_total - placed.get(n.id, 0)) - (reserved or {}).get(n.id, 0),
+                    ),
+                )
+                for n in topology.nodes
+            ),
+            links=topology.links,
+        )
         return plan(
             backend.spec(card),
             topology,
@@ -296,7 +306,6 @@ class InstanceManager:
         _check_bounds(min_replicas, max_replicas)
         card = self.resolve(model)
         placed: list[Instance] = []
-        reserved: dict[str, int] = {}
         async with self._create_lock:
             await self._refresh()
             for _ in range(replicas):
@@ -308,11 +317,8 @@ class InstanceManager:
                     min_nodes=min_nodes,
                     context=context,
                     reason=reason if replicas == 1 else f"{reason}: {replicas} replicas",
-                    reserved=reserved,
                 )
-                placed.append(instance)
-                for node_id, size in instance.placement.memory_per_node.items():
-                    reserved[node_id] = reserved.get(node_id, 0) + size
+                placed.append(instance)  # in the view now: the next one's preview counts its memory
             await self._record_deployment(card.name, context=context, bounds=(min_replicas, max_replicas), pinned=True)
         return placed
 
@@ -471,6 +477,16 @@ class InstanceManager:
         await self._refresh(force=True)
 
     # ------------------------------------------------------------------------------------------- hot path
+
+    def placed_memory(self) -> dict[str, int]:
+        """Bytes per node the instances in this gateway's view take (or will, once loaded): every state but failed
+        (whose runners are stopped)."""
+        placed: dict[str, int] = {}
+        for instance in self._view.values():
+            if not isinstance(instance.state, Failed):
+                for node_id, size in instance.placement.memory_per_node.items():
+                    placed[node_id] = placed.get(node_id, 0) + size
+        return placed
 
     def ids(self) -> set[str]:
         """The ids of every instance in this gateway's view."""

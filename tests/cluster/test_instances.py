@@ -231,3 +231,17 @@ async def test_an_expiry_written_after_another_gateway_failed_the_replica_never_
     await manager.set_expiry("scripted", time.time() + 60)
     got = await store.get_instance(instance.id)
     assert isinstance(got.state, Failed) and got.expires_at is None, got
+
+
+async def test_placements_never_overcommit_a_node_whose_report_lags(manager):
+    """Issue 37, 11: a node capped at 3 GiB (``--memory``) reports 3 GiB available however much is placed, and
+    an uncapped node's report lags until runners load; placements one after another each saw the memory from
+    before. Now what is placed counts: a second 2 GiB model does not fit where the first took the room."""
+    await manager.store.remove_node(NodeId("slow"))
+    await manager.store.put_node(node("fast", 5e10, memory=3 << 30), ttl=60)
+    await manager._refresh(force=True)
+    first = await manager.create("scripted-big")
+    assert first.placement.memory_per_node["fast"] > 2 << 30
+    with pytest.raises(NoCapacity):
+        await manager.create("scripted-big")
+    assert len(manager.cached("scripted-big:latest")) == 1

@@ -24,7 +24,8 @@ Redis keys, all under ``prefix`` (default ``meshgate:``)::
                                  publishes "instances")
     loads                hash    field "{instance_id} {gateway_id}" -> LoadReport JSON; each gateway rewrites its
                                  fields every ~0.25 s; fields older than ``LOAD_STALE`` are ignored and, past
-                                 ``LOAD_FORGET``, deleted by the next reader (no generation bump, no wake-up)
+                                 ``LOAD_FORGET``, deleted by the next reader (no generation bump, no wake-up); age
+                                 is by the reader's clock: since it last saw the field's stamp change
     claim:{name}         string  a short lease (SET NX PX) so that one gateway of many carries out a decision
     keys                 hash    key id -> ApiKey JSON (``accounts.RedisAccounts``)
     window:{name}:{slot} string  a rate-limit counter, expiring after two windows (``accounts.RedisAccounts``)
@@ -117,18 +118,37 @@ _deployment = msgspec.json.Decoder(Deployment)
 _load = msgspec.json.Decoder(LoadReport)
 
 
-def _fresh_loads(fields: Iterable[tuple[str, bytes]], now: float) -> tuple[dict[str, list[LoadReport]], list[str]]:
-    """Load reports by instance id (fresh ones only), and the fields old enough to delete."""
-    found: dict[str, list[LoadReport]] = {}
-    forget = []
-    for field, value in fields:
-        report = _load.decode(value)
-        age = now - report.at
-        if age <= LOAD_STALE:
-            found.setdefault(field.split(" ", 1)[0], []).append(report)
-        elif age > LOAD_FORGET:
-            forget.append(field)
-    return found, forget
+class _LoadAges:
+    """How old each load report is, by this reader's own clock: gateways on other machines stamp their reports
+    with their wall clocks, which may be off from this one's by any amount. A report is as old as the time since
+    this reader last saw its stamp change; one seen for the first time is dated by its stamp against this
+    machine's wall clock (a guess, corrected by the next change, at most ``LOAD_STALE`` seconds later)."""
+
+    def __init__(self) -> None:
+        self._changed: dict[str, tuple[float, float]] = {}  # field -> (its stamp, monotonic time it was seen new)
+
+    def fresh(self, fields: Iterable[tuple[str, bytes]]) -> tuple[dict[str, list[LoadReport]], list[str]]:
+        """Load reports by instance id (fresh ones only), and the fields old enough to delete."""
+        wall, mono = time.time(), time.monotonic()
+        found: dict[str, list[LoadReport]] = {}
+        forget = []
+        seen: dict[str, tuple[float, float]] = {}
+        for field, value in fields:
+            report = _load.decode(value)
+            known = self._changed.get(field)
+            if known is not None and known[0] == report.at:
+                seen[field] = known
+            elif known is not None:
+                seen[field] = (report.at, mono)
+            else:
+                seen[field] = (report.at, mono - min(max(0.0, wall - report.at), LOAD_FORGET + 1))
+            age = mono - seen[field][1]
+            if age <= LOAD_STALE:
+                found.setdefault(field.split(" ", 1)[0], []).append(report)
+            elif age > LOAD_FORGET:
+                forget.append(field)
+        self._changed = seen
+        return found, forget
 
 
 @runtime_checkable
@@ -276,6 +296,7 @@ class MemoryStore:
         self._deployments: dict[str, bytes] = {}
         self._loads: dict[str, bytes] = {}
         self._claims: dict[str, tuple[str, float]] = {}
+        self._ages = _LoadAges()
         self._watchers = _Watchers()
 
     def _changed(self, *kinds: str) -> None:
@@ -403,7 +424,7 @@ class MemoryStore:
         self._loads.update({f"{i} {gateway_id}": _encode(report) for i, report in reports.items()})
 
     async def loads(self) -> dict[str, list[LoadReport]]:
-        found, forget = _fresh_loads(self._loads.items(), time.time())
+        found, forget = self._ages.fresh(self._loads.items())
         for field in forget:
             del self._loads[field]
         return found
@@ -563,6 +584,7 @@ class RedisStore:
         self._set_state = self._r.register_script(_SET_STATE)
         self._update_instance = self._r.register_script(_UPDATE_INSTANCE)
         self._secret_script = self._r.register_script(_SECRET)
+        self._ages = _LoadAges()
         self._watchers = _Watchers()
         self._listener: asyncio.Task[None] | None = None
         self._subscribed = asyncio.Event()
@@ -741,7 +763,7 @@ class RedisStore:
 
     async def loads(self) -> dict[str, list[LoadReport]]:
         stored = await self._r.hgetall(self._key("loads"))
-        found, forget = _fresh_loads(((k.decode(), v) for k, v in stored.items()), time.time())
+        found, forget = self._ages.fresh((k.decode(), v) for k, v in stored.items())
         if forget:
             await self._r.hdel(self._key("loads"), *forget)
         return found

@@ -48,7 +48,7 @@ import asyncio
 import math
 import os
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -116,11 +116,13 @@ def _capabilities(backend: Backend, card: ModelCard) -> list[str]:
     return [name for name, present in flags if present]
 
 
-async def show(dispatcher: Dispatcher, registry: ModelRegistry, name: str) -> bytes:
+async def show(
+    dispatcher: Dispatcher, registry: ModelRegistry, name: str, may_use: Callable[[str], bool] | None = None
+) -> bytes:
     """``/api/show`` for ``name``: the card, the backend's description, and a user model's stored system prompt,
-    template (over the backend's) and parameters (over the backend's); ``UnknownModel`` if there is none,
-    ``NoCapacity`` when no backend serves it."""
-    card = dispatcher.resolve(name)
+    template (over the backend's) and parameters (over the backend's); ``UnknownModel`` if there is none or the
+    caller's key may not use it (``may_use``), ``NoCapacity`` when no backend serves it."""
+    card = dispatcher.resolve(name, may_use)
     backend = dispatcher.backend_for(card)
     context = backend.context(card) or card.context_length
     described = await asyncio.to_thread(backend.describe, card)
@@ -139,13 +141,14 @@ async def show(dispatcher: Dispatcher, registry: ModelRegistry, name: str) -> by
     )
 
 
-async def ps(dispatcher: Dispatcher, instances: list) -> bytes:
+async def ps(dispatcher: Dispatcher, instances: list, may_use: Callable[[str], bool] | None = None) -> bytes:
     """``/api/ps``: the loaded models, with their details and expiry: each model once, as its ready replica with
-    the largest context shows it (an Ollama client knows one loaded copy of a model; ``/instances`` lists all)."""
+    the largest context shows it (an Ollama client knows one loaded copy of a model; ``/instances`` lists all);
+    only the models the caller's key may use (``may_use``)."""
     loaded: list[tuple[ModelInfo, float | None, float]] = []
     largest: dict[str, Any] = {}
     for instance in instances:
-        if isinstance(instance.state, Ready):
+        if isinstance(instance.state, Ready) and (may_use is None or may_use(instance.model)):
             known = largest.get(instance.model)
             if known is None or instance.placement.context > known.placement.context:
                 largest[instance.model] = instance

@@ -258,3 +258,18 @@ def test_slots_are_sized_from_the_smallest_nodes_memory() -> None:
     assert auto_sequences(spec, 4096, [node("a", 64 << 30), node("b", per_sequence * 4 * 2)]) == 2
     assert auto_sequences(spec, 4096, [node("a", 1 << 20)]) == 1
     assert auto_sequences(spec, 4096, []) == 1
+
+
+async def test_load_freshness_holds_across_skewed_clocks(store: StateStore, peer: StateStore) -> None:
+    """Issue 37, 13: freshness compared another machine's wall clock with this one's. A gateway 60 s behind that
+    publishes all along is fresh; one 60 s ahead that stopped publishing goes stale within ``LOAD_STALE``."""
+    behind, ahead = time.time() - 60, time.time() + 60
+    await peer.put_loads("slow-clock", {"i1": LoadReport(running=1, at=behind)})
+    await peer.put_loads("fast-clock", {"i2": LoadReport(running=2, at=ahead)})
+    await store.loads()  # first sight: dated by the stamps (a guess)
+    for step in range(1, 6):  # 2.5 s: the slow clock keeps publishing, the fast one has stopped
+        await asyncio.sleep(0.5)
+        await peer.put_loads("slow-clock", {"i1": LoadReport(running=1, at=behind + step * 0.5)})
+        loads = await store.loads()
+        assert [r.running for r in loads.get("i1", [])] == [1], (step, loads)
+    assert "i2" not in await store.loads()

@@ -69,6 +69,40 @@ def test_keys_are_stored_hashed_and_listed_without_secrets(server):
     assert chat(server, key).choices[0].message.content == "Hello, world"
 
 
+def test_a_keys_model_list_holds_for_show_and_ps(server):
+    """Issue 37, 13: ``/api/show`` answered for any model whatever the key's list; ``/api/ps`` listed them all."""
+    key = make(server, "grace", "--model", "scripted")
+    auth = {"authorization": f"Bearer {key}"}
+    assert chat(server, key).choices[0].message.content == "Hello, world"  # scripted is loaded now
+    assert httpx.post(f"{server.url}/api/show", json={"model": "scripted"}, headers=auth).status_code == 200
+    other = httpx.post(f"{server.url}/api/show", json={"model": "scripted-big"}, headers=auth)
+    assert other.status_code == 404 and "not found" in other.json()["error"]
+    boot = {"authorization": f"Bearer {BOOT}"}
+    assert httpx.post(f"{server.url}/api/show", json={"model": "scripted-big"}, headers=boot).status_code == 200
+    chat_big = httpx.post(
+        f"{server.url}/api/generate",
+        json={"model": "scripted-big", "prompt": "hello", "stream": False},
+        headers=boot,
+        timeout=60,
+    )
+    assert chat_big.status_code == 200, chat_big.text
+    seen = {m["name"] for m in httpx.get(f"{server.url}/api/ps", headers=auth).json()["models"]}
+    everything = {m["name"] for m in httpx.get(f"{server.url}/api/ps", headers=boot).json()["models"]}
+    assert seen == {"scripted"} < everything, (seen, everything)
+
+
+def test_token_counts_are_rate_limited_too(server):
+    """Issue 37, 13: ``count_tokens`` runs the model's tokenizer on the runner and was not counted at all."""
+    key = make(server, "heidi", "--rpm", "2")
+    client = anthropic.Anthropic(base_url=server.url, api_key=key, max_retries=0)
+    count = {"model": "scripted", "messages": [{"role": "user", "content": "hello there"}]}
+    assert client.messages.count_tokens(**count).input_tokens > 0
+    assert client.messages.count_tokens(**count).input_tokens > 0
+    with pytest.raises(anthropic.RateLimitError) as refused:
+        client.messages.count_tokens(**count)
+    assert "rate limit" in str(refused.value)
+
+
 def test_without_a_key_only_the_probes_answer(server):
     assert httpx.get(f"{server.url}/api/version").status_code == 200
     assert httpx.get(f"{server.url}/").status_code == 200

@@ -37,7 +37,12 @@ async def messages(
     )
 
 
-@post(["/v1/messages/count_tokens"], status_code=200, dependencies=body(anthropic.CountTokensRequest))
+@post(
+    ["/v1/messages/count_tokens"],
+    status_code=200,
+    opt={"limited": True},  # it costs the runner a tokenization: counted in the caller's requests per minute
+    dependencies=body(anthropic.CountTokensRequest),
+)
 async def count_tokens(
     request: HttpRequest, wire: NamedDependency[anthropic.CountTokensRequest], dispatcher: NamedDependency[Dispatcher]
 ) -> Response:

@@ -9,7 +9,7 @@ from litestar import Request as HttpRequest
 from litestar import Response, delete, get, post
 from litestar.di import NamedDependency
 
-from meshgate.gateway.http.routes.common import body, json_response, stream_response
+from meshgate.gateway.http.routes.common import body, json_response, may_use, stream_response
 from meshgate.gateway.models import admin as model_admin
 from meshgate.gateway.serving.dispatch import Dispatcher
 from meshgate.protocols import ollama_models
@@ -25,13 +25,13 @@ def _registry(request: HttpRequest):
 async def show(
     request: HttpRequest, wire: NamedDependency[ollama_models.ShowRequest], dispatcher: NamedDependency[Dispatcher]
 ) -> Response[bytes]:
-    return json_response(await model_admin.show(dispatcher, _registry(request), wire.target))
+    return json_response(await model_admin.show(dispatcher, _registry(request), wire.target, may_use(request)))
 
 
 @get("/api/ps")
 async def ps(request: HttpRequest, dispatcher: NamedDependency[Dispatcher]) -> Response[bytes]:
     instances = await request.app.state.plane.store.instances()
-    return json_response(await model_admin.ps(dispatcher, instances))
+    return json_response(await model_admin.ps(dispatcher, instances, may_use(request)))
 
 
 @post("/api/copy", status_code=200, opt={"scope": "admin"}, dependencies=body(ollama_models.CopyRequest))

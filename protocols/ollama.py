@@ -49,6 +49,7 @@ from meshgate.protocols.model import (
     GatewayError,
     ImagePart,
     InvalidRequest,
+    KeepAlive,
     Message,
     Meta,
     ModelInfo,
@@ -451,7 +452,9 @@ def encode_load_response(model: str, meta: Meta, *, unloaded: bool, chat: bool) 
 
 async def _encode_stream(events: AsyncIterable[Event], meta: Meta, *, chat: bool) -> AsyncIterator[bytes]:
     """One line per text or reasoning delta, whole tool calls (chat only), then the final object or an error
-    line. ``KeepAlive`` writes nothing (OLL-30); the last ``Usage`` feeds the metrics."""
+    line; the last ``Usage`` feeds the metrics. ``KeepAlive`` writes one space: never a blank line or a newline
+    (OLL-30: clients ``json.loads`` every line), but bytes an idle proxy sees while a request waits for a slot or
+    a resumed replica, which every JSON parser skips as the next line's leading whitespace."""
     usage = Usage()
     pending: dict[int, tuple[str, str, list[str]]] = {}  # tool call index -> (id, name, argument fragments)
 
@@ -465,6 +468,8 @@ async def _encode_stream(events: AsyncIterable[Event], meta: Meta, *, chat: bool
 
     async for event in events:
         match event:
+            case KeepAlive():
+                yield b" "
             case TextDelta(text=text) if text:
                 yield _line(_chunk(meta, chat=chat, text=text))
             case ReasoningDelta(text=text) if text:

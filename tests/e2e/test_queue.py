@@ -9,6 +9,7 @@ shows the request never reached generation.
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 
 import anthropic
@@ -265,3 +266,33 @@ def test_ollama_chat_drops_the_oldest_turns_unless_told_not_to(server):
     with pytest.raises(ollama.ResponseError) as refused:
         ollama.Client(host=server.url).chat(model="scripted", messages=alone)
     assert refused.value.status_code == 400
+
+
+async def test_an_ollama_stream_waiting_for_a_slot_gets_bytes_and_parses(server):
+    """Issue 37, 13: a streamed Ollama request that waits in the queue sent nothing at all until its turn (an idle
+    proxy drops it). It now gets a space per keep-alive (never a blank line, OLL-30), and ollama-python, which
+    ``json.loads`` every line, reads the whole answer."""
+    async with httpx.AsyncClient(base_url=server.url, timeout=30) as http:
+        running = asyncio.create_task(http.post("/v1/chat/completions", json=_chat("sleep 2")))
+        await _until(server, active=1)
+        body = {"model": "scripted", "messages": [{"role": "user", "content": "hello"}], "stream": True}
+        async with http.stream("POST", "/api/chat", json=body) as waiting:
+            assert waiting.status_code == 200
+            chunks = waiting.aiter_raw()
+            first = await asyncio.wait_for(anext(chunks), 1.5)  # keep-alives every 0.2 s, the slot free in 2 s
+            assert first.strip() == b"" and b"\n" not in first and first, first
+            rest = b"".join([chunk async for chunk in chunks])
+        lines = (first + rest).splitlines()
+        assert all(line.strip() for line in lines) and json.loads(lines[-1])["done"] is True
+        assert (await running).status_code == 200
+        await _until(server, active=0)
+        running = asyncio.create_task(http.post("/v1/chat/completions", json=_chat("sleep 1")))
+        await _until(server, active=1)
+        parts = [
+            part["message"]["content"]
+            async for part in await ollama.AsyncClient(host=server.url).chat(
+                model="scripted", messages=[{"role": "user", "content": "hello"}], stream=True
+            )
+        ]
+        assert "".join(parts) == "Hello, world"
+        assert (await running).status_code == 200

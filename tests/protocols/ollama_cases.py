@@ -54,7 +54,8 @@ async def stream(*events: Event) -> AsyncIterator[Event]:
 
 
 async def lines(encoder: Callable, *events: Event) -> list[bytes]:
-    return [line async for line in encoder(stream(*events), META)]
+    """The stream's lines as a client reads them (its chunks joined, split at newlines)."""
+    return b"".join([chunk async for chunk in encoder(stream(*events), META)]).splitlines(keepends=True)
 
 
 def parse(raw: Sequence[bytes]) -> list[dict]:

@@ -90,11 +90,14 @@ async def test_oll_21_message_in_every_chat_chunk_and_oll_22_metrics_on_the_fina
     ]
 
 
-async def test_oll_29_ndjson_lines_and_oll_30_keepalive_writes_nothing():
+async def test_oll_29_ndjson_lines_and_oll_30_keepalive_writes_a_space_never_a_line():
+    """A keep-alive is bytes for idle proxies (issue 37, 13: a queue or resume wait sent none for up to 60 s),
+    never a blank line: it is the next line's leading whitespace, which ``json.loads`` skips."""
     raw = await lines(oll.encode_chat_stream, KeepAlive(), KeepAlive(), TextDelta(text="a\nb"), Finished())
-    assert len(raw) == 2
+    assert len(raw) == 2 and raw[0].startswith(b"  {")
     assert all(line.endswith(b"\n") and b"\n" not in line[:-1] for line in raw)
     assert b"\n\n" not in b"".join(raw) and not b"".join(raw).startswith(b"\n")
+    assert [json.loads(line)["done"] for line in raw] == [False, True]
 
 
 async def test_oll_23_length_finish_and_other_reasons_map_to_stop():

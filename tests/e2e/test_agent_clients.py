@@ -194,7 +194,20 @@ def test_claude_code_completes_a_turn_with_its_whole_default_prompt(bin_dir, lar
     is its whole turn and it reports success with the answer as its result."""
     _create_brief(large)
     before = len(_requests(large))
-    run = agent_clients.claude(bin_dir, large.url, tmp_path / "home", "Say hello", "--model", BRIEF, timeout=900)
+    # Claude Code gives up on a stream that sends no content for 300 s (pings do not count: its stream watchdog,
+    # at least CLAUDE_STREAM_IDLE_TIMEOUT_MS) and sends the request again; this prefill takes 160-240 s on a quiet
+    # 2-core box and passed 300 once under load (a retry, so two requests). Users on slow machines set it too
+    # (docs/operations.md, "Claude Code and Codex").
+    run = agent_clients.claude(
+        bin_dir,
+        large.url,
+        tmp_path / "home",
+        "Say hello",
+        "--model",
+        BRIEF,
+        timeout=900,
+        env={"CLAUDE_STREAM_IDLE_TIMEOUT_MS": "900000"},
+    )
     result = run.json()
     lines = _requests(large, before)
     _report("claude default@32768", lines)

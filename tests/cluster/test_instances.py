@@ -141,24 +141,25 @@ async def test_an_instance_that_fitted_nowhere_is_placed_when_a_node_joins(manag
 # ---------------------------------------------------------------------------- issue 37: state changes checked
 
 
-async def _ready(manager, instance):
-    """Report every shard's runner ready for the instance's current epoch and let a pass promote it."""
+async def _report(manager, instance, **status) -> None:
+    """Every shard's runner reports ``status`` for the instance's current epoch; one reconcile pass follows."""
     current = await manager.store.get_instance(instance.id)
     for shard in current.placement.shards:
-        status = RunnerStatus(node_id=shard.node_id, state="ready", url="x", epoch=current.epoch)
-        await manager.store.update_runner(instance.id, status)
+        await manager.store.update_runner(
+            instance.id, RunnerStatus(node_id=shard.node_id, epoch=current.epoch, **status)
+        )
     await manager._refresh(force=True)
     await manager.reconcile()
+
+
+async def _ready(manager, instance):
+    """Report every shard's runner ready and let a pass promote it."""
+    await _report(manager, instance, state="ready", url="x")
     return await manager.store.get_instance(instance.id)
 
 
 async def _fail_runners(manager, instance):
-    current = await manager.store.get_instance(instance.id)
-    for shard in current.placement.shards:
-        status = RunnerStatus(node_id=shard.node_id, state="failed", error="boom", epoch=current.epoch)
-        await manager.store.update_runner(instance.id, status)
-    await manager._refresh(force=True)
-    await manager.reconcile()  # failed
+    await _report(manager, instance, state="failed", error="boom")  # failed
     await manager._refresh(force=True)
     await manager.reconcile()  # re-placed
 

@@ -8,12 +8,14 @@ Runners here are real processes started by ``RunnerProcess`` serving a tiny engi
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import sys
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import httpx
 import pytest
+import redis.asyncio as aioredis
 
 from meshgate.backends.runner import secret as cluster_secret
 from meshgate.backends.runner.client import RunnerClient
@@ -171,24 +173,31 @@ async def test_agents_probe_each_other_with_the_secret_and_refuse_strangers() ->
         await store.close()
 
 
-@pytest.mark.parametrize("kind", ["memory", "redis"])
-async def test_stores_hand_everyone_the_first_proposed_secret(kind: str, request: pytest.FixtureRequest) -> None:
+@contextlib.asynccontextmanager
+async def _two_clients(kind: str, request: pytest.FixtureRequest) -> AsyncIterator[tuple[StateStore, StateStore]]:
+    """Two clients of one state store: the same object in memory, two connections to one prefix on Redis."""
     if kind == "memory":
-        first = second = MemoryStore()
+        one = two = MemoryStore()
     else:
         server = request.getfixturevalue("redis_server")
         prefix = f"secret-{id(request)}:"
-        first, second = RedisStore(server.url, prefix=prefix), RedisStore(server.url, prefix=prefix)
+        one, two = RedisStore(server.url, prefix=prefix), RedisStore(server.url, prefix=prefix)
     try:
+        yield one, two
+    finally:
+        await one.close()
+        if two is not one:
+            await two.close()
+
+
+@pytest.mark.parametrize("kind", ["memory", "redis"])
+async def test_stores_hand_everyone_the_first_proposed_secret(kind: str, request: pytest.FixtureRequest) -> None:
+    async with _two_clients(kind, request) as (first, second):
         proposals = ["first-proposal", "second-proposal", "third-proposal"]
         stores = [first, second, first]
         got = await asyncio.gather(*(s.cluster_secret(p) for s, p in zip(stores, proposals, strict=True)))
         assert len(set(got)) == 1 and got[0] in proposals
         assert await second.cluster_secret("later") == got[0]
-    finally:
-        await first.close()
-        if second is not first:
-            await second.close()
 
 
 def test_a_secret_that_cannot_travel_in_a_header_is_refused() -> None:
@@ -204,32 +213,20 @@ async def test_the_secret_running_runners_hold_survives_a_store_restarted_empty(
     """Issue 37, 14: the store loses the secret; a gateway started meanwhile makes one up (provisional); the next
     heartbeat of an agent whose runners demand the old one puts that back, and the gateway's next read takes it.
     A confirmed secret is never replaced, and a provisional one that agrees is confirmed."""
-    if kind == "memory":
-        agent_side = gateway_side = MemoryStore()
-    else:
-        server = request.getfixturevalue("redis_server")
-        prefix = f"secret-{id(request)}:"
-        agent_side, gateway_side = RedisStore(server.url, prefix=prefix), RedisStore(server.url, prefix=prefix)
-    try:
+    async with _two_clients(kind, request) as (agent_side, gateway_side):
         assert await agent_side.cluster_secret("old", held=True) == "old"
         assert await gateway_side.cluster_secret("made-up") == "old"  # a gateway joining takes the stored one
         if kind == "memory":
             agent_side._secret = None  # type: ignore[attr-defined]  # the store restarted empty
         else:
-            import redis.asyncio as aioredis
-
-            client = aioredis.Redis.from_url(server.url)
-            for key in await client.keys(f"{prefix}*"):
+            client = aioredis.Redis.from_url(request.getfixturevalue("redis_server").url)
+            for key in await client.keys(f"{agent_side.prefix}*"):  # type: ignore[attr-defined]
                 await client.delete(key)
             await client.aclose()
         assert await gateway_side.cluster_secret("made-up") == "made-up"  # provisional
         assert await agent_side.cluster_secret("old", held=True) == "old"  # the heartbeat: runners demand "old"
         assert await gateway_side.cluster_secret("made-up") == "old"  # the gateway's next read (follow_secret)
         assert await agent_side.cluster_secret("other", held=True) == "old"  # confirmed: never replaced
-    finally:
-        await agent_side.close()
-        if gateway_side is not agent_side:
-            await gateway_side.close()
 
 
 async def test_a_gateway_follows_the_secret_the_store_holds(monkeypatch) -> None:

@@ -181,15 +181,13 @@ class InstanceManager:
         strategy: str | None = None,
         min_nodes: int | None = None,
         context: int | None = None,
-        reserved: dict[str, int] | None = None,
     ) -> list[Candidate]:
         """Every candidate placement for ``model``, fitting ones first, best first (``context``: tokens of KV
         cache to hold; the backend's default for the model when None).
 
         A node offers what it reports available, but never more than its total (its ``--memory`` cap, if any)
         less what the instances placed on it already take (``placed_memory``): a runner placed a moment ago has
-        not loaded yet, and a capped node's free memory does not shrink as placements fill the cap. ``reserved``:
-        more bytes per node to take off (none by default)."""
+        not loaded yet, and a capped node's free memory does not shrink as placements fill the cap."""
         card = self.resolve(model)
         offers = self._offers(card)
         backend = offers[0][0]
@@ -203,7 +201,7 @@ class InstanceManager:
                     n,
                     memory_available=max(
                         0,
-                        min(n.memory_available, n.memory_total - placed.get(n.id, 0)) - (reserved or {}).get(n.id, 0),
+                        min(n.memory_available, n.memory_total - placed.get(n.id, 0)),
                     ),
                 )
                 for n in topology.nodes
@@ -231,14 +229,13 @@ class InstanceManager:
         min_nodes: int | None = None,
         context: int | None = None,
         reason: str = "requested",
-        reserved: dict[str, int] | None = None,
     ) -> Instance:
         """Place ``model`` (a previewed candidate by id, or the best under the constraints); store the instance.
 
         Without ``nodes`` or ``candidate_id``, nodes that hold no replica of the model come first (anti-affinity);
         a replica placed beside another says why in its ``note``."""
         card = self.resolve(model)
-        plan_with: dict[str, Any] = dict(strategy=strategy, min_nodes=min_nodes, context=context, reserved=reserved)
+        plan_with: dict[str, Any] = dict(strategy=strategy, min_nodes=min_nodes, context=context)
         note = None
         occupied = {s.node_id: i.id for i in self.cached(card.name) for s in i.placement.shards}
         candidates: list[Candidate] = []

@@ -86,7 +86,6 @@ class KeyRing:
         self.accounts = accounts
         self._bootstrap = [digest(k) for k in bootstrap]
         self.rate_limit = rate_limit
-        self._stored: tuple[float, bool] = (0.0, False)  # (checked at, sealed)
         self._sealed = False  # seen sealed once: on for the life of this process, whatever the store says later
         self._checked: dict[str, tuple[ApiKey, float]] = {}  # key id -> (record, monotonic time the store gave it)
         self._local = MemoryAccounts(max_names=10_000)  # the windows while the store is away
@@ -94,20 +93,13 @@ class KeyRing:
 
     async def enabled(self) -> bool:
         """Whether auth is on (then every non-public route needs a key): a bootstrap key, or accounts that are
-        sealed (a key exists or once did). Asked of the accounts at most once a second until it is on; then it
-        stays on in this process. The accounts unreachable before that: ``StoreUnavailable`` (a 503)."""
+        sealed (a key exists or once did). Asked of the accounts at every request until it is on (a key made on
+        another gateway seals this one's next request too); then it stays on in this process. The accounts
+        unreachable before that: ``StoreUnavailable`` (a 503)."""
         if self._bootstrap or self._sealed:
             return True
-        checked, sealed = self._stored
-        if time.monotonic() - checked > 1.0:
-            sealed = await self.accounts.sealed()
-            self._stored = (time.monotonic(), sealed)
-        self._sealed = sealed
-        return sealed
-
-    def forget(self) -> None:
-        """Ask the accounts again at the next request (a key was just made or revoked here)."""
-        self._stored = (0.0, self._sealed)
+        self._sealed = await self.accounts.sealed()
+        return self._sealed
 
     async def identify(self, connection: ASGIConnection) -> Caller:
         for presented in _credentials(connection):

@@ -51,6 +51,10 @@ log = logging.getLogger("meshgate.agent")
 _BLOB = b"\0" * (1 << 20)
 
 
+HEARTBEAT_RETRY = 0.1
+"""Seconds between a node's heartbeats while the store does not take them."""
+
+
 class NodeAgent:
     """One machine's agent: heartbeat, link probes, shard processes."""
 
@@ -91,7 +95,7 @@ class NodeAgent:
         self.memory = memory
         self.launched: dict[str, tuple[int, Launched]] = {}
         self._starting: dict[str, asyncio.Task] = {}
-        self._failed: set[tuple[str, int]] = set()
+        self._failed: dict[tuple[str, int], str] = {}  # (instance id, epoch) -> why its runner failed here
         self._tasks: list[asyncio.Task] = []
         self._flops = flops if flops is not None else measure_flops()
         self._server: Any = None
@@ -204,15 +208,23 @@ class NodeAgent:
                 await self._register()
 
     async def _heartbeat_loop(self) -> None:
+        """Beat every ``heartbeat`` seconds; after a beat the store did not take (away, or slower than its
+        timeout), again every ``HEARTBEAT_RETRY`` seconds until it does: the beat that timed out used up most of
+        the node's time to live, and a node the store lets lapse looks dead to every gateway."""
+        wait = self.heartbeat
         while True:
-            await asyncio.sleep(self.heartbeat)
+            await asyncio.sleep(wait)
             try:
                 await self._register()
                 await self._hold_secret()
+                wait = self.heartbeat
             except StoreUnavailable:
-                log.warning("heartbeat: the state store is away; trying again in %gs", self.heartbeat)
+                if wait == self.heartbeat:
+                    log.warning("heartbeat: the state store is away; trying again every %gs", HEARTBEAT_RETRY)
+                wait = min(HEARTBEAT_RETRY, self.heartbeat)
             except Exception:
                 log.exception("heartbeat failed")
+                wait = self.heartbeat
 
     async def _hold_secret(self) -> None:
         """Confirm the secret this node's runners demand, or put it back where the store lost it or holds one a
@@ -243,6 +255,8 @@ class NodeAgent:
             self._wake.clear()
             try:
                 await self.reconcile()
+            except StoreUnavailable:
+                log.warning("agent reconcile: the state store is away; trying again in 0.5s")
             except Exception:
                 log.exception("agent reconcile failed")
 
@@ -251,7 +265,7 @@ class NodeAgent:
         stored = await self.store.instances()
         self._epochs = {i.id: self._epochs[i.id] for i in stored if i.id in self._epochs}  # forget deleted ones
         running = {iid: (epoch, launched.alive) for iid, (epoch, launched) in self.launched.items()}
-        for step in lifecycle.shard_plan(self.node_id, stored, running, set(self._starting), self._failed):
+        for step in lifecycle.shard_plan(self.node_id, stored, running, set(self._starting), self._failed.keys()):
             if isinstance(step, lifecycle.Launch):
                 self._starting[step.instance.id] = asyncio.create_task(self._launch(step.instance))
                 continue
@@ -260,8 +274,9 @@ class NodeAgent:
             if isinstance(step, lifecycle.Stop):
                 log.info("stopped shard of %s (epoch %s)", step.instance_id, step.epoch)
             else:
-                self._failed.add((step.instance.id, step.epoch))
+                self._failed[(step.instance.id, step.epoch)] = "the runner process exited"
                 await self._report(step.instance, "failed", error="the runner process exited")
+        await self._report_unreported(stored)
 
     async def _launch(self, instance: Instance) -> None:
         try:
@@ -269,7 +284,8 @@ class NodeAgent:
             if instance.id in self._epochs:  # ran here before: re-placed, or its runner died
                 self.metrics.restarted(instance.model)
             self._epochs[instance.id] = instance.epoch
-            await self._report(instance, "starting")
+            with contextlib.suppress(StoreUnavailable):  # what it comes to is said, or said again, later
+                await self._report(instance, "starting")
             card = self.resolve(instance.model)
             backend = next((b for b in self.backends if b.name == instance.placement.backend), None)
             if backend is None:
@@ -278,17 +294,35 @@ class NodeAgent:
                 card, instance.placement, shard, host=self.address, peers=lambda: self._peers(instance)
             )
             self.launched[instance.id] = (instance.epoch, launched)
-            await self._report(instance, "ready", url=launched.url, pid=launched.pid)
+            try:
+                await self._report(instance, "ready", url=launched.url, pid=launched.pid)
+            except StoreUnavailable:  # it runs: a later reconcile pass says so (``_report_unreported``)
+                log.warning("started %s; the state store is away: it is reported once it is back", instance.model)
+                return
             log.info("started shard of %s on %s: %s", instance.model, self.name, launched.url)
         except asyncio.CancelledError:
             raise
         except Exception as exc:
             log.warning("could not start %s: %s", instance.model, exc)
-            self._failed.add((instance.id, instance.epoch))
-            await self._report(instance, "failed", error=str(exc) or type(exc).__name__)
+            error = self._failed[(instance.id, instance.epoch)] = str(exc) or type(exc).__name__
+            with contextlib.suppress(StoreUnavailable):  # else a later reconcile pass reports it
+                await self._report(instance, "failed", error=error)
         finally:
             self._starting.pop(instance.id, None)
             self._wake.set()
+
+    async def _report_unreported(self, stored: list[Instance]) -> None:
+        """Say again what a report lost to a store outage (or a store that restarted empty) left unsaid: each
+        runner started here for an instance's current epoch is ready, each that failed here failed."""
+        for instance in stored:
+            status = instance.runners.get(self.node_id)
+            said = (status.state, status.epoch) if status is not None else None
+            epoch, launched = self.launched.get(instance.id, (None, None))
+            if launched is not None and epoch == instance.epoch and launched.alive and said != ("ready", epoch):
+                await self._report(instance, "ready", url=launched.url, pid=launched.pid)
+            error = self._failed.get((instance.id, instance.epoch))
+            if error is not None and said != ("failed", instance.epoch):
+                await self._report(instance, "failed", error=error)
 
     async def _peers(self, instance: Instance, timeout: float = 300.0) -> dict[str, str]:
         """Wait until every other shard of ``instance`` reports ready for its epoch; their URLs by node id."""
@@ -342,6 +376,8 @@ class NodeAgent:
                 if peers != known or time.monotonic() - last > self.probe_every:
                     known, last = peers, time.monotonic()
                     await self.probe_links()
+            except StoreUnavailable:
+                log.warning("link probe: the state store is away")
             except Exception:
                 log.exception("link probe failed")
 

@@ -287,7 +287,7 @@ class Autoscaler:
                 "deployment.scaled_down", message, instance_id=action.instance_id, data=_data(action)
             )
             with contextlib.suppress(NotFound):  # gone meanwhile
-                await manager.drain(action.instance_id, reason="scaled down", lower=False)
+                await manager.drain(action.instance_id, reason="scaled down", lower=False, settle=True)
             return action
         return None
 

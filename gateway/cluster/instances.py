@@ -36,7 +36,7 @@ import contextlib
 import logging
 import time
 import uuid
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import Any
 
 import msgspec
@@ -49,11 +49,23 @@ from meshgate.gateway.cluster.planner import BackendOffer, plan
 from meshgate.gateway.cluster.records import Deployment, Draining, Failed, Instance, Ready, Starting
 from meshgate.gateway.cluster.routing import Choice, PrefixTable, Replica, Routing, route
 from meshgate.gateway.cluster.store import StateStore
-from meshgate.protocols.model import BackendUnavailable, InvalidRequest, NoCapacity, NotFound, StoreUnavailable
+from meshgate.protocols.model import (
+    BackendUnavailable,
+    InvalidRequest,
+    NoCapacity,
+    NotFound,
+    Overloaded,
+    StoreUnavailable,
+)
 
 __all__ = ["InstanceManager", "given_up", "missing_replicas"]
 
 log = logging.getLogger("meshgate.instances")
+
+
+PLACING, PLACING_LEASE, PLACING_WAIT = "placing", 10.0, 10.0
+"""The store lease a gateway holds while it places a replica (``InstanceManager._placing``), its time to live,
+and how long a placement waits for another gateway's to end."""
 
 
 class InstanceManager:
@@ -77,6 +89,7 @@ class InstanceManager:
         min_replicas: int = 1,
         max_replicas: int = 1,
         drain_grace: float = 30.0,
+        node_ttl: float = 3.0,
     ) -> None:
         self.store = store
         self.backends = list(backends)
@@ -103,6 +116,13 @@ class InstanceManager:
         self.scale: Callable[[], Awaitable[object]] | None = None  # autoscaling, once per reconcile pass
         self._nodes: set[NodeId] = set()  # the nodes of the last reconcile pass: one that joins retries the unplaceable
         self.drain_grace = drain_grace  # seconds a drained replica's streams have to finish (``MESHGATE_DRAIN_GRACE``)
+        # A node is gone when the store no longer has it. Not within a TTL (``MESHGATE_NODE_TTL``) of a call of this
+        # gateway's failing (``StateStore.unavailable_at``): the store let lapse every node whose heartbeats could
+        # not reach it, and they beat again once it answers.
+        self.node_ttl = node_ttl
+        self._before_away: set[NodeId] = set()  # the nodes seen up to then, and since while it was away
+        self._drains_seen: dict[tuple[str, float], float] = {}  # (instance, its drain's since) -> first seen here
+        self._pass_at = 0.0  # wall time the current reconcile pass began
 
     # ------------------------------------------------------------------------------------------- lifecycle
 
@@ -121,8 +141,11 @@ class InstanceManager:
                 await task
 
     async def _watch(self) -> None:
-        async for _kind in self.store.watch():
-            self._changed.set()
+        """Reconcile at once when the instances or deployments change. Node records change with every heartbeat
+        (each node's, every second): a join, a drain or a departure is seen by the next periodic pass."""
+        async for kind in self.store.watch():
+            if kind == "instances":
+                self._changed.set()
 
     async def _refresh(self, force: bool = False) -> None:
         generation = await self.store.generation()
@@ -139,6 +162,8 @@ class InstanceManager:
             try:
                 await self._refresh()
                 await self.reconcile()
+            except StoreUnavailable:
+                log.warning("reconcile: the state store is away; trying again in %gs", self.reconcile_every)
             except Exception:
                 log.exception("reconcile failed; retrying")
 
@@ -218,6 +243,25 @@ class InstanceManager:
             strategy=strategy,
             min_nodes=min_nodes,
         )
+
+    @contextlib.asynccontextmanager
+    async def _placing(self) -> AsyncIterator[None]:
+        """Place (plan and write) as the only placer in the cluster, from the store's records as they are: the
+        ``placing`` lease in the store, held by one gateway at a time (two gateways planning at once would each
+        count only the memory their own view places, and fill a node twice over). Waits ``PLACING_WAIT`` seconds
+        at most for another gateway's placement to end."""
+        async with self._create_lock:
+            deadline = time.monotonic() + PLACING_WAIT
+            while not await self.store.claim(PLACING, self.holder, ttl=PLACING_LEASE):
+                if time.monotonic() > deadline:
+                    raise Overloaded("another gateway is placing models; retry shortly", retry_after=1.0)
+                await asyncio.sleep(0.05)
+            try:
+                await self._refresh(force=True)
+                yield
+            finally:
+                with contextlib.suppress(StoreUnavailable):  # else its lease lapses by itself
+                    await self.store.release(PLACING, self.holder)
 
     async def create(
         self,
@@ -303,8 +347,7 @@ class InstanceManager:
         _check_bounds(min_replicas, max_replicas)
         card = self.resolve(model)
         placed: list[Instance] = []
-        async with self._create_lock:
-            await self._refresh()
+        async with self._placing():
             for _ in range(replicas):
                 instance = await self.create(
                     card.name,
@@ -330,7 +373,9 @@ class InstanceManager:
         hi = current.max_replicas if max_replicas is None else max_replicas
         _check_bounds(lo, hi)
         await self._record_deployment(model, bounds=(lo, hi), pinned=True)
-        found = next(d for d in await self.store.deployments() if d.model == model)
+        found = next((d for d in await self.store.deployments() if d.model == model), None)
+        if found is None:  # its last replica was deleted meanwhile, and the deployment with it
+            raise NotFound(f"model '{model}' has no deployment")
         await self.store.append_event(
             "deployment.bounds",
             f"{model}: min_replicas {found.min_replicas}, max_replicas {found.max_replicas}",
@@ -400,7 +445,7 @@ class InstanceManager:
         """Remove an instance and lower its deployment's count: at once when nothing runs or queues on it (or
         ``grace`` is 0), else by draining it for ``grace`` seconds (the setting when None). Returns the draining
         instance, or None when it is gone."""
-        return await self.drain(instance_id, reason="deleted", grace=grace)
+        return await self.drain(instance_id, reason="deleted", grace=grace, settle=grace != 0)
 
     async def drain(
         self,
@@ -408,27 +453,31 @@ class InstanceManager:
         *,
         reason: str,
         grace: float | None = None,
-        until: float | None = None,
         lower: bool = True,
         settle: bool = False,
     ) -> Instance | None:
-        """Take the instance out of routing and delete it once what runs on it has finished, or at ``until``
-        (default: ``grace`` seconds from now). ``lower``: its deployment asks for one replica fewer (a deletion, a
-        scale-down); else (its node is stopping) the reconcile loop places a replacement while it drains. One that
-        is not ready is deleted at once, and so is an idle one unless ``settle``: then it drains for at least
-        ``lifecycle.SETTLE`` seconds, so that a stream another gateway began on it in the last moments (not yet in
-        the shared load) finishes there too. Two gateways acting on one node's drain both get here: the one whose
-        Ready -> Draining write loses leaves the replica to the other's drain, never deletes it. Returns it while
-        it drains, None once gone."""
+        """Take the instance out of routing and delete it once what runs on it has finished, or ``grace`` seconds
+        from now (the ``drain_grace`` setting when None). ``lower``: its deployment asks for one replica fewer (a
+        deletion, a scale-down); else (its node is stopping) the reconcile loop places a replacement while it
+        drains. One that is not ready is deleted at once, and so is an idle one unless ``settle``: then it drains
+        for at least ``lifecycle.SETTLE`` seconds, so that a stream another gateway began on it in the last moments
+        (not yet in the shared load) finishes there too. Two gateways acting on one node's drain both get here: the
+        one whose Ready -> Draining write loses leaves the replica to the other's drain, never deletes it. Returns
+        it while it drains, None once gone."""
         found = await self.store.get_instance(instance_id)
         if found is None:
             raise NotFound(f"instance '{instance_id}' not found")
         now = time.time()
-        until = now + (self.drain_grace if grace is None else grace) if until is None else until
-        if isinstance(found.state, Draining):  # already draining: a shorter grace (``?grace=0``) moves its end
-            if until < found.state.until:
-                shorter = msgspec.structs.replace(found.state, until=until)
-                await self.store.set_state(instance_id, shorter, expected=Draining)
+        until = now + (self.drain_grace if grace is None else grace)
+        if isinstance(found.state, Draining):  # already draining: a shorter ``grace`` (``?grace=0``) moves its end
+            # Its times are on its writer's clock, which may be off from this one's: the new end is its start plus
+            # what has passed of it (measured here, since this gateway first saw it) plus the grace.
+            state = found.state
+            first = self._drains_seen.get((instance_id, state.since), time.monotonic())
+            sooner = state.since + (time.monotonic() - first) + (until - now)
+            if sooner < state.until:
+                shorter = msgspec.structs.replace(state, until=sooner)
+                await self.store.set_state(instance_id, shorter, expected=Draining, epoch=found.epoch)
                 await self._refresh(force=True)
                 self._changed.set()
             return self._view.get(instance_id, found)
@@ -436,7 +485,9 @@ class InstanceManager:
             await self._record_deployment(found.model, without=instance_id)
         if isinstance(found.state, Ready) and until > now and (settle or self.load(instance_id)):
             state = Draining(since=now, until=until, reason=reason, replaced=not lower)
-            if await self.store.set_state(instance_id, state, expected=Ready):
+            began = time.monotonic()
+            if await self.store.set_state(instance_id, state, expected=Ready, epoch=found.epoch):
+                self._drains_seen[(instance_id, now)] = began  # its window, on this clock (``_on_this_clock``)
                 left = until - now
                 await self.store.append_event(
                     "instance.draining",
@@ -507,8 +558,7 @@ class InstanceManager:
         found = self._pick(card.name, context, routing)
         if found is not None:
             return found
-        async with self._create_lock:
-            await self._refresh()
+        async with self._placing():
             found = self._pick(card.name, context, routing)
             if found is not None:
                 return found
@@ -600,9 +650,16 @@ class InstanceManager:
         fail, re-place, expire, drain, remove), then autoscaling and the replicas deployments miss."""
         nodes = await self.store.nodes()
         node_ids = {n.id for n in nodes}
-        stopping = {n.id: n.draining_until for n in nodes if n.draining_until is not None}
+        if time.monotonic() - self.store.unavailable_at < self.node_ttl:
+            self._before_away |= node_ids  # the store expired them while no heartbeat could reach it: a TTL to beat
+            node_ids = set(self._before_away)
+        else:
+            self._before_away = node_ids
+        now = self._pass_at = time.time()  # what a node's agent stamps (its drain's end) is on its clock: the time
+        # left of it is not (a heartbeat's age off, at most)
+        stopping = {n.id: now + n.draining_until - n.heartbeat_at for n in nodes if n.draining_until is not None}
         joined, self._nodes = bool(node_ids - self._nodes), node_ids
-        for step in lifecycle.plan(list(self._view.values()), node_ids, stopping, self.load, time.time(), joined):
+        for step in lifecycle.plan(self._on_this_clock(now), node_ids, stopping, self.load, now, joined):
             instance = self._view.get(step.instance_id)
             if instance is not None:
                 await self._carry_out(step, instance)
@@ -613,6 +670,25 @@ class InstanceManager:
             except Exception:  # the store away for a moment: placing what deployments miss goes on
                 log.exception("autoscaling failed; deciding again next pass")
         await self._fill_deployments()
+
+    def _on_this_clock(self, wall: float) -> list[Instance]:
+        """The view, each drain's window moved onto this gateway's clock: it began when this gateway first saw it
+        (or wrote it), and lasts what its writer gave it. Another gateway's clock may be off from this one's by
+        any amount; a drain judged by it would end early (cutting streams) or late. ``wall``: this pass's now."""
+        mono = time.monotonic()
+        seen: dict[tuple[str, float], float] = {}
+        instances = []
+        for instance in self._view.values():
+            state = instance.state
+            if isinstance(state, Draining):
+                key = (instance.id, state.since)
+                first = seen[key] = self._drains_seen.get(key, mono)
+                since = wall - (mono - first)
+                state = msgspec.structs.replace(state, since=since, until=since + state.until - state.since)
+                instance = msgspec.structs.replace(instance, state=state)
+            instances.append(instance)
+        self._drains_seen = seen
+        return instances
 
     async def _carry_out(self, step: lifecycle.Step, instance: Instance) -> None:
         """One step of a reconcile pass, as a compare-and-set on the instance's state where it changes one."""
@@ -633,11 +709,12 @@ class InstanceManager:
                 kept = msgspec.structs.replace(instance, expires_at=None)
                 await self.store.update_instance(kept, expected=Ready, epoch=instance.epoch)
                 return
-            await self._record_deployment(instance.model, without=iid)
-            await self._remove(instance, f"{instance.model} expired (keep_alive)", kind="instance.expired")
+            with contextlib.suppress(NotFound):  # settles first: another gateway may have just begun a stream on it
+                await self.drain(iid, reason="expired (keep_alive)", settle=True)
         elif isinstance(step, lifecycle.Drain):
             with contextlib.suppress(NotFound):  # another gateway removed it in the meantime
-                await self.drain(iid, reason=step.reason, until=step.until, lower=False, settle=True)
+                left = max(0.0, step.until - self._pass_at)  # what is left of it: this pass may have taken a while
+                await self.drain(iid, reason=step.reason, grace=left, lower=False, settle=True)
         else:
             await self._remove(instance, f"{instance.model} {step.why}", kind="instance.drained")
 
@@ -653,7 +730,7 @@ class InstanceManager:
                 continue
             try:
                 deployment = next(d for d in await self.store.deployments() if d.model == model)
-                async with self._create_lock:
+                async with self._placing():
                     created = await self.create(
                         model, context=deployment.context, reason=f"deployment: {deployment.replicas} replicas"
                     )
@@ -670,6 +747,10 @@ class InstanceManager:
     async def _replace(self, instance: Instance, why: str) -> None:
         """Plan again on the nodes that remain, for the context it held: with the instance's own constraints if it
         still fits so, else with none. Written over the failed state and epoch read, in one step."""
+        async with self._placing():
+            await self._replace_placed(instance, why)
+
+    async def _replace_placed(self, instance: Instance, why: str) -> None:
         candidates: list[Candidate] = []
         context = instance.placement.context or None
         try:

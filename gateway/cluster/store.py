@@ -60,6 +60,7 @@ import functools
 import inspect
 import itertools
 import logging
+import math
 import time
 from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
@@ -153,7 +154,12 @@ class _LoadAges:
 
 @runtime_checkable
 class StateStore(Protocol):
-    """Cluster state shared by gateways and node agents. Every method is safe to call concurrently."""
+    """Cluster state shared by gateways and node agents. Every method is safe to call concurrently.
+
+    ``unavailable_at`` is the monotonic time a call last failed with ``StoreUnavailable`` (``-inf``: never): while
+    the store was away it let the nodes whose heartbeats could not reach it lapse (``InstanceManager``)."""
+
+    unavailable_at: float
 
     async def put_node(self, node: Node, ttl: float) -> None:
         """Register or refresh ``node``; it vanishes from ``nodes()`` ``ttl`` seconds after the last refresh."""
@@ -232,6 +238,9 @@ class StateStore(Protocol):
         """Take the lease ``name`` for ``ttl`` seconds unless another holder has it (its holder renews it): True if
         ``holder`` has it now."""
 
+    async def release(self, name: str, holder: str) -> bool:
+        """Give the lease ``name`` up if ``holder`` has it: True if it did."""
+
     async def cluster_secret(self, proposed: str, *, held: bool = False) -> str:
         """The cluster's secret: the one stored, else ``proposed``, stored now (the first caller's wins).
 
@@ -283,6 +292,8 @@ class _Watchers:
 
 class MemoryStore:
     """The embedded store: one process, no Redis. Expiry uses the monotonic clock."""
+
+    unavailable_at = -math.inf  # in this process: never away
 
     def __init__(self) -> None:
         self._nodes: dict[str, tuple[bytes, float]] = {}
@@ -437,6 +448,13 @@ class MemoryStore:
             return True
         return False
 
+    async def release(self, name: str, holder: str) -> bool:
+        current = self._claims.get(name)
+        if current is None or current[0] != holder:
+            return False
+        del self._claims[name]
+        return True
+
     def watch(self) -> AsyncIterator[str]:
         return self._watchers.stream(lambda: asyncio.sleep(0))
 
@@ -529,6 +547,12 @@ if ARGV[2] == '1' and stored == ARGV[1] then redis.call('DEL', KEYS[2]) end
 return stored
 """
 
+# KEYS: claim:{name}  ARGV: holder. Deletes the lease only where the holder still has it.
+_RELEASE = """
+if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end
+return 0
+"""
+
 STORE_TIMEOUT = 2.0
 """Seconds one store call may take by default (``Settings.store_timeout``)."""
 
@@ -562,6 +586,7 @@ def _bounded(cls: type[T]) -> type[T]:
                     return await method(*args, **kwargs)
                 except (RedisError, OSError) as exc:
                     log.warning("state store call %s failed: %r", name, exc)
+                    args[0].unavailable_at = time.monotonic()  # type: ignore[attr-defined]  # the store itself
                     raise StoreUnavailable() from exc
 
             return call
@@ -577,6 +602,7 @@ class RedisStore:
 
     def __init__(self, url: str, prefix: str = "meshgate:", *, timeout: float = STORE_TIMEOUT) -> None:
         self.prefix = prefix
+        self.unavailable_at = -math.inf
         self._r = connect_redis(url, timeout)
         self._channel = prefix + "changes"
         self._drop_nodes = self._r.register_script(_DROP_NODES)
@@ -584,6 +610,7 @@ class RedisStore:
         self._set_state = self._r.register_script(_SET_STATE)
         self._update_instance = self._r.register_script(_UPDATE_INSTANCE)
         self._secret_script = self._r.register_script(_SECRET)
+        self._release = self._r.register_script(_RELEASE)
         self._ages = _LoadAges()
         self._watchers = _Watchers()
         self._listener: asyncio.Task[None] | None = None
@@ -777,6 +804,9 @@ class RedisStore:
             return False
         await self._r.pexpire(key, px)  # its holder renews it
         return True
+
+    async def release(self, name: str, holder: str) -> bool:
+        return bool(await self._release(keys=[self._key("claim", name)], args=[holder]))
 
     def watch(self) -> AsyncIterator[str]:
         return self._watchers.stream(self._ready)

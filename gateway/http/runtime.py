@@ -123,6 +123,7 @@ async def control_plane(
                     min_replicas=settings.min_replicas,
                     max_replicas=max(settings.min_replicas, settings.max_replicas),
                     drain_grace=settings.drain_grace,
+                    node_ttl=settings.node_ttl,
                 )
                 policy = Policy(
                     up_wait=settings.scale_up_wait,

@@ -266,7 +266,8 @@ async def test_scale_down_removes_the_idle_replica_never_one_with_requests(memor
     busy.clear()
     [[down]] = await _step([manager], [scaler])
     assert isinstance(down, ScaleDown) and down.instance_id == a.id
-    assert {i.id for i in await memory_store.instances()} == {b.id, c.id}
+    # it drains (settles) rather than going at once: another gateway may have just begun a stream on it
+    assert {i.id for i in await memory_store.instances() if not isinstance(i.state, Draining)} == {b.id, c.id}
     [deployment] = await memory_store.deployments()
     assert (deployment.replicas, deployment.min_replicas, deployment.scaled_at) == (2, 1, clock.now)
     [event] = [e for e in await memory_store.events() if e.kind == "deployment.scaled_down"]
@@ -277,7 +278,7 @@ async def test_scale_down_removes_the_idle_replica_never_one_with_requests(memor
     assert len((await _step([manager], [scaler]))[0]) == 1  # one at a time
     clock.now += 400
     assert await _step([manager], [scaler]) == [[]]  # at min_replicas
-    assert len(await memory_store.instances()) == 1
+    assert len([i for i in await memory_store.instances() if not isinstance(i.state, Draining)]) == 1
 
 
 async def test_bounds_of_new_deployments_and_changing_them(memory_store) -> None:

@@ -29,12 +29,19 @@ async def _events(manager) -> list[str]:
     return [f"{e.kind}: {e.message}" for e in await manager.store.events()]
 
 
-async def test_an_idle_replica_is_deleted_at_once(cluster):
+async def test_an_idle_replica_settles_then_goes(cluster):
+    """Idle as this gateway sees it is not idle everywhere: another gateway may have begun a stream on it a moment
+    ago, not yet in the shared load (the simulator found such streams cut). So a deleted replica drains for
+    ``lifecycle.SETTLE`` (0 here) and goes at the next pass; ``grace=0`` deletes it at once."""
     manager, _ = cluster
-    a, b = await manager.deploy("scripted", replicas=2)
-    await _ready(manager, a, b)
-    assert await manager.delete(a.id) is None
-    assert [i.id for i in await manager.store.instances()] == [b.id]
+    a, b, c = await manager.deploy("scripted", replicas=3)
+    await _ready(manager, a, b, c)
+    draining = await manager.delete(a.id)
+    assert draining is not None and isinstance(draining.state, Draining)
+    assert (await manager.store.deployments())[0].replicas == 2
+    await manager.reconcile()
+    assert await manager.delete(b.id, grace=0) is None
+    assert [i.id for i in await manager.store.instances()] == [c.id]
     assert (await manager.store.deployments())[0].replicas == 1
 
 
@@ -94,7 +101,8 @@ async def test_a_draining_node_hands_its_replicas_to_the_others(cluster):
     await manager._refresh(force=True)
     await manager.reconcile()
     now = {i.id: i for i in await manager.store.instances()}
-    assert isinstance(now[ready.id].state, Draining) and now[ready.id].state.until == until
+    # the node's drain ends 30 s after its last heartbeat (its clock may be off from this gateway's)
+    assert isinstance(now[ready.id].state, Draining) and abs(now[ready.id].state.until - until) < 1
     assert "node n1 is draining" in now[ready.id].state.reason
     assert isinstance(now[starting.id].state, Failed | Starting), "the one starting there is re-placed"
     assert (await manager.store.deployments())[0].replicas == 2, "the node's replicas are still wanted"

@@ -7,8 +7,9 @@ import time
 import pytest
 
 from meshgate.backends.placement import Node, NodeId
+from meshgate.gateway.cluster import lifecycle
 from meshgate.gateway.cluster.instances import MAX_ATTEMPTS, InstanceManager
-from meshgate.gateway.cluster.records import Failed, Ready, RunnerStatus, Starting
+from meshgate.gateway.cluster.records import Draining, Failed, Ready, RunnerStatus, Starting
 from meshgate.gateway.cluster.store import MemoryStore
 from meshgate.gateway.http.runtime import _rank
 from meshgate.gateway.serving.catalog import Catalog
@@ -102,7 +103,10 @@ async def test_a_failing_runner_is_retried_a_bounded_number_of_times(manager):
     assert isinstance(final.state, Failed) and final.attempts == MAX_ATTEMPTS
 
 
-async def test_oll_15_a_ready_instance_past_its_expiry_is_deleted(manager):
+async def test_oll_15_a_ready_instance_past_its_expiry_is_deleted(manager, monkeypatch):
+    """It settles first (``lifecycle.SETTLE``, 0 here): a stream another gateway began on it a moment ago, not yet
+    in the shared load, finishes there."""
+    monkeypatch.setattr(lifecycle, "SETTLE", 0.0)
     instance = await manager.create("scripted", nodes=["fast"])
     await manager.store.update_runner(instance.id, RunnerStatus(node_id=NodeId("fast"), state="ready", url="x"))
     await manager._refresh(force=True)
@@ -112,8 +116,11 @@ async def test_oll_15_a_ready_instance_past_its_expiry_is_deleted(manager):
     assert (await manager.store.get_instance(instance.id)).expires_at is not None  # not yet
     await manager.set_expiry("scripted", time.time() - 1)
     await manager.reconcile()
+    draining = await manager.store.get_instance(instance.id)
+    assert isinstance(draining.state, Draining) and draining.state.reason == "expired (keep_alive)"
+    await manager.reconcile()
     assert await manager.store.get_instance(instance.id) is None and manager.cached("scripted") == []
-    assert [e.kind for e in await manager.store.events()][-1] == "instance.expired"
+    assert [e.kind for e in await manager.store.events()][-2:] == ["instance.draining", "instance.drained"]
 
 
 async def test_an_instance_that_fitted_nowhere_is_placed_when_a_node_joins(manager):

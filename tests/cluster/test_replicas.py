@@ -9,10 +9,11 @@ import time
 import pytest
 
 from meshgate.backends.placement import ModelSpec, Node, NodeId
+from meshgate.gateway.cluster import lifecycle
 from meshgate.gateway.cluster.instances import InstanceManager, missing_replicas
 from meshgate.gateway.cluster.loads import LoadBoard
 from meshgate.gateway.cluster.planner import MAX_SEQUENCES, auto_sequences
-from meshgate.gateway.cluster.records import Deployment, LoadReport, RunnerStatus
+from meshgate.gateway.cluster.records import Deployment, Draining, LoadReport, RunnerStatus
 from meshgate.gateway.cluster.routing import Routing
 from meshgate.gateway.cluster.store import LOAD_STALE, MemoryStore, StateStore
 from meshgate.gateway.http.runtime import _rank
@@ -167,7 +168,8 @@ async def test_requests_go_to_the_less_loaded_replica_and_a_prefix_keeps_its_rep
     assert {rule for (_, rule) in manager.routed} >= {"least_loaded", "affinity", "spill"}
 
 
-async def test_expiry_waits_while_any_gateway_has_work_on_the_replica(cluster):
+async def test_expiry_waits_while_any_gateway_has_work_on_the_replica(cluster, monkeypatch):
+    monkeypatch.setattr(lifecycle, "SETTLE", 0.0)  # an expired replica drains for it first (another gateway's stream)
     manager, busy = cluster
     one = await manager.acquire(manager.resolve("scripted"))  # placed by a request: keep_alive may unload it
     await _ready(manager, one)
@@ -176,6 +178,8 @@ async def test_expiry_waits_while_any_gateway_has_work_on_the_replica(cluster):
     await manager.reconcile()
     assert await manager.store.get_instance(one.id) is not None
     busy.clear()
+    await manager.reconcile()
+    assert isinstance((await manager.store.get_instance(one.id)).state, Draining)
     await manager.reconcile()
     assert await manager.store.get_instance(one.id) is None and await manager.store.deployments() == []
 

@@ -20,10 +20,8 @@ async def test_auth_stays_on_when_the_last_key_is_revoked(tmp_path):
     assert not await ring.enabled()  # a fresh gateway on loopback: open until the first key
     _, record = mint("admin", "admin")
     await ring.accounts.put_key(record)
-    ring.forget()
     assert await ring.enabled()
     await ring.accounts.delete_key(record.id)
-    ring.forget()
     assert await ring.enabled()
 
 
@@ -32,8 +30,18 @@ async def test_auth_stays_on_in_a_running_gateway_whose_store_forgot_everything(
     ring = KeyRing(accounts)
     _, record = mint("admin", "admin")
     await accounts.put_key(record)
-    ring.forget()
     assert await ring.enabled()
     accounts.wipe()
-    ring.forget()
     assert not await accounts.sealed() and await ring.enabled()
+
+
+async def test_a_key_made_on_another_gateway_seals_this_ones_next_request():
+    """Found by the simulator (seed 145): a gateway asked its accounts at most once a second whether they were
+    sealed, so for up to a second after the first key was made on another gateway it served requests with no key
+    or a made-up one. It asks at every request until it is sealed."""
+    shared = MemoryAccounts()
+    here, there = KeyRing(shared), KeyRing(shared)
+    assert not await here.enabled()
+    _, record = mint("admin", "admin")
+    await there.accounts.put_key(record)
+    assert await here.enabled()

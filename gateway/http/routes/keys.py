@@ -70,7 +70,6 @@ async def create_key(request: HttpRequest, wire: NamedDependency[CreateKey]) -> 
     secret, record = mint(wire.name, wire.scope, wire.models, wire.rpm, wire.tpm)
     ring = _ring(request)
     await ring.accounts.put_key(record)
-    ring.forget()
     return json_response(msgspec.json.encode(NewKey(**_view(record), key=secret)), status=201)
 
 
@@ -79,7 +78,6 @@ async def revoke_key(request: HttpRequest, key_id: str) -> None:
     ring = _ring(request)
     if not await ring.accounts.delete_key(key_id):
         raise NotFound(f"no key with id {key_id!r}", param="key_id")
-    ring.forget()
 
 
 router = Router(

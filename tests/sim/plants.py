@@ -1,0 +1,48 @@
+"""Defects the simulator must find, planted on purpose (``python -m tests.sim --plant NAME``): each undoes one fix
+it led to, so a test can show the checks fail when the control plane is wrong (tests/sim/test_simulator.py)."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import AsyncIterator, Callable, Iterator
+
+from meshgate.gateway.auth.guard import KeyRing
+from meshgate.gateway.cluster.instances import InstanceManager
+
+
+@contextlib.asynccontextmanager
+async def _unleased(self: InstanceManager) -> AsyncIterator[None]:
+    async with self._create_lock:  # only this gateway's own placements in turn, as before the lease
+        yield
+
+
+async def _cached_seal(self: KeyRing) -> bool:
+    if self._bootstrap or self._sealed:
+        return True
+    now = __import__("time").monotonic()
+    checked, sealed = getattr(self, "_checked_seal", (-10.0, False))
+    if now - checked > 1.0:  # asked at most once a second, as before
+        sealed = await self.accounts.sealed()
+        self._checked_seal = (now, sealed)  # type: ignore[attr-defined]
+    self._sealed = sealed
+    return sealed
+
+
+PLANTS: dict[str, tuple[type, str, Callable]] = {
+    "no-placing-lease": (InstanceManager, "_placing", _unleased),  # two gateways fill one node twice over
+    "seal-cached": (KeyRing, "enabled", _cached_seal),  # a second with auth off after another gateway's first key
+}
+
+
+@contextlib.contextmanager
+def planted(name: str | None) -> Iterator[None]:
+    if name is None:
+        yield
+        return
+    owner, attribute, defect = PLANTS[name]
+    saved = getattr(owner, attribute)
+    setattr(owner, attribute, defect)
+    try:
+        yield
+    finally:
+        setattr(owner, attribute, saved)

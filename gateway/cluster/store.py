@@ -64,7 +64,7 @@ import math
 import time
 from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
-from typing import Protocol, TypeVar, runtime_checkable
+from typing import Any, Protocol, TypeVar, runtime_checkable
 
 import msgspec
 import redis.asyncio as aioredis
@@ -156,8 +156,9 @@ class _LoadAges:
 class StateStore(Protocol):
     """Cluster state shared by gateways and node agents. Every method is safe to call concurrently.
 
-    ``unavailable_at`` is the monotonic time a call last failed with ``StoreUnavailable`` (``-inf``: never): while
-    the store was away it let the nodes whose heartbeats could not reach it lapse (``InstanceManager``)."""
+    ``unavailable_at`` is the monotonic time a call last failed with ``StoreUnavailable``, or took more than half
+    the timeout (``-inf``: never): while the store was away or stalled it let the nodes whose heartbeats could not
+    reach it lapse (``InstanceManager``)."""
 
     unavailable_at: float
 
@@ -582,12 +583,17 @@ def _bounded(cls: type[T]) -> type[T]:
         def guarded(method: Callable[..., Awaitable[object]] = method, name: str = name) -> Callable[..., object]:
             @functools.wraps(method)
             async def call(*args: object, **kwargs: object) -> object:
+                store: Any = args[0]
+                began = time.monotonic()
                 try:
-                    return await method(*args, **kwargs)
+                    found = await method(*args, **kwargs)
                 except (RedisError, OSError) as exc:
                     log.warning("state store call %s failed: %r", name, exc)
-                    args[0].unavailable_at = time.monotonic()  # type: ignore[attr-defined]  # the store itself
+                    store.unavailable_at = time.monotonic()
                     raise StoreUnavailable() from exc
+                if time.monotonic() - began > store.timeout / 2:  # it answered, late: it was away meanwhile
+                    store.unavailable_at = time.monotonic()
+                return found
 
             return call
 
@@ -602,6 +608,7 @@ class RedisStore:
 
     def __init__(self, url: str, prefix: str = "meshgate:", *, timeout: float = STORE_TIMEOUT) -> None:
         self.prefix = prefix
+        self.timeout = timeout
         self.unavailable_at = -math.inf
         self._r = connect_redis(url, timeout)
         self._channel = prefix + "changes"

@@ -171,7 +171,7 @@ def test_create_wait_serve_delete(cluster):
     client = openai.OpenAI(base_url=f"{gateway.url}/v1", api_key="x", max_retries=0)
     reply = client.completions.create(model=MODEL, prompt="The sky is", max_tokens=3, temperature=0)
     assert reply.usage.completion_tokens == 3
-    assert httpx.delete(f"{gateway.url}/instances/{created['id']}").status_code == 204
+    assert httpx.delete(f"{gateway.url}/instances/{created['id']}").status_code in (202, 204)  # it settles first
     wait_for(
         lambda: not os.path.exists(f"/proc/{pid}") or "Z" in Path(f"/proc/{pid}/stat").read_text().split()[2],
         30,

@@ -195,7 +195,7 @@ def test_deleting_the_instance_leaves_no_process_behind(split):
     pids = [s["pid"] for i in httpx.get(f"{gateway.url}/instances").json() for s in i["runners"].values()]
     assert pids
     for i in httpx.get(f"{gateway.url}/instances").json():
-        assert httpx.delete(f"{gateway.url}/instances/{i['id']}").status_code == 204
+        assert httpx.delete(f"{gateway.url}/instances/{i['id']}").status_code in (202, 204)  # it settles first
     wait_for(lambda: not any(alive(pid) for pid in pids), 30, "every runner and worker stopped")
 
 

@@ -259,7 +259,8 @@ def test_keep_alive_zero_unloads_idle_replicas_and_never_cuts_a_stream(two_gatew
         timeout=60,
     )
     assert r.status_code == 200
-    assert {i["id"] for i in httpx.get(f"{one.url}/instances").json()} == set(busy), "idle replicas unloaded"  # type: ignore[arg-type]
+    serving = {i["id"] for i in httpx.get(f"{one.url}/instances").json() if i["state"]["state"] != "draining"}
+    assert serving == set(busy), "idle replicas unloaded (they settle 2.5 s, taking nothing new)"  # type: ignore[arg-type]
     streaming.join(180)
     assert '"done":true' in str(done["last"]) and '"eval_count":480' in str(done["last"]), done["last"]
 

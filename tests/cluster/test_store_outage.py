@@ -86,3 +86,26 @@ async def test_keys_checked_just_before_the_outage_are_still_served(server):
     finally:
         server.resume()
         await accounts.close()
+
+
+async def test_the_store_says_when_it_was_away_or_slow(server):
+    """``RedisStore.unavailable_at``: the gateway keeps the nodes a stalled store let lapse for a TTL after it
+    (``InstanceManager``). A call that failed marks it; so does one that answered past half the timeout (found by
+    the simulator, seed 1739: a 2.4 s stall under a 2 s timeout, every call late but none failed, and every node
+    failed as gone)."""
+    store = RedisStore(server.url, f"t-{uuid.uuid4().hex[:6]}:", timeout=TIMEOUT)
+    try:
+        await store.generation()
+        assert store.unavailable_at == float("-inf")
+        server.pause()
+        asyncio.get_running_loop().call_later(0.4, server.resume)  # late, within the timeout
+        before = time.monotonic()
+        await store.generation()
+        assert store.unavailable_at >= before
+        server.pause()
+        failed_at = time.monotonic()
+        await _fails_fast(store.generation(), server)
+        assert store.unavailable_at >= failed_at
+    finally:
+        server.resume()
+        await store.close()

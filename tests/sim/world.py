@@ -117,6 +117,7 @@ class SimStore:
 
     async def _call(self, name: str, *args: Any, **kwargs: Any) -> Any:
         self.calls += 1
+        began = asyncio.get_running_loop().time()
         rng = self.world.rng
         await asyncio.sleep(rng.random() * 0.004)
         now = self._now()
@@ -127,6 +128,7 @@ class SimStore:
             try:
                 async with asyncio.timeout(STORE_TIMEOUT):
                     await self._answering.wait()
+                self.away[current_machine()] = time.monotonic()  # it answered late: away meanwhile
             except TimeoutError:
                 self.away[current_machine()] = time.monotonic()
                 raise StoreUnavailable("the state store did not answer in time; retry shortly") from None
@@ -136,7 +138,7 @@ class SimStore:
         with machine("store"):
             result = await getattr(self.inner, name)(*args, **kwargs)
         if observe is not None and result:
-            self._observe(*observe)
+            self._observe(*observe, asked_at=began)
         return result
 
     @staticmethod
@@ -172,17 +174,18 @@ class SimStore:
             return inst.id, inst.state
         return None
 
-    def _observe(self, instance_id: str, state: object) -> None:
+    def _observe(self, instance_id: str, state: object, asked_at: float) -> None:
+        """``state`` written (``asked_at``: when its writer made the call; the store may have taken long)."""
         if isinstance(state, Draining):  # its end in true time: its writer's clock may be off
             writer = current_machine()
             self.world.drain_until[instance_id] = state.until - EPOCH - self.world.skew.get(writer, 0.0)
         elif isinstance(state, Failed):
-            if self._own_fault(instance_id):
+            if self._own_fault(instance_id, asked_at):
                 self.world.fault(instance_id, state.reason)  # its runners stop: streams there resume elsewhere
             else:
                 self.world.violate(f"{instance_id} failed with no fault of its own: {state.reason}")
 
-    def _own_fault(self, instance_id: str) -> bool:
+    def _own_fault(self, instance_id: str, asked_at: float) -> bool:
         """Hit by a fault: its runner killed or cut off from the gateway that says so, or a node of its placement
         died in the run it was placed on, is down, or drains (what was starting there starts elsewhere)."""
         if instance_id in self.world.faulted:
@@ -190,14 +193,13 @@ class SimStore:
         raw = self.inner._instances.get(instance_id)
         if raw is None:
             return False
-        now = asyncio.get_running_loop().time()
         nodes = msgspec.json.decode(raw, type=Instance).placement.memory_per_node
         writer = current_machine()  # a gateway cut from a node fails what it cannot reach there
         return any(
             n in self.world.dead_nodes
             or n in self.world.draining
             or self.world.died.get(n, -math.inf) >= self._incarnation(n, self.world.placed_at.get(instance_id, 0.0))
-            or now - self.world.cut_healed.get((writer, n), -1e9) < 2.0
+            or asked_at - self.world.cut_healed.get((writer, n), -math.inf) < 2.0
             for n in nodes
         )
 

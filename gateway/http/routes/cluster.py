@@ -164,13 +164,14 @@ async def get_instance(request: HttpRequest, instance_id: str) -> InstanceView:
 
 @delete(
     "/instances/{instance_id:str}",
-    summary="Delete an instance: at once when idle (204), else drain it first (202, the draining instance)",
+    summary="Delete an instance: it drains (202, the draining instance), or goes at once (204: not ready, grace=0)",
     status_code=202,
 )
 async def delete_instance(request: HttpRequest, instance_id: str, grace: float | None = None) -> Response[Any]:
-    """An instance with requests running or queued on it (on any gateway) drains: it takes no new ones and is
-    stopped when they finish or after ``grace`` seconds (``MESHGATE_DRAIN_GRACE`` when unset; 0: at once, and
-    its streams resume on another replica)."""
+    """A ready instance drains: it takes no new requests and is stopped when what runs or queues on it (on any
+    gateway) has finished, 2.5 s at least (a stream another gateway began a moment ago may not be in the shared
+    load yet), or after ``grace`` seconds (``MESHGATE_DRAIN_GRACE`` when unset; 0: at once, and its streams resume
+    on another replica)."""
     if grace is not None and not 0 <= grace <= 86400:
         raise InvalidRequest("grace must be between 0 and 86400 seconds", param="grace")
     draining = await _instances(request).delete(InstanceId(instance_id), grace=grace)

@@ -93,6 +93,11 @@ def machine(name: str) -> Iterator[None]:
         _machine.reset(token)
 
 
+def now() -> float:
+    """The true (virtual) time, which no machine's clock shows exactly."""
+    return asyncio.get_running_loop().time()
+
+
 def current_machine() -> str:
     return _machine.get()
 

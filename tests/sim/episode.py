@@ -1,12 +1,11 @@
 """One seeded episode: a store, four node agents and two gateways on one virtual clock, driven by random
 operations and faults for ``DURATION`` virtual seconds, then healed and left ``SETTLE`` seconds to converge.
 
-Operations: requests (streamed, some hung up early) with a valid key, no key or a revoked one; deployments
-created, scaled and deleted; replicas deleted (drained), unloaded (``keep_alive: 0``) or given an expiry; keys
-created and revoked; node drains. Faults: the store stalled or down for seconds, runners killed mid-stream,
-nodes killed and restarted, a gateway cut from a node; every machine's wall clock skewed by up to ``SKEW``.
+Every machine's wall clock is off by up to ``SKEW`` seconds; the episode's seed picks them, every id, key,
+latency and operation, so ``run(seed)`` gives the same episode every time.
 
-The checks (``Checks``) run after every operation and at the end; ``run(seed)`` returns what broke (an empty
+The operations and faults are ``tests.sim.operations``'s; the checks run where things happen (the store's audit
+of every write, each client's own) and at rest (``tests.sim.checks``). ``run(seed)`` returns what broke (an empty
 list when nothing did) and the trace of operations that led there.
 """
 
@@ -17,40 +16,30 @@ import base64
 import contextlib
 import gc
 import logging
-import math
 import random
 import secrets
 import time
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from types import SimpleNamespace
 from typing import Any
 
-from meshgate.gateway.auth.guard import KeyRing, authorize, mint
+from meshgate.gateway.auth.guard import KeyRing
 from meshgate.gateway.auth.keys import MemoryAccounts
 from meshgate.gateway.cluster.autoscale import Autoscaler, Policy
-from meshgate.gateway.cluster.instances import InstanceManager, given_up
+from meshgate.gateway.cluster.instances import InstanceManager
 from meshgate.gateway.cluster.loads import LoadBoard
-from meshgate.gateway.cluster.records import Failed, Ready
 from meshgate.gateway.serving.admission import Admission
 from meshgate.gateway.serving.catalog import Catalog
 from meshgate.gateway.serving.dispatch import Dispatcher
-from meshgate.protocols.model import Failed as FailedEvent
-from meshgate.protocols.model import Finished, GatewayError, Message, Request, StoreUnavailable, TextDelta, TextPart
-from tests.sim.clock import Stalled, VirtualClock, VirtualLoop, clocks, machine, on
-from tests.sim.world import MODELS, SimAccounts, SimAgent, SimBackend, World
+from meshgate.protocols.model import StoreUnavailable
+from tests.sim import checks, operations
+from tests.sim.clock import Stalled, VirtualClock, VirtualLoop, clocks, machine, now, on
+from tests.sim.shape import DURATION, GATEWAYS, GRACE, HEARTBEAT, MODELS, NODE_TTL, NODES, SETTLE, SKEW
+from tests.sim.store import SimAccounts
+from tests.sim.world import SimAgent, SimBackend, World
 
 log = logging.getLogger("meshgate.sim")
-
-DURATION = 30.0
-SETTLE = 45.0
-SKEW = 5.0
-GRACE = 8.0  # drain grace: every stream here is shorter (at most 40 tokens, 0.12 s each)
-HEARTBEAT, NODE_TTL = 1.0, 3.0  # the settings' defaults
-NODES = ("n1", "n2", "n3", "n4")
-GATEWAYS = ("g1", "g2")
-PROTOCOLS = ("openai", "anthropic", "ollama")
 
 
 @dataclass
@@ -136,11 +125,11 @@ class Episode:
     finished: int = 0
 
     def note(self, what: str) -> None:
-        self.trace.append(f"{_now():8.3f} {what}")
+        self.trace.append(f"{now():8.3f} {what}")
         log.info("%s", what)
 
     def fault(self, what: str) -> None:
-        self.faults_at.append(_now())
+        self.faults_at.append(now())
         self.fault_kinds.append("store" if what.startswith("store") else "other")
         self.note(what)
 
@@ -148,7 +137,7 @@ class Episode:
 
     async def start_node(self, name: str) -> None:
         self.world.dead_nodes.discard(name)
-        self.world.starts.setdefault(name, []).append(_now())
+        self.world.starts.setdefault(name, []).append(now())
         with machine(name):
             while True:  # as its supervisor would: started again until the store lets it register
                 agent = SimAgent(self.world, name, heartbeat=HEARTBEAT, ttl=NODE_TTL, probe_every=10.0)
@@ -168,152 +157,17 @@ class Episode:
         for task in [*agent._tasks, *agent._starting.values()]:
             task.cancel()
 
-    # ----------------------------------------------------------------------------------------- operations
-
-    async def client(self, gateway: Gateway, protocol: str, tokens: int, key: str | None, hang_up: int | None) -> None:
-        """One request as a client sends it: the route's guard, then the stream read to its end (or hung up)."""
-        self.requests += 1
-        presented = {"authorization": f"Bearer {key}"} if key else {}
-        connection = SimpleNamespace(
-            headers=presented, client=SimpleNamespace(host="10.0.0.9"), state=SimpleNamespace(),
-            app=SimpleNamespace(state=SimpleNamespace(keyring=gateway.keyring)),
-        )  # fmt: skip
-        handler = SimpleNamespace(opt={"scope": "inference", "limited": True})
-        valid = key is not None and key in self.keys.values()
-        began, faulted = _now(), bool(self.active)  # a fault in effect when it began may fail it too
-        try:
-            await authorize(connection, handler)  # type: ignore[arg-type]
-        except GatewayError:
-            return
-        except Exception as exc:  # litestar's NotAuthorized and the like: refused
-            if type(exc).__name__ not in ("NotAuthorizedException", "PermissionDeniedException"):
-                raise
-            return
-        # A key revoked while the store is away still works on a gateway that checked it within ``KEY_GRACE``
-        # (docs/operations.md, "When Redis is away"); no key, or one that never existed, never does.
-        revoked_in_outage = key in self.revoked and ("store" in self.active or not self._store_up_since(began))
-        if self.sealed and not valid and not revoked_in_outage:
-            self.world.violate(f"{protocol} request with key {key!r} served by {gateway.name} after the seal")
-        request = Request(
-            model=self.rng.choice(list(MODELS)),
-            messages=(Message(role="user", parts=(TextPart(text=f"tokens {tokens}"),)),),
-            stream=True,
-        )
-        try:
-            stream = await gateway.dispatcher.open_stream(request, caller=connection.state.caller.bucket)
-        except GatewayError:
-            return
-        text, ends = "", []
-        async with contextlib.aclosing(stream) as events:
-            async for event in events:
-                if isinstance(event, TextDelta):
-                    text += event.text
-                    if hang_up is not None and text.count(" t") >= hang_up:
-                        return
-                elif isinstance(event, (Finished, FailedEvent)):
-                    ends.append(event)
-        expected = "".join(f" t{i}" for i in range(tokens))
-        if len(ends) != 1:
-            self.world.violate(f"a {protocol} stream ended {len(ends)} times: {ends}")
-        elif isinstance(ends[0], Finished):
-            self.finished += 1
-            if text != expected:
-                self.world.violate(f"a {protocol} stream finished with {text!r}, not {expected!r}")
-        elif not faulted and not any(began <= at for at in self.faults_at):
-            self.world.violate(f"a {protocol} stream failed with no fault since it began: {ends[0].error}")
-
-    def _store_up_since(self, began: float) -> bool:
+    def store_up_since(self, began: float) -> bool:
         return not any(
             began - 1 <= at for at, what in zip(self.faults_at, self.fault_kinds, strict=True) if what == "store"
         )
 
-    async def step(self) -> None:
-        rng, world = self.rng, self.world
-        gateway = self.gateways[rng.choice(GATEWAYS)]
-        roll = rng.random()
-        if roll < 0.45:
-            key = self._client_key()
-            tokens = rng.randint(1, 40)
-            hang_up = rng.randint(0, tokens) if rng.random() < 0.15 else None
-            protocol = rng.choice(PROTOCOLS)
-            self.note(f"request {protocol} {tokens} tokens on {gateway.name} key={key and key[:8]} hang_up={hang_up}")
-            with machine(gateway.name):
-                task = asyncio.create_task(self.client(gateway, protocol, tokens, key, hang_up))
-            self.clients.add(task)
-            task.add_done_callback(self.clients.discard)
-            return
-        if roll < 0.50:
-            model = rng.choice(list(MODELS))
-            lo = rng.randint(1, 2)
-            self.note(f"deploy {model} min {lo} on {gateway.name}")
-            await self._admin(gateway, gateway.instances.deploy(model, replicas=lo, min_replicas=lo, max_replicas=3))
-        elif roll < 0.54:
-            model = rng.choice(list(MODELS))
-            lo = rng.randint(1, 2)
-            self.note(f"set_bounds {model} {lo}..3 on {gateway.name}")
-            await self._admin(gateway, gateway.instances.set_bounds(model, lo, 3))
-        elif roll < 0.58:
-            live = [i for i in gateway.instances._view.values() if not given_up(i)]
-            if live:
-                target = rng.choice(live)
-                self.note(f"delete {target.id} on {gateway.name}")
-                await self._admin(gateway, gateway.instances.delete(target.id))
-        elif roll < 0.61:
-            model = rng.choice(list(MODELS))
-            self.note(f"unload {model} (keep_alive 0) on {gateway.name}")
-            await self._admin(gateway, gateway.dispatcher.unload(model))
-        elif roll < 0.64:
-            await self._keys(gateway)
-        elif roll < 0.68:
-            url = rng.choice(sorted(u for u, r in world.launched.items() if r.alive) or [""])
-            if url:
-                runner = world.launched[url]
-                world.killed.add(url)
-                world.fault(runner.instance_id, "runner killed")
-                self.fault(f"kill runner {url}")
-        elif roll < 0.71 and len(self.agents) > 2:
-            name = rng.choice(sorted(self.agents))
-            self.fault(f"kill node {name}")
-            self.active.add(f"node {name}")
-            await self.kill_node(name)
-            asyncio.get_running_loop().call_later(rng.uniform(3, 15), self._restart, name)
-        elif roll < 0.73 and len(self.agents) > 2:
-            name = rng.choice(sorted(self.agents))
-            self.note(f"drain node {name}")
-            agent = self.agents.pop(name)
-            world.draining.add(name)
-            world.drain_ends[name] = _now() + GRACE
-            with machine(name):
-                draining = asyncio.create_task(agent.drain(GRACE, margin=2.0))
-            draining.add_done_callback(lambda _: asyncio.get_running_loop().call_later(2.0, self._restart, name))
-        elif roll < 0.77:
-            node = rng.choice(NODES)
-            self.fault(f"cut {gateway.name} from {node}")
-            world.cut.add((gateway.name, node))
-            self.active.add(f"cut {gateway.name} {node}")
-            world.cut_healed[(gateway.name, node)] = math.inf
-            asyncio.get_running_loop().call_later(rng.uniform(1, 10), self._heal_cut, gateway.name, node)
-        elif roll < 0.80:
-            seconds = rng.uniform(0.5, 12)
-            self.fault(f"store stalled {seconds:.1f}s")
-            world.store.stall(seconds)
-            self.active.add("store")
-            asyncio.get_running_loop().call_later(seconds, self._store_back, "store answers again")
-        elif roll < 0.82:
-            seconds = rng.uniform(0.5, 8)
-            self.fault(f"store down {seconds:.1f}s")
-            world.store.down(seconds)
-            self.active.add("store")
-            asyncio.get_running_loop().call_later(seconds, self._store_back, "store back")
-        else:
-            return  # a quiet moment
-
     @staticmethod
-    def _store_now() -> float:
+    def _storenow() -> float:
         with machine("store"):
             return time.monotonic()
 
-    def _restart(self, name: str) -> None:
+    def restart(self, name: str) -> None:
         self.active.discard(f"node {name}")
         if name not in self.agents and name not in self.starting:
             self.starting.add(name)
@@ -322,94 +176,17 @@ class Episode:
             self.note(f"node {name} starts again")
             asyncio.ensure_future(self.start_node(name))
 
-    def _store_back(self, what: str) -> None:
+    def store_back(self, what: str) -> None:
         store = self.world.store
-        if max(store.stalled_until, store.down_until) <= self._store_now():
+        if max(store.stalled_until, store.down_until) <= self._storenow():
             self.active.discard("store")
         self.fault(what)
 
-    def _heal_cut(self, gateway: str, node: str) -> None:
+    def heal_cut(self, gateway: str, node: str) -> None:
         self.world.cut.discard((gateway, node))
         self.active.discard(f"cut {gateway} {node}")
-        self.world.cut_healed[(gateway, node)] = _now()
+        self.world.cut_healed[(gateway, node)] = now()
         self.fault(f"{gateway} reaches {node} again")
-
-    def _client_key(self) -> str | None:
-        roll = self.rng.random()
-        if roll < 0.8 and self.keys:
-            return self.rng.choice(sorted(self.keys.values()))
-        if roll < 0.9 and self.revoked:
-            return self.rng.choice(self.revoked)
-        if roll < 0.95:
-            return "mg_nosuchkey_abcdefgh"
-        return None
-
-    async def _keys(self, gateway: Gateway) -> None:
-        if self.keys and self.rng.random() < 0.3:
-            key_id = self.rng.choice(sorted(self.keys))
-            self.note(f"revoke key {key_id} on {gateway.name}")
-            with contextlib.suppress(GatewayError):
-                with machine(gateway.name):
-                    if await gateway.keyring.accounts.delete_key(key_id):
-                        self.revoked.append(self.keys.pop(key_id))
-            return
-        key, record = mint(f"k{len(self.keys)}", scope="inference")
-        self.note(f"create key {record.id} on {gateway.name}")
-        with contextlib.suppress(GatewayError):
-            with machine(gateway.name):
-                await gateway.keyring.accounts.put_key(record)
-            self.keys[record.id] = key
-            self.sealed = True
-
-    async def _admin(self, gateway: Gateway, call: Any) -> None:
-        try:
-            with machine(gateway.name):
-                await call
-        except GatewayError as exc:
-            self.note(f"  -> {type(exc).__name__}: {exc}")
-
-    # ----------------------------------------------------------------------------------------- the end
-
-    def check_end(self) -> None:
-        world = self.world
-        instances = [i for i in (world.store.inner._instances.values())]
-        from meshgate.gateway.cluster.store import _instance  # the store's own decoder
-
-        stored = [_instance.decode(raw) for raw in instances]
-        deployments = {d.model: d for d in _decode_deployments(world)}
-        for model, deployment in deployments.items():
-            if not deployment.min_replicas <= deployment.replicas <= deployment.max_replicas:
-                world.violate(f"{model}: {deployment.replicas} replicas outside {deployment.min_replicas}..")
-            ready = [i for i in stored if i.model == model and isinstance(i.state, Ready)]
-            if len(ready) < deployment.replicas:
-                world.violate(
-                    f"{model}: {len(ready)} ready of {deployment.replicas} after {SETTLE:.0f}s healed: "
-                    + ", ".join(f"{i.id} {type(i.state).__name__} attempts {i.attempts}" for i in stored)
-                )
-        ids = {i.id for i in stored}
-        for gateway in self.gateways.values():
-            for instance_id, load in gateway.admission.loads().items():
-                if load.active or load.queued:
-                    world.violate(f"{gateway.name}: {load.active} slots, {load.queued} queued on {instance_id} at rest")
-                if instance_id not in ids:
-                    world.violate(f"{gateway.name}: admission still keeps {instance_id}, which is gone")
-            for instance_id in gateway.loads._tallies:
-                if instance_id not in ids:
-                    world.violate(f"{gateway.name}: the load board still keeps {instance_id}, which is gone")
-        failed = [i for i in stored if isinstance(i.state, Failed)]
-        for instance in failed:
-            world.violate(f"{instance.id} still failed after the cluster healed: {instance.state.reason}")
-
-
-def _decode_deployments(world: World) -> list[Any]:
-    from meshgate.gateway.cluster.store import _deployment
-
-    return [_deployment.decode(raw) for raw in world.store.inner._deployments.values()]
-
-
-def _now() -> float:
-    """The true (virtual) time, which no machine's clock shows exactly."""
-    return asyncio.get_running_loop().time()
 
 
 @contextlib.contextmanager
@@ -440,19 +217,17 @@ async def _episode(episode: Episode) -> None:
     end = clock.time() + DURATION
     while clock.time() < end and not world.violations:
         await asyncio.sleep(rng.expovariate(2.0))
-        await episode.step()
+        await operations.step(episode)
     episode.note("heal: every fault ends, every node starts again")
     world.store.heal()
     for pair in world.cut:
-        world.cut_healed[pair] = _now()
+        world.cut_healed[pair] = now()
     world.cut.clear()
     for name in NODES:
         if name not in world.draining:  # a draining node starts again once its drain ends
-            episode._restart(name)
+            episode.restart(name)
     await asyncio.sleep(SETTLE)
-    if episode.clients:
-        world.violate(f"{len(episode.clients)} requests still open {SETTLE:.0f}s after the cluster healed")
-    episode.check_end()
+    checks.at_rest(episode)
     for task in episode.clients:
         task.cancel()
     for gateway in episode.gateways.values():

@@ -38,7 +38,7 @@ from typing import Literal, Protocol
 import msgspec
 from redis.exceptions import RedisError
 
-from meshgate.gateway.cluster.store import STORE_TIMEOUT, connect_redis
+from meshgate.gateway.cluster.redis_store import STORE_TIMEOUT, connect_redis
 from meshgate.protocols.model import StoreUnavailable
 
 __all__ = ["ApiKey", "Accounts", "MemoryAccounts", "RedisAccounts", "Scope", "open_accounts", "retry_after"]

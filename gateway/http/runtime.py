@@ -27,7 +27,8 @@ from meshgate.gateway.cluster.autoscale import Autoscaler, Policy
 from meshgate.gateway.cluster.instances import InstanceManager
 from meshgate.gateway.cluster.loads import LoadBoard
 from meshgate.gateway.cluster.planner import default_rank
-from meshgate.gateway.cluster.store import MemoryStore, RedisStore, StateStore
+from meshgate.gateway.cluster.redis_store import RedisStore
+from meshgate.gateway.cluster.store import MemoryStore, StateStore
 from meshgate.gateway.http.ticks import tick_once_a_second
 from meshgate.gateway.serving.admission import Admission
 from meshgate.gateway.serving.catalog import Catalog

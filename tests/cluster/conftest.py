@@ -12,7 +12,8 @@ from collections.abc import AsyncIterator, Iterator
 
 import pytest
 
-from meshgate.gateway.cluster.store import MemoryStore, RedisStore, StateStore
+from meshgate.gateway.cluster.redis_store import RedisStore
+from meshgate.gateway.cluster.store import MemoryStore, StateStore
 from tests.cluster.redis_server import RedisServer
 
 

@@ -23,7 +23,8 @@ from meshgate.gateway.cluster.records import (
     StoreEvent,
     state_tag,
 )
-from meshgate.gateway.cluster.store import KINDS, MemoryStore, RedisStore, StateStore
+from meshgate.gateway.cluster.redis_store import RedisStore
+from meshgate.gateway.cluster.store import KINDS, MemoryStore, StateStore
 from tests.cluster.redis_server import RedisServer
 
 WAIT = 5.0

@@ -14,7 +14,7 @@ import pytest
 from meshgate.backends.placement import InstanceId
 from meshgate.gateway.auth.guard import KeyRing, mint
 from meshgate.gateway.auth.keys import RedisAccounts
-from meshgate.gateway.cluster.store import RedisStore
+from meshgate.gateway.cluster.redis_store import RedisStore
 from meshgate.protocols.model import StoreUnavailable
 from tests.cluster.redis_server import RedisServer
 

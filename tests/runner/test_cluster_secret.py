@@ -22,7 +22,8 @@ from meshgate.backends.runner.client import RunnerClient
 from meshgate.backends.runner.control import JsonHandler, serve_control
 from meshgate.backends.runner.process import RunnerProcess
 from meshgate.gateway.cluster.agent import NodeAgent
-from meshgate.gateway.cluster.store import MemoryStore, RedisStore, StateStore
+from meshgate.gateway.cluster.redis_store import RedisStore
+from meshgate.gateway.cluster.store import MemoryStore, StateStore
 from meshgate.gateway.http import runtime
 from meshgate.protocols.model import BackendProtocolError, Failed, Finished, Request, TextDelta
 from tests.cluster.conftest import redis_server  # noqa: F401 (a fixture)

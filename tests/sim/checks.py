@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from meshgate.gateway.cluster.records import Deployment, Failed, Instance, Ready
-from meshgate.gateway.cluster.store import _deployment, _instance  # the store's own decoders
+from meshgate.gateway.cluster.store import deployment_json, instance_json
 from tests.sim.shape import SETTLE
 
 if TYPE_CHECKING:
@@ -20,8 +20,8 @@ def at_rest(ep: Episode) -> None:
     world = ep.world
     if ep.clients:
         world.violate(f"{len(ep.clients)} requests still open {SETTLE:.0f}s after the cluster healed")
-    stored: list[Instance] = [_instance.decode(raw) for raw in world.store.inner._instances.values()]
-    deployments: list[Deployment] = [_deployment.decode(raw) for raw in world.store.inner._deployments.values()]
+    stored: list[Instance] = [instance_json.decode(raw) for raw in world.store.inner._instances.values()]
+    deployments: list[Deployment] = [deployment_json.decode(raw) for raw in world.store.inner._deployments.values()]
     for deployment in deployments:
         model = deployment.model
         if not deployment.min_replicas <= deployment.replicas <= deployment.max_replicas:

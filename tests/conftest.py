@@ -165,10 +165,11 @@ def pytest_configure(config: pytest.Config) -> None:
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Mark ``runtime`` what starts processes: tests under the runtime folders, or using such a fixture, or in a
-    module that runs subprocesses itself."""
+    module that runs subprocesses itself. The simulator's (``tests/sim``) start only Python processes that need
+    nothing built: they run with the in-process tests, while ``scripts/test`` still makes the runtimes' venvs."""
     for item in items:
         path = Path(str(item.fspath)).relative_to(ROOT / "tests")
         module = getattr(item, "module", None)
-        spawns = module is not None and "subprocess" in vars(module)
+        spawns = module is not None and "subprocess" in vars(module) and path.parts[0] != "sim"
         if path.parts[0] in _RUNTIME_DIRS or _RUNTIME_FIXTURES & set(getattr(item, "fixturenames", ())) or spawns:
             item.add_marker(pytest.mark.runtime)

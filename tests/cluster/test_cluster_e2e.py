@@ -202,7 +202,7 @@ def test_first_request_places_the_model_with_keepalives(redis, data_dir, cluster
     try:
         for old in httpx.get(f"{gateway.url}/instances").json():
             if old["model"] == MODEL:
-                httpx.delete(f"{gateway.url}/instances/{old['id']}")
+                httpx.delete(f"{gateway.url}/instances/{old['id']}", params={"grace": 0})
         with httpx.stream(
             "POST",
             f"{gateway.url}/v1/chat/completions",
@@ -259,7 +259,7 @@ def test_autoscaling_adds_a_replica_while_requests_wait_and_removes_it_idle(clus
     try:
         for old in httpx.get(f"{gateway.url}/instances").json():
             if old["model"] == "scripted":
-                httpx.delete(f"{gateway.url}/instances/{old['id']}")
+                httpx.delete(f"{gateway.url}/instances/{old['id']}", params={"grace": 0})
         body = {"model": "scripted", "nodes": ["a"], "min_replicas": 1, "max_replicas": 2}
         created = httpx.post(f"{scaler.url}/instances", json=body).json()
         wait_for(lambda: instance(scaler, created["id"])["state"]["state"] == "ready", 30, "ready on a")
@@ -288,7 +288,7 @@ def test_autoscaling_adds_a_replica_while_requests_wait_and_removes_it_idle(clus
         scaler.stop()
         for old in httpx.get(f"{gateway.url}/instances").json():
             if old["model"] == "scripted":
-                httpx.delete(f"{gateway.url}/instances/{old['id']}")
+                httpx.delete(f"{gateway.url}/instances/{old['id']}", params={"grace": 0})
 
 
 def test_deleting_a_busy_instance_drains_it(cluster):
@@ -317,7 +317,7 @@ def test_node_loss_moves_in_flight_requests_and_replaces(cluster):
     there from the tokens it had sent (``gateway.serving.resume``), ending as a whole answer."""
     gateway, agents, _ = cluster
     for old in httpx.get(f"{gateway.url}/instances").json():
-        httpx.delete(f"{gateway.url}/instances/{old['id']}")
+        httpx.delete(f"{gateway.url}/instances/{old['id']}", params={"grace": 0})
     created = httpx.post(f"{gateway.url}/instances", json={"model": MODEL, "nodes": ["a"]}).json()
     wait_for(lambda: instance(gateway, created["id"])["state"]["state"] == "ready", 120, "ready on a")
     client = openai.OpenAI(base_url=f"{gateway.url}/v1", api_key="x", max_retries=0)

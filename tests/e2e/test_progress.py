@@ -60,7 +60,7 @@ def test_place_prints_progress_until_ready(server: Server) -> None:
         node = next(iter(instance["runners"]))
         assert said.index(f"runner on {node} starting") < said.index(f"runner on {node} ready"), done.stderr
     finally:
-        httpx.delete(f"{server.url}/instances/{instance['id']}", timeout=30)
+        httpx.delete(f"{server.url}/instances/{instance['id']}", params={"grace": 0}, timeout=30)
 
 
 def test_place_no_wait_returns_once_created(server: Server) -> None:
@@ -74,7 +74,7 @@ def test_place_no_wait_returns_once_created(server: Server) -> None:
     )
     assert done.returncode == 0 and done.stderr == "", done.stderr
     instance = json.loads(done.stdout)
-    httpx.delete(f"{server.url}/instances/{instance['id']}", timeout=30)
+    httpx.delete(f"{server.url}/instances/{instance['id']}", params={"grace": 0}, timeout=30)
     assert instance["state"]["state"] == "starting"
 
 

@@ -63,7 +63,7 @@ def cluster(tmp_path_factory, data_dir, converted_gemma: Path) -> Iterator[Serve
 def place(gateway: Server, **body: object) -> dict:
     for old in httpx.get(f"{gateway.url}/instances").json():
         if old["model"] == MODEL:
-            assert httpx.delete(f"{gateway.url}/instances/{old['id']}").status_code in (202, 204)  # it settles first
+            assert httpx.delete(f"{gateway.url}/instances/{old['id']}", params={"grace": 0}).status_code == 204
             pids = [r["pid"] for r in old["runners"].values() if r.get("pid")]
             wait_for(lambda pids=pids: not any(alive(p) for p in pids), 30, "the previous instance's ranks gone")
 

@@ -86,7 +86,7 @@ def cluster(tmp_path_factory, data_dir, runtime_dir: Path) -> Iterator[Server]:
 def remove_all(gateway: Server, runtime_dir: Path) -> None:
     """Delete every instance; wait until no process of them runs and their folders are gone."""
     for old in httpx.get(f"{gateway.url}/instances").json():
-        assert httpx.delete(f"{gateway.url}/instances/{old['id']}").status_code in (202, 204)  # it settles first
+        assert httpx.delete(f"{gateway.url}/instances/{old['id']}", params={"grace": 0}).status_code == 204
     wait_for(lambda: not using(runtime_dir), 60, "no process of the deleted instances left")
     wait_for(lambda: not list(runtime_dir.iterdir()), 30, "the instances' runtime folders removed")
 

@@ -442,9 +442,10 @@ class InstanceManager:
         return max(0, len(live) - deployment.min_replicas)
 
     async def delete(self, instance_id: InstanceId, *, grace: float | None = None) -> Instance | None:
-        """Remove an instance and lower its deployment's count: at once when nothing runs or queues on it (or
-        ``grace`` is 0), else by draining it for ``grace`` seconds (the setting when None). Returns the draining
-        instance, or None when it is gone."""
+        """Remove an instance and lower its deployment's count: by draining it for ``grace`` seconds (the setting
+        when None), ``lifecycle.SETTLE`` at least even when it looks idle (another gateway may have just begun a
+        stream on it); at once when it is not ready or ``grace`` is 0. Returns the draining instance, or None when
+        it is gone."""
         return await self.drain(instance_id, reason="deleted", grace=grace, settle=grace != 0)
 
     async def drain(

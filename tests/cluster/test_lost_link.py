@@ -37,19 +37,25 @@ def sh(*args: str) -> None:
 
 @pytest.fixture
 def far_host() -> Iterator[tuple[str, str, str]]:
-    """A namespace at 10.213.x.2 behind a veth pair; yields its name, its link's name in it, and its address."""
+    """A namespace at 10.213.x.y behind a veth pair; yields its name, its link's name in it, and its address. The
+    subnet is one no interface here has: a run killed before its clean-up leaves its pair behind, and a fixed
+    address then failed every later run."""
     tag = secrets.token_hex(3)
     ns, outer, inner = f"mglink-{tag}", f"mgo{tag}", f"mgi{tag}"
+    used = subprocess.run(["ip", "-o", "-4", "addr", "show"], capture_output=True, text=True, timeout=30).stdout
+    free = [x for x in range(220, 256) if f" 10.213.{x}." not in used]  # test_netns_links takes 20-219
+    subnet, first = f"10.213.{free[secrets.randbelow(len(free))]}", 4 * secrets.randbelow(64)  # a /30
+    here, there = f"{subnet}.{first + 1}", f"{subnet}.{first + 2}"
     sh("ip", "netns", "add", ns)
     try:
         sh("ip", "link", "add", outer, "type", "veth", "peer", "name", inner)
         sh("ip", "link", "set", inner, "netns", ns)
-        sh("ip", "addr", "add", "10.213.77.1/30", "dev", outer)
+        sh("ip", "addr", "add", f"{here}/30", "dev", outer)
         sh("ip", "link", "set", outer, "up")
-        sh("ip", "netns", "exec", ns, "ip", "addr", "add", "10.213.77.2/30", "dev", inner)
+        sh("ip", "netns", "exec", ns, "ip", "addr", "add", f"{there}/30", "dev", inner)
         sh("ip", "netns", "exec", ns, "ip", "link", "set", inner, "up")
         sh("ip", "netns", "exec", ns, "ip", "link", "set", "lo", "up")
-        yield ns, inner, "10.213.77.2"
+        yield ns, inner, there
     finally:
         subprocess.run(["ip", "link", "del", outer], capture_output=True, timeout=30)
         subprocess.run(["ip", "netns", "del", ns], capture_output=True, timeout=30)

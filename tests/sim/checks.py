@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 
 from meshgate.gateway.cluster.records import Deployment, Failed, Instance, Ready
 from meshgate.gateway.cluster.store import deployment_json, instance_json
+from tests.sim.clock import now
 from tests.sim.shape import SETTLE
 
 if TYPE_CHECKING:
@@ -32,7 +33,9 @@ def at_rest(ep: Episode) -> None:
                 f"{model}: {len(ready)} ready of {deployment.replicas} after {SETTLE:.0f}s healed: "
                 + ", ".join(f"{i.id} {type(i.state).__name__} attempts {i.attempts}" for i in stored)
             )
-    ids = {i.id for i in stored}
+    # a gateway forgets a gone instance at its next load pass (every second at most): one deleted in the last two
+    # seconds may still be there
+    ids = {i.id for i in stored} | {i for i, at in world.deleted_at.items() if now() - at < 2.0}
     for gateway in ep.gateways.values():
         for instance_id, load in gateway.admission.loads().items():
             if load.active or load.queued:

@@ -35,7 +35,7 @@ from meshgate.gateway.serving.dispatch import Dispatcher
 from meshgate.protocols.model import StoreUnavailable
 from tests.sim import checks, operations
 from tests.sim.clock import Stalled, VirtualClock, VirtualLoop, clocks, machine, now, on
-from tests.sim.shape import DURATION, GATEWAYS, GRACE, HEARTBEAT, MODELS, NODE_TTL, NODES, SETTLE, SKEW
+from tests.sim.shape import DURATION, GATEWAYS, GRACE, HEARTBEAT, MODELS, NODE_TTL, NODES, RATE, SETTLE, SKEW
 from tests.sim.store import SimAccounts
 from tests.sim.world import SimAgent, SimBackend, World
 
@@ -216,7 +216,7 @@ async def _episode(episode: Episode) -> None:
             episode.gateways[name] = await _gateway(world, name, shared)
     end = clock.time() + DURATION
     while clock.time() < end and not world.violations:
-        await asyncio.sleep(rng.expovariate(2.0))
+        await asyncio.sleep(rng.expovariate(RATE))
         await operations.step(episode)
     episode.note("heal: every fault ends, every node starts again")
     world.store.heal()

@@ -1,7 +1,8 @@
 """What happens to the simulated cluster, one step at a time: a random operation or fault (``step``).
 
-Operations, by weight (``OPERATIONS``): requests (45%: streamed, 3 protocols, 1-40 tokens, 15% hung up early; a
-valid key, a revoked one, a made-up one or none), deployments created or their bounds set, replicas deleted or
+Operations, by weight (``OPERATIONS``): requests (45%: streamed, 1-40 tokens, 15% hung up early; a valid key, a
+revoked one, a made-up one or none; each body as its protocol's SDK sends it, through that protocol's decoding
+and ``to_internal``), deployments created or their bounds set, replicas deleted or
 unloaded (``keep_alive: 0``), keys made or revoked, node drains. Faults: runners killed mid-stream, nodes killed
 (back 3-15 s later), a gateway cut from a node (1-10 s), the store stalled (0.5-12 s) or down (0.5-8 s).
 
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import math
 from collections.abc import Awaitable, Callable
 from types import SimpleNamespace
@@ -21,8 +23,9 @@ from typing import TYPE_CHECKING, Any
 
 from meshgate.gateway.auth.guard import authorize, mint
 from meshgate.gateway.cluster.instances import given_up
+from meshgate.protocols import anthropic, ollama, openai
 from meshgate.protocols.model import Failed as FailedEvent
-from meshgate.protocols.model import Finished, GatewayError, Message, Request, TextDelta, TextPart
+from meshgate.protocols.model import Finished, GatewayError, Request, TextDelta, decode_body
 from tests.sim.clock import machine, now
 from tests.sim.shape import GATEWAYS, GRACE, MODELS, NODES, PROTOCOLS
 
@@ -82,11 +85,7 @@ async def client(
     revoked_in_outage = key in ep.revoked and ("store" in ep.active or not ep.store_up_since(began))
     if ep.sealed and not valid and not revoked_in_outage:
         ep.world.violate(f"{protocol} request with key {key!r} served by {gateway.name} after the seal")
-    request = Request(
-        model=ep.rng.choice(list(MODELS)),
-        messages=(Message(role="user", parts=(TextPart(text=f"tokens {tokens}"),)),),
-        stream=True,
-    )
+    request = wire_request(protocol, ep.rng.choice(list(MODELS)), f"tokens {tokens}")
     try:
         stream = await gateway.dispatcher.open_stream(request, caller=connection.state.caller.bucket)
     except GatewayError:
@@ -109,6 +108,20 @@ async def client(
             ep.world.violate(f"a {protocol} stream finished with {text!r}, not {expected!r}")
     elif not faulted and not any(began <= at for at in ep.faults_at):
         ep.world.violate(f"a {protocol} stream failed with no fault since it began: {ends[0].error}")
+
+
+def wire_request(protocol: str, model: str, text: str) -> Request:
+    """The body an SDK of ``protocol`` sends for one streamed user turn, decoded and translated as its route does
+    (the protocol's own ``to_internal``)."""
+    turn = [{"role": "user", "content": text}]
+    if protocol == "openai":
+        body = {"model": model, "messages": turn, "stream": True}
+        return openai.chat_to_internal(decode_body(json.dumps(body).encode(), openai.ChatRequest))
+    if protocol == "anthropic":
+        body = {"model": model, "messages": turn, "max_tokens": 64, "stream": True}
+        return anthropic.messages_to_internal(decode_body(json.dumps(body).encode(), anthropic.MessagesRequest))
+    body = {"model": model, "messages": turn, "stream": True}
+    return ollama.chat_to_internal(decode_body(json.dumps(body).encode(), ollama.ChatRequest))
 
 
 def _client_key(ep: Episode) -> str | None:

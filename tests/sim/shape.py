@@ -16,6 +16,7 @@ NODE_MEMORY = 4 << 30
 STORE_TIMEOUT = 2.0
 
 DURATION = 30.0
+RATE = 2.0  # operations a second, on average
 SETTLE = 45.0
 SKEW = 5.0  # each machine's wall clock is off by up to this, either way
 GRACE = 8.0  # drain grace: every stream here is shorter (at most 40 tokens, 0.12 s each)

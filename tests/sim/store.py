@@ -87,6 +87,8 @@ class SimStore:
             if kwargs.get("expected") is None or kwargs.get("epoch") is None:
                 world.violate(f"set_state of {instance_id} to {type(state).__name__} without state and epoch")
             return instance_id, state
+        elif name == "delete_instance":
+            self.world.deleted_at[args[0]] = now()
         elif name == "update_instance":
             (inst,) = args
             old = self.inner._instances.get(inst.id)

@@ -3,7 +3,8 @@ scripted runners on one virtual clock; see ``tests.sim.episode`` for the operati
 
 Each run goes through ``python -m tests.sim``, as a developer replays a failing seed: it runs with
 ``PYTHONHASHSEED=0``, so the seed printed here gives the same episode on any machine. ``MESHGATE_SIM_EPISODES``
-sets how many episodes the first test runs (default 1,000, on two processes: about 2-3 minutes on 2 cores).
+sets how many episodes the first test runs (default 500, on two processes: about 80 s on 2 cores; the suite's
+time bound keeps it there: ``--episodes 5000 --workers 2`` explores further, about 13 minutes).
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-EPISODES = int(os.environ.get("MESHGATE_SIM_EPISODES", "1000"))
+EPISODES = int(os.environ.get("MESHGATE_SIM_EPISODES", "500"))
 
 
 def _sim(*args: str) -> subprocess.CompletedProcess[str]:
@@ -23,7 +24,7 @@ def _sim(*args: str) -> subprocess.CompletedProcess[str]:
     )
 
 
-def test_every_check_holds_in_a_thousand_seeded_episodes():
+def test_every_check_holds_in_every_seeded_episode():
     """After every operation and at the end of each episode: no request served without a valid key once a key
     existed; every request ends once, every slot and ticket is freed; replicas fail only for faults of their own,
     never for load; drains cut no stream within their grace; deployments converge within their bounds; re-placed
@@ -43,7 +44,7 @@ def test_a_seed_replays_its_episode_exactly():
 def test_the_checks_find_the_placement_race_they_found_before():
     """Planted back: placement without the store's ``placing`` lease. Two gateways planned at once, each counting
     only its own view's memory, and filled a node past its budget (seeds 7, 25, 29 and 36 of the first hundred,
-    before the fix); seed 23 does so today when the lease is taken away, and holds with it."""
-    planted = _sim("--seed", "23", "--plant", "no-placing-lease")
+    before the fix); seed 69 does so today when the lease is taken away, and holds with it."""
+    planted = _sim("--seed", "69", "--plant", "no-placing-lease")
     assert planted.returncode == 1 and "bytes of 4294967296" in planted.stdout, planted.stdout[-2000:]
-    assert _sim("--seed", "23").returncode == 0
+    assert _sim("--seed", "69").returncode == 0

@@ -468,14 +468,14 @@ class InstanceManager:
         found = await self.store.get_instance(instance_id)
         if found is None:
             raise NotFound(f"instance '{instance_id}' not found")
-        now = time.time()
-        until = now + (self.drain_grace if grace is None else grace)
+        now, grace = time.time(), self.drain_grace if grace is None else grace
+        until = now + grace
         if isinstance(found.state, Draining):  # already draining: a shorter ``grace`` (``?grace=0``) moves its end
             # Its times are on its writer's clock, which may be off from this one's: the new end is its start plus
             # what has passed of it (measured here, since this gateway first saw it) plus the grace.
             state = found.state
             first = self._drains_seen.get((instance_id, state.since), time.monotonic())
-            sooner = state.since + (time.monotonic() - first) + (until - now)
+            sooner = state.since + (time.monotonic() - first) + grace
             if sooner < state.until:
                 shorter = msgspec.structs.replace(state, until=sooner)
                 await self.store.set_state(instance_id, shorter, expected=Draining, epoch=found.epoch)

@@ -4,7 +4,6 @@ a report the store did not take. In-process, on the memory store."""
 
 from __future__ import annotations
 
-import math
 import time
 
 import msgspec
@@ -44,19 +43,13 @@ async def test_a_drain_another_gateway_began_ends_on_this_clock_not_on_the_write
     assert await manager.store.get_instance(a.id) is None
 
 
-class _Away(MemoryStore):
-    """A store whose client just failed a call (``unavailable_at``), as a Redis that was paused."""
-
-    unavailable_at = -math.inf
-
-
 async def test_a_node_the_store_let_lapse_while_it_was_away_is_not_failed_at_once(cluster):
     """Seeds 9, 51, 106, 1114: Redis away for longer than a node's time to live expired every node whose
     heartbeats could not reach it; the first reconcile pass after it came back failed all their replicas, and every
     stream on them resumed elsewhere. A node missing within a TTL of this gateway's failed call keeps its
     replicas; one still missing after that is gone."""
     manager, _ = cluster
-    store = _Away()
+    store = MemoryStore()  # its ``unavailable_at`` set below, as a paused Redis's client sets it
     for name in ("n1", "n2"):
         await store.put_node(node(name), ttl=600)
     manager.store = store

@@ -117,8 +117,7 @@ class Episode:
     keys: dict[str, str] = field(default_factory=dict)  # key id -> key, live ones
     revoked: list[str] = field(default_factory=list)
     sealed: bool = False
-    faults_at: list[float] = field(default_factory=list)  # virtual times a fault began or ended
-    fault_kinds: list[str] = field(default_factory=list)  # "store" or "other", for each of ``faults_at``
+    faults: list[tuple[float, bool]] = field(default_factory=list)  # (when a fault began or ended, the store's?)
     active: set[str] = field(default_factory=set)  # the faults in effect now
     starting: set[str] = field(default_factory=set)  # nodes whose agent is starting (waiting for the store)
     requests: int = 0
@@ -129,8 +128,7 @@ class Episode:
         log.info("%s", what)
 
     def fault(self, what: str) -> None:
-        self.faults_at.append(now())
-        self.fault_kinds.append("store" if what.startswith("store") else "other")
+        self.faults.append((now(), what.startswith("store")))
         self.note(what)
 
     # ----------------------------------------------------------------------------------------- machines
@@ -158,9 +156,7 @@ class Episode:
             task.cancel()
 
     def store_up_since(self, began: float) -> bool:
-        return not any(
-            began - 1 <= at for at, what in zip(self.faults_at, self.fault_kinds, strict=True) if what == "store"
-        )
+        return not any(began - 1 <= at for at, store in self.faults if store)
 
     @staticmethod
     def _storenow() -> float:

@@ -106,7 +106,7 @@ async def client(
         ep.finished += 1
         if text != expected:
             ep.world.violate(f"a {protocol} stream finished with {text!r}, not {expected!r}")
-    elif not faulted and not any(began <= at for at in ep.faults_at):
+    elif not faulted and not any(began <= at for at, _ in ep.faults):
         ep.world.violate(f"a {protocol} stream failed with no fault since it began: {ends[0].error}")
 
 

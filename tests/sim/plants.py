@@ -4,6 +4,7 @@ it led to, so a test can show the checks fail when the control plane is wrong (t
 from __future__ import annotations
 
 import contextlib
+import time
 from collections.abc import AsyncIterator, Callable, Iterator
 
 from meshgate.gateway.auth.guard import KeyRing
@@ -19,7 +20,7 @@ async def _unleased(self: InstanceManager) -> AsyncIterator[None]:
 async def _cached_seal(self: KeyRing) -> bool:
     if self._bootstrap or self._sealed:
         return True
-    now = __import__("time").monotonic()
+    now = time.monotonic()
     checked, sealed = getattr(self, "_checked_seal", (-10.0, False))
     if now - checked > 1.0:  # asked at most once a second, as before
         sealed = await self.accounts.sealed()

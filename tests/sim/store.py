@@ -173,13 +173,6 @@ class SimStore:
         if self._now() >= self.stalled_until:
             self._answering.set()
 
-    def wipe(self) -> None:
-        """An empty restart: everything gone, the watchers (connections) kept."""
-        watchers = self.inner._watchers
-        self.inner.__init__()  # type: ignore[misc]
-        self.inner._watchers = watchers
-        self.inner._changed("nodes", "links", "instances")
-
     def watch(self) -> AsyncIterator[str]:
         return self.inner.watch()
 

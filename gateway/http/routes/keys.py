@@ -68,15 +68,13 @@ async def list_keys(request: HttpRequest) -> Response[bytes]:
 )
 async def create_key(request: HttpRequest, wire: NamedDependency[CreateKey]) -> Response[bytes]:
     secret, record = mint(wire.name, wire.scope, wire.models, wire.rpm, wire.tpm)
-    ring = _ring(request)
-    await ring.accounts.put_key(record)
+    await _ring(request).accounts.put_key(record)
     return json_response(msgspec.json.encode(NewKey(**_view(record), key=secret)), status=201)
 
 
 @delete("/keys/{key_id:str}", summary="Revoke an API key", status_code=204)
 async def revoke_key(request: HttpRequest, key_id: str) -> None:
-    ring = _ring(request)
-    if not await ring.accounts.delete_key(key_id):
+    if not await _ring(request).accounts.delete_key(key_id):
         raise NotFound(f"no key with id {key_id!r}", param="key_id")
 
 

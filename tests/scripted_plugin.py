@@ -15,7 +15,9 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import math
+import os
 import struct
+import time
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 
 import msgspec
@@ -254,6 +256,10 @@ class ScriptedBackend(Backend):
 
     def costs(self, card: ModelCard) -> ShardCosts:
         return ShardCosts()
+
+    def calibrate(self) -> None:
+        """Nothing to measure; ``SCRIPTED_CALIBRATE_SECONDS`` makes it take that long (a slow machine's real one)."""
+        time.sleep(float(os.environ.get("SCRIPTED_CALIBRATE_SECONDS", "0")))
 
     async def launch(
         self, card: ModelCard, placement: Candidate, shard: Shard, *, host: str, peers: Peers

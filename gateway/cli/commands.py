@@ -131,6 +131,7 @@ def _return_freed_memory() -> None:
 
 def _node(settings: Settings, args: argparse.Namespace) -> int:
     import asyncio
+    import faulthandler
     import signal
 
     from meshgate.gateway.http.runtime import control_plane
@@ -151,7 +152,11 @@ def _node(settings: Settings, args: argparse.Namespace) -> int:
             agent = plane.agent
             assert agent is not None  # control_plane(agent=True) starts one
             logging.getLogger("meshgate").info("node %s up; probes at %s", agent.name, agent.agent_url)
-            if await signals.get() == signal.SIGTERM and settings.drain_grace > 0:
+            first = await signals.get()
+            # A stop that outlasts its bounds (the drain's grace and margin, the runners' own 5 s) prints every
+            # thread's stack to the log: what an operator, or a test, needs to see why it did not end.
+            faulthandler.dump_traceback_later(settings.drain_grace + 60.0, exit=False)
+            if first == signal.SIGTERM and settings.drain_grace > 0:
                 draining = asyncio.create_task(agent.drain(settings.drain_grace))
                 again = asyncio.create_task(signals.get())
                 await asyncio.wait({draining, again}, return_when=asyncio.FIRST_COMPLETED)

@@ -27,9 +27,10 @@ import asyncio
 import contextlib
 import logging
 import socket
+import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 import httpx
 import msgspec
@@ -48,6 +49,7 @@ from meshgate.protocols.model import StoreUnavailable
 __all__ = ["NodeAgent"]
 
 log = logging.getLogger("meshgate.agent")
+T = TypeVar("T")
 _BLOB = b"\0" * (1 << 20)
 
 
@@ -194,11 +196,11 @@ class NodeAgent:
         await self.store.put_node(self._describe(), self.ttl)
 
     async def _calibrate(self) -> None:
-        """Each backend's speed on this node (``Backend.calibrate``, blocking: in a worker thread), registered as
-        soon as it is known."""
+        """Each backend's speed on this node (``Backend.calibrate``, blocking: in a daemon thread of its own),
+        registered as soon as it is known."""
         for backend in self.backends:
             try:
-                found = await asyncio.to_thread(backend.calibrate)
+                found = await _in_daemon_thread(backend.calibrate, f"calibrate-{backend.name}")
             except Exception:
                 log.exception("calibrating %s failed; the planner estimates its speed from flops", backend.name)
                 continue
@@ -445,6 +447,34 @@ class NodeAgent:
 
 
 PROBES_TASK = "agent-probes"
+
+
+async def _in_daemon_thread(call: Callable[[], T], name: str) -> T:
+    """``call()`` in a daemon thread, awaited. Not ``asyncio.to_thread``: the default executor's threads are joined
+    when the loop and the interpreter end, so a ``SIGTERM`` during a calibration (minutes, on a busy machine) would
+    wait for it, past any drain grace. A daemon thread is left behind at exit (what it started may finish)."""
+    loop = asyncio.get_running_loop()
+    done: asyncio.Future[T] = loop.create_future()
+
+    def settle(result: T | None, error: BaseException | None) -> None:
+        if done.done():  # cancelled meanwhile: nobody waits for it
+            return
+        if error is not None:
+            done.set_exception(error)
+        else:
+            done.set_result(result)  # type: ignore[arg-type]  # T, when no error
+
+    def work() -> None:
+        result, error = None, None
+        try:
+            result = call()
+        except BaseException as exc:  # handed to the awaiting task, which decides
+            error = exc
+        with contextlib.suppress(RuntimeError):  # the loop closed meanwhile
+            loop.call_soon_threadsafe(settle, result, error)
+
+    threading.Thread(target=work, name=name, daemon=True).start()
+    return await done
 
 
 def _probe_server(config: Any) -> Any:

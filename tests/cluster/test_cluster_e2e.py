@@ -419,3 +419,16 @@ def test_cluster_api_is_in_the_openapi_schema(cluster):
     ):
         assert path in paths, path
     assert {"get", "post"} <= set(paths["/instances"]) and "delete" in paths["/instances/{instance_id}"]
+
+
+def test_a_node_told_to_stop_while_it_calibrates_stops_within_its_grace(redis, data_dir, tmp_path):
+    """A calibration takes minutes on a busy machine; a SIGTERM meanwhile must not wait for it (an agent restarted
+    just before a rolling restart once outlived the test's 90 s this way)."""
+    agent = Agent(redis.url, "calibrating", data_dir, tmp_path, env={"SCRIPTED_CALIBRATE_SECONDS": "600"})
+    try:
+        wait_for(lambda: "up; probes at" in agent.log.read_text(), 60, "the agent up")
+        time.sleep(2)  # into its calibration
+        agent.stop(drain=True, timeout=20)  # grace: FAST's MESHGATE_DRAIN_GRACE; nothing is placed on it
+        assert agent.proc.returncode == 0, agent.log.read_text()[-3000:]
+    finally:
+        agent.kill()

@@ -125,7 +125,7 @@ def test_a_rolling_restart_of_every_node_and_gateway_loses_no_request(cluster, d
         for name in ("a", "b"):
             time.sleep(2)  # streams running on the node
             agents[name].stop(drain=True, timeout=90)  # the drain is bounded by its grace (30 s) and margin (5 s)
-            assert agents[name].proc.returncode == 0
+            assert agents[name].proc.returncode == 0, agents[name].log.read_text()[-6000:]
             agents[name] = Agent(redis_url, name, data_dir, tmp_path, n_ctx=N_CTX, env=ENV)
             wait_for(lambda: len(httpx.get(f"{gateways[1].url}/cluster").json()["nodes"]) == 2, 60, "node back")
         moved = sum(resumes(gateway.url) for gateway in gateways) - resumed_before  # drained: none cut

@@ -29,6 +29,7 @@ limits hold per gateway, and the usage spent then counts there too.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import hmac
 import secrets
@@ -47,6 +48,8 @@ __all__ = ["Caller", "KeyRing", "authorize", "caller_of"]
 KEY_PREFIX = "mg"
 KEY_GRACE = 60.0
 """Seconds a key checked against the store is still taken as it was while the store does not answer."""
+SEAL_EVERY = 2.0
+"""Seconds between a gateway's background checks of the seal (``KeyRing.keep_seal``)."""
 
 
 @dataclass(frozen=True)
@@ -100,6 +103,15 @@ class KeyRing:
             return True
         self._sealed = await self.accounts.sealed()
         return self._sealed
+
+    async def keep_seal(self, every: float = SEAL_EVERY) -> None:
+        """For the gateway's life, in the background: ask the accounts every ``every`` seconds, so that a seal made
+        on another gateway is known here within that even with no request meanwhile, and a seal the store lost
+        (restarted empty) is put back by every gateway that knew it (``keys.RedisAccounts.sealed``, ``Emptied``)."""
+        while True:
+            await asyncio.sleep(every)
+            with contextlib.suppress(StoreUnavailable):
+                self._sealed = await self.accounts.sealed() or self._sealed
 
     async def identify(self, connection: ASGIConnection) -> Caller:
         for presented in _credentials(connection):

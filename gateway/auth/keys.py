@@ -8,7 +8,12 @@ enough); the key itself is shown once, when it is made. Without Redis the record
 is left. Revoking the last key, a FLUSHDB, Redis restarting without persistence or a failover to an empty replica
 never opens the gateway: with Redis the seal is kept twice, in Redis (``auth``) and in a file of the gateway's
 own (``<data_dir>/sealed/<store>``, see ``open_accounts``), and a gateway that finds it in one puts it back in the
-other. Only an operator removing both (and ``keys.json``'s ``sealed`` without Redis) opens it again.
+other. Only an operator removing both (and ``keys.json``'s ``sealed`` without Redis) opens it again. A gateway
+that never saw the seal (a key made on another gateway just before Redis restarted empty) cannot tell an empty
+store's "no key ever" from a lost one: when the store's incarnation (``cluster.store``'s ``incarnation`` key) is
+not the one it saw before, it answers 503 (retry) for ``SEAL_SETTLE`` seconds (``Emptied``): every gateway that
+knew the seal puts it back within ``guard.SEAL_EVERY`` (``KeyRing.keep_seal``). A store still unsealed after that
+never had a key (an open cluster): it stays open.
 
 Limits count with a sliding window over two fixed windows (the previous window's count weighted by how much of
 it still overlaps the last ``window`` seconds, plus the current one): 3 requests at :59 and 3 at :00 are 6 in
@@ -18,6 +23,7 @@ caps how many names it keeps, so random callers cannot grow it without bound.
     Redis keys (under the store's prefix; listed with every other key in ``store``):
     keys                 hash    key id -> ApiKey JSON
     auth                 string  "sealed" once any key has been made; never removed by meshgate
+    incarnation          string  read only: the cluster store's (``RedisStore.incarnation``)
     window:{name}:{slot} string  a counter, expiring after two windows
 """
 
@@ -195,6 +201,36 @@ def _reachable() -> Iterator[None]:
         raise StoreUnavailable("the key and limit store is unreachable; retry shortly") from exc
 
 
+SEAL_SETTLE = 5.0
+"""Seconds a gateway that holds no seal answers 503 after finding the store restarted empty."""
+
+
+class Emptied:
+    """What a gateway that holds no seal makes of a store that is not the one it saw (``incarnation``, a token the
+    cluster store keeps; a store restarted empty has another): it cannot tell "no key ever" from a lost seal, so
+    for ``SEAL_SETTLE`` seconds ``check`` raises ``StoreUnavailable`` (a 503, retried), while the gateways that
+    knew the seal put it back; a store still unsealed then never had a key, and is taken as it is."""
+
+    def __init__(self) -> None:
+        self.known: object = None
+        self.since: float | None = None
+
+    def check(self, incarnation: object, sealed: bool) -> None:
+        if sealed or self.known is None or incarnation == self.known:
+            self.known, self.since = incarnation or self.known, None
+            return
+        now = time.monotonic()
+        if self.since is None:
+            self.since = now
+            log.warning(
+                "the state store restarted empty: auth waits %gs for a gateway to restore its seal", SEAL_SETTLE
+            )
+        if now - self.since < SEAL_SETTLE:
+            raise StoreUnavailable("the key store restarted empty; retry shortly")
+        log.warning("the state store restarted empty and no gateway restored a seal: no key was ever made; auth off")
+        self.known, self.since = incarnation, None
+
+
 class RedisAccounts:
     """Keys and counters in Redis at ``url``, shared by every gateway; ``seal``: this gateway's own copy of the
     seal (a file), kept where Redis cannot lose it."""
@@ -206,6 +242,7 @@ class RedisAccounts:
         self.seal = seal
         self._r = connect_redis(url, timeout)
         self._window = self._r.register_script(_WINDOW)
+        self._emptied = Emptied()
 
     async def put_key(self, key: ApiKey) -> None:
         self._remember_seal()
@@ -217,11 +254,12 @@ class RedisAccounts:
 
     async def sealed(self) -> bool:
         """Sealed in Redis (or keys stored there from before the seal) or in this gateway's file; whichever lost
-        it gets it back."""
+        it gets it back. Sealed too when the store is not the one this gateway first saw (it restarted empty)."""
         remembered = self.seal is not None and self.seal.exists()
         with _reachable():
             async with self._r.pipeline(transaction=False) as pipe:
-                in_store, stored_keys = await pipe.exists(self.prefix + "auth").hlen(self.prefix + "keys").execute()
+                pipe.exists(self.prefix + "auth").hlen(self.prefix + "keys").get(self.prefix + "incarnation")
+                in_store, stored_keys, incarnation = await pipe.execute()
             if remembered and not in_store:
                 log.warning("the key store lost its seal (emptied or restarted empty): auth stays on; sealing it again")
                 await self._r.set(self.prefix + "auth", "sealed")
@@ -230,6 +268,7 @@ class RedisAccounts:
         sealed = remembered or bool(in_store) or bool(stored_keys)
         if sealed and not remembered:
             self._remember_seal()
+        self._emptied.check(incarnation, sealed)
         return sealed
 
     def _remember_seal(self) -> None:

@@ -41,6 +41,7 @@ from meshgate.backends.runner import secret as cluster_secret
 from meshgate.gateway.cluster import lifecycle
 from meshgate.gateway.cluster.node import describe_node, measure_flops
 from meshgate.gateway.cluster.records import Failed, Instance, RunnerState, RunnerStatus
+from meshgate.gateway.cluster.recovery import REPUBLISH_WAIT, Incarnation
 from meshgate.gateway.cluster.store import StateStore
 from meshgate.gateway.telemetry.instruments import exposition
 from meshgate.gateway.telemetry.node_metrics import NodeMetrics
@@ -108,6 +109,8 @@ class NodeAgent:
         self._epochs: dict[str, int] = {}  # instance id -> the epoch last launched here (restarts are counted)
         self.draining_until: float | None = None  # set by ``drain``: gateways move this node's replicas away
         self._closed = False
+        self._incarnation = Incarnation(store)  # which store this is: one that restarted empty lost its instances
+        self._hold_until = 0.0  # monotonic: until then runners whose instance the store lost keep running
         self.metrics = NodeMetrics(
             self.name,
             node=self._describe,
@@ -265,9 +268,18 @@ class NodeAgent:
     async def reconcile(self) -> None:
         """Start what is placed here, stop what is not, report processes that died (``lifecycle.shard_plan``)."""
         stored = await self.store.instances()
-        self._epochs = {i.id: self._epochs[i.id] for i in stored if i.id in self._epochs}  # forget deleted ones
+        if (incarnation := await self._incarnation.new()) is not None:  # asked after the read: see ``recovery``
+            self._incarnation.accept(incarnation)
+            self._hold_until = time.monotonic() + REPUBLISH_WAIT
+            log.warning("the state store restarted empty: %s keeps its runners for the gateways to put back", self.name)
+        holding = time.monotonic() < self._hold_until
+        known = {i.id for i in stored}
+        if not holding:  # forget deleted ones
+            self._epochs = {i.id: self._epochs[i.id] for i in stored if i.id in self._epochs}
         running = {iid: (epoch, launched.alive) for iid, (epoch, launched) in self.launched.items()}
         for step in lifecycle.shard_plan(self.node_id, stored, running, set(self._starting), self._failed.keys()):
+            if holding and isinstance(step, lifecycle.Stop) and step.instance_id not in known:
+                continue  # not deleted: a store that restarted empty does not have it back yet
             if isinstance(step, lifecycle.Launch):
                 self._starting[step.instance.id] = asyncio.create_task(self._launch(step.instance))
                 continue

@@ -34,6 +34,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
@@ -47,6 +48,7 @@ from meshgate.gateway.cluster import lifecycle
 from meshgate.gateway.cluster.lifecycle import MAX_ATTEMPTS
 from meshgate.gateway.cluster.planner import BackendOffer, plan
 from meshgate.gateway.cluster.records import Deployment, Draining, Failed, Instance, Ready, Starting
+from meshgate.gateway.cluster.recovery import Incarnation, republish
 from meshgate.gateway.cluster.routing import Choice, PrefixTable, Replica, Routing, route
 from meshgate.gateway.cluster.store import StateStore
 from meshgate.protocols.model import (
@@ -101,6 +103,9 @@ class InstanceManager:
         self.reconcile_every = reconcile_every
         self._view: dict[str, Instance] = {}
         self._generation = -1
+        self._incarnation = Incarnation(store)  # a store that restarted empty gets what this gateway knew back
+        self._deployments: list[Deployment] = []  # as the last reconcile pass read them (``recovery.republish``)
+        self._emptied_at = -math.inf  # monotonic time this gateway found the store restarted empty
         self._changed = asyncio.Event()
         self._tasks: list[asyncio.Task] = []
         self._create_lock = asyncio.Lock()
@@ -150,8 +155,23 @@ class InstanceManager:
     async def _refresh(self, force: bool = False) -> None:
         generation = await self.store.generation()
         if force or generation != self._generation:
+            found = await self.store.instances()
+            if await self._republished():  # the store restarted empty, maybe since that read: what it has now
+                found = await self.store.instances()
             self._generation = generation
-            self._view = {i.id: i for i in await self.store.instances()}
+            self._view = {i.id: i for i in found}
+
+    async def _republished(self) -> bool:
+        """Whether the store restarted empty since this gateway last looked, and it put back what it knew then
+        (``recovery``): its replicas serve on, instead of being placed anew beside their running runners. Asked
+        after every read the cache keeps (the view, the deployments), so an empty read never replaces them."""
+        incarnation = await self._incarnation.new()
+        if incarnation is None:
+            return False
+        await republish(self.store, self._deployments, self._view.values(), self.holder)
+        self._incarnation.accept(incarnation)
+        self._emptied_at = time.monotonic()  # no node is in it until its next heartbeat: as if it had been away
+        return True
 
     async def _reconcile_loop(self) -> None:
         while True:
@@ -405,6 +425,7 @@ class InstanceManager:
         if count == 0:
             if current is not None:
                 await self.store.delete_deployment(model)
+                self._deployments = [d for d in self._deployments if d.model != model]
             return
         lo, hi = bounds
         if current is None:
@@ -421,16 +442,16 @@ class InstanceManager:
             lo = min(current.min_replicas, count) if lo is None else lo
             if hi is None:  # a deletion never widens it: a lowered max stays lowered while the extras go
                 hi = current.max_replicas if without is not None else max(current.max_replicas, count)
-        await self.store.put_deployment(
-            msgspec.structs.replace(
-                base,
-                replicas=max(count, lo),
-                min_replicas=lo,
-                max_replicas=max(hi, lo),
-                updated_at=time.time(),
-                pinned=base.pinned if pinned is None else pinned,
-            )
+        written = msgspec.structs.replace(
+            base,
+            replicas=max(count, lo),
+            min_replicas=lo,
+            max_replicas=max(hi, lo),
+            updated_at=time.time(),
+            pinned=base.pinned if pinned is None else pinned,
         )
+        await self.store.put_deployment(written)
+        self._deployments = [*(d for d in self._deployments if d.model != model), written]  # known at once
 
     async def beyond_minimum(self, model: str) -> int:
         """How many of ``model``'s replicas a request's ``keep_alive`` may unload: all of them unless an admin
@@ -650,8 +671,9 @@ class InstanceManager:
         """One pass: the steps ``lifecycle.plan`` gives for the cached instances, carried out in order (promote,
         fail, re-place, expire, drain, remove), then autoscaling and the replicas deployments miss."""
         nodes = await self.store.nodes()
+        await self._republished()  # each pass (a new store's generation starts again from 0); after the read
         node_ids = {n.id for n in nodes}
-        if time.monotonic() - self.store.unavailable_at < self.node_ttl:
+        if time.monotonic() - max(self.store.unavailable_at, self._emptied_at) < self.node_ttl:
             self._before_away |= node_ids  # the store expired them while no heartbeat could reach it: a TTL to beat
             node_ids = set(self._before_away)
         else:
@@ -721,9 +743,13 @@ class InstanceManager:
 
     async def _fill_deployments(self) -> None:
         """Place the replicas deployments miss (``missing_replicas``), one gateway at a time per model."""
+        found = await self.store.deployments()
+        if await self._republished():
+            found = await self.store.deployments()
+        self._deployments = found
         if not self.auto_place:
             return
-        for model in missing_replicas(await self.store.deployments(), list(self._view.values())):
+        for model in missing_replicas(self._deployments, list(self._view.values())):
             if not await self.store.claim(f"deploy:{model}", self.holder, ttl=10.0):
                 continue  # another gateway is on it
             await self._refresh(force=True)

@@ -15,6 +15,9 @@ Redis keys, all under ``prefix`` (default ``meshgate:``)::
     instances            set     instance ids
     events               stream  field e -> StoreEvent JSON, its id the stream id; XADD MAXLEN ~ 10000
     generation           int     bumped by every write that changes nodes, links or instances
+    incarnation          string  a random token set (SET NX) by the first reader that finds none: a Redis that
+                                 restarted empty (or was flushed) has a new one, and every process that knew the
+                                 old one republishes or keeps what it knows (``StateStore.incarnation``)
     changes              pub/sub channel; messages "nodes" | "links" | "instances" (wake-ups only)
     cluster_secret       string  the secret runners and agents demand of callers; set once (SET NX), replaced only
                                  while provisional by the one running agents hold (``cluster_secret``)
@@ -39,6 +42,7 @@ import inspect
 import logging
 import math
 import time
+import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from typing import Any, TypeVar
 
@@ -105,6 +109,18 @@ end
 """
     + _BUMP.format(gen=3, kind="nodes")
     + " redis.call('PUBLISH', ARGV[1], 'links') return n"
+)
+
+# KEYS: instance:{id}, instances index, generation  ARGV: channel, id, then the record's field, value pairs
+# Creates the instance unless a record of its id exists (``put_instance(if_absent=True)``).
+_PUT_NEW_INSTANCE = (
+    """
+if redis.call('EXISTS', KEYS[1]) == 1 then return 0 end
+redis.call('HSET', KEYS[1], unpack(ARGV, 3))
+redis.call('SADD', KEYS[2], ARGV[2])
+"""
+    + _BUMP.format(gen=3, kind="instances")
+    + " return 1"
 )
 
 # KEYS: instance:{id}, generation  ARGV: channel, field, value
@@ -233,6 +249,7 @@ class RedisStore:
         self._channel = prefix + "changes"
         self._drop_nodes = self._r.register_script(_DROP_NODES)
         self._update_runner = self._r.register_script(_UPDATE_RUNNER)
+        self._put_new_instance = self._r.register_script(_PUT_NEW_INSTANCE)
         self._set_state = self._r.register_script(_SET_STATE)
         self._update_instance = self._r.register_script(_UPDATE_INSTANCE)
         self._secret_script = self._r.register_script(_SECRET)
@@ -289,7 +306,7 @@ class RedisStore:
         ends = sorted((ends_json.decode(field), value) for field, value in stored.items())
         return [link_json.decode(value) for (src, dst), value in ends if src in live and dst in live]
 
-    async def put_instance(self, inst: Instance) -> None:
+    async def put_instance(self, inst: Instance, *, if_absent: bool = False) -> bool:
         key = self._key("instance", inst.id)
         fields = {
             "record": encode(msgspec.structs.replace(inst, runners={})),
@@ -297,12 +314,17 @@ class RedisStore:
             "updated_at": repr(inst.updated_at).encode(),
             **{f"runner:{node_id}": encode(status) for node_id, status in inst.runners.items()},
         }
+        if if_absent:
+            keys = [key, self._key("instances"), self._key("generation")]
+            pairs = [part for field, value in fields.items() for part in (field, value)]
+            return bool(await self._put_new_instance(keys=keys, args=[self._channel, inst.id, *pairs]))
         await self._write(
             "instances",
             lambda p: p.delete(key),
             lambda p: p.hset(key, mapping=fields),
             lambda p: p.sadd(self._key("instances"), inst.id),
         )
+        return True
 
     @staticmethod
     def _decode_instance(fields: dict[bytes, bytes]) -> Instance | None:
@@ -387,12 +409,25 @@ class RedisStore:
     async def generation(self) -> int:
         return int(await self._r.get(self._key("generation")) or 0)
 
+    async def incarnation(self) -> str:
+        key = self._key("incarnation")
+        found = await self._r.get(key)
+        if found is None:  # an empty store (new, or restarted without its data): the first reader names it
+            await self._r.set(key, uuid.uuid4().hex, nx=True)
+            found = await self._r.get(key)
+        return found.decode() if found is not None else ""
+
     async def cluster_secret(self, proposed: str, *, held: bool = False) -> str:
         keys = [self._key("cluster_secret"), self._key("cluster_secret_provisional")]
         return (await self._secret_script(keys=keys, args=[proposed, "1" if held else "0"])).decode()
 
-    async def put_deployment(self, deployment: Deployment) -> None:
-        await self._write("instances", lambda p: p.hset(self._key("deployments"), deployment.model, encode(deployment)))
+    async def put_deployment(self, deployment: Deployment, *, if_absent: bool = False) -> bool:
+        key, value = self._key("deployments"), encode(deployment)
+        if if_absent:
+            written, *_ = await self._write("instances", lambda p: p.hsetnx(key, deployment.model, value))
+            return bool(written)
+        await self._write("instances", lambda p: p.hset(key, deployment.model, value))
+        return True
 
     async def deployments(self) -> list[Deployment]:
         stored = await self._r.hgetall(self._key("deployments"))

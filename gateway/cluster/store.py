@@ -34,6 +34,7 @@ import itertools
 import logging
 import math
 import time
+import uuid
 from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from typing import Protocol, TypeVar, runtime_checkable
@@ -133,8 +134,9 @@ class StateStore(Protocol):
     async def links(self) -> list[Link]:
         """Links whose two ends are live nodes, by (src, dst)."""
 
-    async def put_instance(self, inst: Instance) -> None:
-        """Create or replace an instance whole, runner reports included."""
+    async def put_instance(self, inst: Instance, *, if_absent: bool = False) -> bool:
+        """Create or replace an instance whole, runner reports included; ``if_absent``: only where no record of its
+        id is stored (what a gateway republishes into a store that restarted empty). True if written."""
 
     async def get_instance(self, instance_id: InstanceId) -> Instance | None:
         """The instance with its latest state and runner reports, or None."""
@@ -176,8 +178,13 @@ class StateStore(Protocol):
     async def generation(self) -> int:
         """A counter bumped by every change of nodes, links or instances."""
 
-    async def put_deployment(self, deployment: Deployment) -> None:
-        """Create or replace ``deployment.model``'s deployment."""
+    async def incarnation(self) -> str:
+        """Which store this is: a random token, made (and stored) by the first call that finds none. A store that
+        restarted empty, was flushed or failed over to an empty replica has a new one; one restarted from its
+        append-only file keeps it. A process that saw another one before knows the store lost what it held."""
+
+    async def put_deployment(self, deployment: Deployment, *, if_absent: bool = False) -> bool:
+        """Create or replace ``deployment.model``'s deployment (``if_absent``: only create). True if written."""
 
     async def deployments(self) -> list[Deployment]:
         """Every deployment, by model."""
@@ -259,6 +266,7 @@ class MemoryStore:
         self._events: deque[tuple[tuple[int, int], bytes]] = deque(maxlen=MAX_EVENTS)
         self._last_id = (0, 0)
         self._generation = 0
+        self._incarnation = uuid.uuid4().hex
         self._secret: str | None = None
         self._provisional = False
         self._deployments: dict[str, bytes] = {}
@@ -303,9 +311,12 @@ class MemoryStore:
             link_json.decode(value) for (src, dst), value in sorted(self._links.items()) if src in live and dst in live
         ]
 
-    async def put_instance(self, inst: Instance) -> None:
+    async def put_instance(self, inst: Instance, *, if_absent: bool = False) -> bool:
+        if if_absent and inst.id in self._instances:
+            return False
         self._instances[inst.id] = encode(inst)
         self._changed("instances")
+        return True
 
     async def get_instance(self, instance_id: InstanceId) -> Instance | None:
         value = self._instances.get(instance_id)
@@ -369,6 +380,9 @@ class MemoryStore:
     async def generation(self) -> int:
         return self._generation
 
+    async def incarnation(self) -> str:
+        return self._incarnation
+
     async def cluster_secret(self, proposed: str, *, held: bool = False) -> str:
         if self._secret is None or (held and self._provisional):
             self._secret, self._provisional = proposed, not held
@@ -376,9 +390,12 @@ class MemoryStore:
             self._provisional = False
         return self._secret
 
-    async def put_deployment(self, deployment: Deployment) -> None:
+    async def put_deployment(self, deployment: Deployment, *, if_absent: bool = False) -> bool:
+        if if_absent and deployment.model in self._deployments:
+            return False
         self._deployments[deployment.model] = encode(deployment)
         self._changed("instances")
+        return True
 
     async def deployments(self) -> list[Deployment]:
         return [deployment_json.decode(v) for _, v in sorted(self._deployments.items())]

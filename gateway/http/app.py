@@ -7,6 +7,7 @@ included, is rendered by ``gateway.http.errors`` in the envelope of the client's
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 from collections.abc import AsyncIterator
@@ -55,9 +56,11 @@ def create_app(settings: Settings, plugins: pluggy.PluginManager) -> Litestar:
             app.state.plane = plane
             accounts = open_accounts(settings.redis, settings.data_dir, timeout=settings.store_timeout)
             app.state.keyring = KeyRing(accounts, settings.api_keys, settings.rate_limit)
+            keeping = asyncio.create_task(app.state.keyring.keep_seal(), name="keep-seal")
             try:
                 yield
             finally:
+                keeping.cancel()
                 app.state.telemetry.flush()  # the last requests' lines and counts
                 await accounts.close()
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import uuid
 
@@ -12,6 +13,8 @@ import redis.asyncio as redis
 from meshgate.gateway.auth import keys as accounts_module
 from meshgate.gateway.auth.guard import digest, mint
 from meshgate.gateway.auth.keys import MemoryAccounts, RedisAccounts, open_accounts
+from meshgate.gateway.cluster.redis_store import RedisStore
+from meshgate.protocols.model import StoreUnavailable
 
 
 @pytest.fixture(params=["memory", "redis"])
@@ -125,3 +128,60 @@ async def test_a_flushed_redis_is_sealed_again_from_the_gateways_own_copy(redis_
     finally:
         await first.close()
         await later.close()
+
+
+async def _empty(client, prefix: str, store: RedisStore) -> None:
+    """Redis restarted empty: nothing under ``prefix``, and a new incarnation (named by its first reader)."""
+    for key in await client.keys(f"{prefix}*"):
+        await client.delete(key)
+    await store.incarnation()
+
+
+async def test_a_gateway_that_never_saw_the_seal_waits_for_it_after_an_empty_restart(redis_server, tmp_path):
+    """A key made on one gateway, then Redis restarted empty before another gateway asked: that one cannot tell the
+    empty store's "no key ever" from a lost seal, since the store is not the one it knew (its incarnation). It
+    answers 503 (``StoreUnavailable``) until the gateway that knew the seal puts it back, then keeps auth on."""
+    prefix = f"test-{uuid.uuid4().hex[:8]}:"
+    store = RedisStore(redis_server.url, prefix)
+    await store.incarnation()  # the cluster store names the store when a gateway starts
+    maker = open_accounts(redis_server.url, str(tmp_path / "a"), prefix)
+    other = open_accounts(redis_server.url, str(tmp_path / "b"), prefix)
+    client = redis.Redis.from_url(redis_server.url)
+    try:
+        assert not await other.sealed()  # no key yet: open
+        await maker.put_key(mint("frank", "admin")[1])
+        await _empty(client, prefix, store)
+        with pytest.raises(StoreUnavailable):
+            await other.sealed()
+        assert await maker.sealed()  # its own copy of the seal: put back (``KeyRing.keep_seal`` asks every 2 s)
+        assert await other.sealed()
+    finally:
+        await client.aclose()
+        await store.close()
+        await maker.close()
+        await other.close()
+
+
+async def test_an_open_cluster_stays_open_after_an_empty_restart_once_no_seal_comes_back(
+    redis_server, tmp_path, monkeypatch
+):
+    """No key was ever made: after ``SEAL_SETTLE`` seconds of 503s no gateway has put a seal back, so the empty
+    store is taken as it is, and the gateway serves openly again (an operator's trusted-network setup)."""
+    prefix = f"test-{uuid.uuid4().hex[:8]}:"
+    store = RedisStore(redis_server.url, prefix)
+    await store.incarnation()
+    gateway = open_accounts(redis_server.url, str(tmp_path / "a"), prefix)
+    client = redis.Redis.from_url(redis_server.url)
+    try:
+        monkeypatch.setattr(accounts_module, "SEAL_SETTLE", 0.5)  # 5 s as shipped
+        assert not await gateway.sealed()
+        await _empty(client, prefix, store)
+        with pytest.raises(StoreUnavailable):
+            await gateway.sealed()
+        await asyncio.sleep(0.6)
+        assert not await gateway.sealed()
+        assert not await gateway.sealed()  # and from then on
+    finally:
+        await client.aclose()
+        await store.close()
+        await gateway.close()

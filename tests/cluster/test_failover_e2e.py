@@ -12,6 +12,7 @@ request completes with the undisturbed text.
 
 from __future__ import annotations
 
+import collections
 import threading
 import time
 from collections.abc import Iterator
@@ -19,8 +20,10 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
+from meshgate.gateway.auth.keys import SEAL_SETTLE
 from tests.cluster.faults import greedy_streams, resumes
 from tests.cluster.redis_server import RedisServer
+from tests.cluster.store_faults import Load, Outcome, ready, restart_empty
 from tests.cluster.test_cluster_e2e import FAST, Agent, wait_for
 from tests.conftest import MODEL, Server
 
@@ -38,23 +41,31 @@ LONG = 150  # tokens of a stream that outlasts a gateway's old 5 s shutdown wait
 
 
 @pytest.fixture(scope="module")
-def cluster(data_dir, packaged_gguf, tmp_path_factory) -> Iterator[tuple[list[Server], dict[str, Agent], str]]:
+def failover_redis(tmp_path_factory) -> Iterator[RedisServer]:
+    with RedisServer(tmp_path_factory.mktemp("failover-redis")) as redis:  # no persistence: a restart is empty
+        yield redis
+
+
+@pytest.fixture(scope="module")
+def cluster(
+    data_dir, packaged_gguf, tmp_path_factory, failover_redis
+) -> Iterator[tuple[list[Server], dict[str, Agent], str]]:
     logs = tmp_path_factory.mktemp("failover-logs")
-    with RedisServer(tmp_path_factory.mktemp("failover-redis")) as redis:
-        agents = {name: Agent(redis.url, name, data_dir, logs, n_ctx=N_CTX, env=ENV) for name in ("a", "b")}
-        gateways: list[Server] = []
-        try:
-            gateways += [Server(data_dir, "--redis", redis.url, "--n-ctx", str(N_CTX), env=ENV) for _ in range(2)]
-            wait_for(lambda: len(httpx.get(f"{gateways[0].url}/cluster").json()["nodes"]) == 2, 60, "two nodes")
-            r = httpx.post(f"{gateways[0].url}/instances", json={"model": MODEL, "replicas": 2}, timeout=60)
-            assert r.status_code == 201, r.text
-            _two_ready(gateways[0])
-            yield gateways, agents, redis.url
-        finally:
-            for gateway in gateways:
-                gateway.stop()
-            for agent in agents.values():
-                agent.stop()
+    url = failover_redis.url
+    agents = {name: Agent(url, name, data_dir, logs, n_ctx=N_CTX, env=ENV) for name in ("a", "b")}
+    gateways: list[Server] = []
+    try:
+        gateways += [Server(data_dir, "--redis", url, "--n-ctx", str(N_CTX), env=ENV) for _ in range(2)]
+        wait_for(lambda: len(httpx.get(f"{gateways[0].url}/cluster").json()["nodes"]) == 2, 60, "two nodes")
+        r = httpx.post(f"{gateways[0].url}/instances", json={"model": MODEL, "replicas": 2}, timeout=60)
+        assert r.status_code == 201, r.text
+        _two_ready(gateways[0])
+        yield gateways, agents, url
+    finally:
+        for gateway in gateways:
+            gateway.stop()
+        for agent in agents.values():
+            agent.stop()
 
 
 def _two_ready(gateway: Server, timeout: float = 180) -> list[dict]:
@@ -152,3 +163,35 @@ def test_a_rolling_restart_of_every_node_and_gateway_loses_no_request(cluster, d
     events = httpx.get(f"{gateways[0].url}/events", params={"count": 1000}).json()
     kinds = [e["kind"] for e in events]
     assert kinds.count("node.draining") >= 2, kinds
+
+
+def test_redis_restarted_empty_under_load_cuts_no_stream_and_keeps_both_replicas(cluster, failover_redis):
+    """Redis SIGKILLed and started again with nothing, under a steady greedy stream in each protocol over both
+    gateways: no stream is cut and no text differs; requests fail only with a 503 (Redis down, then the few
+    seconds the gateways wait for a seal to come back: this cluster never made a key), none once that is over;
+    the two replicas are the same instances on the same runners (none started again): the gateways put them back
+    (``cluster.recovery``), the agents kept their runners meanwhile."""
+    gateways, agents, _ = cluster
+    before = sorted(i["id"] for i in _two_ready(gateways[0]))
+    launched = {name: agent.log.read_text().count("started shard") for name, agent in agents.items()}
+    reference = "".join(greedy_streams(gateways[0].url, MODEL, PROMPT, 24)["openai"])
+    with Load(lambda: [g.url for g in gateways], reference) as load:
+        time.sleep(3)
+        restart_empty(failover_redis)
+        back = time.monotonic()
+        for gateway in gateways:
+            wait_for(lambda g=gateway: sorted(i["id"] for i in ready(g)) == before, 30, "the replicas put back")
+        time.sleep(SEAL_SETTLE + 4)
+    statuses = collections.Counter(o.status for o in load.outcomes)
+    print(statuses, [(round(o.began - back, 1), o.status, o.message[:80]) for o in load.outcomes if o.status != "ok"])
+    refused = ("503", "529")  # the store away: 503, or Anthropic's 529 overloaded_error (docs/PROTOCOLS)
+    assert set(statuses) <= {"ok", *refused}, [o for o in load.outcomes if o.status not in ("ok", *refused)]
+    assert not [o for o in load.outcomes if o.status != "ok" and o.began > back + SEAL_SETTLE + 1]
+    assert {p for p, n in _answered(load.outcomes).items() if n} == {"openai", "anthropic", "ollama"}
+    assert {name: agent.log.read_text().count("started shard") for name, agent in agents.items()} == launched
+    events = httpx.get(f"{gateways[0].url}/events", params={"count": 1000}).json()
+    assert "store.republished" in [e["kind"] for e in events]
+
+
+def _answered(outcomes: list[Outcome]) -> dict[str, int]:
+    return collections.Counter(o.protocol for o in outcomes if o.status == "ok")

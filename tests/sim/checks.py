@@ -6,12 +6,13 @@ write (``store.SimStore``), each request's own (``operations.client``)."""
 
 from __future__ import annotations
 
+import math
 from typing import TYPE_CHECKING
 
 from meshgate.gateway.cluster.records import Deployment, Failed, Instance, Ready
 from meshgate.gateway.cluster.store import deployment_json, instance_json
 from tests.sim.clock import now
-from tests.sim.shape import SETTLE
+from tests.sim.shape import GRACE, SETTLE
 
 if TYPE_CHECKING:
     from tests.sim.episode import Episode
@@ -23,6 +24,9 @@ def at_rest(ep: Episode) -> None:
         world.violate(f"{len(ep.clients)} requests still open {SETTLE:.0f}s after the cluster healed")
     stored: list[Instance] = [instance_json.decode(raw) for raw in world.store.inner._instances.values()]
     deployments: list[Deployment] = [deployment_json.decode(raw) for raw in world.store.inner._deployments.values()]
+    for model, at in ep.wiped.items():  # unless a delete or an unload may have removed it since (a drain's grace)
+        if ep.lowered.get(model, -math.inf) < at - GRACE - 5 and model not in {d.model for d in deployments}:
+            world.violate(f"{model}'s deployment, in the store before it restarted empty, was never put back")
     for deployment in deployments:
         model = deployment.model
         if not deployment.min_replicas <= deployment.replicas <= deployment.max_replicas:

@@ -29,6 +29,7 @@ from meshgate.gateway.auth.keys import MemoryAccounts
 from meshgate.gateway.cluster.autoscale import Autoscaler, Policy
 from meshgate.gateway.cluster.instances import InstanceManager
 from meshgate.gateway.cluster.loads import LoadBoard
+from meshgate.gateway.cluster.store import deployment_json
 from meshgate.gateway.serving.admission import Admission
 from meshgate.gateway.serving.catalog import Catalog
 from meshgate.gateway.serving.dispatch import Dispatcher
@@ -66,8 +67,10 @@ class Gateway:
     admission: Admission
     loads: LoadBoard
     keyring: KeyRing
+    keeping: asyncio.Task[None]
 
     async def close(self) -> None:
+        self.keeping.cancel()
         await self.loads.close()
         await self.instances.close()
 
@@ -102,7 +105,8 @@ async def _gateway(world: World, name: str, shared: MemoryAccounts) -> Gateway:
         resume_wait=30.0,
     )  # fmt: skip
     keyring = KeyRing(SimAccounts(world, shared))  # type: ignore[arg-type]
-    return Gateway(name, instances, dispatcher, admission, loads, keyring)
+    keeping = asyncio.create_task(keyring.keep_seal())
+    return Gateway(name, instances, dispatcher, admission, loads, keyring, keeping)
 
 
 @dataclass
@@ -122,6 +126,9 @@ class Episode:
     starting: set[str] = field(default_factory=set)  # nodes whose agent is starting (waiting for the store)
     requests: int = 0
     finished: int = 0
+    accounts: MemoryAccounts = field(default_factory=MemoryAccounts)  # the keys in the store
+    wiped: dict[str, float] = field(default_factory=dict)  # model -> when a wipe found it deployed
+    lowered: dict[str, float] = field(default_factory=dict)  # model -> when an operation last removed a replica
 
     def note(self, what: str) -> None:
         self.trace.append(f"{now():8.3f} {what}")
@@ -178,6 +185,18 @@ class Episode:
             self.active.discard("store")
         self.fault(what)
 
+    def store_wiped(self) -> None:
+        """The store comes back empty: its keys are gone (revoked, as clients see it), what it held too."""
+        store = self.world.store
+        for raw in store.inner._deployments.values():
+            self.wiped[deployment_json.decode(raw).model] = now()
+        store.wipe()
+        self.accounts._keys.clear()
+        self.accounts._sealed = False  # the store's copy of the seal; each gateway keeps its own
+        self.revoked += self.keys.values()
+        self.keys.clear()
+        self.store_back("store back, empty")
+
     def heal_cut(self, gateway: str, node: str) -> None:
         self.world.cut.discard((gateway, node))
         self.active.discard(f"cut {gateway} {node}")
@@ -204,7 +223,7 @@ def _seeded_ids(rng: random.Random) -> Iterator[None]:
 async def _episode(episode: Episode) -> None:
     rng, world = episode.rng, episode.world
     clock = asyncio.get_running_loop()
-    shared = MemoryAccounts()
+    shared = episode.accounts
     for name in NODES:
         await episode.start_node(name)
     for name in GATEWAYS:

@@ -4,7 +4,8 @@ Operations, by weight (``OPERATIONS``): requests (45%: streamed, 1-40 tokens, 15
 revoked one, a made-up one or none; each body as its protocol's SDK sends it, through that protocol's decoding
 and ``to_internal``), deployments created or their bounds set, replicas deleted or
 unloaded (``keep_alive: 0``), keys made or revoked, node drains. Faults: runners killed mid-stream, nodes killed
-(back 3-15 s later), a gateway cut from a node (1-10 s), the store stalled (0.5-12 s) or down (0.5-8 s).
+(back 3-15 s later), a gateway cut from a node (1-10 s), the store stalled (0.5-12 s), down (0.5-8 s) or
+restarted empty (down 0.5-5 s, then back with nothing: no records, no keys).
 
 A request checks what its client sees as it goes: served only with a valid key once any key has existed (a key
 revoked during a store outage is served within ``KEY_GRACE``, as documented); one end, ``Finished`` with the
@@ -157,12 +158,14 @@ async def delete(ep: Episode, gateway: Gateway) -> None:
     if live:
         target = ep.rng.choice(live)
         ep.note(f"delete {target.id} on {gateway.name}")
+        ep.lowered[target.model] = now()
         await _admin(ep, gateway, gateway.instances.delete(target.id))
 
 
 async def unload(ep: Episode, gateway: Gateway) -> None:
     model = ep.rng.choice(list(MODELS))
     ep.note(f"unload {model} (keep_alive 0) on {gateway.name}")
+    ep.lowered[model] = now()
     await _admin(ep, gateway, gateway.dispatcher.unload(model))
 
 
@@ -246,6 +249,15 @@ async def down(ep: Episode, gateway: Gateway) -> None:
     await _store_fault(ep, "down", ep.rng.uniform(0.5, 8), ep.world.store.down, "store back")
 
 
+async def restart_empty(ep: Episode, gateway: Gateway) -> None:
+    """Redis killed and started again without its data (0.5-5 s)."""
+    seconds = ep.rng.uniform(0.5, 5)
+    ep.fault(f"store restarts empty in {seconds:.1f}s")
+    ep.world.store.down(seconds)
+    ep.active.add("store")
+    asyncio.get_running_loop().call_later(seconds, ep.store_wiped)
+
+
 async def _store_fault(ep: Episode, how: str, seconds: float, start: Callable[[float], None], end: str) -> None:
     ep.fault(f"store {how} {seconds:.1f}s")
     start(seconds)
@@ -270,6 +282,7 @@ OPERATIONS: list[tuple[float, Callable[[Episode, Gateway], Awaitable[bool | None
     (0.77, cut),
     (0.80, stall),
     (0.82, down),
+    (0.83, restart_empty),
     (1.00, _quiet),
 ]
 """Each operation with the top of its share of ``[0, 1)``: a draw below it and above the one before picks it."""

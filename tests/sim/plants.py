@@ -29,9 +29,14 @@ async def _cached_seal(self: KeyRing) -> bool:
     return sealed
 
 
+async def _never_republished(self: InstanceManager) -> bool:
+    return False  # a gateway that takes an empty store for the truth: its replicas are placed anew, runners stopped
+
+
 PLANTS: dict[str, tuple[type, str, Callable]] = {
     "no-placing-lease": (InstanceManager, "_placing", _unleased),  # two gateways fill one node twice over
     "seal-cached": (KeyRing, "enabled", _cached_seal),  # a second with auth off after another gateway's first key
+    "no-republish": (InstanceManager, "_republished", _never_republished),  # a store restarted empty loses it all
 }
 
 

@@ -13,9 +13,9 @@ from typing import TYPE_CHECKING, Any
 
 import msgspec
 
-from meshgate.gateway.auth.keys import ApiKey, MemoryAccounts
+from meshgate.gateway.auth.keys import ApiKey, Emptied, MemoryAccounts
 from meshgate.gateway.cluster.records import Draining, Failed, Instance
-from meshgate.gateway.cluster.store import MemoryStore
+from meshgate.gateway.cluster.store import KINDS, MemoryStore
 from meshgate.protocols.model import StoreUnavailable
 from tests.sim.clock import EPOCH, current_machine, machine, now
 from tests.sim.shape import NODE_MEMORY, STORE_TIMEOUT
@@ -78,9 +78,10 @@ class SimStore:
         world = self.world
         if name == "put_instance":
             (inst,) = args
-            if inst.id in self.inner._instances:
+            absent = kwargs.get("if_absent", False)
+            if inst.id in self.inner._instances and not absent:
                 world.violate(f"put_instance overwrote {inst.id} without a condition")
-            self._check_memory(inst)
+            self._check_memory(inst, replacing=inst.id if absent else None)
             world.placed_at[inst.id] = now()
         elif name == "set_state":
             instance_id, state = args
@@ -169,6 +170,14 @@ class SimStore:
         self.stalled_until = self.down_until = 0.0
         self._answering.set()
 
+    def wipe(self) -> None:
+        """Lose every record (Redis restarted without its data): a new incarnation, nothing stored. Its subscribers
+        stay: they were woken for every kind when they subscribed again, as ``RedisStore``'s are."""
+        fresh = MemoryStore()
+        fresh._watchers = self.inner._watchers
+        self.inner = fresh
+        fresh._changed(*KINDS)
+
     def _answer(self) -> None:
         if self._now() >= self.stalled_until:
             self._answering.set()
@@ -197,6 +206,7 @@ class SimAccounts:
         self.world = world
         self.shared = shared
         self.remembered = False
+        self.emptied = Emptied()  # as ``RedisAccounts`` keeps it
 
     async def _up(self) -> None:
         await self.world.store._call("generation")  # the same latency and faults as every store call
@@ -212,6 +222,7 @@ class SimAccounts:
             self.shared._sealed = True
         sealed = self.remembered or await self.shared.sealed()
         self.remembered = sealed
+        self.emptied.check(self.world.store.inner._incarnation, sealed)
         return sealed
 
     async def get_key(self, key_id: str) -> ApiKey | None:

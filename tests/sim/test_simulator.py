@@ -44,7 +44,17 @@ def test_a_seed_replays_its_episode_exactly():
 def test_the_checks_find_the_placement_race_they_found_before():
     """Planted back: placement without the store's ``placing`` lease. Two gateways planned at once, each counting
     only its own view's memory, and filled a node past its budget (seeds 7, 25, 29 and 36 of the first hundred,
-    before the fix); seed 69 does so today when the lease is taken away, and holds with it."""
-    planted = _sim("--seed", "69", "--plant", "no-placing-lease")
+    before the fix); seed 545 does so today when the lease is taken away (the episodes have been drawn anew since
+    the empty-restart fault joined), and holds with it."""
+    planted = _sim("--seed", "545", "--plant", "no-placing-lease")
     assert planted.returncode == 1 and "bytes of 4294967296" in planted.stdout, planted.stdout[-2000:]
-    assert _sim("--seed", "69").returncode == 0
+    assert _sim("--seed", "545").returncode == 0
+
+
+def test_the_checks_find_a_gateway_that_republishes_nothing_after_an_empty_restart():
+    """Planted back: a gateway that takes a store restarted empty for the truth (``InstanceManager._republished``
+    always False): the deployments it knew are never put back, and its replicas' runners are stopped mid-stream
+    once the agents' wait for them ends. Seed 14 restarts the store empty; it holds with the republishing."""
+    planted = _sim("--seed", "14", "--plant", "no-republish")
+    assert planted.returncode == 1 and "restarted empty" in planted.stdout, planted.stdout[-2000:]
+    assert _sim("--seed", "14").returncode == 0

@@ -31,8 +31,10 @@ and decides again on fresh state under it, so two gateways never both carry out 
 (``InstanceManager.drain``: deleted at once when idle). Each action appends ``deployment.scaled_up`` or
 ``deployment.scaled_down`` to ``/events`` with its reason and figures.
 
-Imports the standard library, msgspec, ``backends.placement`` (ids) and the gateway's cluster records, loads and
-instances (the executor's manager); nothing imports it but the runtime that wires it.
+The executor sees the instances through ``Scaling``, the narrow port it needs (``InstanceManager`` is one).
+
+Imports the standard library, msgspec, ``backends.placement`` (ids, candidates) and the gateway's cluster
+records, loads and store interface; nothing imports it but the runtime that wires it.
 """
 
 from __future__ import annotations
@@ -41,16 +43,19 @@ import contextlib
 import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
+from typing import Protocol
 
 import msgspec
 
-from meshgate.backends.placement import InstanceId
-from meshgate.gateway.cluster.instances import InstanceManager
+from meshgate.backends.placement import Candidate, InstanceId
 from meshgate.gateway.cluster.loads import ReplicaLoad
 from meshgate.gateway.cluster.records import Deployment, Draining, Instance, Ready
+from meshgate.gateway.cluster.store import StateStore
 from meshgate.protocols.model import NotFound
 
-__all__ = ["Action", "Autoscaler", "History", "Hold", "Policy", "ScaleDown", "ScaleUp", "decide", "observe"]
+__all__ = [
+    "Action", "Autoscaler", "History", "Hold", "Policy", "ScaleDown", "ScaleUp", "Scaling", "decide", "observe",
+]  # fmt: skip
 
 log = logging.getLogger("meshgate.autoscale")
 
@@ -215,12 +220,32 @@ def _decide_one(
     return ScaleDown(d.model, instance_id, f"{why}, {count} replicas > min_replicas ({d.min_replicas})", figures)
 
 
+class Scaling(Protocol):
+    """What the autoscaler needs of the instances: the store and this gateway's name in its leases, the cached
+    instances and each one's load as this gateway routes it, a fresh read, a deployment lowered by one replica, a
+    drain, and a preview of where another replica would go."""
+
+    store: StateStore
+    holder: str
+    load: Callable[[str], int]
+
+    def snapshot(self) -> list[Instance]: ...
+
+    async def refresh(self) -> None: ...
+
+    async def lower(self, model: str, without: str) -> None: ...
+
+    async def drain(self, instance_id: InstanceId, *, reason: str, lower: bool, settle: bool) -> object: ...
+
+    async def preview(self, model: str, *, context: int | None = None) -> list[Candidate]: ...
+
+
 class Autoscaler:
     """Carries out ``decide`` in one gateway: call ``step`` once per reconcile pass (``InstanceManager.scale``)."""
 
     def __init__(
         self,
-        manager: InstanceManager,
+        manager: Scaling,
         policy: Policy,
         view: Callable[[str], ReplicaLoad],
         *,
@@ -235,7 +260,7 @@ class Autoscaler:
         self.history = History()
 
     def _observed(self) -> tuple[list[Instance], dict[str, ReplicaLoad]]:
-        instances = list(self.manager._view.values())
+        instances = self.manager.snapshot()
         return instances, {i.id: self.view(i.id) for i in instances}
 
     async def step(self) -> list[Action]:
@@ -259,7 +284,7 @@ class Autoscaler:
     async def _carry_out(self, first: Action) -> Action | None:
         """Decide again for ``first.model`` on fresh state (with room checked for a scale-up); act if it holds."""
         manager, store = self.manager, self.manager.store
-        await manager._refresh(force=True)
+        await manager.refresh()
         instances, loads = self._observed()
         deployment = next((d for d in await store.deployments() if d.model == first.model), None)
         if deployment is None:
@@ -277,7 +302,7 @@ class Autoscaler:
         if isinstance(action, ScaleDown):
             if manager.load(action.instance_id) and not action.busy:
                 return None  # a request was routed to it meanwhile: idle it is not
-            await manager._record_deployment(action.model, without=action.instance_id)
+            await manager.lower(action.model, without=action.instance_id)
             current = next((d for d in await store.deployments() if d.model == action.model), None)
             if current is not None:
                 await store.put_deployment(msgspec.structs.replace(current, scaled_at=now))

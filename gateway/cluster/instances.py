@@ -53,6 +53,7 @@ from meshgate.gateway.cluster.routing import Choice, PrefixTable, Replica, Routi
 from meshgate.gateway.cluster.store import StateStore
 from meshgate.protocols.model import (
     BackendUnavailable,
+    GatewayError,
     InvalidRequest,
     NoCapacity,
     NotFound,
@@ -534,6 +535,31 @@ class InstanceManager:
             await self.store.append_event(kind, message, instance_id=instance.id)
         self._view.pop(instance.id, None)
 
+    async def unload(self, model: str, busy: Callable[[str], bool]) -> None:
+        """Delete ``model``'s idle replicas now and the ``busy`` ones once idle (Ollama's ``keep_alive: 0``):
+        another client's stream on a replica is never cut by it, and a deployment an admin pinned keeps its
+        ``min_replicas`` (``beyond_minimum``)."""
+        waiting = False
+        left = await self.beyond_minimum(model)
+        for instance in self.cached(model):
+            if left <= 0:
+                break
+            if isinstance(instance.state, Draining) or given_up(instance):
+                continue
+            if busy(instance.id):
+                waiting = True
+                continue
+            with contextlib.suppress(GatewayError):
+                await self.delete(instance.id)
+                left -= 1
+        if waiting and left > 0:
+            await self.set_expiry(model, time.time())  # the reconcile loop expires them when idle
+
+    async def keep(self, model: str, until: float | None) -> None:
+        """``model``'s ready replicas expire at ``until`` (Unix time; None: never, written only where one would)."""
+        if until is not None or any(i.expires_at is not None for i in self.cached(model)):
+            await self.set_expiry(model, until)
+
     async def set_expiry(self, model: str, expires_at: float | None) -> None:
         """Set when ``model``'s ready instances are unloaded (``None``: never; Ollama's ``keep_alive``). Each write
         holds only over the ready state and epoch it read: one failed, drained or deleted meanwhile stays so."""
@@ -557,6 +583,18 @@ class InstanceManager:
                 for node_id, size in instance.placement.memory_per_node.items():
                     placed[node_id] = placed.get(node_id, 0) + size
         return placed
+
+    def snapshot(self) -> list[Instance]:
+        """Every instance as this gateway last read them."""
+        return list(self._view.values())
+
+    async def refresh(self) -> None:
+        """Read every instance again now."""
+        await self._refresh(force=True)
+
+    async def lower(self, model: str, without: str) -> None:
+        """Lower ``model``'s deployment by the replica ``without`` (before it is drained)."""
+        await self._record_deployment(model, without=without)
 
     def ids(self) -> set[str]:
         """The ids of every instance in this gateway's view."""

@@ -7,7 +7,8 @@ ages and the watchers' fan-out are shared by both.
 
 Decisions:
     * State lives in keys, never in pub/sub: notifications only say "look again", so a lost message costs a
-      stale cache, not lost state. With AOF on, instances, links, events and the generation survive a restart.
+      stale cache, not lost state. With AOF on, instances, links, events, the generation and the incarnation
+      survive a restart; without it, ``recovery`` says what each process puts back.
     * A new watcher first yields every kind once (read everything now), and does so again whenever its Redis
       subscription is re-established, since messages sent while disconnected are lost. Wake-ups of one kind
       coalesce while unread. Consumers re-read on a wake-up; they never count them.

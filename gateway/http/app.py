@@ -27,7 +27,12 @@ from meshgate.gateway.http.routes import keys as key_routes
 from meshgate.gateway.http.routes import ollama as ollama_routes
 from meshgate.gateway.http.routes import openai as openai_routes
 from meshgate.gateway.http.routes import ui as ui_routes
-from meshgate.gateway.http.routes.common import provide_dispatcher
+from meshgate.gateway.http.routes.common import (
+    provide_dispatcher,
+    provide_instances,
+    provide_keyring,
+    provide_settings,
+)
 from meshgate.gateway.http.runtime import control_plane
 from meshgate.gateway.telemetry import route as metrics_route
 from meshgate.gateway.telemetry.metrics import GatewayMetrics
@@ -74,7 +79,12 @@ def create_app(settings: Settings, plugins: pluggy.PluginManager) -> Litestar:
             ui_routes.router,  # the dashboard at /ui (static, public; it sends an admin key itself)
             *([metrics_route.metrics] if settings.metrics else []),  # GET /metrics (admin scope)
         ],
-        dependencies={"dispatcher": Provide(provide_dispatcher, sync_to_thread=False)},
+        dependencies={
+            "dispatcher": Provide(provide_dispatcher, sync_to_thread=False),
+            "instances": Provide(provide_instances, sync_to_thread=False),
+            "keyring": Provide(provide_keyring, sync_to_thread=False),
+            "settings": Provide(provide_settings, sync_to_thread=False),
+        },
         guards=[authorize],  # every route: its scope (admin unless it says otherwise) and limits (gateway.auth.guard)
         lifespan=[lifespan],
         exception_handlers={Exception: errors.render},  # every error, in the client's protocol's envelope

@@ -34,6 +34,7 @@ from meshgate.gateway.serving.admission import Admission
 from meshgate.gateway.serving.catalog import Catalog
 from meshgate.gateway.serving.dispatch import Dispatcher
 from meshgate.gateway.serving.model_defaults import UserModels
+from meshgate.gateway.telemetry.metrics import PlaneSnapshot
 from meshgate.plugins.policy import by_preference
 from meshgate.plugins.settings import Settings
 
@@ -58,6 +59,22 @@ class ControlPlane:
     agent: NodeAgent | None = None
     dispatcher: Dispatcher | None = None
     extra: dict = field(default_factory=dict)
+
+    async def snapshot(self) -> PlaneSnapshot:
+        """What ``/metrics`` reports of this plane (``telemetry.metrics.Snapshots``), read now."""
+        nodes, links, instances = await asyncio.gather(self.store.nodes(), self.store.links(), self.store.instances())
+        dispatcher, manager = self.dispatcher, self.instances
+        loads = dispatcher.loads if dispatcher is not None else None
+        return PlaneSnapshot(
+            nodes=nodes,
+            links=links,
+            instances=instances,
+            queues=dispatcher.admission.loads() if dispatcher is not None else {},
+            replacements=dict(manager.replacements) if manager is not None else {},
+            routed=dict(manager.routed) if manager is not None else {},
+            replica_load=loads.view if loads is not None else None,
+            restarts=self.agent.metrics.restarts.family() if self.agent is not None else None,
+        )
 
 
 @contextlib.asynccontextmanager

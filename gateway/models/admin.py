@@ -45,7 +45,6 @@ Decisions (docs/protocols.md OLL-15, OLL-41..47):
 from __future__ import annotations
 
 import asyncio
-import math
 import os
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
@@ -165,15 +164,7 @@ async def ps(dispatcher: Dispatcher, instances: list, may_use: Callable[[str], b
 
 async def apply_keep_alive(dispatcher: Dispatcher, model: str, keep_alive: float | None) -> None:
     """Apply a request's parsed ``keep_alive`` to ``model``'s ready instances once the request is done."""
-    card = dispatcher.resolve(model)
-    if keep_alive == 0:
-        await dispatcher.unload(card.name)
-        return
-    if keep_alive is None or math.isinf(keep_alive):
-        if any(i.expires_at is not None for i in dispatcher.instances.cached(card.name)):
-            await dispatcher.instances.set_expiry(card.name, None)
-        return
-    await dispatcher.instances.set_expiry(card.name, time.time() + keep_alive)
+    await dispatcher.keep_alive(model, keep_alive)
 
 
 async def _refresh(dispatcher: Dispatcher) -> None:

@@ -4,8 +4,9 @@
       resolve the model and its backend; prepare the request (``gateway.serving.prepare``, one pure function)
       _on_replica: the one retry loop                          (also for embeddings and token counts)
         route to a replica (``InstanceManager.acquire``: placed if there is none), wait until it is ready
-        _begin: check the context (``gateway.serving.context_fit``), take a place in the replica's queue
-          (``gateway.serving.admission``), wait for a slot, start the runner's stream and take its first event
+        ``start.Starter.begin``: check the context (``gateway.serving.context_fit``), take a place in the
+          replica's queue (``gateway.serving.admission``), wait for a slot, start the runner's stream and take
+          its first event; or answer ``Bigger``: the next pass goes to a replica with a bigger context
         a replica that cannot be reached is failed (so it is re-placed) and the loop goes to another
       wrap the events: resumable on another replica (``gateway.serving.resume``), relayed (``streams.relay``)
       -> an ``EventStream`` that frees the slot when it is closed
@@ -26,36 +27,38 @@ tool definitions, or an agent's long preamble, still gets an answer.
 
 Counting a prompt's tokens costs the runner CPU time in proportion to its size (about 2 s for 1 MB of text), and
 only prompts whose size does not already show they fit are counted. Those counts (and Anthropic's count_tokens)
-go through a second fair queue per replica, one count at a time (``counting``): a client sending many huge
-prompts waits for its own counts, while another client's request is counted after at most one of them.
+go through a second fair queue per replica, one count at a time (``start.Starter.counter``): a client sending
+many huge prompts waits for its own counts, while another client's request is counted after at most one of them.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
+import math
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
-from dataclasses import dataclass, replace
-from functools import partial
-from typing import TypeVar
+from dataclasses import replace
+from typing import Protocol, TypeVar
 
 import msgspec
 
-from meshgate.backends.base import Backend, Capabilities, ModelCard, Runner, check_embeddings
+from meshgate.backends.base import Backend, Capabilities, ModelCard, check_embeddings
+from meshgate.backends.placement import InstanceId
 from meshgate.backends.registry import UserModel
-from meshgate.gateway.cluster.instances import InstanceManager, given_up
 from meshgate.gateway.cluster.loads import LoadBoard
-from meshgate.gateway.cluster.records import Draining, Instance, Ready
-from meshgate.gateway.cluster.routing import Routing, prefix_blocks, prefix_key
+from meshgate.gateway.cluster.records import Instance, Ready
+from meshgate.gateway.cluster.routing import Routing
 from meshgate.gateway.serving import streams
-from meshgate.gateway.serving.admission import Admission, Ticket
+from meshgate.gateway.serving.admission import Admission
 from meshgate.gateway.serving.catalog import Catalog
-from meshgate.gateway.serving.context_fit import Fit, cap_output, fit_context, grown_context, needed_context
+from meshgate.gateway.serving.context_fit import Fit
 from meshgate.gateway.serving.model_defaults import apply_defaults, end_turn_at_default_stops
 from meshgate.gateway.serving.prepare import prepare
 from meshgate.gateway.serving.resume import Resume, resumable
+from meshgate.gateway.serving.start import Bigger, Job, Started, Starter, Visit, connect, request_routing
 from meshgate.gateway.serving.streams import EventStream
 from meshgate.gateway.telemetry import record as telemetry
 from meshgate.protocols.model import (
@@ -71,10 +74,9 @@ from meshgate.protocols.model import (
     Request,
     UnknownModel,
     Usage,
-    error_from_info,
 )
 
-__all__ = ["Dispatcher", "request_routing"]
+__all__ = ["Dispatcher"]
 
 log = logging.getLogger("meshgate.dispatch")
 T = TypeVar("T")
@@ -93,41 +95,21 @@ only ``_UNREACHABLE`` fails the replica: a full queue (``Overloaded``) or no roo
 healthy."""
 
 
-@dataclass(frozen=True)
-class _Job:
-    """One generation on its way to a runner: what runs it, for whom, and the protocol's context rule."""
+class Replicas(Protocol):
+    """What the dispatcher needs of the instances (``InstanceManager`` is one): a ready replica for a request
+    (placed if there is none), reporting one its runner cannot be reached on, and a model's keep-alive."""
 
-    card: ModelCard
-    backend: Backend
-    request: Request
-    caller: str
-    fit: Fit
-    routing: Routing  # what routing reads of the prompt (``request_routing``)
-    grow: bool  # may move to a replica with a bigger context (the module docstring)
-    fitted: bool = False  # the request was fitted to a replica's context already (a resume)
+    async def acquire(
+        self, card: ModelCard, *, context: int | None = None, routing: Routing | None = None
+    ) -> Instance: ...
 
+    async def wait_ready(self, instance_id: InstanceId, timeout: float = 300.0) -> Instance: ...
 
-@dataclass(frozen=True)
-class _Started:
-    """A generation that has its slot and its first event on ``instance``; the request as it was sent."""
+    async def report_unreachable(self, instance: Instance, error: str) -> None: ...
 
-    instance: Instance
-    request: Request
-    ticket: Ticket
-    first: Event
-    events: AsyncIterator[Event]
+    async def unload(self, model: str, busy: Callable[[str], bool]) -> None: ...
 
-    async def close(self) -> None:
-        self.ticket.release()
-        await streams.aclose(self.events)
-
-
-class _Grow(Exception):
-    """The request needs a replica with ``context`` tokens (``_begin``): the loop routes it there and makes
-    ``then``, the same call that may not grow again."""
-
-    def __init__(self, context: int, then: Callable[[Instance, _Visit], Awaitable[_Started]]) -> None:
-        self.context, self.then = context, then
+    async def keep(self, model: str, until: float | None) -> None: ...
 
 
 class Dispatcher:
@@ -138,7 +120,7 @@ class Dispatcher:
         catalog: Catalog,
         backends: Sequence[Backend],
         choose,
-        instances: InstanceManager,
+        instances: Replicas,
         *,
         keepalive: float = 2.0,
         admission: Admission | None = None,
@@ -152,11 +134,9 @@ class Dispatcher:
         self.resume_wait = resume_wait  # how long a stream whose replica failed may wait for another (0: never)
         self.grow_context = grow_context  # a request without num_ctx may get a bigger replica (module docstring)
         self.user_models = user_models  # a user model's stored defaults, by name (gateway.serving.model_defaults)
-        self.max_tokens = max_tokens
         self.keepalive = keepalive
-        self.admission = admission or Admission()
-        self.counting = Admission(parallel=1, max_queue=self.admission.max_queue)
-        self._longest_token: dict[str, int] = {}  # model -> Backend.token_bytes
+        self.starter = Starter(admission or Admission(), max_tokens)
+        self.admission = self.starter.admission  # each replica's generation queue (``/metrics``, ``/instances``)
         self.backends = list(backends)
         self._choose = choose
         self.instances = instances
@@ -195,26 +175,21 @@ class Dispatcher:
         return await self.instances.wait_ready(instance.id)
 
     async def unload(self, name: str) -> ModelCard:
-        """Delete ``name``'s idle replicas now and the busy ones once idle (Ollama's ``keep_alive: 0``): another
-        client's stream on a replica is never cut by it, and a deployment an admin pinned keeps its
-        ``min_replicas`` (``InstanceManager.beyond_minimum``)."""
+        """Unload ``name``'s replicas (Ollama's ``keep_alive: 0``): the idle ones now, the busy ones once idle."""
         card = self.resolve(name)
-        busy = False
-        left = await self.instances.beyond_minimum(card.name)
-        for instance in self.instances.cached(card.name):
-            if left <= 0:
-                break
-            if isinstance(instance.state, Draining) or given_up(instance):
-                continue
-            if self.loads is not None and self.loads.load(instance.id) > 0:
-                busy = True
-                continue
-            with contextlib.suppress(GatewayError):
-                await self.instances.delete(instance.id)
-                left -= 1
-        if busy and left > 0:
-            await self.instances.set_expiry(card.name, time.time())  # the reconcile loop expires them when idle
+        loads = self.loads
+        await self.instances.unload(card.name, busy=lambda iid: loads is not None and loads.load(iid) > 0)
         return card
+
+    async def keep_alive(self, name: str, seconds: float | None) -> None:
+        """Apply a request's ``keep_alive`` to ``name``'s replicas once the request is done: unload them (0), keep
+        them for good (None, infinite), or let them expire ``seconds`` from now."""
+        if seconds == 0:
+            await self.unload(name)
+            return
+        card = self.resolve(name)
+        until = None if seconds is None or math.isinf(seconds) else time.time() + seconds
+        await self.instances.keep(card.name, until)
 
     # ------------------------------------------------------------------------------------------- generation
 
@@ -243,10 +218,10 @@ class Dispatcher:
             model=card.name,
             user_model=self.user_models(card.name),
             capabilities=backend.capabilities(card),
-            max_tokens=self.max_tokens,
+            max_tokens=self.starter.max_tokens,
             clamp_output=clamp_output,
         )
-        job = _Job(
+        job = Job(
             card=card,
             backend=backend,
             request=ready.request,
@@ -256,19 +231,21 @@ class Dispatcher:
             grow=self.grow_context and not isinstance(ready.request.num_ctx, int),
         )
 
-        def served(started: _Started) -> EventStream:
+        def served(started: Started) -> EventStream:
             return self._served(job, started, on_usage=on_usage, end_turn=ready.defaults_end_turn)
 
-        start = partial(self._on_replica, card, partial(self._begin, job), context=ready.context, routing=job.routing)
+        async def start(waiting: Callable[[], object] | None = None) -> Started:
+            return await self._start(job, context=ready.context, waiting=waiting)
+
         if not request.stream:
             return served(await start())
-        waits: asyncio.Future[_Started] = asyncio.get_running_loop().create_future()  # resolved when it must wait
+        waits: asyncio.Future[Started] = asyncio.get_running_loop().create_future()  # resolved when it must wait
 
         def waiting() -> None:
             if not waits.done():
                 waits.set_result(None)  # type: ignore[arg-type]  # only done-ness is read
 
-        starting = asyncio.ensure_future(start(waiting=waiting))
+        starting = asyncio.ensure_future(start(waiting))
         try:
             await asyncio.wait({starting, waits}, return_when=asyncio.FIRST_COMPLETED)
         except BaseException:  # cancelled (the client went away): nothing may keep the slot
@@ -276,12 +253,31 @@ class Dispatcher:
             raise
         if starting.done():
             return served(starting.result())
-        return EventStream(self._keepalive_until(starting, served), partial(_abandon, starting))
+        return EventStream(self._keepalive_until(starting, served), lambda: _abandon(starting))
+
+    async def _start(
+        self,
+        job: Job,
+        *,
+        context: int | None = None,
+        waiting: Callable[[], object] | None = None,
+        failed: tuple[Instance, GatewayError] | None = None,
+    ) -> Started:
+        """``job`` started on a replica (``start.Starter.begin``) by the retry loop; a resume (``failed``: the
+        replica it comes from) waits patiently."""
+
+        async def begin(instance: Instance, visit: Visit) -> Started | Bigger:
+            return await self.starter.begin(job, instance, visit)
+
+        patient = failed is not None
+        return await self._on_replica(
+            job.card, begin, context=context, routing=job.routing, waiting=waiting, failed=failed, patient=patient
+        )
 
     async def _on_replica(
         self,
         card: ModelCard,
-        call: Callable[[Instance, _Visit], Awaitable[T]],
+        call: Callable[[Instance, Visit], Awaitable[T | Bigger]],
         *,
         context: int | None = None,
         routing: Routing | None = None,
@@ -296,8 +292,8 @@ class Dispatcher:
         one is placed when there is none) and waits until it is ready. A replica that cannot be reached (its
         placement fails, its runner does not answer, its first event says so) is failed, so it is re-placed, and
         the next pass goes to another replica or the re-placed one: ``retries`` times, or, ``patient`` (a resume,
-        which its caller bounds in time), until one takes it, through ``_NOT_YET`` too. ``_Grow`` from ``call``
-        routes the next pass to a bigger context, once. ``waiting`` is told before anything that may take long
+        which its caller bounds in time), until one takes it, through ``_NOT_YET`` too. ``call`` answering
+        ``Bigger`` routes the next pass to that context. ``waiting`` is told before anything that may take long
         (``call`` tells it through ``visit`` too); ``failed`` is the replica (and why) a resume comes from.
         """
         retry_on = _NOT_YET if patient else _UNREACHABLE
@@ -310,18 +306,18 @@ class Dispatcher:
                 if waiting is not None:
                     waiting()
             instance: Instance | None = None
-            visit = _Visit(waiting)
+            visit = Visit(waiting)
             try:
                 instance = await self.instances.acquire(card, context=context, routing=routing)
-                if routing is not None:
-                    visit.routed(partial(self._settle, instance.id))
+                if routing is not None and self.loads is not None:
+                    visit.routed(functools.partial(self.loads.settled, instance.id))
                 if not isinstance(instance.state, Ready):
                     visit.waiting()
                     instance = await self.instances.wait_ready(instance.id)
-                return await call(instance, visit)
-            except _Grow as grow:
-                context, call = grow.context, grow.then  # type: ignore[assignment]  # T is _Started here
-                continue
+                result = await call(instance, visit)
+                if not isinstance(result, Bigger):
+                    return result
+                context = result.context
             except retry_on as error:
                 if not patient and retries <= 0:
                     raise
@@ -331,33 +327,8 @@ class Dispatcher:
             finally:
                 visit.settle()
 
-    async def _begin(self, job: _Job, instance: Instance, visit: _Visit) -> _Started:
-        """``job`` on ``instance``: its prompt checked against the replica's context (``_Grow`` when it needs a
-        bigger one), a place in the replica's queue, the slot, the runner's first event. A first event that says
-        the runner is gone raises ``BackendUnavailable`` (the loop moves on); any other failure raises its error."""
-        runner = self._connect(instance, job.card, job.backend)
-        request = job.request
-        if not job.fitted:
-            count = _remembered(self._counter(instance.id, job.caller, runner))
-            token_bytes = await self._token_bytes(job.card, job.backend)
-            context, limit = instance.placement.context, job.card.context_length
-            if job.grow:
-                needed = await needed_context(request, context, limit, count, job.fit, token_bytes)
-                if needed:
-                    raise _Grow(grown_context(context, needed, limit), partial(self._begin, replace(job, grow=False)))
-            request = await fit_context(request, context, count, job.fit, token_bytes)
-            request = cap_output(request, self.max_tokens, clamp=True, context=context)
-        ticket = self.admission.enter(instance.id, job.caller, instance.placement.sequences)
-        visit.settle()
-        if not ticket.granted:
-            visit.waiting()
-        first, events = await streams.begin(runner, request, ticket)
-        if isinstance(first, Failed):
-            raise error_from_info(first.error)
-        return _Started(instance=instance, request=request, ticket=ticket, first=first, events=events)
-
     def _served(
-        self, job: _Job, started: _Started, *, on_usage: Callable[[Usage], None] | None, end_turn: bool
+        self, job: Job, started: Started, *, on_usage: Callable[[Usage], None] | None, end_turn: bool
     ) -> EventStream:
         """``started``'s events as the client reads them: resumed on another replica when this one fails
         (``gateway.serving.resume``), relayed (slot, telemetry, load, a key's budget), a default stop made a plain
@@ -375,7 +346,7 @@ class Dispatcher:
             events = end_turn_at_default_stops(events)
         return EventStream(events, started.close)
 
-    def _resumer(self, job: _Job, started: _Started) -> Resume:
+    def _resumer(self, job: Job, started: Started) -> Resume:
         """``job``'s ``Resume``: through the retry loop, patiently, from the replica that broke off, with the request
         as it was sent and the tokens already sent as its ``resume``."""
         serving = [started.instance]
@@ -385,13 +356,7 @@ class Dispatcher:
             # not queue behind its own ticket (a moved stream's ticket is freed when ``resumable`` closes it)
             started.ticket.release()
             again = replace(job, request=msgspec.structs.replace(started.request, resume=tokens), fitted=True)
-            moved = await self._on_replica(
-                job.card,
-                partial(self._begin, again),
-                routing=job.routing,
-                failed=(serving[0], error),
-                patient=True,
-            )
+            moved = await self._start(again, failed=(serving[0], error))
             serving[0] = moved.instance
             telemetry.note_served(job.card.name, moved.instance.id)
             return EventStream(streams.released(moved.first, moved.events, moved.ticket.release), moved.close)
@@ -399,7 +364,7 @@ class Dispatcher:
         return resume
 
     async def _keepalive_until(
-        self, starting: asyncio.Future[_Started], served: Callable[[_Started], EventStream]
+        self, starting: asyncio.Future[Started], served: Callable[[Started], EventStream]
     ) -> AsyncIterator[Event]:
         """Keep-alives until ``starting`` has its replica's first event (the replica came up, the request's turn
         came), then the served events; a failure to start as ``Failed``."""
@@ -417,14 +382,6 @@ class Dispatcher:
             async for event in events:
                 yield event
 
-    def _connect(self, instance: Instance, card: ModelCard, backend: Backend) -> Runner:
-        urls = {node: status.url for node, status in instance.runners.items() if status.url}
-        return backend.connect(card, instance.placement, urls)
-
-    def _settle(self, instance_id: str | None) -> None:
-        if self.loads is not None and instance_id is not None:
-            self.loads.settled(instance_id)
-
     # ------------------------------------------------------------------------------------------- embeddings, counts
 
     async def embed(self, request: EmbedRequest, may_use: Callable[[str], bool] | None = None) -> Embeddings:
@@ -437,10 +394,10 @@ class Dispatcher:
         backend = self.backend_for(card)
         check_embeddings(backend.capabilities(card), card.name)
 
-        async def call(instance: Instance, visit: _Visit) -> Embeddings:
+        async def call(instance: Instance, visit: Visit) -> Embeddings:
             if not request.inputs:
                 return Embeddings()
-            return await self._connect(instance, card, backend).embed(request)
+            return await connect(instance, card, backend).embed(request)
 
         result = await self._on_replica(card, call, retries=1)
         telemetry.note_embedded(card.name, result.prompt_tokens)
@@ -456,37 +413,14 @@ class Dispatcher:
         request = apply_defaults(request, self.user_models(card.name))
         backend = self.backend_for(card)
 
-        async def call(instance: Instance, visit: _Visit) -> int:
-            runner = self._connect(instance, card, backend)
-            return await self._counter(instance.id, caller, runner)(request)
+        async def call(instance: Instance, visit: Visit) -> int:
+            runner = connect(instance, card, backend)
+            return await self.starter.counter(instance.id, caller, runner)(request)
 
         return await self._on_replica(card, call, retries=1)
 
-    async def _token_bytes(self, card: ModelCard, backend: Backend) -> int:
-        """``backend.token_bytes(card)``, read once per model in a worker thread (it may read the model's files)."""
-        key = f"{card.name}\0{card.path}"
-        known = self._longest_token.get(key)
-        if known is None:
-            read = getattr(backend, "token_bytes", None)  # a Backend not derived from the base class may lack it
-            known = self._longest_token[key] = await asyncio.to_thread(read, card) if read else 0
-        return known
 
-    def _counter(self, instance_id: str, caller: str, runner: Runner) -> Callable[[Request], Awaitable[int]]:
-        """``runner.count_tokens`` in ``caller``'s turn on the replica's counting queue (see the module
-        docstring); a full counting queue is ``Overloaded``, a caller that goes away leaves it."""
-
-        async def count(request: Request) -> int:
-            ticket = self.counting.enter(instance_id, caller)
-            try:
-                await ticket.wait()
-                return await runner.count_tokens(request)
-            finally:
-                ticket.release()
-
-        return count
-
-
-async def _abandon(starting: asyncio.Future[_Started]) -> None:
+async def _abandon(starting: asyncio.Future[Started]) -> None:
     """A stream closed while (or after) it was starting: stop the start, or free what it got."""
     if not starting.done():
         starting.cancel()
@@ -494,58 +428,3 @@ async def _abandon(starting: asyncio.Future[_Started]) -> None:
             await starting
     if not starting.cancelled() and starting.exception() is None:
         await starting.result().close()
-
-
-class _Visit:
-    """One pass of the retry loop at a replica: ``settle`` tells the shared load, once, that the routed request
-    reached the replica's queue (or left before); ``waiting`` that what comes next may take long."""
-
-    __slots__ = ("_settle", "_waiting")
-
-    def __init__(self, waiting: Callable[[], object] | None) -> None:
-        self._waiting = waiting
-        self._settle: Callable[[], None] | None = None
-
-    def routed(self, settle: Callable[[], None]) -> None:
-        self._settle = settle
-
-    def settle(self) -> None:
-        settle, self._settle = self._settle, None
-        if settle is not None:
-            settle()
-
-    def waiting(self) -> None:
-        if self._waiting is not None:
-            self._waiting()
-
-
-def request_routing(request: Request) -> Routing:
-    """What routing reads of ``request``, worked out when a router first asks: its prefix key (its system prompt
-    and tools, and its first other message; a plain completion: its prompt) and the blocks of its whole text in
-    order (``routing.prefix_blocks``)."""
-
-    def derive() -> tuple[bytes | None, tuple[int, ...]]:
-        if request.raw_prompt is not None:
-            return prefix_key((), request.raw_prompt), prefix_blocks((request.raw_prompt,))
-        system = [m.text for m in request.messages if m.role == "system"][:1]
-        preamble = system + [f"{t.name}\0{t.description or ''}" for t in request.tools]
-        first = next((m.text for m in request.messages if m.role != "system"), "")
-        turns = (f"{m.role}\x1f{m.text}" for m in request.messages if m.role != "system")
-        return prefix_key(preamble, first), prefix_blocks([*preamble, *turns])
-
-    return Routing(derive=derive)
-
-
-def _remembered(count: Callable[[Request], Awaitable[int]]) -> Callable[[Request], Awaitable[int]]:
-    """``count`` that counts the same request object once (``needed_context``, then ``fit_context``)."""
-    seen: list[tuple[Request, int]] = []
-
-    async def remembered(request: Request) -> int:
-        for known, tokens in seen:
-            if known is request:
-                return tokens
-        tokens = await count(request)
-        seen.append((request, tokens))
-        return tokens
-
-    return remembered

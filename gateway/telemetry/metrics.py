@@ -36,9 +36,9 @@ Counters count since this process started; with several gateways, sum them. Impo
 
 from __future__ import annotations
 
-import asyncio
-from collections.abc import Iterable, Iterator
-from typing import Any
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.process_collector import ProcessCollector
@@ -53,6 +53,27 @@ TTFT_BUCKETS = (0.025, 0.05, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 30.0, 60
 ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.2, 0.5, 1.0)
 DURATION_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
 STATES = ("starting", "ready", "draining", "failed")
+
+
+@dataclass(frozen=True)
+class PlaneSnapshot:
+    """What a scrape reports of the control plane, read once per scrape (``Snapshots.snapshot``: the gateway's
+    ``ControlPlane`` fills it). The records are the cluster's (``Node``, ``Link``, ``Instance``), read by field."""
+
+    nodes: Sequence[Any] = ()
+    links: Sequence[Any] = ()
+    instances: Sequence[Any] = ()
+    queues: Mapping[str, Any] = field(default_factory=dict)  # instance id -> this gateway's queue (queued, active)
+    replacements: Mapping[str, int] = field(default_factory=dict)  # model -> instances this gateway re-placed
+    routed: Mapping[tuple[str, str], int] = field(default_factory=dict)  # (model, rule) -> requests routed
+    replica_load: Callable[[str], Any] | None = None  # instance id -> every gateway's load (running, queued)
+    restarts: Metric | None = None  # an embedded agent's runner restarts
+
+
+class Snapshots(Protocol):
+    """What ``GatewayMetrics.refresh`` reads: the app's control plane."""
+
+    async def snapshot(self) -> PlaneSnapshot: ...
 
 
 class GatewayMetrics(Instruments):
@@ -122,10 +143,7 @@ class GatewayMetrics(Instruments):
         self.registry = CollectorRegistry()
         self.registry.register(self)
         ProcessCollector(registry=self.registry)
-        self.plane: Any = None  # the app's ControlPlane, as of the last scrape
-        self._nodes: list[Any] = []
-        self._links: list[Any] = []
-        self._instances: list[Any] = []
+        self._plane = PlaneSnapshot()  # as of the last scrape
 
     def observe(
         self, record: RequestRecord, protocol: str, endpoint: str, model: str, status: str, ended: float
@@ -151,16 +169,10 @@ class GatewayMetrics(Instruments):
                 self.prefix_hits.inc(key)
                 self.cached_tokens.inc(key, record.cached_tokens)
 
-    async def refresh(self, plane: Any) -> None:
-        """Read what the scrape reports from ``plane`` (the app's ``ControlPlane``) and its state store."""
-        self.plane = plane
-        if plane is None:
-            return
-        store = plane.store
-        self._nodes, self._links, self._instances = await asyncio.gather(
-            store.nodes(), store.links(), store.instances()
-        )
-        self.forget_instances({i.id for i in self._instances})
+    async def refresh(self, plane: Snapshots | None) -> None:
+        """Read what the scrape reports of ``plane`` (the app's ``ControlPlane``), once."""
+        self._plane = await plane.snapshot() if plane is not None else PlaneSnapshot()
+        self.forget_instances({i.id for i in self._plane.instances})
 
     def forget_instances(self, live: set[str]) -> None:
         """Drop the per-instance series of instances that no longer exist: over churn (autoscaling, re-placement
@@ -185,13 +197,11 @@ class GatewayMetrics(Instruments):
         active = GaugeMetricFamily(
             "meshgate_active_sequences", "Generations in flight from this gateway", labels=("instance",)
         )
-        dispatcher = getattr(self.plane, "dispatcher", None)
-        if dispatcher is not None:
-            known = {i.id for i in self._instances}
-            for instance_id, load in dispatcher.admission.loads().items():
-                if instance_id in known or load.active or load.queued:
-                    depth.add_metric((instance_id,), load.queued)
-                    active.add_metric((instance_id,), load.active)
+        known = {i.id for i in self._plane.instances}
+        for instance_id, load in self._plane.queues.items():
+            if instance_id in known or load.active or load.queued:
+                depth.add_metric((instance_id,), load.queued)
+                active.add_metric((instance_id,), load.active)
         return depth, active
 
     def _instance_families(self) -> Iterable[Metric]:
@@ -201,7 +211,7 @@ class GatewayMetrics(Instruments):
             "One per instance: its model, backend, strategy and state",
             labels=("instance", "model", "backend", "strategy", "state"),
         )
-        for i in self._instances:
+        for i in self._plane.instances:
             state = i.state.__struct_config__.tag
             counts[state] = counts.get(state, 0) + 1
             info.add_metric((i.id, i.model, i.placement.backend, i.placement.strategy, state), 1)
@@ -214,11 +224,11 @@ class GatewayMetrics(Instruments):
         memory = GaugeMetricFamily("meshgate_node_memory_bytes", "A node's memory for models", labels=("node", "kind"))
         cores = GaugeMetricFamily("meshgate_node_cores", "A node's CPU cores", labels=("node",))
         used: dict[str, int] = {}
-        for i in self._instances:
+        for i in self._plane.instances:
             if i.state.__struct_config__.tag != "failed":
                 for node, size in i.placement.memory_per_node.items():
                     used[node] = used.get(node, 0) + size
-        for n in self._nodes:
+        for n in self._plane.nodes:
             memory.add_metric((n.id, "offered"), n.memory_total)
             memory.add_metric((n.id, "available"), n.memory_available)
             memory.add_metric((n.id, "used"), used.get(n.id, 0))
@@ -229,7 +239,7 @@ class GatewayMetrics(Instruments):
         latency = GaugeMetricFamily(
             "meshgate_link_latency_seconds", "Measured one-way latency of a link", labels=("src", "dst")
         )
-        for link in self._links:
+        for link in self._plane.links:
             bandwidth.add_metric((link.src, link.dst), link.bandwidth)
             latency.add_metric((link.src, link.dst), link.latency)
         return memory, cores, bandwidth, latency
@@ -238,25 +248,24 @@ class GatewayMetrics(Instruments):
         replaced = CounterMetricFamily(
             "meshgate_replacements", "Instances re-placed by this gateway after a failure", labels=("model",)
         )
-        for model, count in getattr(getattr(self.plane, "instances", None), "replacements", {}).items():
+        for model, count in self._plane.replacements.items():
             replaced.add_metric((model,), count)
         yield replaced
         routed = CounterMetricFamily(
             "meshgate_route_decisions", "Requests routed to a replica, by rule", labels=("model", "rule")
         )
-        for (model, rule), count in getattr(getattr(self.plane, "instances", None), "routed", {}).items():
+        for (model, rule), count in self._plane.routed.items():
             routed.add_metric((model, rule), count)
         yield routed
-        loads = getattr(getattr(self.plane, "dispatcher", None), "loads", None)
-        if loads is not None:
+        replica_load = self._plane.replica_load
+        if replica_load is not None:
             load = GaugeMetricFamily(
                 "meshgate_replica_load", "Generations on a replica, every gateway's", labels=("instance", "kind")
             )
-            for i in self._instances:
-                view = loads.view(i.id)
+            for i in self._plane.instances:
+                view = replica_load(i.id)
                 load.add_metric((i.id, "running"), view.running)
                 load.add_metric((i.id, "queued"), view.queued)
             yield load
-        agent = getattr(self.plane, "agent", None)
-        if agent is not None:  # embedded (one machine): its runners are this gateway's
-            yield agent.metrics.restarts.family()
+        if self._plane.restarts is not None:  # an embedded agent (one machine): its runners are this gateway's
+            yield self._plane.restarts

@@ -18,7 +18,7 @@ __all__ = ["metrics"]
 async def metrics(request: Request) -> Response[bytes]:
     collected: GatewayMetrics = request.app.state.metrics
     request.app.state.telemetry.flush()  # requests finished since the last report
-    await collected.refresh(getattr(request.app.state, "plane", None))
+    await collected.refresh(getattr(request.app.state, "plane", None))  # a ``Snapshots``: the control plane
     body, content_type = exposition(collected.registry, request.headers.get("accept", ""))
     if content_type.startswith("text/"):  # Litestar appends the charset to text types itself
         content_type = content_type.replace("; charset=utf-8", "")

@@ -34,12 +34,12 @@ def long_stream(url: str, model: str, protocol: str, max_tokens: int = 400) -> t
     ), ollama.ResponseError
 
 
-def greedy_streams(url: str, model: str, prompt: str, max_tokens: int) -> dict[str, Iterator[str]]:
-    """A greedy streamed chat of ``max_tokens`` through each SDK, by protocol: iterators of the text pieces the
-    client gets, started on the first ``next``."""
+def greedy_streams(url: str, model: str, prompt: str, max_tokens: int, key: str = "x") -> dict[str, Iterator[str]]:
+    """A greedy streamed chat of ``max_tokens`` through each SDK (with API key ``key``), by protocol: iterators of
+    the text pieces the client gets, started on the first ``next``."""
     messages = [{"role": "user", "content": prompt}]
-    oai = openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0, timeout=180)
-    ant = anthropic.Anthropic(base_url=url, api_key="x", max_retries=0, timeout=180)
+    oai = openai.OpenAI(base_url=f"{url}/v1", api_key=key, max_retries=0, timeout=180)
+    ant = anthropic.Anthropic(base_url=url, api_key=key, max_retries=0, timeout=180)
 
     def openai_text() -> Iterator[str]:
         chunks = oai.chat.completions.create(
@@ -59,9 +59,8 @@ def greedy_streams(url: str, model: str, prompt: str, max_tokens: int) -> dict[s
 
     def ollama_text() -> Iterator[str]:
         options = {"num_predict": max_tokens, "temperature": 0}
-        for part in ollama.Client(host=url, timeout=180).chat(
-            model=model, stream=True, options=options, messages=messages
-        ):
+        client = ollama.Client(host=url, timeout=180, headers={"authorization": f"Bearer {key}"})
+        for part in client.chat(model=model, stream=True, options=options, messages=messages):
             if part.message.content:
                 yield part.message.content
 

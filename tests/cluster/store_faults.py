@@ -19,6 +19,7 @@ import argparse
 import asyncio
 import collections
 import contextlib
+import secrets
 import shutil
 import socket
 import sys
@@ -57,6 +58,7 @@ class Load:
 
     urls: Callable[[], list[str]]
     reference: str
+    key: str = "x"  # the API key clients send
     outcomes: list[Outcome] = field(default_factory=list)
     stop: threading.Event = field(default_factory=threading.Event)
     _threads: list[threading.Thread] = field(default_factory=list)
@@ -82,7 +84,7 @@ class Load:
     def once(self, url: str, protocol: str) -> Outcome:
         began, pieces = time.monotonic(), []
         try:
-            for piece in greedy_streams(url, MODEL, PROMPT, TOKENS)[protocol]:
+            for piece in greedy_streams(url, MODEL, PROMPT, TOKENS, self.key)[protocol]:
                 pieces.append(piece)
         except Exception as exc:
             status = "cut" if pieces else str(getattr(exc, "status_code", None) or type(exc).__name__)
@@ -109,7 +111,8 @@ class Proxy:
     def _run(self) -> None:
         asyncio.set_event_loop(self.loop)
         server = self.loop.run_until_complete(asyncio.start_server(self._serve, sock=self._sock))
-        self.loop.run_until_complete(server.serve_forever())
+        self.loop.run_forever()
+        server.close()
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
@@ -134,19 +137,27 @@ class Proxy:
 
 
 @contextlib.contextmanager
-def cluster(data_dir: Path, work: Path) -> Iterator[tuple[RedisServer, Proxy, list[Server], dict[str, Agent]]]:
-    """Redis (AOF on) behind a proxy, agents a and b, two gateways, two ready replicas of ``MODEL``."""
+def cluster(
+    data_dir: Path, work: Path, admin: str | None = None
+) -> Iterator[tuple[RedisServer, Proxy, list[Server], dict[str, Agent]]]:
+    """Redis (AOF on) behind a proxy, agents a and b, two gateways (with the bootstrap admin key ``admin``, if
+    any), two ready replicas of ``MODEL``."""
     with RedisServer(work / "redis", appendonly=True) as redis:
         proxy = Proxy(redis.port)
         url = f"redis://127.0.0.1:{proxy.port}/0"
         agents = {name: Agent(url, name, data_dir, work, n_ctx=N_CTX, env=ENV) for name in ("a", "b")}
         gateways: list[Server] = []
+        args = ("--redis", url, "--n-ctx", str(N_CTX), *(("--api-key", admin) if admin else ()))
+        headers = {"authorization": f"Bearer {admin}"} if admin else {}
+        seals = set((data_dir / "sealed").glob("*"))
         try:
-            gateways += [Server(data_dir, "--redis", url, "--n-ctx", str(N_CTX), env=ENV) for _ in range(2)]
-            wait_for(lambda: len(httpx.get(f"{gateways[0].url}/cluster").json()["nodes"]) == 2, 60, "two nodes")
-            r = httpx.post(f"{gateways[0].url}/instances", json={"model": MODEL, "replicas": 2}, timeout=60)
+            gateways += [Server(data_dir, *args, env=ENV) for _ in range(2)]
+            nodes = lambda: httpx.get(f"{gateways[0].url}/cluster", headers=headers).json()["nodes"]  # noqa: E731
+            wait_for(lambda: len(nodes()) == 2, 60, "two nodes")
+            body = {"model": MODEL, "replicas": 2}
+            r = httpx.post(f"{gateways[0].url}/instances", json=body, headers=headers, timeout=60)
             assert r.status_code == 201, r.text
-            wait_for(lambda: len(ready(gateways[0])) == 2, 180, "two ready replicas")
+            wait_for(lambda: len(ready(gateways[0], admin)) == 2, 180, "two ready replicas")
             yield redis, proxy, gateways, agents
         finally:
             for gateway in gateways:
@@ -154,10 +165,13 @@ def cluster(data_dir: Path, work: Path) -> Iterator[tuple[RedisServer, Proxy, li
             for agent in agents.values():
                 agent.stop()
             proxy.close()
+            for seal in set((data_dir / "sealed").glob("*")) - seals:  # this run's store only: nobody else's
+                seal.unlink()
 
 
-def ready(gateway: Server) -> list[dict]:
-    answer = httpx.get(f"{gateway.url}/instances", timeout=30)
+def ready(gateway: Server, admin: str | None = None) -> list[dict]:
+    headers = {"authorization": f"Bearer {admin}"} if admin else {}
+    answer = httpx.get(f"{gateway.url}/instances", headers=headers, timeout=30)
     if answer.status_code != 200:  # 503 while the store is away
         return []
     return [i for i in answer.json() if i["model"] == MODEL and i["state"]["state"] == "ready"]
@@ -182,18 +196,20 @@ def inject(name: str, redis: RedisServer, proxy: Proxy, seconds: float) -> None:
         redis.stop(kill=True)
         redis.start()
     elif name == "slowed":
-        proxy.delay = 0.15
+        proxy.delay = 0.3
         time.sleep(seconds)
         proxy.delay = 0.0
     else:
         raise ValueError(name)
 
 
-def under_fault(name: str, redis: RedisServer, proxy: Proxy, gateways: list[Server], seconds: float, after: float):
+def under_fault(
+    name: str, redis: RedisServer, proxy: Proxy, gateways: list[Server], seconds: float, after: float, key: str
+):
     """A steady load over both gateways: ``after`` seconds before the fault, the fault, ``after`` seconds after.
     The outcomes, when the fault began and when it ended (monotonic)."""
-    reference = "".join(greedy_streams(gateways[0].url, MODEL, PROMPT, TOKENS)["openai"])
-    with Load(lambda: [g.url for g in gateways], reference) as load:
+    reference = "".join(greedy_streams(gateways[0].url, MODEL, PROMPT, TOKENS, key)["openai"])
+    with Load(lambda: [g.url for g in gateways], reference, key) as load:
         time.sleep(after)
         began = time.monotonic()
         inject(name, redis, proxy, seconds)
@@ -226,19 +242,30 @@ def table(rows: list[tuple[str, list[Outcome], float, float]], secret_words: tup
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m tests.cluster.store_faults", description=__doc__.split("\n")[0])
-    parser.add_argument("--faults", default="paused,restarted empty,restarted from AOF,slowed")
+    parser.add_argument("--faults", default="paused,restarted from AOF,slowed,restarted empty")
+    parser.add_argument("--open", action="store_true", help="no keys: an open cluster (else an inference key)")
     parser.add_argument("--seconds", type=float, default=30.0, help="how long a pause or a slow-down lasts")
     parser.add_argument("--after", type=float, default=15.0, help="seconds of load before and after each fault")
     parser.add_argument("--data-dir", default=str(ROOT / ".cache" / "test-data"))
     args = parser.parse_args(argv)
     rows = []
+    admin = None if args.open else f"mg-admin-{secrets.token_hex(8)}"
     with tempfile.TemporaryDirectory(prefix="meshgate-store-faults-") as work:
-        with cluster(Path(args.data_dir), Path(work)) as (redis, proxy, gateways, _agents):
+        with cluster(Path(args.data_dir), Path(work), admin) as (redis, proxy, gateways, _agents):
+            key = "x"
+            if admin:  # clients use an inference key, as in production; the admin key only makes it
+                made = httpx.post(
+                    f"{gateways[0].url}/keys",
+                    json={"name": "load", "scope": "inference"},
+                    headers={"authorization": f"Bearer {admin}"},
+                )
+                assert made.status_code == 201, made.text
+                key = made.json()["key"]
             for name in args.faults.split(","):
                 print(f"fault: {name}", file=sys.stderr, flush=True)
-                outcomes, began, ended = under_fault(name, redis, proxy, gateways, args.seconds, args.after)
+                outcomes, began, ended = under_fault(name, redis, proxy, gateways, args.seconds, args.after, key)
                 rows.append((name, outcomes, began, ended))
-                wait_for(lambda: len(ready(gateways[0])) == 2, 120, "two ready replicas again")
+                wait_for(lambda: len(ready(gateways[0], admin)) == 2, 120, "two ready replicas again")
             words = (f":{redis.port}", f":{proxy.port}", "redis://")
     print(table(rows, words))
     return 0

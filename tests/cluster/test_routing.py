@@ -1,5 +1,5 @@
 """The routing rule as a table (``gateway.cluster.routing``): affinity under bounded loads, spill, power of two
-choices; and the prefix key of a request (``gateway.serving.dispatch.request_routing``). Pure functions, no
+choices; and the prefix key of a request (``gateway.serving.start.request_routing``). Pure functions, no
 processes."""
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from meshgate.gateway.cluster.routing import (
     prefix_key,
     route,
 )
-from meshgate.gateway.serving.dispatch import request_routing
+from meshgate.gateway.serving.start import request_routing
 from meshgate.protocols.model import Message, Request, TextPart, Tool
 
 SYSTEM = "You are a coding agent. Read the code before you change it. " * 12  # ~700 characters

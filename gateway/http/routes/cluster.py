@@ -16,8 +16,8 @@ from collections.abc import AsyncIterator
 from typing import Annotated, Any
 
 import msgspec
-from litestar import Request as HttpRequest
 from litestar import Router, delete, get, post, put
+from litestar.di import NamedDependency
 from litestar.response import Response, Stream
 from sse_starlette.event import ServerSentEvent
 
@@ -26,6 +26,7 @@ from meshgate.gateway.cluster.instances import InstanceManager
 from meshgate.gateway.cluster.loads import ReplicaLoad
 from meshgate.gateway.cluster.records import Deployment, Failed, Instance, Ready, StoreEvent
 from meshgate.gateway.serving.admission import Load
+from meshgate.gateway.serving.dispatch import Dispatcher
 from meshgate.protocols.model import InvalidRequest, NotFound
 
 
@@ -78,13 +79,12 @@ class Bounds(msgspec.Struct, frozen=True, kw_only=True):
     max_replicas: Annotated[int, msgspec.Meta(ge=1, le=64)] | None = None
 
 
-def _instances(request: HttpRequest) -> InstanceManager:
-    return request.app.state.plane.instances
+Instances = NamedDependency[InstanceManager]  # the app's ``instances`` dependency (``common.provide_instances``)
+Dispatch = NamedDependency[Dispatcher]
 
 
-def _view(request: HttpRequest, instance: Instance) -> InstanceView:
+def _view(dispatcher: Dispatcher, instance: Instance) -> InstanceView:
     fields = {name: getattr(instance, name) for name in instance.__struct_fields__}
-    dispatcher = request.app.state.dispatcher
     load = dispatcher.loads.view(instance.id) if dispatcher.loads is not None else None
     return InstanceView(**fields, queue=dispatcher.admission.load(instance.id), load=load)
 
@@ -94,36 +94,34 @@ def _nodes(value: str | None) -> list[str] | None:
 
 
 @get("/cluster", summary="Nodes, measured links and instances")
-async def cluster(request: HttpRequest) -> ClusterView:
-    manager = _instances(request)
-    topology = await manager.topology()
+async def cluster(instances: Instances, dispatcher: Dispatch) -> ClusterView:
+    topology = await instances.topology()
     return ClusterView(
         nodes=list(topology.nodes),
         links=list(topology.links),
-        instances=[_view(request, i) for i in await manager.store.instances()],
+        instances=[_view(dispatcher, i) for i in await instances.store.instances()],
     )
 
 
 @get("/instances/previews", summary="Every placement candidate for a model, with memory per node, cost and error")
 async def previews(
-    request: HttpRequest,
+    instances: Instances,
+    dispatcher: Dispatch,
     model: str,
     nodes: str | None = None,
     strategy: str | None = None,
     min_nodes: int | None = None,
 ) -> Preview:
-    card = request.app.state.plane.catalog.resolve(model)
-    candidates = await _instances(request).preview(
-        card.name, nodes=_nodes(nodes), strategy=strategy, min_nodes=min_nodes
-    )
+    card = dispatcher.catalog.resolve(model)
+    candidates = await instances.preview(card.name, nodes=_nodes(nodes), strategy=strategy, min_nodes=min_nodes)
     return Preview(model=card.name, candidates=candidates)
 
 
 @post("/instances", summary="Create an instance (or N replicas) from a preview or from constraints", status_code=201)
-async def create_instance(request: HttpRequest, data: CreateInstance) -> Placed:
+async def create_instance(instances: Instances, data: CreateInstance) -> Placed:
     if data.candidate_id is not None and data.replicas > 1:
         raise InvalidRequest("a candidate_id places one instance; leave out replicas or candidate_id", param="replicas")
-    placed = await _instances(request).deploy(
+    placed = await instances.deploy(
         data.model,
         replicas=data.replicas,
         candidate_id=data.candidate_id,
@@ -139,27 +137,27 @@ async def create_instance(request: HttpRequest, data: CreateInstance) -> Placed:
 
 
 @get("/deployments", summary="Each model's desired replicas (its deployment record)")
-async def deployments(request: HttpRequest) -> list[Deployment]:
-    return await _instances(request).store.deployments()
+async def deployments(instances: Instances) -> list[Deployment]:
+    return await instances.store.deployments()
 
 
 @put("/deployments/{model:str}", summary="Change a model's autoscaling bounds (min_replicas, max_replicas)")
-async def set_bounds(request: HttpRequest, model: str, data: Bounds) -> Deployment:
-    card = request.app.state.plane.catalog.resolve(model)
-    return await _instances(request).set_bounds(card.name, data.min_replicas, data.max_replicas)
+async def set_bounds(instances: Instances, dispatcher: Dispatch, model: str, data: Bounds) -> Deployment:
+    card = dispatcher.catalog.resolve(model)
+    return await instances.set_bounds(card.name, data.min_replicas, data.max_replicas)
 
 
 @get("/instances", summary="All instances, with this gateway's queue for each")
-async def list_instances(request: HttpRequest) -> list[InstanceView]:
-    return [_view(request, i) for i in await _instances(request).store.instances()]
+async def list_instances(instances: Instances, dispatcher: Dispatch) -> list[InstanceView]:
+    return [_view(dispatcher, i) for i in await instances.store.instances()]
 
 
 @get("/instances/{instance_id:str}", summary="One instance, with this gateway's queue for it")
-async def get_instance(request: HttpRequest, instance_id: str) -> InstanceView:
-    instance = await _instances(request).store.get_instance(InstanceId(instance_id))
+async def get_instance(instances: Instances, dispatcher: Dispatch, instance_id: str) -> InstanceView:
+    instance = await instances.store.get_instance(InstanceId(instance_id))
     if instance is None:
         raise NotFound(f"instance '{instance_id}' not found")
-    return _view(request, instance)
+    return _view(dispatcher, instance)
 
 
 @delete(
@@ -167,25 +165,26 @@ async def get_instance(request: HttpRequest, instance_id: str) -> InstanceView:
     summary="Delete an instance: it drains (202, the draining instance), or goes at once (204: not ready, grace=0)",
     status_code=202,
 )
-async def delete_instance(request: HttpRequest, instance_id: str, grace: float | None = None) -> Response[Any]:
+async def delete_instance(
+    instances: Instances, dispatcher: Dispatch, instance_id: str, grace: float | None = None
+) -> Response[Any]:
     """A ready instance drains: it takes no new requests and is stopped when what runs or queues on it (on any
     gateway) has finished, 2.5 s at least (a stream another gateway began a moment ago may not be in the shared
     load yet), or after ``grace`` seconds (``MESHGATE_DRAIN_GRACE`` when unset; 0: at once, and its streams resume
     on another replica)."""
     if grace is not None and not 0 <= grace <= 86400:
         raise InvalidRequest("grace must be between 0 and 86400 seconds", param="grace")
-    draining = await _instances(request).delete(InstanceId(instance_id), grace=grace)
+    draining = await instances.delete(InstanceId(instance_id), grace=grace)
     if draining is None:
         return Response(None, status_code=204)
-    return Response(_view(request, draining), status_code=202)
+    return Response(_view(dispatcher, draining), status_code=202)
 
 
 @get("/instances/{instance_id:str}/events", summary="Server-sent state changes until ready or failed")
-async def instance_events(request: HttpRequest, instance_id: str) -> Stream:
-    manager = _instances(request)
-    if await manager.store.get_instance(InstanceId(instance_id)) is None:
+async def instance_events(instances: Instances, instance_id: str) -> Stream:
+    if await instances.store.get_instance(InstanceId(instance_id)) is None:
         raise NotFound(f"instance '{instance_id}' not found")
-    return Stream(_state_changes(manager, InstanceId(instance_id)), media_type="text/event-stream")
+    return Stream(_state_changes(instances, InstanceId(instance_id)), media_type="text/event-stream")
 
 
 async def _state_changes(manager: InstanceManager, instance_id: InstanceId) -> AsyncIterator[bytes]:
@@ -206,7 +205,7 @@ async def _state_changes(manager: InstanceManager, instance_id: InstanceId) -> A
 
 
 @get("/events", summary="The audit stream: placements, state changes, nodes joining and leaving")
-async def events(request: HttpRequest, since: str | None = None, count: int = 100) -> list[StoreEvent]:
+async def events(instances: Instances, since: str | None = None, count: int = 100) -> list[StoreEvent]:
     if not 1 <= count <= 10000:
         raise InvalidRequest("count must be between 1 and 10000", param="count")
     if since is not None and not _EVENT_ID.fullmatch(since):
@@ -214,7 +213,7 @@ async def events(request: HttpRequest, since: str | None = None, count: int = 10
             f"since must be an event id such as 1700000000000-0 (the id of an event from this list); got {since!r}",
             param="since",
         )
-    return await _instances(request).store.events(since=since, count=count)
+    return await instances.store.events(since=since, count=count)
 
 
 _EVENT_ID = re.compile(r"[0-9]{1,19}(?:-[0-9]{1,19})?")  # 64-bit numbers

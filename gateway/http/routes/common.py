@@ -23,11 +23,13 @@ from litestar.di import Provide
 from litestar.exceptions import HTTPException
 from litestar.response import Stream
 
-from meshgate.gateway.auth.guard import caller_of
+from meshgate.gateway.auth.guard import KeyRing, caller_of
+from meshgate.gateway.cluster.instances import InstanceManager
 from meshgate.gateway.http.routes.stream import CoalescedStream
 from meshgate.gateway.serving.context_fit import Fit
 from meshgate.gateway.serving.dispatch import Dispatcher
 from meshgate.gateway.serving.streams import aclose
+from meshgate.plugins.settings import Settings
 from meshgate.protocols import model
 from meshgate.protocols.model import Event, Meta, ModelInfo, decode_body
 
@@ -54,6 +56,21 @@ def body(struct: type[Any]) -> dict[str, Provide]:
 def provide_dispatcher(state: State) -> Dispatcher:
     """The app's ``dispatcher`` dependency."""
     return state.dispatcher
+
+
+def provide_instances(state: State) -> InstanceManager:
+    """The app's ``instances`` dependency: the control plane's replicas and deployments."""
+    return state.plane.instances
+
+
+def provide_keyring(state: State) -> KeyRing:
+    """The app's ``keyring`` dependency: keys, scopes and limits."""
+    return state.keyring
+
+
+def provide_settings(state: State) -> Settings:
+    """The app's ``settings`` dependency."""
+    return state.settings
 
 
 def new_meta(model: str) -> Meta:

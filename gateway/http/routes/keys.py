@@ -9,7 +9,6 @@ from __future__ import annotations
 from typing import Annotated
 
 import msgspec
-from litestar import Request as HttpRequest
 from litestar import Response, Router, delete, get, post
 from litestar.di import NamedDependency
 
@@ -50,13 +49,12 @@ def _view(key: ApiKey) -> dict:
     return {name: getattr(key, name) for name in KeyView.__struct_fields__}
 
 
-def _ring(request: HttpRequest) -> KeyRing:
-    return request.app.state.keyring
+Ring = NamedDependency[KeyRing]  # the app's ``keyring`` dependency (``common.provide_keyring``)
 
 
 @get("/keys", summary="API keys (never the keys themselves)")
-async def list_keys(request: HttpRequest) -> Response[bytes]:
-    keys = await _ring(request).accounts.keys()
+async def list_keys(keyring: Ring) -> Response[bytes]:
+    keys = await keyring.accounts.keys()
     return json_response(msgspec.json.encode({"keys": [KeyView(**_view(k)) for k in keys]}))
 
 
@@ -66,15 +64,15 @@ async def list_keys(request: HttpRequest) -> Response[bytes]:
     status_code=201,
     dependencies=body(CreateKey),
 )
-async def create_key(request: HttpRequest, wire: NamedDependency[CreateKey]) -> Response[bytes]:
+async def create_key(keyring: Ring, wire: NamedDependency[CreateKey]) -> Response[bytes]:
     secret, record = mint(wire.name, wire.scope, wire.models, wire.rpm, wire.tpm)
-    await _ring(request).accounts.put_key(record)
+    await keyring.accounts.put_key(record)
     return json_response(msgspec.json.encode(NewKey(**_view(record), key=secret)), status=201)
 
 
 @delete("/keys/{key_id:str}", summary="Revoke an API key", status_code=204)
-async def revoke_key(request: HttpRequest, key_id: str) -> None:
-    if not await _ring(request).accounts.delete_key(key_id):
+async def revoke_key(keyring: Ring, key_id: str) -> None:
+    if not await keyring.accounts.delete_key(key_id):
         raise NotFound(f"no key with id {key_id!r}", param="key_id")
 
 

@@ -9,62 +9,69 @@ from litestar import Request as HttpRequest
 from litestar import Response, delete, get, post
 from litestar.di import NamedDependency
 
+from meshgate.gateway.cluster.instances import InstanceManager
 from meshgate.gateway.http.routes.common import body, json_response, may_use, stream_response
 from meshgate.gateway.models import admin as model_admin
 from meshgate.gateway.serving.dispatch import Dispatcher
+from meshgate.plugins.settings import Settings
 from meshgate.protocols import ollama_models
 
 NDJSON = "application/x-ndjson"
 
 
-def _registry(request: HttpRequest):
-    return model_admin.registry_of(request.app.state.settings.data_dir)
+Config = NamedDependency[Settings]  # the app's ``settings`` dependency (``common.provide_settings``)
+Instances = NamedDependency[InstanceManager]
+
+
+def _registry(settings: Settings):
+    return model_admin.registry_of(settings.data_dir)
 
 
 @post("/api/show", status_code=200, dependencies=body(ollama_models.ShowRequest))
 async def show(
-    request: HttpRequest, wire: NamedDependency[ollama_models.ShowRequest], dispatcher: NamedDependency[Dispatcher]
+    request: HttpRequest,
+    wire: NamedDependency[ollama_models.ShowRequest],
+    dispatcher: NamedDependency[Dispatcher],
+    settings: Config,
 ) -> Response[bytes]:
-    return json_response(await model_admin.show(dispatcher, _registry(request), wire.target, may_use(request)))
+    return json_response(await model_admin.show(dispatcher, _registry(settings), wire.target, may_use(request)))
 
 
 @get("/api/ps")
-async def ps(request: HttpRequest, dispatcher: NamedDependency[Dispatcher]) -> Response[bytes]:
-    instances = await request.app.state.plane.store.instances()
-    return json_response(await model_admin.ps(dispatcher, instances, may_use(request)))
+async def ps(request: HttpRequest, dispatcher: NamedDependency[Dispatcher], instances: Instances) -> Response[bytes]:
+    found = await instances.store.instances()
+    return json_response(await model_admin.ps(dispatcher, found, may_use(request)))
 
 
 @post("/api/copy", status_code=200, opt={"scope": "admin"}, dependencies=body(ollama_models.CopyRequest))
 async def copy(
-    request: HttpRequest, wire: NamedDependency[ollama_models.CopyRequest], dispatcher: NamedDependency[Dispatcher]
+    wire: NamedDependency[ollama_models.CopyRequest], dispatcher: NamedDependency[Dispatcher], settings: Config
 ) -> Response[None]:
-    await model_admin.copy(dispatcher, _registry(request), wire.source, wire.destination)
+    await model_admin.copy(dispatcher, _registry(settings), wire.source, wire.destination)
     return Response(None, status_code=200)
 
 
 @delete("/api/delete", status_code=200, opt={"scope": "admin"}, dependencies=body(ollama_models.DeleteRequest))
 async def delete_model(
-    request: HttpRequest, wire: NamedDependency[ollama_models.DeleteRequest], dispatcher: NamedDependency[Dispatcher]
+    wire: NamedDependency[ollama_models.DeleteRequest], dispatcher: NamedDependency[Dispatcher], settings: Config
 ) -> Response[None]:
-    await model_admin.delete(dispatcher, _registry(request), wire.target)
+    await model_admin.delete(dispatcher, _registry(settings), wire.target)
     return Response(None, status_code=200)
 
 
 @post("/api/create", status_code=200, opt={"scope": "admin"}, dependencies=body(ollama_models.CreateRequest))
 async def create(
-    request: HttpRequest, wire: NamedDependency[ollama_models.CreateRequest], dispatcher: NamedDependency[Dispatcher]
+    wire: NamedDependency[ollama_models.CreateRequest], dispatcher: NamedDependency[Dispatcher], settings: Config
 ) -> Response:
-    lines = await model_admin.create(
-        dispatcher, _registry(request), wire, model_admin.model_roots(request.app.state.settings)
-    )
+    lines = await model_admin.create(dispatcher, _registry(settings), wire, model_admin.model_roots(settings))
     return await _progress(lines, wire.stream)
 
 
 @post("/api/pull", status_code=200, opt={"scope": "admin"}, dependencies=body(ollama_models.PullRequest))
 async def pull(
-    request: HttpRequest, wire: NamedDependency[ollama_models.PullRequest], dispatcher: NamedDependency[Dispatcher]
+    wire: NamedDependency[ollama_models.PullRequest], dispatcher: NamedDependency[Dispatcher], settings: Config
 ) -> Response:
-    lines = await model_admin.pull(dispatcher, _registry(request), wire.target)
+    lines = await model_admin.pull(dispatcher, _registry(settings), wire.target)
     return await _progress(lines, wire.stream)
 
 

@@ -34,7 +34,6 @@ many huge prompts waits for its own counts, while another client's request is co
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import functools
 import logging
 import math
@@ -58,7 +57,17 @@ from meshgate.gateway.serving.context_fit import Fit
 from meshgate.gateway.serving.model_defaults import apply_defaults, end_turn_at_default_stops
 from meshgate.gateway.serving.prepare import prepare
 from meshgate.gateway.serving.resume import Resume, resumable
-from meshgate.gateway.serving.start import Bigger, Job, Started, Starter, Visit, connect, request_routing
+from meshgate.gateway.serving.start import (
+    Bigger,
+    Job,
+    Started,
+    Starter,
+    Visit,
+    abandon,
+    connect,
+    keepalive_until,
+    request_routing,
+)
 from meshgate.gateway.serving.streams import EventStream
 from meshgate.gateway.telemetry import record as telemetry
 from meshgate.protocols.model import (
@@ -67,9 +76,7 @@ from meshgate.protocols.model import (
     Embeddings,
     EmbedRequest,
     Event,
-    Failed,
     GatewayError,
-    KeepAlive,
     NoCapacity,
     Request,
     UnknownModel,
@@ -249,11 +256,11 @@ class Dispatcher:
         try:
             await asyncio.wait({starting, waits}, return_when=asyncio.FIRST_COMPLETED)
         except BaseException:  # cancelled (the client went away): nothing may keep the slot
-            await _abandon(starting)
+            await abandon(starting)
             raise
         if starting.done():
             return served(starting.result())
-        return EventStream(self._keepalive_until(starting, served), lambda: _abandon(starting))
+        return EventStream(keepalive_until(starting, served, self.keepalive), lambda: abandon(starting))
 
     async def _start(
         self,
@@ -363,25 +370,6 @@ class Dispatcher:
 
         return resume
 
-    async def _keepalive_until(
-        self, starting: asyncio.Future[Started], served: Callable[[Started], EventStream]
-    ) -> AsyncIterator[Event]:
-        """Keep-alives until ``starting`` has its replica's first event (the replica came up, the request's turn
-        came), then the served events; a failure to start as ``Failed``."""
-        while not starting.done():
-            await asyncio.wait({starting}, timeout=self.keepalive)
-            if not starting.done():
-                yield KeepAlive()
-        try:
-            started = starting.result()
-        except GatewayError as exc:
-            yield Failed(error=exc.info())
-            return
-        events = served(started)
-        async with streams.closing(events):
-            async for event in events:
-                yield event
-
     # ------------------------------------------------------------------------------------------- embeddings, counts
 
     async def embed(self, request: EmbedRequest, may_use: Callable[[str], bool] | None = None) -> Embeddings:
@@ -418,13 +406,3 @@ class Dispatcher:
             return await self.starter.counter(instance.id, caller, runner)(request)
 
         return await self._on_replica(card, call, retries=1)
-
-
-async def _abandon(starting: asyncio.Future[Started]) -> None:
-    """A stream closed while (or after) it was starting: stop the start, or free what it got."""
-    if not starting.done():
-        starting.cancel()
-        with contextlib.suppress(BaseException):
-            await starting
-    if not starting.cancelled() and starting.exception() is None:
-        await starting.result().close()

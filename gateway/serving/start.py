@@ -16,6 +16,7 @@ this.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 
@@ -25,9 +26,9 @@ from meshgate.gateway.cluster.routing import Routing, prefix_blocks, prefix_key
 from meshgate.gateway.serving import streams
 from meshgate.gateway.serving.admission import Admission, Ticket
 from meshgate.gateway.serving.context_fit import Fit, cap_output, fit_context, grown_context, needed_context
-from meshgate.protocols.model import Event, Failed, Request, error_from_info
+from meshgate.protocols.model import Event, Failed, GatewayError, KeepAlive, Request, error_from_info
 
-__all__ = ["Bigger", "Job", "Started", "Starter", "Visit", "request_routing"]
+__all__ = ["Bigger", "Job", "Started", "Starter", "Visit", "abandon", "connect", "keepalive_until", "request_routing"]
 
 
 @dataclass(frozen=True)
@@ -148,6 +149,37 @@ class Starter:
                 ticket.release()
 
         return count
+
+
+async def keepalive_until(
+    starting: asyncio.Future[Started], served: Callable[[Started], AsyncIterator[Event]], every: float
+) -> AsyncIterator[Event]:
+    """A streaming request's events while it starts: a keep-alive every ``every`` seconds until ``starting`` has its
+    replica's first event (the replica came up, the request's turn came), then the ``served`` events; a failure to
+    start as ``Failed``."""
+    while not starting.done():
+        await asyncio.wait({starting}, timeout=every)
+        if not starting.done():
+            yield KeepAlive()
+    try:
+        started = starting.result()
+    except GatewayError as exc:
+        yield Failed(error=exc.info())
+        return
+    events = served(started)
+    async with streams.closing(events):
+        async for event in events:
+            yield event
+
+
+async def abandon(starting: asyncio.Future[Started]) -> None:
+    """A stream closed while (or after) it was starting: stop the start, or free what it got."""
+    if not starting.done():
+        starting.cancel()
+        with contextlib.suppress(BaseException):
+            await starting
+    if not starting.cancelled() and starting.exception() is None:
+        await starting.result().close()
 
 
 def connect(instance: Instance, card: ModelCard, backend: Backend) -> Runner:

@@ -23,12 +23,12 @@ had requests waiting, since when each ready replica has been idle); ``decide(...
 deployments, instances, loads, that history, the time and the ``Policy``, returning ``Action``s that carry
 their reason and the figures they used. Both are tested as tables.
 
-``Autoscaler`` is the executor, run by each gateway's reconcile loop (``InstanceManager.scale``). It acts on
+``Autoscaler`` is the executor, run by each gateway's reconcile loop (``reconcile.Reconciler.scale``). It acts on
 a model only while it holds the store lease ``deploy:{model}`` (the one that placing missing replicas takes),
 and decides again on fresh state under it, so two gateways never both carry out one decision; the deployment's
 ``scaled_at`` (in the store) makes the cooldown cluster-wide. Up raises the deployment's ``replicas`` and lets
-``InstanceManager._fill_deployments`` place the replica; down lowers it and drains the instance
-(``InstanceManager.drain``: deleted at once when idle). Each action appends ``deployment.scaled_up`` or
+the reconcile loop (``reconcile.Reconciler``) place the replica; down lowers it and drains the instance
+(``deployments.Deployments.drain``: deleted at once when idle). Each action appends ``deployment.scaled_up`` or
 ``deployment.scaled_down`` to ``/events`` with its reason and figures.
 
 The executor sees the instances through ``Scaling``, the narrow port it needs (``InstanceManager`` is one).

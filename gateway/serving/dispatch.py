@@ -3,7 +3,7 @@
     open_stream(request)
       resolve the model and its backend; prepare the request (``gateway.serving.prepare``, one pure function)
       _on_replica: the one retry loop                          (also for embeddings and token counts)
-        route to a replica (``InstanceManager.acquire``: placed if there is none), wait until it is ready
+        route to a replica (``Replicas.acquire``: placed if there is none), wait until it is ready
         ``start.Starter.begin``: check the context (``gateway.serving.context_fit``), take a place in the
           replica's queue (``gateway.serving.admission``), wait for a slot, start the runner's stream and take
           its first event; or answer ``Bigger``: the next pass goes to a replica with a bigger context

@@ -213,7 +213,7 @@ async def _gateways(store: MemoryStore, n: int, views: dict[str, ReplicaLoad], b
 
 async def _step(managers: list[InstanceManager], scalers: list[Autoscaler]) -> list[list]:
     for manager in managers:
-        await manager._refresh(force=True)
+        await manager.refresh()
     return list(await asyncio.gather(*(s.step() for s in scalers)))
 
 

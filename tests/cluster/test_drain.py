@@ -98,7 +98,7 @@ async def test_a_draining_node_hands_its_replicas_to_the_others(cluster):
     busy[ready.id] = 3
     until = time.time() + 30
     await manager.store.put_node(msgspec.structs.replace(node("n1"), draining_until=until), ttl=600)
-    await manager._refresh(force=True)
+    await manager.refresh()
     await manager.reconcile()
     now = {i.id: i for i in await manager.store.instances()}
     # the node's drain ends 30 s after its last heartbeat (its clock may be off from this gateway's)
@@ -107,7 +107,7 @@ async def test_a_draining_node_hands_its_replicas_to_the_others(cluster):
     assert isinstance(now[starting.id].state, Failed | Starting), "the one starting there is re-placed"
     assert (await manager.store.deployments())[0].replicas == 2, "the node's replicas are still wanted"
     for _ in range(3):  # re-place the failed one, place the draining one's replacement
-        await manager._refresh(force=True)
+        await manager.refresh()
         await manager.reconcile()
     now = {i.id: i for i in await manager.store.instances()}
     live = [i for i in now.values() if not isinstance(i.state, Draining)]
@@ -127,11 +127,11 @@ async def test_a_replica_on_a_draining_node_drains_even_when_it_looks_idle(clust
     [a] = await manager.deploy("scripted", replicas=1, nodes=["n1"])
     await _ready(manager, a)
     await manager.store.put_node(msgspec.structs.replace(node("n1"), draining_until=time.time() + 30), ttl=600)
-    await manager._refresh(force=True)
+    await manager.refresh()
     await manager.reconcile()
     assert isinstance((await manager.store.get_instance(a.id)).state, Draining)
     time.sleep(0.25)
-    await manager._refresh(force=True)
+    await manager.refresh()
     await manager.reconcile()
     assert await manager.store.get_instance(a.id) is None
     assert any("drained (node n1 is draining): its streams finished" in e for e in await _events(manager))
@@ -170,11 +170,11 @@ async def test_lowering_max_replicas_drains_the_least_loaded_busy_replica(cluste
     views = {a.id: ReplicaLoad(running=4), b.id: ReplicaLoad(running=1)}
     scaler = Autoscaler(manager, Policy(), lambda i: views.get(i, ReplicaLoad()))
     await manager.set_bounds("scripted", None, 1)
-    await manager._refresh(force=True)
+    await manager.refresh()
     [down] = await scaler.step()
     assert isinstance(down, ScaleDown) and down.instance_id == b.id and down.busy
     assert isinstance((await manager.store.get_instance(b.id)).state, Draining), "its stream goes on"
-    await manager._refresh(force=True)
+    await manager.refresh()
     assert await scaler.step() == [], "a draining replica is not removed twice"
     busy[b.id] = 0
     await manager.reconcile()

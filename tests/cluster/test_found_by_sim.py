@@ -15,7 +15,7 @@ from meshgate.gateway.cluster.records import Draining, Failed, Ready
 from meshgate.gateway.cluster.store import MemoryStore
 from meshgate.protocols.model import StoreUnavailable
 from tests import scripted_plugin
-from tests.cluster.test_replicas import _ready, cluster, node
+from tests.cluster.test_replicas import _manager, _ready, cluster, node
 
 __all__ = ["cluster"]  # the fixture, shared with test_replicas
 
@@ -31,7 +31,7 @@ async def test_a_drain_another_gateway_began_ends_on_this_clock_not_on_the_write
     behind = time.time() - 7.0  # the writer's clock: 7 s behind this one's; its grace is 8 s
     draining = Draining(since=behind, until=behind + 8.0, reason="deleted")
     assert await manager.store.set_state(a.id, draining, expected=Ready, epoch=a.epoch)
-    await manager._refresh(force=True)
+    await manager.refresh()
     await manager.reconcile()  # idle here: by the writer's stamps, settled 7 s ago
     assert isinstance((await manager.store.get_instance(a.id)).state, Draining), "settles on this clock first"
     busy[a.id] = 1
@@ -43,16 +43,15 @@ async def test_a_drain_another_gateway_began_ends_on_this_clock_not_on_the_write
     assert await manager.store.get_instance(a.id) is None
 
 
-async def test_a_node_the_store_let_lapse_while_it_was_away_is_not_failed_at_once(cluster):
+async def test_a_node_the_store_let_lapse_while_it_was_away_is_not_failed_at_once():
     """Seeds 9, 51, 106, 1114: Redis away for longer than a node's time to live expired every node whose
     heartbeats could not reach it; the first reconcile pass after it came back failed all their replicas, and every
     stream on them resumed elsewhere. A node missing within a TTL of this gateway's failed call keeps its
     replicas; one still missing after that is gone."""
-    manager, _ = cluster
     store = MemoryStore()  # its ``unavailable_at`` set below, as a paused Redis's client sets it
     for name in ("n1", "n2"):
         await store.put_node(node(name), ttl=600)
-    manager.store = store
+    manager = await _manager(store, {})
     [a] = await manager.deploy("scripted", replicas=1, nodes=["n2"])
     await _ready(manager, a)
     await manager.reconcile()  # the nodes of a pass with the store there
@@ -60,7 +59,7 @@ async def test_a_node_the_store_let_lapse_while_it_was_away_is_not_failed_at_onc
     store.unavailable_at = time.monotonic()
     await manager.reconcile()
     assert isinstance((await store.get_instance(a.id)).state, Ready), "a TTL to beat again"
-    store.unavailable_at = time.monotonic() - manager.node_ttl - 1
+    store.unavailable_at = time.monotonic() - manager.reconciler.node_ttl - 1
     await manager.reconcile()
     assert isinstance((await store.get_instance(a.id)).state, Failed)
 
@@ -76,14 +75,13 @@ class _FlakyReports(MemoryStore):
         return await super().update_runner(instance_id, status)
 
 
-async def test_a_runner_started_while_the_store_was_away_is_reported_once_it_is_back(cluster):
+async def test_a_runner_started_while_the_store_was_away_is_reported_once_it_is_back():
     """Seeds 5, 9, 11: the agent started a runner, its "ready" report met the outage, and the except path took the
     start for a failure: the runner ran, the instance stayed ``Starting`` for good and its deployment never
     converged. The agent now says again what the store did not take, at its next reconcile pass."""
-    manager, _ = cluster
     store = _FlakyReports()
     await store.put_node(node("n1"), ttl=600)
-    manager.store = store
+    manager = await _manager(store, {})
     [a] = await manager.deploy("scripted", replicas=1, nodes=["n1"])
     agent = NodeAgent(
         store,
@@ -101,7 +99,7 @@ async def test_a_runner_started_while_the_store_was_away_is_reported_once_it_is_
     await agent.reconcile()
     runner = (await store.get_instance(a.id)).runners["n1"]
     assert (runner.state, runner.epoch) == ("ready", a.epoch)
-    await manager._refresh(force=True)
+    await manager.refresh()
     await manager.reconcile()
     assert isinstance((await store.get_instance(a.id)).state, Ready)
     assert msgspec.structs.asdict(runner)["url"] == InProcess.url

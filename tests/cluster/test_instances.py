@@ -8,7 +8,8 @@ import pytest
 
 from meshgate.backends.placement import Node, NodeId
 from meshgate.gateway.cluster import lifecycle
-from meshgate.gateway.cluster.instances import MAX_ATTEMPTS, InstanceManager
+from meshgate.gateway.cluster.instances import InstanceManager
+from meshgate.gateway.cluster.lifecycle import MAX_ATTEMPTS
 from meshgate.gateway.cluster.records import Draining, Failed, Ready, RunnerStatus, Starting
 from meshgate.gateway.cluster.store import MemoryStore
 from meshgate.gateway.http.runtime import _rank
@@ -65,15 +66,15 @@ async def test_a_plugin_ranking_policy_decides(manager):
 async def test_ready_when_every_runner_reports_then_replaced_when_its_node_leaves(manager):
     instance = await manager.create("scripted", nodes=["fast"])
     await manager.store.update_runner(instance.id, RunnerStatus(node_id=NodeId("fast"), state="ready", url="x"))
-    await manager._refresh(force=True)
+    await manager.refresh()
     await manager.reconcile()
     assert isinstance((await manager.store.get_instance(instance.id)).state, Ready)
     await manager.store.remove_node(NodeId("fast"))
-    await manager._refresh(force=True)
+    await manager.refresh()
     await manager.reconcile()
     failed = await manager.store.get_instance(instance.id)
     assert isinstance(failed.state, Failed) and "fast left" in failed.state.reason
-    await manager._refresh(force=True)
+    await manager.refresh()
     await manager.reconcile()
     moved = await manager.store.get_instance(instance.id)
     assert isinstance(moved.state, Starting) and moved.placement.shards[0].node_id == "slow"
@@ -97,7 +98,7 @@ async def test_a_failing_runner_is_retried_a_bounded_number_of_times(manager):
                 instance.id, RunnerStatus(node_id=shard.node_id, state="failed", error="boom", epoch=current.epoch)
             )
         for _ in range(2):
-            await manager._refresh(force=True)
+            await manager.refresh()
             await manager.reconcile()
     final = await manager.store.get_instance(instance.id)
     assert isinstance(final.state, Failed) and final.attempts == MAX_ATTEMPTS
@@ -109,7 +110,7 @@ async def test_oll_15_a_ready_instance_past_its_expiry_is_deleted(manager, monke
     monkeypatch.setattr(lifecycle, "SETTLE", 0.0)
     instance = await manager.create("scripted", nodes=["fast"])
     await manager.store.update_runner(instance.id, RunnerStatus(node_id=NodeId("fast"), state="ready", url="x"))
-    await manager._refresh(force=True)
+    await manager.refresh()
     await manager.reconcile()
     await manager.set_expiry("scripted", time.time() + 3600)
     await manager.reconcile()
@@ -131,7 +132,7 @@ async def test_an_instance_that_fitted_nowhere_is_placed_when_a_node_joins(manag
     for name in ("fast", "slow"):
         await manager.store.remove_node(NodeId(name))
     for _ in range(3):
-        await manager._refresh(force=True)
+        await manager.refresh()
         await manager.reconcile()
     stuck = await manager.store.get_instance(instance.id)
     assert isinstance(stuck.state, Failed) and stuck.attempts == MAX_ATTEMPTS
@@ -139,7 +140,7 @@ async def test_an_instance_that_fitted_nowhere_is_placed_when_a_node_joins(manag
     await manager.reconcile()
     assert isinstance((await manager.store.get_instance(instance.id)).state, Failed)  # no node: it keeps waiting
     await manager.store.put_node(node("slow", 1e10), ttl=60)
-    await manager._refresh(force=True)
+    await manager.refresh()
     await manager.reconcile()
     moved = await manager.store.get_instance(instance.id)
     assert isinstance(moved.state, Starting) and moved.placement.shards[0].node_id == "slow", moved
@@ -155,7 +156,7 @@ async def _report(manager, instance, **status) -> None:
         await manager.store.update_runner(
             instance.id, RunnerStatus(node_id=shard.node_id, epoch=current.epoch, **status)
         )
-    await manager._refresh(force=True)
+    await manager.refresh()
     await manager.reconcile()
 
 
@@ -167,7 +168,7 @@ async def _ready(manager, instance):
 
 async def _fail_runners(manager, instance):
     await _report(manager, instance, state="failed", error="boom")  # failed
-    await manager._refresh(force=True)
+    await manager.refresh()
     await manager.reconcile()  # re-placed
 
 
@@ -203,7 +204,7 @@ async def test_a_replica_failed_for_good_gets_a_substitute(manager):
         await _fail_runners(manager, instance)
     stuck = await manager.store.get_instance(instance.id)
     if stuck is not None:  # the pass that gave up may already have placed the substitute
-        await manager._refresh(force=True)
+        await manager.refresh()
         await manager.reconcile()
     assert await manager.store.get_instance(instance.id) is None
     [substitute] = manager.cached("scripted")
@@ -247,7 +248,7 @@ async def test_placements_never_overcommit_a_node_whose_report_lags(manager):
     before. Now what is placed counts: a second 2 GiB model does not fit where the first took the room."""
     await manager.store.remove_node(NodeId("slow"))
     await manager.store.put_node(node("fast", 5e10, memory=3 << 30), ttl=60)
-    await manager._refresh(force=True)
+    await manager.refresh()
     first = await manager.create("scripted-big")
     assert first.placement.memory_per_node["fast"] > 2 << 30
     with pytest.raises(NoCapacity):

@@ -61,7 +61,7 @@ async def _ready(manager: InstanceManager, *instances) -> None:
     for i in instances:
         for shard in i.placement.shards:
             await manager.store.update_runner(i.id, RunnerStatus(node_id=shard.node_id, state="ready", url="x"))
-    await manager._refresh(force=True)
+    await manager.refresh()
     await manager.reconcile()
 
 
@@ -84,7 +84,7 @@ async def test_deleting_a_replica_lowers_the_deployment_and_reconcile_fills_a_lo
     await manager.delete(a.id)
     assert (await manager.store.deployments())[0].replicas == 1
     await manager.store.delete_instance(b.id)  # lost behind the manager's back (say, a store edited by hand)
-    await manager._refresh(force=True)
+    await manager.refresh()
     await manager.reconcile()
     assert [i.model for i in await manager.store.instances()] == ["scripted"]
     assert "deployment: 1 replicas" in (await manager.store.events())[-1].message
@@ -134,7 +134,7 @@ async def test_without_automatic_placement_the_largest_replica_serves(cluster):
     manager, _ = cluster
     small = await manager.deploy("scripted", replicas=1, context=256)
     await _ready(manager, *small)
-    manager.auto_place = False
+    manager.replicas.auto_place = False
     assert (await manager.acquire(manager.resolve("scripted"), context=1024)).id == small[0].id
 
 
@@ -147,7 +147,7 @@ async def test_no_room_for_a_bigger_replica_serves_on_the_largest(cluster):
     got = await manager.acquire(manager.resolve("scripted"), context=1024)
     assert got.id == placed[0].id and len(await manager.store.instances()) == 1
     await manager.store.delete_instance(placed[0].id)
-    await manager._refresh(force=True)
+    await manager.refresh()
     with pytest.raises(NoCapacity):
         await manager.acquire(manager.resolve("scripted"), context=1024)
 

@@ -154,7 +154,7 @@ async def bounds(ep: Episode, gateway: Gateway) -> None:
 
 
 async def delete(ep: Episode, gateway: Gateway) -> None:
-    live = [i for i in gateway.instances._view.values() if not given_up(i)]
+    live = [i for i in gateway.instances.snapshot() if not given_up(i)]
     if live:
         target = ep.rng.choice(live)
         ep.note(f"delete {target.id} on {gateway.name}")

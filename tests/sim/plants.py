@@ -8,11 +8,12 @@ import time
 from collections.abc import AsyncIterator, Callable, Iterator
 
 from meshgate.gateway.auth.guard import KeyRing
-from meshgate.gateway.cluster.instances import InstanceManager
+from meshgate.gateway.cluster.deployments import Deployments
+from meshgate.gateway.cluster.view import InstanceCache
 
 
 @contextlib.asynccontextmanager
-async def _unleased(self: InstanceManager) -> AsyncIterator[None]:
+async def _unleased(self: Deployments) -> AsyncIterator[None]:
     async with self._create_lock:  # only this gateway's own placements in turn, as before the lease
         yield
 
@@ -29,14 +30,14 @@ async def _cached_seal(self: KeyRing) -> bool:
     return sealed
 
 
-async def _never_republished(self: InstanceManager) -> bool:
+async def _never_republished(self: InstanceCache) -> bool:
     return False  # a gateway that takes an empty store for the truth: its replicas are placed anew, runners stopped
 
 
 PLANTS: dict[str, tuple[type, str, Callable]] = {
-    "no-placing-lease": (InstanceManager, "_placing", _unleased),  # two gateways fill one node twice over
+    "no-placing-lease": (Deployments, "placing", _unleased),  # two gateways fill one node twice over
     "seal-cached": (KeyRing, "enabled", _cached_seal),  # a second with auth off after another gateway's first key
-    "no-republish": (InstanceManager, "_republished", _never_republished),  # a store restarted empty loses it all
+    "no-republish": (InstanceCache, "republished", _never_republished),  # a store restarted empty loses it all
 }
 
 

@@ -52,7 +52,7 @@ def test_the_checks_find_the_placement_race_they_found_before():
 
 
 def test_the_checks_find_a_gateway_that_republishes_nothing_after_an_empty_restart():
-    """Planted back: a gateway that takes a store restarted empty for the truth (``InstanceManager._republished``
+    """Planted back: a gateway that takes a store restarted empty for the truth (``InstanceCache.republished``
     always False): the deployments it knew are never put back, and its replicas' runners are stopped mid-stream
     once the agents' wait for them ends. Seed 14 restarts the store empty; it holds with the republishing."""
     planted = _sim("--seed", "14", "--plant", "no-republish")

@@ -38,11 +38,8 @@ import functools
 import logging
 import math
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
-from dataclasses import replace
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Protocol, TypeVar
-
-import msgspec
 
 from meshgate.backends.base import Backend, Capabilities, ModelCard, check_embeddings
 from meshgate.backends.placement import InstanceId
@@ -50,13 +47,12 @@ from meshgate.backends.registry import UserModel
 from meshgate.gateway.cluster.loads import LoadBoard
 from meshgate.gateway.cluster.records import Instance, Ready
 from meshgate.gateway.cluster.routing import Routing
-from meshgate.gateway.serving import streams
 from meshgate.gateway.serving.admission import Admission
 from meshgate.gateway.serving.catalog import Catalog
 from meshgate.gateway.serving.context_fit import Fit
-from meshgate.gateway.serving.model_defaults import apply_defaults, end_turn_at_default_stops
+from meshgate.gateway.serving.model_defaults import apply_defaults
 from meshgate.gateway.serving.prepare import prepare
-from meshgate.gateway.serving.resume import Resume, resumable
+from meshgate.gateway.serving.serve import served
 from meshgate.gateway.serving.start import (
     Bigger,
     Job,
@@ -75,7 +71,6 @@ from meshgate.protocols.model import (
     BackendUnavailable,
     Embeddings,
     EmbedRequest,
-    Event,
     GatewayError,
     NoCapacity,
     Request,
@@ -238,14 +233,26 @@ class Dispatcher:
             grow=self.grow_context and not isinstance(ready.request.num_ctx, int),
         )
 
-        def served(started: Started) -> EventStream:
-            return self._served(job, started, on_usage=on_usage, end_turn=ready.defaults_end_turn)
+        async def restart(again: Job, failed: tuple[Instance, GatewayError]) -> Started:
+            return await self._start(again, failed=failed)
+
+        def serve(started: Started) -> EventStream:
+            return served(
+                job,
+                started,
+                restart=restart,
+                loads=self.loads,
+                resume_wait=self.resume_wait,
+                keepalive=self.keepalive,
+                on_usage=on_usage,
+                end_turn=ready.defaults_end_turn,
+            )
 
         async def start(waiting: Callable[[], object] | None = None) -> Started:
             return await self._start(job, context=ready.context, waiting=waiting)
 
         if not request.stream:
-            return served(await start())
+            return serve(await start())
         waits: asyncio.Future[Started] = asyncio.get_running_loop().create_future()  # resolved when it must wait
 
         def waiting() -> None:
@@ -259,8 +266,8 @@ class Dispatcher:
             await abandon(starting)
             raise
         if starting.done():
-            return served(starting.result())
-        return EventStream(keepalive_until(starting, served, self.keepalive), lambda: abandon(starting))
+            return serve(starting.result())
+        return EventStream(keepalive_until(starting, serve, self.keepalive), lambda: abandon(starting))
 
     async def _start(
         self,
@@ -333,42 +340,6 @@ class Dispatcher:
                 await asyncio.sleep(0.5 if patient else 0.2 * (START_RETRIES - retries - 1))
             finally:
                 visit.settle()
-
-    def _served(
-        self, job: Job, started: Started, *, on_usage: Callable[[Usage], None] | None, end_turn: bool
-    ) -> EventStream:
-        """``started``'s events as the client reads them: resumed on another replica when this one fails
-        (``gateway.serving.resume``), relayed (slot, telemetry, load, a key's budget), a default stop made a plain
-        end of turn (``prepare.Prepared.defaults_end_turn``)."""
-        telemetry.note_served(job.card.name, started.instance.id)
-        events = started.events
-        if self.resume_wait > 0:
-            resume = self._resumer(job, started)
-            events = resumable(events, resume, wait=self.resume_wait, keepalive=self.keepalive, seen=started.first)
-        tally = self.loads.tally(started.instance.id) if self.loads is not None else None
-        events = streams.relay(
-            started.first, events, started.ticket.release, record=telemetry.current(), tally=tally, on_usage=on_usage
-        )
-        if end_turn:
-            events = end_turn_at_default_stops(events)
-        return EventStream(events, started.close)
-
-    def _resumer(self, job: Job, started: Started) -> Resume:
-        """``job``'s ``Resume``: through the retry loop, patiently, from the replica that broke off, with the request
-        as it was sent and the tokens already sent as its ``resume``."""
-        serving = [started.instance]
-
-        async def resume(tokens: tuple[int, ...], error: GatewayError) -> AsyncIterator[Event]:
-            # the lost stream's slot is free now: re-placed, its replica keeps its id and gate, and the resume must
-            # not queue behind its own ticket (a moved stream's ticket is freed when ``resumable`` closes it)
-            started.ticket.release()
-            again = replace(job, request=msgspec.structs.replace(started.request, resume=tokens), fitted=True)
-            moved = await self._start(again, failed=(serving[0], error))
-            serving[0] = moved.instance
-            telemetry.note_served(job.card.name, moved.instance.id)
-            return EventStream(streams.released(moved.first, moved.events, moved.ticket.release), moved.close)
-
-        return resume
 
     # ------------------------------------------------------------------------------------------- embeddings, counts
 

@@ -2,13 +2,13 @@
 
     open_stream(request)
       resolve the model and its backend; prepare the request (``gateway.serving.prepare``, one pure function)
-      _on_replica: the one retry loop                          (also for embeddings and token counts)
+      ``retry.RetryLoop``: the one retry loop                  (also for embeddings and token counts)
         route to a replica (``Replicas.acquire``: placed if there is none), wait until it is ready
         ``start.Starter.begin``: check the context (``gateway.serving.context_fit``), take a place in the
           replica's queue (``gateway.serving.admission``), wait for a slot, start the runner's stream and take
           its first event; or answer ``Bigger``: the next pass goes to a replica with a bigger context
         a replica that cannot be reached is failed (so it is re-placed) and the loop goes to another
-      wrap the events: resumable on another replica (``gateway.serving.resume``), relayed (``streams.relay``)
+      ``serve.served``: resumable on another replica (``gateway.serving.resume``), relayed (``streams.relay``)
       -> an ``EventStream`` that frees the slot when it is closed
 
 The first event is awaited before anything is sent to the client, so a failure to start (unknown model,
@@ -16,7 +16,7 @@ unsupported feature, nothing fits, a full queue) is a real HTTP error status; a 
 stream as ``Failed``. A streaming request that has to wait (a replica coming up, its turn in the queue) gets
 keep-alives from then on, and its failures to start become ``Failed`` too; a non-streaming one waits. A runner
 that cannot be reached at the start of a request fails its replica and the request goes to another, up to
-``START_RETRIES`` times; a stream whose replica fails after it started is resumed through the same loop.
+``retry.START_RETRIES`` times; a stream whose replica fails after it started is resumed through the same loop.
 
 A request that sets no ``num_ctx`` (nor does its model's Modelfile) and whose whole prompt does not fit its
 replica's context moves, when ``grow_context`` is on (``Settings.n_ctx`` unset), to a replica with the context it
@@ -34,24 +34,22 @@ many huge prompts waits for its own counts, while another client's request is co
 from __future__ import annotations
 
 import asyncio
-import functools
 import logging
 import math
 import time
-from collections.abc import Awaitable, Callable, Sequence
-from typing import Protocol, TypeVar
+from collections.abc import Callable, Sequence
+from typing import TypeVar
 
 from meshgate.backends.base import Backend, Capabilities, ModelCard, check_embeddings
-from meshgate.backends.placement import InstanceId
 from meshgate.backends.registry import UserModel
 from meshgate.gateway.cluster.loads import LoadBoard
-from meshgate.gateway.cluster.records import Instance, Ready
-from meshgate.gateway.cluster.routing import Routing
+from meshgate.gateway.cluster.records import Instance
 from meshgate.gateway.serving.admission import Admission
 from meshgate.gateway.serving.catalog import Catalog
 from meshgate.gateway.serving.context_fit import Fit
 from meshgate.gateway.serving.model_defaults import apply_defaults
 from meshgate.gateway.serving.prepare import prepare
+from meshgate.gateway.serving.retry import Replicas, RetryLoop
 from meshgate.gateway.serving.serve import served
 from meshgate.gateway.serving.start import (
     Bigger,
@@ -67,8 +65,6 @@ from meshgate.gateway.serving.start import (
 from meshgate.gateway.serving.streams import EventStream
 from meshgate.gateway.telemetry import record as telemetry
 from meshgate.protocols.model import (
-    BackendTimeout,
-    BackendUnavailable,
     Embeddings,
     EmbedRequest,
     GatewayError,
@@ -82,36 +78,6 @@ __all__ = ["Dispatcher"]
 
 log = logging.getLogger("meshgate.dispatch")
 T = TypeVar("T")
-
-
-START_RETRIES = 3
-"""Replicas a request that finds its runner unreachable at its start moves on to (each reported, so re-placed):
-during a node's restart a second replica may be going too."""
-
-_UNREACHABLE = (BackendUnavailable,)
-"""What sends a request to another replica: the runner (or its replica's placement) cannot be reached."""
-
-_NOT_YET = (BackendUnavailable, BackendTimeout, NoCapacity)
-"""What a resume waits through (its caller bounds the wait): a replica going too, or nowhere to go yet. Of these
-only ``_UNREACHABLE`` fails the replica: a full queue (``Overloaded``) or no room is load, and a busy replica is
-healthy."""
-
-
-class Replicas(Protocol):
-    """What the dispatcher needs of the instances (``InstanceManager`` is one): a ready replica for a request
-    (placed if there is none), reporting one its runner cannot be reached on, and a model's keep-alive."""
-
-    async def acquire(
-        self, card: ModelCard, *, context: int | None = None, routing: Routing | None = None
-    ) -> Instance: ...
-
-    async def wait_ready(self, instance_id: InstanceId, timeout: float = 300.0) -> Instance: ...
-
-    async def report_unreachable(self, instance: Instance, error: str) -> None: ...
-
-    async def unload(self, model: str, busy: Callable[[str], bool]) -> None: ...
-
-    async def keep(self, model: str, until: float | None) -> None: ...
 
 
 class Dispatcher:
@@ -143,6 +109,7 @@ class Dispatcher:
         self._choose = choose
         self.instances = instances
         self.loads = loads  # the shared load: its tallies count what this gateway streams per instance
+        self.retry = RetryLoop(instances, loads)
 
     # ------------------------------------------------------------------------------------------- models
 
@@ -284,62 +251,9 @@ class Dispatcher:
             return await self.starter.begin(job, instance, visit)
 
         patient = failed is not None
-        return await self._on_replica(
+        return await self.retry.run(
             job.card, begin, context=context, routing=job.routing, waiting=waiting, failed=failed, patient=patient
         )
-
-    async def _on_replica(
-        self,
-        card: ModelCard,
-        call: Callable[[Instance, Visit], Awaitable[T | Bigger]],
-        *,
-        context: int | None = None,
-        routing: Routing | None = None,
-        retries: int = START_RETRIES,
-        waiting: Callable[[], object] | None = None,
-        failed: tuple[Instance, GatewayError] | None = None,
-        patient: bool = False,
-    ) -> T:
-        """The one retry loop: ``call(replica, visit)`` on a ready replica of ``card``.
-
-        Each pass routes to a replica holding ``context`` tokens (``routing`` picks among them for a generation;
-        one is placed when there is none) and waits until it is ready. A replica that cannot be reached (its
-        placement fails, its runner does not answer, its first event says so) is failed, so it is re-placed, and
-        the next pass goes to another replica or the re-placed one: ``retries`` times, or, ``patient`` (a resume,
-        which its caller bounds in time), until one takes it, through ``_NOT_YET`` too. ``call`` answering
-        ``Bigger`` routes the next pass to that context. ``waiting`` is told before anything that may take long
-        (``call`` tells it through ``visit`` too); ``failed`` is the replica (and why) a resume comes from.
-        """
-        retry_on = _NOT_YET if patient else _UNREACHABLE
-        while True:
-            if failed is not None:
-                gone, error = failed
-                log.warning("instance %s unreachable (%s); re-placing", gone.id, error.message)
-                await self.instances.report_unreachable(gone, error.message)
-                context = gone.placement.context
-                if waiting is not None:
-                    waiting()
-            instance: Instance | None = None
-            visit = Visit(waiting)
-            try:
-                instance = await self.instances.acquire(card, context=context, routing=routing)
-                if routing is not None and self.loads is not None:
-                    visit.routed(functools.partial(self.loads.settled, instance.id))
-                if not isinstance(instance.state, Ready):
-                    visit.waiting()
-                    instance = await self.instances.wait_ready(instance.id)
-                result = await call(instance, visit)
-                if not isinstance(result, Bigger):
-                    return result
-                context = result.context
-            except retry_on as error:
-                if not patient and retries <= 0:
-                    raise
-                retries -= 1
-                failed = (instance, error) if instance is not None and isinstance(error, _UNREACHABLE) else None
-                await asyncio.sleep(0.5 if patient else 0.2 * (START_RETRIES - retries - 1))
-            finally:
-                visit.settle()
 
     # ------------------------------------------------------------------------------------------- embeddings, counts
 
@@ -358,7 +272,7 @@ class Dispatcher:
                 return Embeddings()
             return await connect(instance, card, backend).embed(request)
 
-        result = await self._on_replica(card, call, retries=1)
+        result = await self.retry.run(card, call, retries=1)
         telemetry.note_embedded(card.name, result.prompt_tokens)
         return result
 
@@ -376,4 +290,4 @@ class Dispatcher:
             runner = connect(instance, card, backend)
             return await self.starter.counter(instance.id, caller, runner)(request)
 
-        return await self._on_replica(card, call, retries=1)
+        return await self.retry.run(card, call, retries=1)

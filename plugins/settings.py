@@ -118,6 +118,10 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
         max_tokens: The most output tokens one request may ask for (``MESHGATE_MAX_TOKENS``). More is refused
             with a 400 by OpenAI and Anthropic endpoints and cut to it for Ollama's ``num_predict``; every request
             is also held to the room left in its instance's context (docs/endpoints.md, "Output limits").
+        kv_sharing: Whose cached prompt states a request may use (runners' KV tiers): ``tenant`` (the default),
+            only those of its API key's tenant (``meshgate keys create --tenant``; a key without one, its own;
+            without keys, everyone's), as OpenAI and Anthropic scope their prompt caches: a cache hit's speed
+            tells what another caller sent; ``all``: every caller's.
         environ: The ``MESHGATE_*`` variables no core field reads, for plugins' own settings
             (``PluginSettings.from_settings``); filled by ``from_env``, never read from a variable itself.
     """
@@ -164,6 +168,7 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     link_probe_every: float = 30.0
     runtime_dir: str | None = None
     backend_preference: tuple[str, ...] = ("vllm", "mlx")
+    kv_sharing: Literal["tenant", "all"] = "tenant"
     environ: dict[str, str] = msgspec.field(default_factory=dict)
 
     @classmethod

@@ -217,6 +217,9 @@ class Request(_Frozen, frozen=True):
     deltas' ``tokens`` carried them). A backend that can resume takes them as its own output (they count toward
     ``max_tokens``, the grammar and stop strings see them), sends their events again, then generates the rest;
     the gateway skips the events its client already has (``gateway.serving.resume``).
+
+    ``cache_scope`` is whose cached prompt states the request may use and add to (the tenant of its API key, set by
+    the gateway; ``""``: everyone's): a backend's prompt cache never serves one scope what another put there.
     """
 
     model: str
@@ -235,6 +238,7 @@ class Request(_Frozen, frozen=True):
     logprobs: bool = False
     top_logprobs: int = 0
     resume: tuple[int, ...] = ()
+    cache_scope: str = ""
 
     @property
     def calls_forced(self) -> bool:

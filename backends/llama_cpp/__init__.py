@@ -57,6 +57,10 @@ class LlamaCppRunner:
     async def count_tokens(self, request: Request) -> int:
         return await self.client.count_tokens(request)
 
+    async def health(self) -> dict[str, object]:
+        """The runner's ``/health``: its slots and its KV tier's figures."""
+        return await self.client.health()
+
 
 class LaunchedRunner:
     """A process an agent started for one shard: a head runner (``http://``) or an RPC worker (``rpc://``)."""
@@ -103,7 +107,12 @@ class LlamaCppBackend(Backend):
         parallel: int | None = None,
         exact: bool = True,
         calibration_model: Callable[[], str | None] | None = None,
+        kv_ram: int = 0,
+        kv_dir: str | None = None,
+        kv_disk: int = 0,
     ) -> None:
+        """``kv_ram``: bytes of host memory each head runner keeps prompts' KV in (counted as its memory);
+        ``kv_disk`` bytes of ``kv_dir`` for the node's disk tier (``runner.kvtier``)."""
         self.http = http
         self.calibration_model = calibration_model  # a small GGUF's path to measure the node with (calibrate)
         self.python = python or sys.executable
@@ -114,6 +123,7 @@ class LlamaCppBackend(Backend):
         self.repack = repack
         self.parallel = parallel
         self.exact = exact
+        self.kv_ram, self.kv_dir, self.kv_disk = kv_ram, kv_dir, kv_disk
 
     def supports(self, card: ModelCard) -> bool:
         return card.format == "gguf"
@@ -131,7 +141,7 @@ class LlamaCppBackend(Backend):
         # worker, while the head keeps the input embedding (file-backed pages of the GGUF).
         return ShardCosts(
             base_bytes=55 * MiB,
-            head_bytes=70 * MiB,
+            head_bytes=70 * MiB + self.kv_ram,  # the KV tier's host memory is the head runner's
             per_token_bytes=23 << 10,
             tied_output_copy=True,
             sequences=self.parallel or 0,  # 0: the planner sizes the slots from the nodes' memory
@@ -193,6 +203,8 @@ class LlamaCppBackend(Backend):
         argv += ["--repack"] if self.repack else []
         slots = self.parallel or placement.sequences  # the planner's count unless the operator set one
         argv += ["--parallel", str(slots)] + ([] if self.exact else ["--inexact"])
+        argv += ["--kv-ram", str(self.kv_ram), "--model-digest", card.digest]
+        argv += ["--kv-dir", self.kv_dir, "--kv-disk", str(self.kv_disk)] if self.kv_dir and self.kv_disk else []
         process = await RunnerProcess.start(
             argv, name=card.name, ready_timeout=self.ready_timeout, env={"GGML_NO_BACKTRACE": "1"}
         )

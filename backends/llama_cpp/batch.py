@@ -79,8 +79,12 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+
 from meshgate.backends.llama_cpp.cpu_kernels import ReferenceKernels, cpu_backend
+from meshgate.backends.llama_cpp.kvstate import SeqStates
 from meshgate.backends.llama_cpp.sampling import GrammarStuck, Sampler
+from meshgate.backends.runner.kvtier import Entry, Hit, KVTier
 
 __all__ = ["DECODE_GROUP", "TILED_ENV", "Job", "Scheduler", "decode_group"]
 
@@ -127,6 +131,13 @@ CHUNK = 512
 PREEMPTIONS = 1
 """Times one prompt chunk may be stopped for a newcomer: each costs up to a chunk's work, done again."""
 
+SAVED = CHUNK
+"""Prompts shorter than this are not kept in the KV tier: they are evaluated again in well under a second."""
+
+POINTS = 2
+"""Restore points a tier entry keeps: the last ``POINTS`` multiples of ``CHUNK`` inside its prompt (where the next
+turn of a conversation, or a prompt that shares all but its last message, starts over)."""
+
 
 @dataclass(eq=False)
 class Job:
@@ -148,6 +159,11 @@ class Job:
     preempted: int = 0  # times the chunk at ``fed`` was stopped for a newcomer
     done: threading.Event = field(default_factory=threading.Event)  # the engine needs no more tokens
     forced: list[int] = field(default_factory=list)  # taken as sampled after the prompt, one step each (a resume)
+    restore: Hit | None = None  # a KV tier hit to start from, taken at admission when it saves more than a slot
+    scope: str | None = None  # the tier scope its prompt's state is kept under (``None``: not kept)
+    exact: bool = True  # its KV so far is what a cold evaluation computes (no slot's reuse or copy went into it)
+    points: dict[int, bytearray] = field(default_factory=dict)  # restore points met in its prefill
+    logits: np.ndarray | None = None  # a restored whole prompt's last logits: its first token is sampled from them
 
     def gone(self) -> bool:
         """The client went away or the engine has what it needs: the job leaves at the next step."""
@@ -180,6 +196,7 @@ class Scheduler:
         group: int = DECODE_GROUP,
         reference: bool = False,
         fair: bool = True,
+        tier: KVTier | None = None,
     ) -> None:
         """``fair=False`` prefills oldest first and never stops a chunk (the policy before this one), to compare
         (``benchmarks/prefill.py``)."""
@@ -226,6 +243,9 @@ class Scheduler:
         self._preempt = False  # stop that chunk: a job that goes first is waiting, or the chunk's job is gone
         self._abort = lib.ggml_abort_callback(self._should_abort)  # kept alive with the scheduler
         self._no_abort = lib.ggml_abort_callback()
+        self.tier = tier
+        self.states = SeqStates(lib, self.ctx, model) if tier is not None else None
+        self.restored = 0  # prompt tokens restored from the KV tier instead of evaluated
 
     def submit(self, job: Job) -> None:
         with self._wake:
@@ -259,6 +279,7 @@ class Scheduler:
             "reused_tokens": self.reused,
             "copied_prefixes": self.copies,
             "preempted_chunks": self.preempted,
+            "restored_tokens": self.restored,
         }
 
     def close(self) -> None:
@@ -292,18 +313,58 @@ class Scheduler:
             slot = max(free, key=lambda s: _common(s.tokens, job.prompt))
             keep = _usable(slot.tokens, job.prompt)
             holder = self._holder(job.prompt, keep)
-            if holder is not None:  # another slot holds more of the prompt: copy it over the least recently used
+            hit, job.restore = job.restore, None
+            if hit is not None and hit.length > (_usable(holder.tokens, job.prompt) if holder else keep):
+                slot = min(free, key=lambda s: s.used)  # the tier holds more than any slot: restore it there
+                keep = self._restore(slot, hit, job)
+            elif holder is not None:  # another slot holds more of the prompt: copy it over the least recently used
                 slot = min(free, key=lambda s: s.used)
                 keep = self._copy(holder, slot, _usable(holder.tokens, job.prompt))
+                job.exact = False
             elif keep == 0 or not self._lib.llama_memory_seq_rm(self.memory, slot.seq, keep, -1):
                 self._lib.llama_memory_seq_rm(self.memory, slot.seq, -1, -1)
                 keep = 0
+            else:
+                job.exact = False  # a slot's tokens may hold what other chunks (or decodes) computed
             del slot.tokens[keep:]
             job.fed = job.cached = keep
             self.reused += keep
             self._admitted += 1
             job.admitted = slot.used = self._admitted
             slot.job = job
+
+    def _restore(self, slot: _Slot, hit: Hit, job: Job) -> int:
+        """Put ``hit``'s KV into ``slot``; returns the tokens it holds (0: llama.cpp refused it, the slot is empty).
+        A whole prompt restored keeps its last logits for the first token."""
+        assert self.states is not None and self.tier is not None
+        entry, n = hit.entry, hit.length
+        total = len(entry.tokens)
+        if not self.states.restore(slot.seq, entry.state, n, total, entry.points.get(n)):
+            slot.tokens = []
+            return 0
+        slot.tokens = job.prompt[:n]
+        if n == len(job.prompt):
+            job.logits = np.frombuffer(entry.logits, dtype=np.float32)
+        self.restored += n
+        self.tier.restored(n)
+        return n
+
+    def _keep(self, slot: _Slot, job: Job, row: int) -> None:
+        """Put the state of ``job``'s whole prompt (just evaluated, its logits at batch row ``row``) in the tier."""
+        assert self.states is not None and self.tier is not None and job.scope is not None
+        logits = np.ctypeslib.as_array(self._lib.llama_get_logits_ith(self.ctx, row), shape=(self.n_vocab,))
+        n = len(job.prompt)
+        if n % CHUNK == 0:
+            job.points[n] = bytearray()  # its end is a restore point too: the whole state is that position's
+        entry = Entry(
+            job.scope,
+            np.asarray(job.prompt, dtype=np.int32),
+            self.states.capture(slot.seq),
+            bytearray(logits.astype(np.float32).tobytes()),
+            dict(job.points),
+        )
+        job.points.clear()
+        self.tier.put(entry)
 
     def _holder(self, prompt: list[int], have: int) -> _Slot | None:
         """The slot, busy or not, that holds the longest prefix of ``prompt``, if that is ``MIN_REUSE`` tokens or
@@ -326,6 +387,11 @@ class Scheduler:
 
     def _step(self) -> None:
         """One decode of every generating sequence, then prompt chunks, shortest remaining prompt first."""
+        for slot in self.slots:  # a restored whole prompt: its first token from the logits kept with it
+            if slot.job is not None and slot.job.logits is not None and not slot.job.gone():
+                self._sample(slot, 0, slot.job.logits)
+                if slot.job is not None:
+                    slot.job.logits = None
         generating = []
         for slot in self.slots:
             job = slot.job
@@ -374,6 +440,7 @@ class Scheduler:
             taken = keep - job.fed if keep else 0  # 0 kept: the cut failed and the slot was emptied
             job.fed, job.cached = keep, job.cached + taken if keep else 0
             self.reused += taken
+            job.exact = False
         start = job.fed
         end = min(len(job.prompt), start + CHUNK - (start - job.cached) % CHUNK)
         with self._wake:
@@ -404,7 +471,13 @@ class Scheduler:
             self._fail_batch(code)
             return n
         job.fed, job.preempted = end, 0
+        keeping = self.tier is not None and job.scope is not None and job.exact and len(job.prompt) >= SAVED
+        if keeping and end < len(job.prompt) and end % CHUNK == 0 and end >= _points_from(len(job.prompt)):
+            assert self.states is not None
+            job.points[end] = self.states.capture_window(slot.seq)  # a restore point: its window's cells
         if end == len(job.prompt):
+            if keeping:
+                self._keep(slot, job, n - 1)
             self._sample(slot, n - 1)
         return n
 
@@ -430,7 +503,8 @@ class Scheduler:
         slot.tokens.append(token)
         return n + 1
 
-    def _sample(self, slot: _Slot, row: int) -> None:
+    def _sample(self, slot: _Slot, row: int, saved: np.ndarray | None = None) -> None:
+        """Sample ``slot``'s next token from batch row ``row``'s logits (or the ``saved`` ones)."""
         job = slot.job
         assert job is not None
         if job.gone():
@@ -440,7 +514,7 @@ class Scheduler:
             job.last = job.forced.pop(0)
             return
         try:
-            token = job.sampler.sample(self.ctx, row)
+            token = job.sampler.sample(self.ctx, row, saved)
         except Exception as exc:  # a grammar that cannot continue, a sampler failure: this job only
             failure = exc if isinstance(exc, GrammarStuck) else RuntimeError(f"sampling failed: {exc}")
             self._release(slot, "failed", failure=failure)
@@ -450,7 +524,8 @@ class Scheduler:
             return
         entry = None
         if job.logprob is not None:
-            entry = job.logprob(self._lib.llama_get_logits_ith(self.ctx, row), token)
+            row_logits = self._lib.llama_get_logits_ith(self.ctx, row) if saved is None else _pointer(saved)
+            entry = job.logprob(row_logits, token)
         job.count += 1
         job.last = token
         job.out.put((token, entry))
@@ -497,3 +572,14 @@ def _common(a: list[int], b: list[int]) -> int:
     while i < n and a[i] == b[i]:
         i += 1
     return i
+
+
+def _points_from(n: int) -> int:
+    """The first restore point a prompt of ``n`` tokens keeps: the last ``POINTS`` multiples of ``CHUNK`` before it."""
+    return max(CHUNK, ((n - 1) // CHUNK - POINTS + 1) * CHUNK)
+
+
+def _pointer(logits: np.ndarray) -> Any:
+    import ctypes
+
+    return logits.ctypes.data_as(ctypes.POINTER(ctypes.c_float))

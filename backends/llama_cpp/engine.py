@@ -27,13 +27,14 @@ from typing import Any
 import msgspec
 import numpy as np
 
-from meshgate.backends.llama_cpp.batch import Job, Scheduler, decode_group
+from meshgate.backends.llama_cpp.batch import CHUNK, MIN_REUSE, Job, Scheduler, decode_group
 from meshgate.backends.llama_cpp.embed import Embedder
 from meshgate.backends.llama_cpp.grammar import FORMAT_OPTIONS, JSON_OBJECT, Grammars
 from meshgate.backends.llama_cpp.logprobs import LogprobAligner, token_logprob
 from meshgate.backends.llama_cpp.prompt import render_prompt
 from meshgate.backends.llama_cpp.sampling import GrammarStuck, Sampler
 from meshgate.backends.llama_cpp.tools import CallGate, call_mode, call_prefix, forced_schema
+from meshgate.backends.runner.kvtier import KVTier
 from meshgate.backends.runner.stops import StopMatcher
 from meshgate.protocols.model import (
     UNSET,
@@ -100,6 +101,10 @@ class LlamaEngine:
         repack: bool = False,
         parallel: int = PARALLEL,
         exact: bool = True,
+        kv_ram: int = 0,
+        kv_dir: str | None = None,
+        kv_disk: int = 0,
+        digest: str = "",
     ) -> None:
         """Load ``path``; with ``shards`` (``(endpoint or None for local, layer_start, layer_end)`` in pipeline
         order) the blocks are split over llama.cpp RPC workers. ``repack`` lets llama.cpp repack CPU weights
@@ -107,7 +112,10 @@ class LlamaEngine:
         up to ``n_ctx`` tokens; ``exact`` decodes them so each row gets its single-sequence numbers: all in one
         call on ggml's reference matmuls (``cpu_kernels``) when the whole model is local and not repacked, else in
         groups of ``DECODE_GROUP`` while ggml's tiled K-quant kernel is on (see ``batch.decode_group``); ``False``
-        decodes all in one call with the kernels as they are (greedy text may then depend on the load)."""
+        decodes all in one call with the kernels as they are (greedy text may then depend on the load).
+
+        ``kv_ram`` bytes of host memory and ``kv_disk`` bytes of ``kv_dir`` keep prompts' KV (``runner.kvtier``);
+        ``digest`` names the model's weights for the tiers' namespace (else the file's path, size and mtime)."""
         import llama_cpp
 
         from meshgate.backends.llama_cpp.gguf import read_metadata
@@ -136,6 +144,10 @@ class LlamaEngine:
             )
         self.n_ctx = n_ctx
         self.parallel = max(1, parallel)
+        self.tier = None
+        if kv_ram > 0 or (kv_dir and kv_disk > 0):
+            namespace = kv_namespace(path, digest, shards, llama_cpp.__version__)
+            self.tier = KVTier(namespace, ram_budget=kv_ram, directory=kv_dir, disk_budget=kv_disk)
         self.scheduler = Scheduler(
             self.llm._model.model,
             n_ctx=n_ctx,
@@ -144,6 +156,7 @@ class LlamaEngine:
             is_eog=self._is_eog,
             group=group,
             reference=exact and not remote and not repack,  # RPC workers' and repacked kernels are their own
+            tier=self.tier,
         )
         threading.Thread(target=self.scheduler.run, name="llama-scheduler", daemon=True).start()
         self.load_ns = time.perf_counter_ns() - started
@@ -166,6 +179,7 @@ class LlamaEngine:
             "n_ctx": self.n_ctx,
             "family": self.family,
             **self.scheduler.stats(),
+            **({"kv_tier": self.tier.stats()} if self.tier is not None else {}),
         }
 
     def embed(self, request: EmbedRequest, cancel: threading.Event) -> Embeddings:
@@ -219,6 +233,9 @@ class LlamaEngine:
         exact = _value(request.sampling, "temperature") == 0
         prompt, forced = (tokens, resumed) if exact else (tokens + resumed, [])
         job = Job(prompt=prompt, limit=max(limit, 1), sampler=sampler, cancel=cancel, forced=forced)
+        if self.tier is not None:  # read here, on the request's thread: a disk entry is read off the decode loop
+            job.scope = request.cache_scope
+            job.restore = self.tier.find(request.cache_scope, prompt, usable=MIN_REUSE)
         if request.logprobs:
             top_n, n_vocab = request.top_logprobs, self.llm.n_vocab()
             job.logprob = lambda row, token: token_logprob(
@@ -305,7 +322,7 @@ class LlamaEngine:
         yield Usage(
             prompt_tokens=n_prompt,
             completion_tokens=count,
-            cached_tokens=job.cached,  # taken from the slot's cache (prefix reuse), not evaluated again
+            cached_tokens=job.cached,  # taken from a slot's cache or the KV tier, not evaluated again
             load_ns=load_ns,
             prompt_ns=first - started,
             eval_ns=ended - first,
@@ -345,3 +362,18 @@ class LlamaEngine:
         if fmt.kind != "text":
             return self.grammars.matcher(JSON_OBJECT, "json_object", options=FORMAT_OPTIONS)
         return None
+
+
+def kv_namespace(path: str, digest: str, shards: Sequence[tuple[str | None, int, int]], version: str) -> str:
+    """What makes two runners' KV comparable: the weights (their digest, else this file as it is now), the runtime,
+    and the settings the numbers depend on (f16 KV, chunks of ``CHUNK``, no flash attention, full sliding window,
+    one stream a sequence). The layer split is left out: a split model gives a single process's numbers."""
+    import hashlib
+    import json
+
+    if not digest:
+        stat = os.stat(path)
+        digest = f"{os.path.realpath(path)}:{stat.st_size}:{stat.st_mtime_ns}"
+    settings = {"weights": digest, "llama_cpp": version, "kv": "f16", "chunk": CHUNK, "flash_attn": False}
+    settings |= {"swa_full": True, "kv_unified": False, "layers": len(shards) > 1}
+    return hashlib.blake2b(json.dumps(settings, sort_keys=True).encode(), digest_size=16).hexdigest()

@@ -37,6 +37,10 @@ def main(argv: list[str] | None = None) -> None:
         help="decode every sequence in one call with llama.cpp's kernels as they are: faster, "
         "but greedy text may then depend on the load (see batch.decode_group)",
     )
+    parser.add_argument("--kv-ram", type=int, default=0, help="bytes of host memory for the KV tier (0: none)")
+    parser.add_argument("--kv-dir", default=None, help="the node's KV tier directory")
+    parser.add_argument("--kv-disk", type=int, default=0, help="bytes of --kv-dir the node's KV tier may fill")
+    parser.add_argument("--model-digest", default="", help="the weights' digest (KV is shared only between equals)")
     args = parser.parse_args(argv)
     try:
         shards = [(e, int(a), int(b)) for e, a, b in json.loads(args.shards)]
@@ -48,6 +52,10 @@ def main(argv: list[str] | None = None) -> None:
             repack=args.repack,
             parallel=args.parallel,
             exact=not args.inexact,
+            kv_ram=args.kv_ram,
+            kv_dir=args.kv_dir,
+            kv_disk=args.kv_disk,
+            digest=args.model_digest,
         )
     except Exception as exc:  # tell the supervisor why, then exit: nothing is served
         print(f"{FAILED_LINE} {exc}", flush=True)

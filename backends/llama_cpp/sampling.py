@@ -87,23 +87,29 @@ class Sampler:
         self.greedy = temp == 0 and repeat_penalty == 1.0 and not presence_penalty and not frequency_penalty
         self.grammar = grammar
         self.end_token = end_token
+        self._candidates: tuple[Any, np.ndarray, np.ndarray] | None = None  # for ``_pick``, made at its first use
         if grammar is not None:
-            self.data = (lib.llama_token_data * n_vocab)()
-            self.view = np.ctypeslib.as_array(self.data)
-            self.ids = np.arange(n_vocab, dtype=np.int32)
             self.mask = np.full((1, (n_vocab + 31) // 32), -1, dtype=np.int32)
 
-    def sample(self, ctx: Any, index: int) -> int:
-        """The next token from the logits of batch position ``index``; the chain (and grammar) accept it."""
+    def sample(self, ctx: Any, index: int, saved: np.ndarray | None = None) -> int:
+        """The next token from the logits of batch position ``index`` (or ``saved``: a restored prompt's); the chain
+        (and grammar) accept it."""
         lib = self._lib
+        if self.grammar is None and saved is None and not self.greedy:
+            return int(lib.llama_sampler_sample(self.chain, ctx, index))  # accepts the token itself
+        if saved is not None:
+            logits = saved
+        else:
+            logits = np.ctypeslib.as_array(lib.llama_get_logits_ith(ctx, index), shape=(self.n_vocab,))
         if self.grammar is None:
             if self.greedy:
-                return int(np.ctypeslib.as_array(lib.llama_get_logits_ith(ctx, index), shape=(self.n_vocab,)).argmax())
-            return int(lib.llama_sampler_sample(self.chain, ctx, index))  # accepts the token itself
+                return int(logits.argmax())
+            token = self._pick(logits, None)  # what ``llama_sampler_sample`` does, from these logits
+            lib.llama_sampler_accept(self.chain, token)
+            return token
         matcher = self.grammar
         if matcher.is_stopped():  # the JSON is whole and nothing may follow it
             return self.end_token
-        logits = np.ctypeslib.as_array(lib.llama_get_logits_ith(ctx, index), shape=(self.n_vocab,))
         token = int(logits.argmax()) if self.greedy else self._pick(logits, None)
         if token < 0 or matcher.validate_tokens([token]) != 1:  # rejected: sample again within the grammar
             allowed = self._allowed()
@@ -146,10 +152,14 @@ class Sampler:
     def _pick(self, logits: np.ndarray, allowed: np.ndarray | None) -> int:
         """The chain's pick from ``logits`` (only among ``allowed`` token ids when given); -1 when it picks none."""
         lib = self._lib
-        self.view["id"] = self.ids
-        self.view["logit"] = logits if allowed is None else np.where(allowed, logits, -np.inf)
-        self.view["p"] = 0.0
-        candidates = lib.llama_token_data_array(self.data, self.n_vocab, -1, False)
+        if self._candidates is None:
+            data = (lib.llama_token_data * self.n_vocab)()
+            self._candidates = (data, np.ctypeslib.as_array(data), np.arange(self.n_vocab, dtype=np.int32))
+        data, view, ids = self._candidates
+        view["id"] = ids
+        view["logit"] = logits if allowed is None else np.where(allowed, logits, -np.inf)
+        view["p"] = 0.0
+        candidates = lib.llama_token_data_array(data, self.n_vocab, -1, False)
         lib.llama_sampler_apply(self.chain, ctypes.byref(candidates))
         selected = candidates.selected
         return int(candidates.data[selected].id) if 0 <= selected < candidates.size else -1

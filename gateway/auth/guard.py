@@ -61,6 +61,7 @@ class Caller:
     models: frozenset[str] = frozenset()  # the models it may use; empty: all
     rpm: int = 0
     tpm: int = 0
+    tenant: str = ""  # the prompt-cache scope of its requests: keys of one tenant share cached prompts
 
     def may_use(self, model: str) -> bool:
         """A model outside the key's list is answered as unknown (as OpenAI does), never as forbidden."""
@@ -72,13 +73,26 @@ def digest(key: str) -> str:
 
 
 def mint(
-    name: str, scope: Scope = "inference", models: tuple[str, ...] = (), rpm: int = 0, tpm: int = 0
+    name: str,
+    scope: Scope = "inference",
+    models: tuple[str, ...] = (),
+    rpm: int = 0,
+    tpm: int = 0,
+    tenant: str = "",
 ) -> tuple[str, ApiKey]:
     """A new key (``mg_<id>_<secret>``, shown once) and the record to store (its digest, not the key)."""
     key_id = secrets.token_hex(6)
     key = f"{KEY_PREFIX}_{key_id}_{secrets.token_urlsafe(24)}"
     return key, ApiKey(
-        id=key_id, name=name, scope=scope, models=models, rpm=rpm, tpm=tpm, created=time.time(), digest=digest(key)
+        id=key_id,
+        name=name,
+        scope=scope,
+        models=models,
+        rpm=rpm,
+        tpm=tpm,
+        created=time.time(),
+        digest=digest(key),
+        tenant=tenant,
     )
 
 
@@ -124,7 +138,7 @@ class KeyRing:
         hashed = digest(presented)
         boot = [hmac.compare_digest(hashed, known) for known in self._bootstrap]  # all compared, no early exit
         if any(boot):
-            return Caller(bucket=f"boot:{boot.index(True)}", scope="admin", rpm=self.rate_limit)
+            return Caller(bucket=f"boot:{boot.index(True)}", scope="admin", rpm=self.rate_limit, tenant="operator")
         parts = presented.split("_")
         if len(parts) < 3 or parts[0] != KEY_PREFIX:
             return None
@@ -137,6 +151,7 @@ class KeyRing:
             models=frozenset(key.models),
             rpm=key.rpm or self.rate_limit,
             tpm=key.tpm,
+            tenant=f"tenant:{key.tenant}" if key.tenant else f"key:{key.id}",
         )
 
     async def _lookup(self, key_id: str) -> ApiKey | None:

@@ -65,6 +65,7 @@ class ApiKey(msgspec.Struct, frozen=True, kw_only=True):
     tpm: int = 0  # prompt + generated tokens per minute; 0: no limit
     created: float = 0.0
     digest: str = ""
+    tenant: str = ""  # whose cached prompts its requests share (``""``: its own, no other key's)
 
 
 class Accounts(Protocol):

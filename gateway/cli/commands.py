@@ -230,6 +230,7 @@ def _keys(settings: Settings, args: argparse.Namespace) -> int:
                 "models": args.model,
                 "rpm": args.rpm,
                 "tpm": args.tpm,
+                "tenant": args.tenant,
             }
             response = http.post("/keys", json=payload)
             if response.status_code != 201:
@@ -267,7 +268,7 @@ def _ps(settings: Settings, args: argparse.Namespace) -> int:
         )
     print(
         f"\n{'INSTANCE':14} {'MODEL':24} {'REPLICA':>7} {'STATE':10} {'BACKEND':10} {'STRATEGY':9} {'CTX':>6} "
-        f"{'SLOTS':>5} {'RUN':>4} {'WAIT':>4} {'TOK/S':>6} NODES"
+        f"{'SLOTS':>5} {'RUN':>4} {'WAIT':>4} {'TOK/S':>6} {'KV CACHE':34} NODES"
     )
     replica: dict[str, int] = {}
     for i in cluster["instances"]:
@@ -281,13 +282,34 @@ def _ps(settings: Settings, args: argparse.Namespace) -> int:
             f"{i['id']:14} {i['model']:24} {nth:>7} {i['state']['state']:10} "
             f"{placement['backend']:10} {placement['strategy']:9} {placement['context']:6} "
             f"{placement.get('sequences', 1):5} {load.get('running', 0):4} {load.get('queued', 0):4} "
-            f"{load.get('tokens_per_s', 0.0):6.1f} {nodes}" + (f"  ({i['note']})" if i.get("note") else "")
+            f"{load.get('tokens_per_s', 0.0):6.1f} {_kv_cache(i.get('kv_tier')):34} {nodes}"
+            + (f"  ({i['note']})" if i.get("note") else "")
         )
     if deployments:
         print(f"\n{'DEPLOYMENT':24} {'REPLICAS':>8} {'MIN':>4} {'MAX':>4}")
         for d in deployments:
             print(f"{d['model']:24} {d['replicas']:8} {d['min_replicas']:4} {d['max_replicas']:4}")
     return 0
+
+
+def _kv_cache(tier: dict[str, int] | None) -> str:
+    """``ps``'s KV CACHE column: a replica's KV tier use, ``1.2 GiB/1.5 GiB ram, 3.4 GiB disk`` (a tier without a
+    budget left out); ``-`` when its runner reports none."""
+    if not tier:
+        return "-"
+    used = []
+    if tier.get("ram_budget"):
+        used.append(f"{_bytes(tier.get('ram_bytes', 0))}/{_bytes(tier['ram_budget'])} ram")
+    if tier.get("disk_budget"):
+        used.append(f"{_bytes(tier.get('disk_bytes', 0))} disk")
+    return ", ".join(used) or "-"
+
+
+def _bytes(size: int) -> str:
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if size >= scale:
+            return f"{size / scale:.1f} {unit}" if unit == "GiB" else f"{size // scale} {unit}"
+    return f"{size} B"
 
 
 def _place(settings: Settings, args: argparse.Namespace) -> int:
@@ -427,6 +449,7 @@ def build_parser(
     made.add_argument("--model", action="append", default=[], help="a model it may use (repeatable; default all)")
     made.add_argument("--rpm", type=int, default=0, help="requests per minute (default MESHGATE_RATE_LIMIT)")
     made.add_argument("--tpm", type=int, default=0, help="tokens per minute (default no limit)")
+    made.add_argument("--tenant", default="", help="keys of one tenant share cached prompts (default: this key only)")
     actions.add_parser("list", help="list keys (never the keys themselves)")
     actions.add_parser("revoke", help="revoke a key").add_argument("key_id", metavar="ID")
     from meshgate.gateway.cli import bench

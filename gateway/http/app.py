@@ -31,6 +31,7 @@ from meshgate.gateway.http.routes.common import (
     provide_dispatcher,
     provide_instances,
     provide_keyring,
+    provide_kv_tiers,
     provide_settings,
 )
 from meshgate.gateway.http.runtime import control_plane
@@ -83,6 +84,7 @@ def create_app(settings: Settings, plugins: pluggy.PluginManager) -> Litestar:
             "dispatcher": Provide(provide_dispatcher, sync_to_thread=False),
             "instances": Provide(provide_instances, sync_to_thread=False),
             "keyring": Provide(provide_keyring, sync_to_thread=False),
+            "kv_tiers": Provide(provide_kv_tiers, sync_to_thread=False),
             "settings": Provide(provide_settings, sync_to_thread=False),
         },
         guards=[authorize],  # every route: its scope (admin unless it says otherwise) and limits (gateway.auth.guard)

@@ -25,6 +25,7 @@ from meshgate.backends.runner import secret as cluster_secret
 from meshgate.gateway.cluster.agent import NodeAgent
 from meshgate.gateway.cluster.autoscale import Autoscaler, Policy
 from meshgate.gateway.cluster.instances import InstanceManager
+from meshgate.gateway.cluster.kv_tiers import KvTiers
 from meshgate.gateway.cluster.loads import LoadBoard
 from meshgate.gateway.cluster.planner import default_rank
 from meshgate.gateway.cluster.redis_store import RedisStore
@@ -34,6 +35,7 @@ from meshgate.gateway.serving.admission import Admission
 from meshgate.gateway.serving.catalog import Catalog
 from meshgate.gateway.serving.dispatch import Dispatcher
 from meshgate.gateway.serving.model_defaults import UserModels
+from meshgate.gateway.serving.runner_health import runner_health
 from meshgate.gateway.telemetry.metrics import PlaneSnapshot
 from meshgate.plugins.policy import by_preference
 from meshgate.plugins.settings import Settings
@@ -58,6 +60,7 @@ class ControlPlane:
     instances: InstanceManager | None = None
     agent: NodeAgent | None = None
     dispatcher: Dispatcher | None = None
+    kv_tiers: KvTiers | None = None  # each ready replica's KV tier, polled (a gateway's)
     extra: dict = field(default_factory=dict)
 
     async def snapshot(self) -> PlaneSnapshot:
@@ -74,6 +77,7 @@ class ControlPlane:
             routed=dict(manager.routed) if manager is not None else {},
             replica_load=loads.view if loads is not None else None,
             restarts=self.agent.metrics.restarts.family() if self.agent is not None else None,
+            kv_tiers=self.kv_tiers.figures() if self.kv_tiers is not None else {},
         )
 
 
@@ -164,10 +168,15 @@ async def control_plane(
                     grow_context=settings.grow_context,
                     resume_wait=settings.resume_wait,
                 )
+                health_of = runner_health(catalog.resolve, plane.dispatcher.backend_for)
+                plane.kv_tiers = KvTiers(plane.instances.snapshot, health_of)
+                await plane.kv_tiers.start()
             yield plane
         finally:
             if following is not None:
                 following.cancel()
+            if plane.kv_tiers is not None:
+                await plane.kv_tiers.close()
             if plane.dispatcher is not None and plane.dispatcher.loads is not None:
                 await plane.dispatcher.loads.close()
             if plane.instances is not None:

@@ -40,6 +40,8 @@ import time
 from collections.abc import Callable, Sequence
 from typing import TypeVar
 
+import msgspec
+
 from meshgate.backends.base import Backend, Capabilities, ModelCard, check_embeddings
 from meshgate.backends.registry import UserModel
 from meshgate.gateway.cluster.loads import LoadBoard
@@ -171,6 +173,7 @@ class Dispatcher:
         clamp_output: bool = False,
         may_use: Callable[[str], bool] | None = None,
         on_usage: Callable[[Usage], None] | None = None,
+        cache_scope: str = "",
     ) -> EventStream:
         """Start ``request``; raise its ``GatewayError`` if it fails before the first event (or, streaming, before
         it has to wait). Whoever opens the stream closes it (``EventStream.aclose``): that frees its slot.
@@ -178,8 +181,11 @@ class Dispatcher:
         ``caller`` (an API key or a client address) is the line it waits in; ``fit`` the protocol's context rule;
         ``clamp_output`` cuts a ``max_tokens`` above the ``max_tokens`` setting to it (Ollama) instead of raising
         ``OutputTooLarge``. ``may_use`` restricts the models (a key's list); ``on_usage`` gets the last ``Usage``
-        when the stream ends (a key's token budget).
+        when the stream ends (a key's token budget); ``cache_scope`` whose cached prompts it may use
+        (``Request.cache_scope``: its key's tenant).
         """
+        if cache_scope:
+            request = msgspec.structs.replace(request, cache_scope=cache_scope)
         card = self.resolve(request.model, may_use)
         backend = self.backend_for(card)
         ready = prepare(

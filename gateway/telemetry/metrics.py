@@ -28,10 +28,17 @@ one of five words, ``endpoint`` a route template (``other`` when no route matche
                                             to another replica after theirs failed, and what each client waited
     meshgate_runner_restarts_total{node,model}   runners the embedded agent started again (single machine; a
                                             ``meshgate node`` agent serves its own on its ``/metrics``)
+    meshgate_kv_tier_bytes / meshgate_kv_tier_budget_bytes / meshgate_kv_tier_entries{instance,tier}   gauges:
+                                            a replica's KV cache tier (``tier``: ram, disk), as its head runner
+                                            last reported it (``gateway.cluster.kv_tiers``, every few seconds)
+    meshgate_kv_tier_hits{instance,tier}, meshgate_kv_tier_misses / meshgate_kv_tier_restored_tokens /
+    meshgate_kv_tier_saved / meshgate_kv_tier_refused{instance}   the runner's own counts since it started,
+                                            as gauges (they restart with the runner); only replicas with a tier
     process_*                               the gateway process (CPU seconds, memory, open files)
 
-Counters count since this process started; with several gateways, sum them. Imports ``prometheus_client``,
-``telemetry.instruments`` and ``telemetry.record``; the control plane is read duck-typed, never imported.
+Counters count since this process started; with several gateways, sum them (not the KV tier's: every gateway
+reports the same runner's). Imports ``prometheus_client``, ``telemetry.instruments``, ``telemetry.record`` and
+``telemetry.kv_tier``; the control plane is read duck-typed, never imported.
 """
 
 from __future__ import annotations
@@ -45,6 +52,7 @@ from prometheus_client.process_collector import ProcessCollector
 from prometheus_client.registry import CollectorRegistry
 
 from meshgate.gateway.telemetry.instruments import Counter, Histogram, Instruments
+from meshgate.gateway.telemetry.kv_tier import KvTier
 from meshgate.gateway.telemetry.record import RequestRecord
 
 __all__ = ["GatewayMetrics"]
@@ -68,6 +76,7 @@ class PlaneSnapshot:
     routed: Mapping[tuple[str, str], int] = field(default_factory=dict)  # (model, rule) -> requests routed
     replica_load: Callable[[str], Any] | None = None  # instance id -> every gateway's load (running, queued)
     restarts: Metric | None = None  # an embedded agent's runner restarts
+    kv_tiers: Mapping[str, KvTier] = field(default_factory=dict)  # instance id -> its runner's KV tier, last read
 
 
 class Snapshots(Protocol):
@@ -191,6 +200,7 @@ class GatewayMetrics(Instruments):
         yield from self._instance_families()
         yield from self._node_families()
         yield from self._restarts()
+        yield from self._kv_tiers()
 
     def _queues(self) -> Iterable[Metric]:
         depth = GaugeMetricFamily("meshgate_queue_depth", "Requests waiting for a slot", labels=("instance",))
@@ -269,3 +279,56 @@ class GatewayMetrics(Instruments):
             yield load
         if self._plane.restarts is not None:  # an embedded agent (one machine): its runners are this gateway's
             yield self._plane.restarts
+
+    def _kv_tiers(self) -> Iterable[Metric]:
+        known = {i.id for i in self._plane.instances}
+        tiers = {i: t for i, t in self._plane.kv_tiers.items() if i in known}
+        if not tiers:  # no replica has a tier (or none reported yet): no empty families
+            return ()
+        per_tier = ("instance", "tier")
+        size = GaugeMetricFamily("meshgate_kv_tier_bytes", "Bytes a replica's KV tier holds", labels=per_tier)
+        budget = GaugeMetricFamily(
+            "meshgate_kv_tier_budget_bytes", "Bytes a replica's KV tier may hold", labels=per_tier
+        )
+        entries = GaugeMetricFamily(
+            "meshgate_kv_tier_entries", "Prompt states a replica's KV tier holds", labels=per_tier
+        )
+        hits = GaugeMetricFamily(
+            "meshgate_kv_tier_hits",
+            "Prompts whose start a replica's KV tier held, since its runner started (the runner's count)",
+            labels=per_tier,
+        )
+        misses = GaugeMetricFamily(
+            "meshgate_kv_tier_misses",
+            "Prompts a replica's KV tier held no start of, since its runner started (the runner's count)",
+            labels=("instance",),
+        )
+        restored = GaugeMetricFamily(
+            "meshgate_kv_tier_restored_tokens",
+            "Prompt tokens taken from a replica's KV tier instead of evaluated, since its runner started",
+            labels=("instance",),
+        )
+        saved = GaugeMetricFamily(
+            "meshgate_kv_tier_saved",
+            "Prompt states a replica's KV tier kept, since its runner started (the runner's count)",
+            labels=("instance",),
+        )
+        refused = GaugeMetricFamily(
+            "meshgate_kv_tier_refused",
+            "Damaged KV tier files a replica's runner refused to load, since it started (the runner's count)",
+            labels=("instance",),
+        )
+        for instance_id, t in tiers.items():
+            for tier, (held, allowed, count, hit) in (
+                ("ram", (t.ram_bytes, t.ram_budget, t.ram_entries, t.hits_ram)),
+                ("disk", (t.disk_bytes, t.disk_budget, t.disk_entries, t.hits_disk)),
+            ):
+                size.add_metric((instance_id, tier), held)
+                budget.add_metric((instance_id, tier), allowed)
+                entries.add_metric((instance_id, tier), count)
+                hits.add_metric((instance_id, tier), hit)
+            misses.add_metric((instance_id,), t.misses)
+            restored.add_metric((instance_id,), t.restored_tokens)
+            saved.add_metric((instance_id,), t.saved)
+            refused.add_metric((instance_id,), t.refused)
+        return size, budget, entries, hits, misses, restored, saved, refused

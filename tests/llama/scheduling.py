@@ -14,6 +14,7 @@ import llama_cpp
 from meshgate.backends.llama_cpp.batch import Job, Scheduler
 from meshgate.backends.llama_cpp.rpc import weight_repacking
 from meshgate.backends.llama_cpp.sampling import Sampler
+from meshgate.backends.runner.kvtier import KVTier
 
 GREEDY = dict(top_k=40, top_p=1.0, min_p=0.0, repeat_penalty=1.0, presence_penalty=0.0, frequency_penalty=0.0)
 
@@ -25,7 +26,7 @@ def load(gguf: Path) -> llama_cpp.Llama:
 
 
 @contextmanager
-def running(llm: llama_cpp.Llama, parallel: int) -> Iterator[Scheduler]:
+def running(llm: llama_cpp.Llama, parallel: int, tier: KVTier | None = None) -> Iterator[Scheduler]:
     """A ``Scheduler`` of ``parallel`` sequences of 4,096 tokens over ``llm``, run in a thread; closed and freed on
     the way out. ``s.llm`` keeps the model alive with the context (and tokenizes)."""
     vocab = llama_cpp.llama_model_get_vocab(llm._model.model)
@@ -35,6 +36,7 @@ def running(llm: llama_cpp.Llama, parallel: int) -> Iterator[Scheduler]:
         parallel=parallel,
         n_threads=2,
         is_eog=lambda token: bool(llama_cpp.llama_vocab_is_eog(vocab, token)),
+        tier=tier,
     )
     s.llm = llm
     thread = threading.Thread(target=s.run, daemon=True)

@@ -2,7 +2,9 @@
 
 Errors use OpenAI's envelope (``{"error": {"message", "type", ...}}``), the most widely parsed one. Instances are
 shown with this gateway's queue for each (``queue``: requests generating, waiting, and the bounds) and their
-load across every gateway (``load``: running, queued, tokens/s, prefix hits). ``POST /instances`` with
+load across every gateway (``load``: running, queued, tokens/s, prefix hits), and the KV cache tier its head
+runner last reported (``kv_tier``: bytes, budget and entries in RAM and on disk, hits, misses; ``null`` for a
+runner without one, ``gateway.cluster.kv_tiers``). ``POST /instances`` with
 ``replicas: N`` places N replicas at once, over distinct nodes where they fit (``min_replicas`` and
 ``max_replicas`` bound its autoscaling); ``/deployments`` lists the desired replica count and bounds of each model,
 and ``PUT /deployments/{model}`` changes the bounds (``gateway.cluster.autoscale``).
@@ -23,18 +25,21 @@ from sse_starlette.event import ServerSentEvent
 
 from meshgate.backends.placement import Candidate, InstanceId, Link, Node, Strategy
 from meshgate.gateway.cluster.instances import InstanceManager
+from meshgate.gateway.cluster.kv_tiers import KvTiers
 from meshgate.gateway.cluster.loads import ReplicaLoad
 from meshgate.gateway.cluster.records import Deployment, Failed, Instance, Ready, StoreEvent
 from meshgate.gateway.serving.admission import Load
 from meshgate.gateway.serving.dispatch import Dispatcher
+from meshgate.gateway.telemetry.kv_tier import KvTier
 from meshgate.protocols.model import InvalidRequest, NotFound
 
 
 class InstanceView(Instance, frozen=True):
-    """A stored instance, this gateway's queue for it and its load across every gateway."""
+    """A stored instance, this gateway's queue for it, its load across every gateway and its runner's KV tier."""
 
     queue: Load | None = None
     load: ReplicaLoad | None = None
+    kv_tier: KvTier | None = None
 
 
 class Placed(Instance, frozen=True):
@@ -81,12 +86,14 @@ class Bounds(msgspec.Struct, frozen=True, kw_only=True):
 
 Instances = NamedDependency[InstanceManager]  # the app's ``instances`` dependency (``common.provide_instances``)
 Dispatch = NamedDependency[Dispatcher]
+Tiers = NamedDependency[KvTiers]  # the app's ``kv_tiers`` dependency (``common.provide_kv_tiers``)
 
 
-def _view(dispatcher: Dispatcher, instance: Instance) -> InstanceView:
+def _view(dispatcher: Dispatcher, kv_tiers: KvTiers, instance: Instance) -> InstanceView:
     fields = {name: getattr(instance, name) for name in instance.__struct_fields__}
     load = dispatcher.loads.view(instance.id) if dispatcher.loads is not None else None
-    return InstanceView(**fields, queue=dispatcher.admission.load(instance.id), load=load)
+    queue = dispatcher.admission.load(instance.id)
+    return InstanceView(**fields, queue=queue, load=load, kv_tier=kv_tiers.get(instance.id))
 
 
 def _nodes(value: str | None) -> list[str] | None:
@@ -94,12 +101,12 @@ def _nodes(value: str | None) -> list[str] | None:
 
 
 @get("/cluster", summary="Nodes, measured links and instances")
-async def cluster(instances: Instances, dispatcher: Dispatch) -> ClusterView:
+async def cluster(instances: Instances, dispatcher: Dispatch, kv_tiers: Tiers) -> ClusterView:
     topology = await instances.topology()
     return ClusterView(
         nodes=list(topology.nodes),
         links=list(topology.links),
-        instances=[_view(dispatcher, i) for i in await instances.store.instances()],
+        instances=[_view(dispatcher, kv_tiers, i) for i in await instances.store.instances()],
     )
 
 
@@ -147,17 +154,17 @@ async def set_bounds(instances: Instances, dispatcher: Dispatch, model: str, dat
     return await instances.set_bounds(card.name, data.min_replicas, data.max_replicas)
 
 
-@get("/instances", summary="All instances, with this gateway's queue for each")
-async def list_instances(instances: Instances, dispatcher: Dispatch) -> list[InstanceView]:
-    return [_view(dispatcher, i) for i in await instances.store.instances()]
+@get("/instances", summary="All instances, with this gateway's queue for each and its runner's KV tier")
+async def list_instances(instances: Instances, dispatcher: Dispatch, kv_tiers: Tiers) -> list[InstanceView]:
+    return [_view(dispatcher, kv_tiers, i) for i in await instances.store.instances()]
 
 
-@get("/instances/{instance_id:str}", summary="One instance, with this gateway's queue for it")
-async def get_instance(instances: Instances, dispatcher: Dispatch, instance_id: str) -> InstanceView:
+@get("/instances/{instance_id:str}", summary="One instance, with this gateway's queue for it and its runner's KV tier")
+async def get_instance(instances: Instances, dispatcher: Dispatch, kv_tiers: Tiers, instance_id: str) -> InstanceView:
     instance = await instances.store.get_instance(InstanceId(instance_id))
     if instance is None:
         raise NotFound(f"instance '{instance_id}' not found")
-    return _view(dispatcher, instance)
+    return _view(dispatcher, kv_tiers, instance)
 
 
 @delete(
@@ -166,7 +173,7 @@ async def get_instance(instances: Instances, dispatcher: Dispatch, instance_id: 
     status_code=202,
 )
 async def delete_instance(
-    instances: Instances, dispatcher: Dispatch, instance_id: str, grace: float | None = None
+    instances: Instances, dispatcher: Dispatch, kv_tiers: Tiers, instance_id: str, grace: float | None = None
 ) -> Response[Any]:
     """A ready instance drains: it takes no new requests and is stopped when what runs or queues on it (on any
     gateway) has finished, 2.5 s at least (a stream another gateway began a moment ago may not be in the shared
@@ -177,7 +184,7 @@ async def delete_instance(
     draining = await instances.delete(InstanceId(instance_id), grace=grace)
     if draining is None:
         return Response(None, status_code=204)
-    return Response(_view(dispatcher, draining), status_code=202)
+    return Response(_view(dispatcher, kv_tiers, draining), status_code=202)
 
 
 @get("/instances/{instance_id:str}/events", summary="Server-sent state changes until ready or failed")

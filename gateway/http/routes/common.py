@@ -25,6 +25,7 @@ from litestar.response import Stream
 
 from meshgate.gateway.auth.guard import KeyRing, caller_of
 from meshgate.gateway.cluster.instances import InstanceManager
+from meshgate.gateway.cluster.kv_tiers import KvTiers
 from meshgate.gateway.http.routes.stream import CoalescedStream
 from meshgate.gateway.serving.context_fit import Fit
 from meshgate.gateway.serving.dispatch import Dispatcher
@@ -63,6 +64,11 @@ def provide_instances(state: State) -> InstanceManager:
     return state.plane.instances
 
 
+def provide_kv_tiers(state: State) -> KvTiers:
+    """The app's ``kv_tiers`` dependency: each replica's KV tier, as its runner last reported it."""
+    return state.plane.kv_tiers
+
+
 def provide_keyring(state: State) -> KeyRing:
     """The app's ``keyring`` dependency: keys, scopes and limits."""
     return state.keyring
@@ -99,10 +105,11 @@ def model_infos(dispatcher: Dispatcher, request: HttpRequest | None = None) -> l
 
 def who(request: HttpRequest) -> dict[str, Any]:
     """``open_stream``'s view of the caller ``gateway.auth.guard.authorize`` found: its line in the queue, the models
-    its key may use, and (with a token budget) where its usage is counted."""
+    its key may use, (with a token budget) where its usage is counted, and whose cached prompts it shares."""
     caller = caller_of(request)
     meter = request.app.state.keyring.meter(caller) if caller.tpm else None
-    return {"caller": caller.bucket, "may_use": may_use(request), "on_usage": meter}
+    scope = caller.tenant if request.app.state.settings.kv_sharing == "tenant" else ""
+    return {"caller": caller.bucket, "may_use": may_use(request), "on_usage": meter, "cache_scope": scope}
 
 
 def may_use(request: HttpRequest) -> Callable[[str], bool] | None:

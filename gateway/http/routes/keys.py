@@ -1,7 +1,8 @@
 """The keys API (admin scope): ``GET /keys``, ``POST /keys``, ``DELETE /keys/{id}``. ``meshgate keys`` uses it.
 
-A made key is shown once, in the ``POST`` answer; listings show the records (id, name, scope, models, limits),
-never a key or its digest. Errors use OpenAI's envelope, as the cluster API does.
+A made key is shown once, in the ``POST`` answer; listings show the records (id, name, scope, models, limits,
+tenant), never a key or its digest. Keys of one ``tenant`` share cached prompts (``MESHGATE_KV_SHARING``); a key
+without one shares them with no other key. Errors use OpenAI's envelope, as the cluster API does.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ class CreateKey(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields
     models: tuple[Annotated[str, msgspec.Meta(min_length=1, max_length=256)], ...] = ()
     rpm: _Limit = 0
     tpm: _Limit = 0
+    tenant: Annotated[str, msgspec.Meta(max_length=64, pattern=r"^([A-Za-z0-9][A-Za-z0-9_.@ -]*)?$")] = ""
 
 
 class KeyView(msgspec.Struct, frozen=True, kw_only=True):
@@ -39,6 +41,7 @@ class KeyView(msgspec.Struct, frozen=True, kw_only=True):
     rpm: int
     tpm: int
     created: float
+    tenant: str
 
 
 class NewKey(KeyView, frozen=True, kw_only=True):
@@ -65,7 +68,7 @@ async def list_keys(keyring: Ring) -> Response[bytes]:
     dependencies=body(CreateKey),
 )
 async def create_key(keyring: Ring, wire: NamedDependency[CreateKey]) -> Response[bytes]:
-    secret, record = mint(wire.name, wire.scope, wire.models, wire.rpm, wire.tpm)
+    secret, record = mint(wire.name, wire.scope, wire.models, wire.rpm, wire.tpm, wire.tenant)
     await keyring.accounts.put_key(record)
     return json_response(msgspec.json.encode(NewKey(**_view(record), key=secret)), status=201)
 

@@ -1,0 +1,84 @@
+"""One sequence's KV state in and out of a llama.cpp context, for the KV tiers (``runner.kvtier``).
+
+llama.cpp's per-sequence state API (``llama_state_seq_get_data``/``set_data``) copies a sequence's cells out and
+back. Two facts shape what the tiers keep (measured on Gemma 3 270M, llama-cpp-python 0.3.36):
+
+- A model with sliding-window layers has two caches. Even with ``swa_full`` the state holds the sliding-window
+  cache's cells only for the last window of positions (512 for Gemma 3): ~18 KiB a token up to 512 tokens, then
+  ~3 KiB a token (the full-attention layers). Restored, it can be cut back (``llama_memory_seq_rm``) in the
+  full-attention cache only: cut back to an earlier position, the sliding-window layers would miss cells. So a
+  restore point inside a prompt keeps, beside the whole state, the sliding-window cells at that position
+  (``LLAMA_STATE_SEQ_FLAGS_SWA_ONLY``, ~7.5 MiB): restore the state, cut it back, put those cells in.
+- Restored, the cells are the very bytes computed: a prompt restored at a position where its cold evaluation
+  cut a chunk (every ``CHUNK`` tokens from 0) and evaluated on in the same chunks gets the cold numbers bit for
+  bit, at any position of the window. Cut anywhere else, the chunks differ, and llama.cpp's CPU kernels give a
+  row other numbers in another chunking (seen: up to 2.7 in a logit). So restore points are multiples of
+  ``CHUNK``, and a prompt that is an entry's whole prompt starts from its saved logits.
+
+Runs only in the runner process; imports llama_cpp and numpy.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from typing import Any
+
+__all__ = ["SeqStates"]
+
+
+class SeqStates:
+    """Copies of one context's sequences: whole states, sliding-window cells, and restores."""
+
+    def __init__(self, lib: Any, ctx: Any, model: Any) -> None:
+        self._lib = lib
+        self.ctx = ctx
+        self.memory = lib.llama_get_memory(ctx)
+        self.windowed = lib.llama_model_n_swa(model) > 0  # sliding-window layers: restore points need their cells
+
+    def capture(self, seq: int) -> bytearray:
+        """The whole state of sequence ``seq``."""
+        lib = self._lib
+        size = lib.llama_state_seq_get_size(self.ctx, seq)
+        data = bytearray(size)
+        written = lib.llama_state_seq_get_data(self.ctx, (ctypes.c_uint8 * size).from_buffer(data), size, seq)
+        del data[written:]
+        return data
+
+    def capture_window(self, seq: int) -> bytearray:
+        """The sliding-window cells of ``seq`` as they are now (empty for a model without such layers)."""
+        if not self.windowed:
+            return bytearray()
+        lib = self._lib
+        flags = lib.LLAMA_STATE_SEQ_FLAGS_SWA_ONLY
+        size = lib.llama_state_seq_get_size_ext(self.ctx, seq, flags)
+        data = bytearray(size)
+        buffer = (ctypes.c_uint8 * size).from_buffer(data)
+        written = lib.llama_state_seq_get_data_ext(self.ctx, buffer, size, seq, flags)
+        del data[written:]
+        return data
+
+    def restore(self, seq: int, state: Any, length: int, total: int, window: Any = None) -> bool:
+        """Put ``state`` (``total`` tokens) into ``seq``, cut back to ``length`` tokens with the sliding-window
+        cells ``window`` of that position; ``False`` (and ``seq`` emptied) when llama.cpp refuses any of it."""
+        lib = self._lib
+        lib.llama_memory_seq_rm(self.memory, seq, -1, -1)
+        ok = _set(lib, self.ctx, seq, state, 0) == len(state)
+        if ok and length < total:
+            ok = bool(lib.llama_memory_seq_rm(self.memory, seq, length, -1))
+            if ok and self.windowed:
+                ok = window is not None and _set(lib, self.ctx, seq, window, lib.LLAMA_STATE_SEQ_FLAGS_SWA_ONLY) == len(
+                    window
+                )
+        if not ok:
+            lib.llama_memory_seq_rm(self.memory, seq, -1, -1)
+        return ok
+
+
+def _set(lib: Any, ctx: Any, seq: int, data: Any, flags: int) -> int:
+    size = len(data)
+    if size == 0:
+        return 0
+    buffer = (ctypes.c_uint8 * size).from_buffer(data)
+    if flags:
+        return int(lib.llama_state_seq_set_data_ext(ctx, buffer, size, seq, flags))
+    return int(lib.llama_state_seq_set_data(ctx, buffer, size, seq))

@@ -1,0 +1,118 @@
+"""Each ready replica's KV tier, as its head runner last reported it (``KvTiers``): for ``/metrics``,
+``/instances`` and ``meshgate ps``.
+
+One background task per gateway (``start``) reads every ``EVERY`` seconds the ``/health`` of each ready instance's
+head runner, through ``health_of`` (``gateway.serving.runner_health``: the connection the dispatcher uses), all
+at once, each for at most ``TIMEOUT`` seconds. A pass with no ready instance sends nothing. The figures live in
+memory, by instance id, never in the state store (each gateway polls for itself: a few small GETs every few
+seconds per gateway). What a pass does with what it read is a pure function (``merge``):
+
+* a runner that answered with a ``kv_tier``: its new figures;
+* one that answered without (no tier) or cannot report at all (``health_of`` gives ``None``): no figures;
+* one that failed or timed out: its last figures stay;
+* an instance that is neither ready nor draining (gone, failed, being re-placed): its figures are dropped.
+
+Imports the records and ``telemetry.kv_tier``; the health source is given, so this room never imports serving.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Awaitable, Callable, Collection, Iterable, Mapping, Sequence
+
+from meshgate.gateway.cluster.records import Draining, Instance, Ready
+from meshgate.gateway.telemetry.kv_tier import KvTier, kv_tier_of
+
+__all__ = ["EVERY", "TIMEOUT", "HealthOf", "KvTiers", "Read", "merge"]
+
+log = logging.getLogger("meshgate.kv_tiers")
+
+EVERY = 5.0
+"""Seconds between two passes."""
+TIMEOUT = 2.0
+"""Seconds one runner's ``/health`` may take before its last figures are kept instead."""
+
+HealthOf = Callable[[Instance], Awaitable[Mapping[str, object] | None]]
+"""An instance's head runner's ``/health`` answer; ``None`` when its runner cannot report one. May raise."""
+
+Read = tuple[str, KvTier | None, bool]
+"""What a pass read of one instance: its id, its figures (``None``: it has no tier) and whether the read
+succeeded (``False``: it failed or timed out; the figures are then ignored)."""
+
+
+def merge(last: Mapping[str, KvTier], kept: Collection[str], reads: Iterable[Read]) -> dict[str, KvTier]:
+    """The figures after a pass: ``last`` with what ``reads`` found (the module docstring's rules), for the
+    instances in ``kept`` (ready or draining) only."""
+    figures = {instance_id: tier for instance_id, tier in last.items() if instance_id in kept}
+    for instance_id, tier, ok in reads:
+        if not ok:
+            continue
+        if tier is None or instance_id not in kept:
+            figures.pop(instance_id, None)
+        else:
+            figures[instance_id] = tier
+    return figures
+
+
+class KvTiers:
+    """The KV tier figures of every ready instance this gateway can reach, polled (``start``) or read once
+    (``poll``); ``instances`` gives this gateway's view of the instances (``InstanceCache.snapshot``)."""
+
+    def __init__(
+        self,
+        instances: Callable[[], Sequence[Instance]],
+        health_of: HealthOf,
+        *,
+        every: float = EVERY,
+        timeout: float = TIMEOUT,
+    ) -> None:
+        self.instances = instances
+        self.health_of = health_of
+        self.every = every
+        self.timeout = timeout
+        self._figures: dict[str, KvTier] = {}
+        self._task: asyncio.Task[None] | None = None
+
+    def get(self, instance_id: str) -> KvTier | None:
+        """``instance_id``'s figures as last read; ``None`` when there are none."""
+        return self._figures.get(instance_id)
+
+    def figures(self) -> dict[str, KvTier]:
+        """Every instance's figures as last read, by instance id (a copy)."""
+        return dict(self._figures)
+
+    async def poll(self) -> None:
+        """One pass: read every ready instance's runner at once, then ``merge``."""
+        ready = [i for i in self.instances() if isinstance(i.state, Ready)]
+        reads = await asyncio.gather(*(self._read(i) for i in ready)) if ready else []
+        kept = {i.id for i in self.instances() if isinstance(i.state, Ready | Draining)}  # as of now, after reads
+        self._figures = merge(self._figures, kept, reads)
+
+    async def _read(self, instance: Instance) -> Read:
+        try:
+            async with asyncio.timeout(self.timeout):
+                health = await self.health_of(instance)
+        except Exception as exc:  # unreachable, slow, refused, garbage: the last figures stay
+            log.debug("KV tier of instance %s not read: %r", instance.id, exc)
+            return instance.id, None, False
+        return instance.id, kv_tier_of(health) if health is not None else None, True
+
+    async def start(self) -> None:
+        self._task = asyncio.create_task(self._loop(), name="kv-tiers")
+
+    async def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+            self._task = None
+
+    async def _loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.every)
+            try:
+                await self.poll()
+            except Exception:  # the view could not be read: the next pass tries again
+                log.debug("KV tier poll failed", exc_info=True)

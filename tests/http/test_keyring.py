@@ -45,3 +45,26 @@ async def test_a_key_made_on_another_gateway_seals_this_ones_next_request():
     _, record = mint("admin", "admin")
     await there.accounts.put_key(record)
     assert await here.enabled()
+
+
+async def test_keys_of_one_tenant_share_a_prompt_cache_scope_and_no_other_key_does():
+    from types import SimpleNamespace
+
+    from meshgate.gateway.http.routes.common import who
+
+    accounts = MemoryAccounts()
+    ring = KeyRing(accounts)
+    made = [mint("ci", tenant="acme"), mint("laptop", tenant="acme"), mint("guest")]
+    for _, record in made:
+        await accounts.put_key(record)
+    first, second, guest = [await ring._match(key) for key, _ in made]
+    assert first.tenant == second.tenant == "tenant:acme"
+    assert guest.tenant == f"key:{made[2][1].id}", "a key without a tenant shares with no other key"
+
+    def scope(caller, sharing: str) -> str:
+        state = SimpleNamespace(keyring=ring, settings=SimpleNamespace(kv_sharing=sharing))
+        request = SimpleNamespace(app=SimpleNamespace(state=state), state=SimpleNamespace(caller=caller))
+        return who(request)["cache_scope"]
+
+    assert scope(first, "tenant") == "tenant:acme" and scope(guest, "tenant") != "tenant:acme"
+    assert scope(guest, "all") == scope(first, "all") == ""

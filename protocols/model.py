@@ -337,6 +337,7 @@ class Usage(_Frozen, frozen=True, tag="usage"):
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cached_tokens: int = 0
+    cache_note: str = ""  # how the cached tokens were had, when a backend weighed sources (for the request log)
     load_ns: int = 0
     prompt_ns: int = 0
     eval_ns: int = 0

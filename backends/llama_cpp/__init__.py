@@ -61,6 +61,12 @@ class LlamaCppRunner:
         """The runner's ``/health``: its slots and its KV tier's figures."""
         return await self.client.health()
 
+    async def set_kv_peers(self, peers: list[dict[str, object]]) -> None:
+        """Tell the runner which runners of its model its KV tier may fetch from (``runner.kvpeers``)."""
+        client = self.client
+        response = await client.http.put(f"{client.base_url}/kv/peers", json={"peers": peers}, headers=client.headers)
+        response.raise_for_status()
+
 
 class LaunchedRunner:
     """A process an agent started for one shard: a head runner (``http://``) or an RPC worker (``rpc://``)."""

@@ -74,6 +74,7 @@ import os
 import queue
 import re
 import threading
+import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -164,6 +165,7 @@ class Job:
     exact: bool = True  # its KV so far is what a cold evaluation computes (no slot's reuse or copy went into it)
     points: dict[int, bytearray] = field(default_factory=dict)  # restore points met in its prefill
     logits: np.ndarray | None = None  # a restored whole prompt's last logits: its first token is sampled from them
+    note: str = ""  # where its restored KV came from, when a peer's was weighed (``Usage.cache_note``)
 
     def gone(self) -> bool:
         """The client went away or the engine has what it needs: the job leaves at the next step."""
@@ -246,6 +248,9 @@ class Scheduler:
         self.tier = tier
         self.states = SeqStates(lib, self.ctx, model) if tier is not None else None
         self.restored = 0  # prompt tokens restored from the KV tier instead of evaluated
+        self.prompt_rate = (
+            200.0  # prompt tokens a second, measured on chunks (a moving average): peers' fetches weigh it
+        )
 
     def submit(self, job: Job) -> None:
         with self._wake:
@@ -451,6 +456,7 @@ class Scheduler:
         for pos in range(start, end):
             n = self._add(n, slot, job.prompt[pos], pos == len(job.prompt) - 1)
         self._lib.llama_set_abort_callback(self.ctx, self._abort, None)
+        started = time.perf_counter()
         try:
             self.batch.n_tokens = n
             code = self._lib.llama_decode(self.ctx, self.batch)
@@ -471,6 +477,7 @@ class Scheduler:
             self._fail_batch(code)
             return n
         job.fed, job.preempted = end, 0
+        self.prompt_rate = 0.8 * self.prompt_rate + 0.2 * n / max(time.perf_counter() - started, 1e-6)
         keeping = self.tier is not None and job.scope is not None and job.exact and len(job.prompt) >= SAVED
         if keeping and end < len(job.prompt) and end % CHUNK == 0 and end >= _points_from(len(job.prompt)):
             assert self.states is not None

@@ -34,6 +34,7 @@ from meshgate.backends.llama_cpp.logprobs import LogprobAligner, token_logprob
 from meshgate.backends.llama_cpp.prompt import render_prompt
 from meshgate.backends.llama_cpp.sampling import GrammarStuck, Sampler
 from meshgate.backends.llama_cpp.tools import CallGate, call_mode, call_prefix, forced_schema
+from meshgate.backends.runner.kvpeers import Peers
 from meshgate.backends.runner.kvtier import KVTier
 from meshgate.backends.runner.stops import StopMatcher
 from meshgate.protocols.model import (
@@ -145,9 +146,11 @@ class LlamaEngine:
         self.n_ctx = n_ctx
         self.parallel = max(1, parallel)
         self.tier = None
+        self.kv_peers = None
         if kv_ram > 0 or (kv_dir and kv_disk > 0):
             namespace = kv_namespace(path, digest, shards, llama_cpp.__version__)
             self.tier = KVTier(namespace, ram_budget=kv_ram, directory=kv_dir, disk_budget=kv_disk)
+            self.kv_peers = Peers(self.tier, CHUNK)
         self.scheduler = Scheduler(
             self.llm._model.model,
             n_ctx=n_ctx,
@@ -236,6 +239,9 @@ class LlamaEngine:
         if self.tier is not None:  # read here, on the request's thread: a disk entry is read off the decode loop
             job.scope = request.cache_scope
             job.restore = self.tier.find(request.cache_scope, prompt, usable=MIN_REUSE)
+            if self.kv_peers is not None:
+                rate = self.scheduler.prompt_rate
+                job.restore, job.note = self.kv_peers.improve(request.cache_scope, prompt, job.restore, rate)
         if request.logprobs:
             top_n, n_vocab = request.top_logprobs, self.llm.n_vocab()
             job.logprob = lambda row, token: token_logprob(
@@ -323,6 +329,7 @@ class LlamaEngine:
             prompt_tokens=n_prompt,
             completion_tokens=count,
             cached_tokens=job.cached,  # taken from a slot's cache or the KV tier, not evaluated again
+            cache_note=job.note,
             load_ns=load_ns,
             prompt_ns=first - started,
             eval_ns=ended - first,

@@ -27,52 +27,29 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-import json
+import io
 import logging
 import os
 import queue
-import struct
 import threading
 import time
 from collections import Counter, OrderedDict
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any
 
 import numpy as np
 
-__all__ = ["FORMAT", "Entry", "Hit", "KVTier"]
+from meshgate.backends.runner.kvformat import Entry, decode, encode, read_header
+
+__all__ = ["Entry", "Hit", "KVTier"]
 
 log = logging.getLogger("meshgate.kvtier")
 
-MAGIC = b"MGKV"
-FORMAT = 1
-"""The file format's version: a file of another version is refused."""
-_FIXED = struct.Struct("<4sII")  # magic, format version, JSON header length
 SUFFIX = ".kv"
 BACKLOG = 4
 """Entries waiting for the disk writer at most; more are not written (counted as ``dropped``)."""
-
-
-@dataclass(eq=False)
-class Entry:
-    """A prompt's KV state: ``tokens`` (int32), ``state`` at their end, the last position's ``logits`` (float32
-    bytes), and restore points inside them (``points``: token count -> the runtime's bytes for cutting back there)."""
-
-    scope: str
-    tokens: np.ndarray
-    state: bytearray | memoryview
-    logits: bytearray | memoryview
-    points: dict[int, bytearray | memoryview] = field(default_factory=dict)
-    digests: dict[int, str] = field(default_factory=dict)  # restore point (and the end) -> its digest
-
-    @property
-    def key(self) -> str:
-        return self.digests[len(self.tokens)]
-
-    def nbytes(self) -> int:
-        return self.tokens.nbytes + len(self.state) + len(self.logits) + sum(len(p) for p in self.points.values())
 
 
 @dataclass(frozen=True)
@@ -226,6 +203,36 @@ class KVTier:
         self.counts["misses"] += 1
         return None
 
+    def offer(self, scope: str, digests: Sequence[tuple[int, str]]) -> tuple[int, str, int] | None:
+        """For a peer: the longest of ``digests`` (``(length, digest)`` of a prompt's prefixes, in ``scope``) an
+        entry here can restore, as ``(length, entry key, bytes to send)``; ``None`` when none."""
+        for n, digest in sorted(digests, reverse=True):
+            with self._lock:
+                key, length = self._points.get(digest, ("", 0))
+                if not key or length != n or self._scopes.get(key) != scope:
+                    continue
+                entry = self._ram.get(key)
+                on_disk = self._disk.get(key)
+            if entry is not None:
+                return n, key, sum(len(part) for part in encode(entry, self.namespace))
+            if on_disk is not None:
+                return n, key, on_disk.size
+        return None
+
+    def export(self, key: str) -> list[Any] | None:
+        """Entry ``key`` in the entry format (``kvformat``), for a peer; ``None`` when it is gone."""
+        entry, _ = self._fetch(key)
+        return encode(entry, self.namespace) if entry is not None else None
+
+    def receive(self, data: bytes | bytearray) -> Entry:
+        """An entry a peer sent, checked as a file is (``ValueError`` says what is wrong), then kept here."""
+        stream = io.BytesIO(data)
+        header = read_header(stream)
+        entry = decode(header, bytearray(stream.read()), self.namespace, self.digests)
+        self.counts["received"] += 1
+        self.put(entry)
+        return entry
+
     def restored(self, tokens: int) -> None:
         """Count ``tokens`` taken from a hit (the runtime may take none of it: a slot held as much)."""
         self.counts["restored_tokens"] += tokens
@@ -254,7 +261,7 @@ class KVTier:
         for path in self.directory.glob(f"*{SUFFIX}"):
             try:
                 with path.open("rb") as f:
-                    header = _read_header(f)
+                    header = read_header(f)
                 size = path.stat().st_size
             except (OSError, ValueError):
                 self._refuse(path, "its header cannot be read")
@@ -274,42 +281,17 @@ class KVTier:
         path = on_disk.path
         try:
             with path.open("rb") as f:
-                header = _read_header(f)
+                header = read_header(f)
                 body = bytearray(os.fstat(f.fileno()).st_size - f.tell())
-                read = f.readinto(body)
+                f.readinto(body)
             with contextlib.suppress(OSError):
                 os.utime(path)  # least recently used goes first
+            return decode(header, body, self.namespace, self.digests)
         except FileNotFoundError:  # evicted by a neighbour sharing the directory
             self._drop_disk(key)
-            return None
         except (OSError, ValueError) as exc:
             self._refuse(path, str(exc), key)
-            return None
-        n, sizes = int(header["tokens"]), header["sizes"]
-        expected = n * 4 + sizes["state"] + sizes["logits"] + sum(size for _, size in sizes["points"])
-        if header["namespace"] != self.namespace or read != len(body) or len(body) != expected:
-            self._refuse(path, f"{len(body)} body bytes where its header says {expected}", key)
-            return None
-        if hashlib.blake2b(body, digest_size=32).hexdigest() != header["checksum"]:
-            self._refuse(path, "its checksum does not match", key)
-            return None
-        view = memoryview(body)
-        tokens = np.frombuffer(body, dtype="<i4", count=n).astype(np.int32)
-        at = n * 4
-        state = view[at : at + sizes["state"]]
-        at += sizes["state"]
-        logits = view[at : at + sizes["logits"]]
-        at += sizes["logits"]
-        points: dict[int, bytearray | memoryview] = {}
-        for point, size in sizes["points"]:
-            points[int(point)] = view[at : at + size]
-            at += size
-        digests = {int(p): d for p, d in header["digests"]}
-        entry = Entry(header["scope"], tokens, state, logits, points, digests)
-        if self.digests(entry.scope, tokens, list(digests)) != digests:
-            self._refuse(path, "its tokens do not match its digests", key)
-            return None
-        return entry
+        return None
 
     def _refuse(self, path: Path, why: str, key: str | None = None) -> None:
         log.warning("KV tier: refused %s (%s); its prompt is computed again", path.name, why)
@@ -347,32 +329,12 @@ class KVTier:
         key = entry.key
         if entry.nbytes() > self.disk_budget:
             return
-        parts = [entry.tokens.astype("<i4").tobytes(), entry.state, entry.logits, *entry.points.values()]
-        checksum = hashlib.blake2b(digest_size=32)
-        for part in parts:
-            checksum.update(part)
-        header = json.dumps(
-            {
-                "namespace": self.namespace,
-                "scope": entry.scope,
-                "tokens": len(entry.tokens),
-                "sizes": {
-                    "state": len(entry.state),
-                    "logits": len(entry.logits),
-                    "points": [[n, len(p)] for n, p in entry.points.items()],
-                },
-                "digests": [[n, d] for n, d in entry.digests.items()],
-                "checksum": checksum.hexdigest(),
-            }
-        ).encode()
         final = self.directory / f"{key}{SUFFIX}"
         temporary = self.directory / f".{key}.{os.getpid()}.tmp"
         fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         try:
             with os.fdopen(fd, "wb") as f:
-                f.write(_FIXED.pack(MAGIC, FORMAT, len(header)))
-                f.write(header)
-                for part in parts:
+                for part in encode(entry, self.namespace):
                     f.write(part)
             os.replace(temporary, final)
         except BaseException:
@@ -426,22 +388,6 @@ class KVTier:
                 "disk_entries": len(self._disk),
                 **{
                     name: self.counts[name]
-                    for name in ("hits_ram", "hits_disk", "misses", "restored_tokens", "saved", "refused")
+                    for name in ("hits_ram", "hits_disk", "misses", "restored_tokens", "saved", "refused", "received")
                 },
             }
-
-
-def _read_header(f: BinaryIO) -> dict[str, Any]:
-    fixed = f.read(_FIXED.size)
-    if len(fixed) != _FIXED.size:
-        raise ValueError("the file is shorter than its header")
-    magic, version, length = _FIXED.unpack(fixed)
-    if magic != MAGIC or version != FORMAT:
-        raise ValueError(f"not a meshgate KV file of format {FORMAT}")
-    raw = f.read(length)
-    if len(raw) != length:
-        raise ValueError("the file is shorter than its header")
-    header = json.loads(raw)
-    if not isinstance(header, dict):
-        raise ValueError("the header is not an object")
-    return header

@@ -34,6 +34,7 @@ from typing import Any, Protocol
 
 import msgspec
 
+from meshgate.backends.runner import kv_routes
 from meshgate.backends.runner import secret as cluster_secret
 from meshgate.backends.runner.net import family
 from meshgate.protocols.model import (
@@ -116,6 +117,8 @@ class RunnerApp:
             await self._unary(receive, send, _embed_decoder, "embed", "compute embeddings")
         elif path == "/tokenize" and method == "POST":
             await self._unary(receive, send, _request_decoder, "count_tokens", "count tokens")
+        elif path.startswith("/kv/") and getattr(self.engine, "tier", None) is not None:
+            await kv_routes.serve(self.engine, path, method, receive, send)
         else:
             await _respond(send, 404, b'{"error":"not found"}')
 

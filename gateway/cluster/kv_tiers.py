@@ -12,6 +12,11 @@ seconds per gateway). What a pass does with what it read is a pure function (``m
 * one that failed or timed out: its last figures stay;
 * an instance that is neither ready nor draining (gone, failed, being re-placed): its figures are dropped.
 
+After a pass, each instance with a tier is told its peers (``peers``: the other instances of its model with a tier,
+by their head runners' URLs, with the measured link from its head node to theirs), when they changed since it was
+last told or ``RETELL`` seconds ago (a runner that restarted has forgotten them): runners fetch prompt states from
+their peers' tiers when that beats prefilling them (``backends.runner.kvpeers``).
+
 Imports the records and ``telemetry.kv_tier``; the health source is given, so this room never imports serving.
 """
 
@@ -22,10 +27,11 @@ import contextlib
 import logging
 from collections.abc import Awaitable, Callable, Collection, Iterable, Mapping, Sequence
 
+from meshgate.backends.placement import Link
 from meshgate.gateway.cluster.records import Draining, Instance, Ready
 from meshgate.gateway.telemetry.kv_tier import KvTier, kv_tier_of
 
-__all__ = ["EVERY", "TIMEOUT", "HealthOf", "KvTiers", "Read", "merge"]
+__all__ = ["EVERY", "TIMEOUT", "HealthOf", "KvTiers", "Read", "TellPeers", "merge", "peer_lists"]
 
 log = logging.getLogger("meshgate.kv_tiers")
 
@@ -34,7 +40,14 @@ EVERY = 5.0
 TIMEOUT = 2.0
 """Seconds one runner's ``/health`` may take before its last figures are kept instead."""
 
+SAME_NODE = 2e9
+"""Bytes/second taken for two runners of one node (loopback)."""
+RETELL = 60.0
+"""Seconds after which a runner is told its peers again though they did not change."""
+
 HealthOf = Callable[[Instance], Awaitable[Mapping[str, object] | None]]
+TellPeers = Callable[[Instance, list[dict[str, object]]], Awaitable[None]]
+"""Give an instance's head runner its peers' list; may raise."""
 """An instance's head runner's ``/health`` answer; ``None`` when its runner cannot report one. May raise."""
 
 Read = tuple[str, KvTier | None, bool]
@@ -67,9 +80,13 @@ class KvTiers:
         *,
         every: float = EVERY,
         timeout: float = TIMEOUT,
+        tell: TellPeers | None = None,
+        links: Callable[[], Awaitable[Sequence[Link]]] | None = None,
     ) -> None:
         self.instances = instances
         self.health_of = health_of
+        self.tell, self.links = tell, links
+        self._told: dict[str, tuple[list[dict[str, object]], float]] = {}
         self.every = every
         self.timeout = timeout
         self._figures: dict[str, KvTier] = {}
@@ -89,6 +106,31 @@ class KvTiers:
         reads = await asyncio.gather(*(self._read(i) for i in ready)) if ready else []
         kept = {i.id for i in self.instances() if isinstance(i.state, Ready | Draining)}  # as of now, after reads
         self._figures = merge(self._figures, kept, reads)
+        if self.tell is not None:
+            await self._tell_peers(ready)
+
+    async def _tell_peers(self, ready: Sequence[Instance]) -> None:
+        try:
+            links = list(await self.links()) if self.links is not None else []
+        except Exception:  # the store is away: the links are unknown, not the peers
+            links = []
+        lists = peer_lists([i for i in ready if i.id in self._figures], links)
+        now = asyncio.get_running_loop().time()
+        self._told = {i: told for i, told in self._told.items() if i in lists}
+        due = [i for i in ready if i.id in lists and _due(self._told.get(i.id), lists[i.id], now)]
+        for instance, ok in zip(due, await asyncio.gather(*(self._tell(i, lists[i.id]) for i in due)), strict=True):
+            if ok:
+                self._told[instance.id] = (lists[instance.id], now)
+
+    async def _tell(self, instance: Instance, peers: list[dict[str, object]]) -> bool:
+        assert self.tell is not None
+        try:
+            async with asyncio.timeout(self.timeout):
+                await self.tell(instance, peers)
+        except Exception as exc:
+            log.debug("instance %s not told its KV peers: %r", instance.id, exc)
+            return False
+        return True
 
     async def _read(self, instance: Instance) -> Read:
         try:
@@ -116,3 +158,39 @@ class KvTiers:
                 await self.poll()
             except Exception:  # the view could not be read: the next pass tries again
                 log.debug("KV tier poll failed", exc_info=True)
+
+
+def peer_lists(tiered: Sequence[Instance], links: Sequence[Link]) -> dict[str, list[dict[str, object]]]:
+    """For each instance of ``tiered`` (ready, with a KV tier), the other ones of its model as its runner's peers:
+    their head runner's URL, and the bandwidth and latency measured from its head node to theirs (two runners of
+    one node: ``SAME_NODE``, no latency; a link not measured: 0, the runner's own assumption)."""
+    measured: dict[tuple[str, str], Link] = {(link.src, link.dst): link for link in links}
+    heads = {i.id: head for i in tiered if (head := _head(i)) is not None}
+    lists: dict[str, list[dict[str, object]]] = {}
+    for instance in tiered:
+        if instance.id not in heads:
+            continue
+        node, _ = heads[instance.id]
+        peers: list[dict[str, object]] = []
+        for other in tiered:
+            if other.id == instance.id or other.model != instance.model or other.id not in heads:
+                continue
+            peer_node, url = heads[other.id]
+            link = measured.get((node, peer_node))
+            bandwidth = SAME_NODE if peer_node == node else (link.bandwidth if link else 0.0)
+            peers.append({"url": url, "bandwidth": bandwidth, "latency": link.latency if link else 0.0})
+        lists[instance.id] = peers
+    return lists
+
+
+def _head(instance: Instance) -> tuple[str, str] | None:
+    """The node and URL of ``instance``'s head runner (its first layers' first rank), if it reported one."""
+    for shard in instance.placement.shards:
+        if shard.layer_start == 0 and shard.tensor_rank == 0:
+            status = instance.runners.get(shard.node_id)
+            return (shard.node_id, status.url) if status is not None and status.url else None
+    return None
+
+
+def _due(told: tuple[list[dict[str, object]], float] | None, peers: list[dict[str, object]], now: float) -> bool:
+    return told is None or told[0] != peers or now - told[1] >= RETELL

@@ -17,7 +17,7 @@ from meshgate.backends.base import Backend, ModelCard, Runner
 from meshgate.gateway.cluster.records import Instance
 from meshgate.gateway.serving.start import connect
 
-__all__ = ["ReportsHealth", "health_reporter", "runner_health"]
+__all__ = ["ReportsHealth", "health_reporter", "runner_health", "runner_peers"]
 
 
 @runtime_checkable
@@ -44,3 +44,19 @@ def runner_health(
         return await reporter.health() if reporter is not None else None
 
     return health_of
+
+
+def runner_peers(
+    resolve: Callable[[str], ModelCard], backend_for: Callable[[ModelCard], Backend]
+) -> Callable[[Instance, list[dict[str, object]]], Awaitable[None]]:
+    """``tell(instance, peers)``: give its head runner the runners its KV tier may fetch from, when it takes them
+    (a ``set_kv_peers``: llama.cpp's); raises what the call raises."""
+
+    async def tell(instance: Instance, peers: list[dict[str, object]]) -> None:
+        card = resolve(instance.model)
+        runner = connect(instance, card, backend_for(card))
+        setter = getattr(runner, "set_kv_peers", None)
+        if setter is not None:
+            await setter(peers)
+
+    return tell

@@ -177,6 +177,10 @@ class RequestTelemetry:
         }
         if record.resumes:
             fields["resumes"], fields["resume_wait_ms"] = record.resumes, round(record.resume_wait * 1000)
+        if record.cached_tokens:
+            fields["cached_tokens"] = record.cached_tokens
+        if record.cache_note:
+            fields["kv"] = record.cache_note[:512]
         error = _reason(record.error_body, status) if status >= 400 else record.error
         if error:
             fields["error"] = error[:1024]

@@ -37,6 +37,7 @@ def note(record: RequestRecord | None, event: Event) -> frozenset[type]:
     if isinstance(event, Usage):
         record.prompt_tokens, record.generated_tokens = event.prompt_tokens, event.completion_tokens
         record.cached_tokens = event.cached_tokens
+        record.cache_note = event.cache_note or record.cache_note
     elif isinstance(event, Finished | Failed):
         record.ended_at = time.perf_counter()
         if isinstance(event, Failed):

@@ -27,6 +27,7 @@ class RequestRecord:
 
     __slots__ = (
         "asked",
+        "cache_note",
         "cached_tokens",
         "error",
         "first_token_at",
@@ -59,6 +60,7 @@ class RequestRecord:
         self.prompt_tokens: int | None = None
         self.generated_tokens: int | None = None
         self.cached_tokens = 0  # prompt tokens the runner took from its cache (a prefix it still held)
+        self.cache_note = ""  # how the runner had them, when it weighed a peer's KV tier (``Usage.cache_note``)
         self.first_token_at: float | None = None  # perf_counter of the first generated token (text, reasoning, tool)
         self.ended_at: float | None = None  # perf_counter of the stream's end (its terminal event)
         self.error: str | None = None  # why a stream that had started failed (the status was sent already)

@@ -1,0 +1,78 @@
+"""A runner's KV tier routes, for its peers and the gateway (``RunnerApp`` sends ``/kv/...`` here when its engine has
+a ``tier``; the cluster secret is checked before):
+
+- ``POST /kv/offer`` ``{"scope", "digests": [[length, digest], ...]}``: the longest of those prefixes the tier can
+  restore, ``{"length", "key", "size"}`` (``{"length": 0}``: none);
+- ``GET /kv/entry/<key>``: that entry in the entry format (``kvformat``), streamed;
+- ``PUT /kv/peers`` ``{"peers": [{"url", "bandwidth", "latency"}, ...]}``: the runners it may fetch from
+  (``kvpeers``), from the gateway.
+
+Runs in runner processes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Callable
+from typing import Any
+
+from meshgate.backends.runner.kvpeers import Peer
+
+__all__ = ["serve"]
+
+PIECE = 1 << 20
+"""Bytes sent per ASGI message of an entry."""
+
+
+async def serve(engine: Any, path: str, method: str, receive: Callable[..., Any], send: Callable[..., Any]) -> None:
+    tier = engine.tier
+    try:
+        if path == "/kv/offer" and method == "POST":
+            asked = json.loads(await _body(receive))
+            digests = [(int(n), str(d)) for n, d in asked["digests"]]
+            offer = await asyncio.to_thread(tier.offer, str(asked["scope"]), digests)
+            answer = {"length": offer[0], "key": offer[1], "size": offer[2]} if offer else {"length": 0}
+            await _json(send, 200, answer)
+        elif path.startswith("/kv/entry/") and method == "GET":
+            parts = await asyncio.to_thread(tier.export, path.removeprefix("/kv/entry/"))
+            if parts is None:
+                await _json(send, 404, {"error": "no such entry (evicted since it was offered)"})
+                return
+            await _stream(send, parts)
+        elif path == "/kv/peers" and method == "PUT":
+            listed = json.loads(await _body(receive))["peers"]
+            peers = [Peer(str(p["url"]), float(p.get("bandwidth") or 0), float(p.get("latency") or 0)) for p in listed]
+            if getattr(engine, "kv_peers", None) is not None:
+                engine.kv_peers.set(peers)
+            await _json(send, 200, {"peers": len(peers)})
+        else:
+            await _json(send, 404, {"error": "not found"})
+    except (ValueError, KeyError, TypeError) as exc:
+        await _json(send, 400, {"error": f"bad KV tier request: {exc}"})
+
+
+async def _stream(send: Callable[..., Any], parts: list[Any]) -> None:
+    size = sum(len(part) for part in parts)
+    headers = [(b"content-type", b"application/octet-stream"), (b"content-length", str(size).encode())]
+    await send({"type": "http.response.start", "status": 200, "headers": headers})
+    for part in parts:
+        view = memoryview(part).cast("B")
+        for at in range(0, len(view), PIECE):
+            await send({"type": "http.response.body", "body": bytes(view[at : at + PIECE]), "more_body": True})
+    await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+
+async def _body(receive: Callable[..., Any]) -> bytes:
+    chunks = []
+    while True:
+        message = await receive()
+        chunks.append(message.get("body", b""))
+        if not message.get("more_body"):
+            return b"".join(chunks)
+
+
+async def _json(send: Callable[..., Any], status: int, body: dict[str, Any]) -> None:
+    headers = [(b"content-type", b"application/json")]
+    await send({"type": "http.response.start", "status": status, "headers": headers})
+    await send({"type": "http.response.body", "body": json.dumps(body).encode()})

@@ -1,0 +1,125 @@
+"""The KV tiers' entry format, on disk and between nodes: one layout, checked the same way wherever it is read.
+
+An entry is a fixed header (``MAGIC``, the format version, the JSON header's length), a JSON header (namespace,
+scope, token count, the sizes of its parts, its restore points' digests, a BLAKE2b-256 of the body) and the body:
+the tokens (int32, little-endian), the state, the logits, then each restore point's bytes. ``decode`` refuses
+(``ValueError``) an entry of another format or namespace, one whose body is shorter or longer than its header says,
+whose checksum does not match, or whose tokens do not give its digests: it is never loaded.
+
+Runs in runner processes; imports numpy, nothing of ours.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import struct
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, BinaryIO
+
+import numpy as np
+
+__all__ = ["FORMAT", "Entry", "decode", "encode", "read_header"]
+
+MAGIC = b"MGKV"
+FORMAT = 1
+"""The format's version: an entry of another version is refused."""
+_FIXED = struct.Struct("<4sII")  # magic, format version, JSON header length
+
+
+@dataclass(eq=False)
+class Entry:
+    """A prompt's KV state: ``tokens`` (int32), ``state`` at their end, the last position's ``logits`` (float32
+    bytes), and restore points inside them (``points``: token count -> the runtime's bytes for cutting back there)."""
+
+    scope: str
+    tokens: np.ndarray
+    state: bytearray | memoryview
+    logits: bytearray | memoryview
+    points: dict[int, bytearray | memoryview] = field(default_factory=dict)
+    digests: dict[int, str] = field(default_factory=dict)  # restore point (and the end) -> its digest
+
+    @property
+    def key(self) -> str:
+        return self.digests[len(self.tokens)]
+
+    def nbytes(self) -> int:
+        return self.tokens.nbytes + len(self.state) + len(self.logits) + sum(len(p) for p in self.points.values())
+
+
+def encode(entry: Entry, namespace: str) -> list[Any]:
+    """``entry`` as the buffers to write, in order (the fixed header, the JSON header, the body's parts)."""
+    parts = [entry.tokens.astype("<i4").tobytes(), entry.state, entry.logits, *entry.points.values()]
+    checksum = hashlib.blake2b(digest_size=32)
+    for part in parts:
+        checksum.update(part)
+    header = json.dumps(
+        {
+            "namespace": namespace,
+            "scope": entry.scope,
+            "tokens": len(entry.tokens),
+            "sizes": {
+                "state": len(entry.state),
+                "logits": len(entry.logits),
+                "points": [[n, len(p)] for n, p in entry.points.items()],
+            },
+            "digests": [[n, d] for n, d in entry.digests.items()],
+            "checksum": checksum.hexdigest(),
+        }
+    ).encode()
+    return [_FIXED.pack(MAGIC, FORMAT, len(header)), header, *parts]
+
+
+def read_header(f: BinaryIO) -> dict[str, Any]:
+    """The JSON header of the entry ``f`` starts with (``f`` is left at its body)."""
+    fixed = f.read(_FIXED.size)
+    if len(fixed) != _FIXED.size:
+        raise ValueError("shorter than its header")
+    magic, version, length = _FIXED.unpack(fixed)
+    if magic != MAGIC or version != FORMAT:
+        raise ValueError(f"not a meshgate KV entry of format {FORMAT}")
+    raw = f.read(length)
+    if len(raw) != length:
+        raise ValueError("shorter than its header")
+    header = json.loads(raw)
+    if not isinstance(header, dict):
+        raise ValueError("its header is not an object")
+    return header
+
+
+def decode(
+    header: dict[str, Any],
+    body: bytearray,
+    namespace: str,
+    digests_of: Callable[[str, np.ndarray, list[int]], dict[int, str]],
+) -> Entry:
+    """The entry ``header`` and ``body`` make, checked (``ValueError`` says what is wrong); ``digests_of`` is the
+    tier's digest function, to check the tokens against the digests."""
+    try:
+        n, sizes = int(header["tokens"]), header["sizes"]
+        expected = n * 4 + sizes["state"] + sizes["logits"] + sum(size for _, size in sizes["points"])
+        if header["namespace"] != namespace:
+            raise ValueError("it belongs to another model or runtime")
+        if len(body) != expected:
+            raise ValueError(f"{len(body)} body bytes where its header says {expected}")
+        if hashlib.blake2b(body, digest_size=32).hexdigest() != header["checksum"]:
+            raise ValueError("its checksum does not match")
+        view = memoryview(body)
+        tokens = np.frombuffer(body, dtype="<i4", count=n).astype(np.int32)
+        at = n * 4
+        state = view[at : at + sizes["state"]]
+        at += sizes["state"]
+        logits = view[at : at + sizes["logits"]]
+        at += sizes["logits"]
+        points: dict[int, bytearray | memoryview] = {}
+        for point, size in sizes["points"]:
+            points[int(point)] = view[at : at + size]
+            at += size
+        digests = {int(p): str(d) for p, d in header["digests"]}
+        scope = str(header["scope"])
+    except (KeyError, TypeError) as exc:
+        raise ValueError(f"its header lacks {exc}") from exc
+    if digests_of(scope, tokens, list(digests)) != digests or n not in digests:
+        raise ValueError("its tokens do not match its digests")
+    return Entry(scope, tokens, state, logits, points, digests)

@@ -1,0 +1,124 @@
+"""Prompt states fetched from peer runners' KV tiers over the cluster link, when that beats prefilling them.
+
+The gateway tells each runner with a tier which runners of the same model it may ask (``PUT /kv/peers``: their URLs,
+and the measured bandwidth and latency of the link to each). A prompt the runner's own tier restores less of than
+``MIN_GAIN`` tokens short of its whole length asks every peer at once (``POST /kv/offer``: the digests of the
+prompt's restorable prefixes, never its tokens) for the longest one it holds. The best offer is fetched
+(``GET /kv/entry/<key>``, streamed, in the entry format of ``kvformat``, checked as a file is: a bad one is refused)
+when its estimated transfer time (latency + bytes / bandwidth) is below the prefill it saves (tokens / the runner's
+measured prompt rate); the entry is then kept in this runner's tiers too. Every call carries the cluster secret.
+The estimate and the choice are the request's ``Usage.cache_note`` (the gateway's request log).
+
+Runs in runner processes; imports httpx and the tier.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import httpx
+import numpy as np
+
+from meshgate.backends.runner import secret as cluster_secret
+from meshgate.backends.runner.kvtier import Hit, KVTier
+
+__all__ = ["MIN_GAIN", "Peer", "Peers"]
+
+log = logging.getLogger("meshgate.kvpeers")
+
+MIN_GAIN = 512
+"""Tokens a peer's entry must restore beyond this runner's own hit to be asked for."""
+UNMEASURED = 100e6
+"""Bytes/second assumed of a link not measured yet (gigabit Ethernet, less its overheads)."""
+OFFER_TIMEOUT = 1.0
+"""Seconds a peer has to say what it holds."""
+
+
+@dataclass(frozen=True)
+class Peer:
+    """A runner of the same model: its URL and the link to it (``bandwidth`` bytes/s, 0: not measured)."""
+
+    url: str
+    bandwidth: float = 0.0
+    latency: float = 0.0
+
+
+class Peers:
+    """The peers of one runner's tier, and fetches from them."""
+
+    def __init__(self, tier: KVTier, chunk: int) -> None:
+        self.tier = tier
+        self.chunk = chunk
+        self.peers: tuple[Peer, ...] = ()
+        secret = cluster_secret.from_environ()
+        headers = {"authorization": f"Bearer {secret.decode()}"} if secret else {}
+        self._http = httpx.Client(headers=headers, timeout=httpx.Timeout(30.0, connect=OFFER_TIMEOUT))
+
+    def set(self, peers: Sequence[Peer]) -> None:
+        self.peers = tuple(peers)
+
+    def improve(self, scope: str, prompt: Sequence[int], hit: Hit | None, rate: float) -> tuple[Hit | None, str]:
+        """``hit``, or a longer one fetched from a peer when that is faster than prefilling the difference at
+        ``rate`` prompt tokens/second; and what was weighed (``""``: no peer was asked)."""
+        have = hit.length if hit is not None else 0
+        if not self.peers or len(prompt) - have < MIN_GAIN:
+            return hit, ""
+        tokens = np.asarray(prompt, dtype=np.int32)
+        lengths = [n for n in range(self.chunk, len(tokens), self.chunk) if n >= have + MIN_GAIN] + [len(tokens)]
+        digests = sorted(self.tier.digests(scope, tokens, lengths).items())
+        offers = self._offers(scope, digests)
+        if not offers:
+            return hit, ""
+        peer, length, key, size = max(offers, key=lambda o: (o[1], -_seconds(o[0], o[3])))
+        transfer, prefill = _seconds(peer, size), (length - have) / max(rate, 1.0)
+        note = (
+            f"kv: {peer.url} holds {length} prompt tokens ({size / 2**20:.1f} MiB): "
+            f"transfer ~{transfer:.2f} s against prefill ~{prefill:.2f} s"
+        )
+        if transfer >= prefill:
+            return hit, note + ": prefilled"
+        started = time.monotonic()
+        try:
+            entry = self.tier.receive(self._fetch(peer, key, size))
+        except (httpx.HTTPError, ValueError) as exc:
+            log.warning("KV tier: fetching %s from %s failed: %s", key, peer.url, exc)
+            return hit, note + f": the fetch failed ({exc}), prefilled"
+        self.tier.counts["hits_peer"] += 1
+        return Hit(entry, length, "peer"), note + f": fetched in {time.monotonic() - started:.2f} s"
+
+    def _offers(self, scope: str, digests: list[tuple[int, str]]) -> list[tuple[Peer, int, str, int]]:
+        """What each peer holds of ``digests``, asked all at once; a peer that fails or is slow offers nothing."""
+
+        def ask(peer: Peer) -> tuple[Peer, int, str, int] | None:
+            try:
+                response = self._http.post(
+                    f"{peer.url}/kv/offer", json={"scope": scope, "digests": digests}, timeout=OFFER_TIMEOUT
+                )
+                response.raise_for_status()
+                offer = response.json()
+            except (httpx.HTTPError, ValueError):
+                return None
+            if not isinstance(offer, dict) or not offer.get("length"):
+                return None
+            return peer, int(offer["length"]), str(offer["key"]), int(offer["size"])
+
+        with concurrent.futures.ThreadPoolExecutor(max_workers=min(8, len(self.peers))) as pool:
+            return [offer for offer in pool.map(ask, self.peers) if offer is not None]
+
+    def _fetch(self, peer: Peer, key: str, size: int) -> bytearray:
+        data = bytearray()
+        with self._http.stream("GET", f"{peer.url}/kv/entry/{key}") as response:
+            response.raise_for_status()
+            for chunk in response.iter_bytes(1 << 20):
+                data += chunk
+                if len(data) > size + (1 << 20):
+                    raise ValueError(f"the peer sent more than the {size} bytes it offered")
+        return data
+
+
+def _seconds(peer: Peer, size: int) -> float:
+    return peer.latency + size / (peer.bandwidth or UNMEASURED)

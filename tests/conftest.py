@@ -7,9 +7,11 @@ GGUF is assembled once, not per run.
 from __future__ import annotations
 
 import os
+import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -35,7 +37,10 @@ class Server:
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = data_dir / f"server-{self.port}.log"
         # SIGTERM (``stop``) lets open streams finish for 5 s, not the default 30, unless a test says otherwise
-        full_env = {**os.environ, "PYTHONPATH": str(ROOT), "MESHGATE_DRAIN_GRACE": "5", **(env or {})}
+        # each gateway's llama.cpp runners start with an empty disk tier of their own unless a test gives one
+        self.kv_dir = None if "MESHGATE_KV_DIR" in (env or {}) else tempfile.mkdtemp(prefix="meshgate-kv-")
+        kv = {"MESHGATE_KV_DIR": self.kv_dir} if self.kv_dir else {}
+        full_env = {**os.environ, "PYTHONPATH": str(ROOT), "MESHGATE_DRAIN_GRACE": "5", **kv, **(env or {})}
         full_env.pop("MESHGATE_API_KEYS", None)
         with open(self.log, "wb") as log:
             self.proc = subprocess.Popen(
@@ -85,6 +90,8 @@ class Server:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
+        if self.kv_dir:
+            shutil.rmtree(self.kv_dir, ignore_errors=True)
 
 
 @pytest.fixture(scope="session")

@@ -179,7 +179,8 @@ def test_claude_code_runs_its_turn_loop_on_the_model(bin_dir, roomy, tmp_path):
     assert all(r["generated_tokens"] == 8 and r["error"] is None for r in lines), lines
     prompts = [r["prompt_tokens"] for r in lines]
     assert prompts == sorted(prompts) and prompts[0] > 300, prompts  # system prompt, Read's schema, the question
-    assert _health(roomy, GREEDY)["reused_tokens"] >= sum(prompts[:-1]) - 3  # later requests reused the earlier
+    health = _health(roomy, GREEDY)  # later requests took the earlier ones from a slot or the KV tier
+    assert health["reused_tokens"] + health.get("restored_tokens", 0) >= sum(prompts[:-1]) - 3
     assert result["terminal_reason"] == "completed" and result["num_turns"] == 1, result
     assert "exceeded the 8 output token maximum" in result["result"], result  # it read stop_reason max_tokens
     usage = result["usage"]  # Anthropic's input_tokens leave out what was read from the cache (ANT usage)

@@ -61,11 +61,16 @@ class LlamaCppRunner:
         """The runner's ``/health``: its slots and its KV tier's figures."""
         return await self.client.health()
 
-    async def set_kv_peers(self, peers: list[dict[str, object]]) -> None:
-        """Tell the runner which runners of its model its KV tier may fetch from (``runner.kvpeers``)."""
+    async def kv(self, action: str, body: dict[str, object]) -> None:
+        """Tell the runner's KV tier something (``runner.kv_routes``): ``peers`` (the runners of its model it may
+        fetch from) or ``warm`` (fetch the entries another runner used last)."""
         client = self.client
-        response = await client.http.put(f"{client.base_url}/kv/peers", json={"peers": peers}, headers=client.headers)
+        url = f"{client.base_url}/kv/{action}"
+        response = await client.http.post(url, json=body, headers=client.headers)
         response.raise_for_status()
+
+    async def set_kv_peers(self, peers: list[dict[str, object]]) -> None:
+        await self.kv("peers", {"peers": peers})
 
 
 class LaunchedRunner:

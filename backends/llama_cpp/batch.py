@@ -166,6 +166,7 @@ class Job:
     points: dict[int, bytearray] = field(default_factory=dict)  # restore points met in its prefill
     logits: np.ndarray | None = None  # a restored whole prompt's last logits: its first token is sampled from them
     note: str = ""  # where its restored KV came from, when a peer's was weighed (``Usage.cache_note``)
+    tag: str = ""  # its prompt's prefix key (``protocols.prefix``): kept with its entry, for routing
 
     def gone(self) -> bool:
         """The client went away or the engine has what it needs: the job leaves at the next step."""
@@ -367,6 +368,7 @@ class Scheduler:
             self.states.capture(slot.seq),
             bytearray(logits.astype(np.float32).tobytes()),
             dict(job.points),
+            tag=job.tag,
         )
         job.points.clear()
         self.tier.put(entry)

@@ -51,6 +51,7 @@ from meshgate.protocols.model import (
     TokenLogprob,
     Usage,
 )
+from meshgate.protocols.prefix import prefix_key, request_prefix
 
 __all__ = ["LlamaEngine", "StopMatcher"]  # StopMatcher re-exported from backends.runner.stops
 
@@ -84,6 +85,9 @@ class Count(msgspec.Struct):
 
     count: int
 
+
+PUBLISHED = 256
+"""Prefix keys of its KV tier's entries a runner's ``/health`` lists, most recently used first (for routing)."""
 
 PARALLEL = 4
 """Sequences a runner decodes together unless told otherwise (``MESHGATE_PARALLEL``)."""
@@ -182,7 +186,7 @@ class LlamaEngine:
             "n_ctx": self.n_ctx,
             "family": self.family,
             **self.scheduler.stats(),
-            **({"kv_tier": self.tier.stats()} if self.tier is not None else {}),
+            **({"kv_tier": {**self.tier.stats(), "prefixes": self.tier.tags(PUBLISHED)}} if self.tier else {}),
         }
 
     def embed(self, request: EmbedRequest, cancel: threading.Event) -> Embeddings:
@@ -238,6 +242,8 @@ class LlamaEngine:
         job = Job(prompt=prompt, limit=max(limit, 1), sampler=sampler, cancel=cancel, forced=forced)
         if self.tier is not None:  # read here, on the request's thread: a disk entry is read off the decode loop
             job.scope = request.cache_scope
+            key = prefix_key(*request_prefix(request))
+            job.tag = key.hex() if key is not None else ""
             job.restore = self.tier.find(request.cache_scope, prompt, usable=MIN_REUSE)
             if self.kv_peers is not None:
                 rate = self.scheduler.prompt_rate

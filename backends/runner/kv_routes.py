@@ -4,8 +4,11 @@ a ``tier``; the cluster secret is checked before):
 - ``POST /kv/offer`` ``{"scope", "digests": [[length, digest], ...]}``: the longest of those prefixes the tier can
   restore, ``{"length", "key", "size"}`` (``{"length": 0}``: none);
 - ``GET /kv/entry/<key>``: that entry in the entry format (``kvformat``), streamed;
-- ``PUT /kv/peers`` ``{"peers": [{"url", "bandwidth", "latency"}, ...]}``: the runners it may fetch from
-  (``kvpeers``), from the gateway.
+- ``POST /kv/peers`` ``{"peers": [{"url", "bandwidth", "latency"}, ...]}``: the runners it may fetch from
+  (``kvpeers``), from the gateway;
+- ``POST /kv/hot`` ``{"count"}``: its ``count`` most recently used entries, ``{"entries": [[key, size], ...]}``;
+- ``POST /kv/warm`` ``{"url", "count"}``: fetch (in the background) the most recently used entries of the runner
+  at ``url``: a new replica warms itself from a peer, a draining replica's sessions move to the ones that stay.
 
 Runs in runner processes.
 """
@@ -40,7 +43,15 @@ async def serve(engine: Any, path: str, method: str, receive: Callable[..., Any]
                 await _json(send, 404, {"error": "no such entry (evicted since it was offered)"})
                 return
             await _stream(send, parts)
-        elif path == "/kv/peers" and method == "PUT":
+        elif path == "/kv/hot" and method == "POST":
+            count = int(json.loads(await _body(receive)).get("count", 8))
+            await _json(send, 200, {"entries": [[key, size] for key, size in tier.hot(count)]})
+        elif path == "/kv/warm" and method == "POST":
+            asked = json.loads(await _body(receive))
+            if getattr(engine, "kv_peers", None) is not None:
+                engine.kv_peers.warm(str(asked["url"]), int(asked.get("count", 8)))
+            await _json(send, 202, {"warming": True})
+        elif path == "/kv/peers" and method in ("PUT", "POST"):
             listed = json.loads(await _body(receive))["peers"]
             peers = [Peer(str(p["url"]), float(p.get("bandwidth") or 0), float(p.get("latency") or 0)) for p in listed]
             if getattr(engine, "kv_peers", None) is not None:

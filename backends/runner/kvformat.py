@@ -39,6 +39,7 @@ class Entry:
     logits: bytearray | memoryview
     points: dict[int, bytearray | memoryview] = field(default_factory=dict)
     digests: dict[int, str] = field(default_factory=dict)  # restore point (and the end) -> its digest
+    tag: str = ""  # the prompt's prefix key (``protocols.prefix``, hex): what the tier tells routing it holds
 
     @property
     def key(self) -> str:
@@ -58,6 +59,7 @@ def encode(entry: Entry, namespace: str) -> list[Any]:
         {
             "namespace": namespace,
             "scope": entry.scope,
+            "tag": entry.tag,
             "tokens": len(entry.tokens),
             "sizes": {
                 "state": len(entry.state),
@@ -122,4 +124,4 @@ def decode(
         raise ValueError(f"its header lacks {exc}") from exc
     if digests_of(scope, tokens, list(digests)) != digests or n not in digests:
         raise ValueError("its tokens do not match its digests")
-    return Entry(scope, tokens, state, logits, points, digests)
+    return Entry(scope, tokens, state, logits, points, digests, str(header.get("tag", "")))

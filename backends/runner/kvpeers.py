@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import logging
+import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -108,6 +109,29 @@ class Peers:
 
         with concurrent.futures.ThreadPoolExecutor(max_workers=min(8, len(self.peers))) as pool:
             return [offer for offer in pool.map(ask, self.peers) if offer is not None]
+
+    def warm(self, url: str, count: int) -> None:
+        """Fetch, in the background, the ``count`` entries the runner at ``url`` used last that this tier lacks."""
+        threading.Thread(target=self._warm, args=(url, count), name="kv-warm", daemon=True).start()
+
+    def _warm(self, url: str, count: int) -> None:
+        try:
+            response = self._http.post(f"{url}/kv/hot", json={"count": count}, timeout=OFFER_TIMEOUT * 5)
+            response.raise_for_status()
+            entries = [(str(key), int(size)) for key, size in response.json()["entries"]]
+        except (httpx.HTTPError, ValueError, KeyError, TypeError) as exc:
+            log.warning("KV tier: could not ask %s what it holds: %s", url, exc)
+            return
+        peer = Peer(url)
+        for key, size in entries:
+            if self.tier.holds(key):
+                continue
+            try:
+                self.tier.receive(self._fetch(peer, key, size))
+                self.tier.counts["warmed"] += 1
+            except (httpx.HTTPError, ValueError) as exc:
+                log.warning("KV tier: warming from %s stopped at %s: %s", url, key, exc)
+                return
 
     def _fetch(self, peer: Peer, key: str, size: int) -> bytearray:
         data = bytearray()

@@ -47,6 +47,9 @@ __all__ = ["Entry", "Hit", "KVTier"]
 
 log = logging.getLogger("meshgate.kvtier")
 
+COUNTS = ("hits_ram", "hits_disk", "hits_peer", "misses", "restored_tokens", "saved", "refused", "received", "warmed")
+"""What ``stats`` counts: hits by tier, prompts no tier held, tokens restored, entries kept, files refused, entries
+received from peers (on demand or warming)."""
 SUFFIX = ".kv"
 BACKLOG = 4
 """Entries waiting for the disk writer at most; more are not written (counted as ``dropped``)."""
@@ -67,6 +70,7 @@ class _OnDisk:
     path: Path
     size: int
     lengths: list[int]  # its restore points and end
+    tag: str = ""
 
 
 class KVTier:
@@ -219,6 +223,27 @@ class KVTier:
                 return n, key, on_disk.size
         return None
 
+    def hot(self, count: int) -> list[tuple[str, int]]:
+        """The ``count`` most recently used entries, newest first: ``(key, bytes to send)``."""
+        with self._lock:
+            recent = [(key, entry.nbytes()) for key, entry in reversed(self._ram.items())]
+            on_disk = sorted(self._disk.items(), key=lambda item: _mtime(item[1].path), reverse=True)
+        seen = {key for key, _ in recent}
+        recent += [(key, d.size) for key, d in on_disk if key not in seen]
+        return recent[: max(0, count)]
+
+    def tags(self, count: int) -> list[str]:
+        """The prefix keys (``Entry.tag``) of the most recently used entries, up to ``count``, newest first: what
+        the gateway's routing may send here."""
+        with self._lock:
+            recent = [entry.tag for entry in reversed(self._ram.values())]
+            recent += [d.tag for _, d in sorted(self._disk.items(), key=lambda item: -_mtime(item[1].path))]
+        return list(dict.fromkeys(tag for tag in recent if tag))[: max(0, count)]
+
+    def holds(self, key: str) -> bool:
+        with self._lock:
+            return key in self._ram or key in self._disk
+
     def export(self, key: str) -> list[Any] | None:
         """Entry ``key`` in the entry format (``kvformat``), for a peer; ``None`` when it is gone."""
         entry, _ = self._fetch(key)
@@ -273,7 +298,7 @@ class KVTier:
             if path.name != key + SUFFIX:
                 self._refuse(path, "its name is not its key")
                 continue
-            self._disk[key] = _OnDisk(path, size, sorted(digests))
+            self._disk[key] = _OnDisk(path, size, sorted(digests), str(header.get("tag", "")))
             self._index(key, header["scope"], digests)
 
     def _load(self, key: str, on_disk: _OnDisk) -> Entry | None:
@@ -342,7 +367,7 @@ class KVTier:
                 temporary.unlink()
             raise
         with self._lock:
-            self._disk[key] = _OnDisk(final, final.stat().st_size, sorted(entry.digests))
+            self._disk[key] = _OnDisk(final, final.stat().st_size, sorted(entry.digests), entry.tag)
             self.counts["written"] += 1
         self._evict_disk()
 
@@ -386,8 +411,12 @@ class KVTier:
                 "disk_bytes": disk_bytes,
                 "disk_budget": self.disk_budget,
                 "disk_entries": len(self._disk),
-                **{
-                    name: self.counts[name]
-                    for name in ("hits_ram", "hits_disk", "misses", "restored_tokens", "saved", "refused", "received")
-                },
+                **{name: self.counts[name] for name in COUNTS},
             }
+
+
+def _mtime(path: Path) -> float:
+    try:
+        return path.stat().st_mtime
+    except OSError:
+        return 0.0

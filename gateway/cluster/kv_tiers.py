@@ -5,7 +5,9 @@ One background task per gateway (``start``) reads every ``EVERY`` seconds the ``
 head runner, through ``health_of`` (``gateway.serving.runner_health``: the connection the dispatcher uses), all
 at once, each for at most ``TIMEOUT`` seconds. A pass with no ready instance sends nothing. The figures live in
 memory, by instance id, never in the state store (each gateway polls for itself: a few small GETs every few
-seconds per gateway). What a pass does with what it read is a pure function (``merge``):
+seconds per gateway). Each runner also lists the prefix keys (``protocols.prefix``) of the entries its tier holds,
+most recently used first: ``holding(key)`` tells routing which replicas hold a request's start (``routing.route``'s
+``tier`` rule). What a pass does with what it read is a pure function (``merge``):
 
 * a runner that answered with a ``kv_tier``: its new figures;
 * one that answered without (no tier) or cannot report at all (``health_of`` gives ``None``): no figures;
@@ -15,7 +17,11 @@ seconds per gateway). What a pass does with what it read is a pure function (``m
 After a pass, each instance with a tier is told its peers (``peers``: the other instances of its model with a tier,
 by their head runners' URLs, with the measured link from its head node to theirs), when they changed since it was
 last told or ``RETELL`` seconds ago (a runner that restarted has forgotten them): runners fetch prompt states from
-their peers' tiers when that beats prefilling them (``backends.runner.kvpeers``).
+their peers' tiers when that beats prefilling them (``backends.runner.kvpeers``). A replica told its peers for the
+first time warms itself: it fetches the ``WARM`` entries a peer used last, before they are asked for (a new replica,
+added by the autoscaler or re-placed, starts with the deployment's hot prefixes). A replica seen draining hands its
+sessions over: every ready replica of its model with a tier fetches the ``WARM`` entries it used last, while it
+finishes its streams, so their next turns find them.
 
 Imports the records and ``telemetry.kv_tier``; the health source is given, so this room never imports serving.
 """
@@ -46,8 +52,11 @@ RETELL = 60.0
 """Seconds after which a runner is told its peers again though they did not change."""
 
 HealthOf = Callable[[Instance], Awaitable[Mapping[str, object] | None]]
-TellPeers = Callable[[Instance, list[dict[str, object]]], Awaitable[None]]
-"""Give an instance's head runner its peers' list; may raise."""
+TellPeers = Callable[[Instance, str, dict[str, object]], Awaitable[None]]
+"""Tell an instance's head runner's KV tier something (``peers``, ``warm``: ``backends.runner.kv_routes``); may
+raise."""
+WARM = 16
+"""Entries a new replica fetches from a peer, and each staying replica from a draining one: the most recently used."""
 """An instance's head runner's ``/health`` answer; ``None`` when its runner cannot report one. May raise."""
 
 Read = tuple[str, KvTier | None, bool]
@@ -87,14 +96,21 @@ class KvTiers:
         self.health_of = health_of
         self.tell, self.links = tell, links
         self._told: dict[str, tuple[list[dict[str, object]], float]] = {}
+        self._heard: dict[str, frozenset[bytes]] = {}  # what this pass read, before ``merge`` says who is kept
+        self._handed: set[str] = set()  # draining instances whose entries the staying replicas were told to fetch
         self.every = every
         self.timeout = timeout
         self._figures: dict[str, KvTier] = {}
+        self._prefixes: dict[str, frozenset[bytes]] = {}  # instance id -> prefix keys its tier's entries hold
         self._task: asyncio.Task[None] | None = None
 
     def get(self, instance_id: str) -> KvTier | None:
         """``instance_id``'s figures as last read; ``None`` when there are none."""
         return self._figures.get(instance_id)
+
+    def holding(self, key: bytes) -> frozenset[str]:
+        """The instances whose runner's tier last said it holds entries of prefix ``key`` (routing's ``tier``)."""
+        return frozenset(i for i, keys in self._prefixes.items() if key in keys)
 
     def figures(self) -> dict[str, KvTier]:
         """Every instance's figures as last read, by instance id (a copy)."""
@@ -106,6 +122,11 @@ class KvTiers:
         reads = await asyncio.gather(*(self._read(i) for i in ready)) if ready else []
         kept = {i.id for i in self.instances() if isinstance(i.state, Ready | Draining)}  # as of now, after reads
         self._figures = merge(self._figures, kept, reads)
+        self._prefixes = {i: keys for i, keys in self._prefixes.items() if i in self._figures}
+        for instance_id, _, ok in reads:
+            if ok and instance_id in self._figures:
+                self._prefixes[instance_id] = self._heard.pop(instance_id, frozenset())
+        self._heard.clear()
         if self.tell is not None:
             await self._tell_peers(ready)
 
@@ -118,17 +139,33 @@ class KvTiers:
         now = asyncio.get_running_loop().time()
         self._told = {i: told for i, told in self._told.items() if i in lists}
         due = [i for i in ready if i.id in lists and _due(self._told.get(i.id), lists[i.id], now)]
-        for instance, ok in zip(due, await asyncio.gather(*(self._tell(i, lists[i.id]) for i in due)), strict=True):
+        told = await asyncio.gather(*(self._tell(i, "peers", {"peers": lists[i.id]}) for i in due))
+        warm = []
+        for instance, ok in zip(due, told, strict=True):
+            if ok and instance.id not in self._told and lists[instance.id]:  # new: warm it from a peer
+                warm.append((instance, {"url": lists[instance.id][0]["url"], "count": WARM}))
             if ok:
                 self._told[instance.id] = (lists[instance.id], now)
+        for draining in self.instances():
+            if (
+                isinstance(draining.state, Draining)
+                and draining.id in self._figures
+                and draining.id not in self._handed
+            ):
+                self._handed.add(draining.id)
+                head = _head(draining)
+                stay = [i for i in ready if i.model == draining.model and i.id in lists]
+                warm += [(i, {"url": head[1], "count": WARM}) for i in stay if head is not None]
+        self._handed &= {i.id for i in self.instances()}
+        await asyncio.gather(*(self._tell(instance, "warm", body) for instance, body in warm))
 
-    async def _tell(self, instance: Instance, peers: list[dict[str, object]]) -> bool:
+    async def _tell(self, instance: Instance, action: str, body: dict[str, object]) -> bool:
         assert self.tell is not None
         try:
             async with asyncio.timeout(self.timeout):
-                await self.tell(instance, peers)
+                await self.tell(instance, action, body)
         except Exception as exc:
-            log.debug("instance %s not told its KV peers: %r", instance.id, exc)
+            log.debug("instance %s not told %s: %r", instance.id, action, exc)
             return False
         return True
 
@@ -139,6 +176,9 @@ class KvTiers:
         except Exception as exc:  # unreachable, slow, refused, garbage: the last figures stay
             log.debug("KV tier of instance %s not read: %r", instance.id, exc)
             return instance.id, None, False
+        tier = health.get("kv_tier") if health is not None else None
+        if isinstance(tier, Mapping) and isinstance(tier.get("prefixes"), list):
+            self._heard[instance.id] = frozenset(_key(k) for k in tier["prefixes"] if isinstance(k, str))
         return instance.id, kv_tier_of(health) if health is not None else None, True
 
     async def start(self) -> None:
@@ -194,3 +234,10 @@ def _head(instance: Instance) -> tuple[str, str] | None:
 
 def _due(told: tuple[list[dict[str, object]], float] | None, peers: list[dict[str, object]], now: float) -> bool:
     return told is None or told[0] != peers or now - told[1] >= RETELL
+
+
+def _key(text: str) -> bytes:
+    try:
+        return bytes.fromhex(text)
+    except ValueError:
+        return b""

@@ -15,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 
 from meshgate.backends.base import ModelCard
 from meshgate.backends.placement import InstanceId
@@ -52,6 +52,7 @@ class Replicas:
         self.routing = routing  # "affinity", "least_loaded" (no prefix key) or "round_robin" (in turn)
         self.on_route = on_route  # told the replica of each generation routed (``loads.LoadBoard.routed``)
         self.prefixes = PrefixTable()  # which replica this gateway sent each prompt prefix to
+        self.cached: Callable[[bytes], Collection[str]] = lambda key: ()  # replicas whose KV tier holds ``key``
         self.routed: dict[tuple[str, str], int] = {}  # (model, routing rule) -> requests (``/metrics``)
         self._turn = 0
 
@@ -115,7 +116,9 @@ class Replicas:
         else:
             replicas = [Replica(i.id, self.load(i.id)) for i in ready]
             preferred = self.prefixes.match(routing.blocks, (r.id for r in replicas))
-            choice = route(replicas, routing.key, preferred=preferred)
+            key = routing.key
+            cached = self.cached(key) if key is not None and preferred is None else ()
+            choice = route(replicas, key, preferred=preferred, cached=cached)
             self.prefixes.learn(routing.blocks, choice.id)
         rule = (model, choice.rule)
         self.routed[rule] = self.routed.get(rule, 0) + 1

@@ -11,7 +11,11 @@ The rule, in order:
       of the prompt's text in ``BLOCK``-character blocks and at the end of each message, as SGLang's router keeps
       a radix tree per worker), when the prefix is at least ``MIN_PREFIX`` characters: a conversation's next turn
       finds the replica holding its history, and an agent's next task the one holding its system prompt and tools;
-   b. else the first replica in the order of rendezvous hashing of the prompt's key (``prefix_key``: its
+   b. else the least loaded replica whose KV tier holds entries of the prompt's key (``cached``: runners publish
+      the prefix keys of their tiers' entries, ``gateway.cluster.kv_tiers``), which restores the prompt instead
+      of prefilling it: an agent whose replica this gateway never saw (another gateway sent it, or this one
+      restarted) finds the one holding its system prompt;
+   c. else the first replica in the order of rendezvous hashing of the prompt's key (``prefix_key``: its
       preamble and first message, when they are at least ``MIN_PREFIX`` characters), the same order on every
       gateway with no shared table, so a conversation that moves between gateways keeps its replica too, and
       agents behind one long system prompt meet it cached; past the bound, the next one in that order.
@@ -24,7 +28,7 @@ The rule, in order:
 A replica's load is its generations running plus those queued for a slot, summed over every gateway
 (``gateway.cluster.loads``), this gateway's own counted live (requests routed but not yet in its queue too).
 
-Imports only the standard library.
+Imports the prefix key (``protocols.prefix``: runners tag their KV tiers' entries with it) and the standard library.
 """
 
 from __future__ import annotations
@@ -35,6 +39,8 @@ import math
 import random
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
+
+from meshgate.protocols.prefix import MIN_PREFIX, PREFIX_CHARS, prefix_key
 
 __all__ = [
     "BLOCK",
@@ -53,20 +59,10 @@ __all__ = [
 EPSILON = 0.5
 """How far above the mean load (as a fraction of it) a replica still takes the requests whose prefix it holds."""
 
-PREFIX_CHARS = 1024
-"""Characters of each of the two parts of a prompt's start that make its prefix key: the preamble (system prompt
-and tools, an agent's fixed part) and the conversation's first message, which every later turn repeats. Two
-conversations behind one long system prompt get different keys, so they spread over the replicas, each of
-which soon holds the shared preamble too."""
-
-
 BLOCK = 256
 """Characters of prompt text per block of ``prefix_blocks`` (about 64 tokens)."""
 MAX_CHARS = 256 * 1024
 """Characters of a prompt that routing reads at most."""
-MIN_PREFIX = 512
-"""The shortest prompt prefix (characters, about 128 tokens) that routing keeps a request near: a shorter one saves
-a runner less prefill than an unevenly loaded replica costs."""
 
 
 class Routing:
@@ -110,32 +106,11 @@ class Replica:
 @dataclass(frozen=True, slots=True)
 class Choice:
     """The replica chosen and by which rule: ``only``, ``prefix`` (the replica that took the prompt's longest
-    known prefix), ``affinity`` (the key's first replica), ``spill`` (a later one of the key's order: the first
-    was at its bound) or ``least_loaded``."""
+    known prefix), ``tier`` (one whose KV tier holds the prompt's start), ``affinity`` (the key's first replica),
+    ``spill`` (a later one of the key's order: the first was at its bound) or ``least_loaded``."""
 
     id: str
     rule: str
-
-
-def prefix_key(preamble: Iterable[str], first: str) -> bytes | None:
-    """The key of a prompt whose ``preamble`` (system prompt, tool definitions) is followed by the ``first``
-    message of its conversation (a plain completion: the prompt itself, no preamble): a hash of the first
-    ``PREFIX_CHARS`` characters of each; ``None`` when together they are shorter than ``MIN_PREFIX``."""
-    digest = hashlib.blake2b(digest_size=8)
-    left = PREFIX_CHARS
-    length = len(first)
-    for part in preamble:
-        length += len(part)
-        if left <= 0:
-            continue
-        piece = part[:left]
-        digest.update(piece.encode("utf-8", "surrogatepass"))
-        left -= len(piece)
-    if length < MIN_PREFIX:
-        return None
-    digest.update(b"\0")
-    digest.update(first[:PREFIX_CHARS].encode("utf-8", "surrogatepass"))
-    return digest.digest()
 
 
 def prefix_blocks(parts: Iterable[str]) -> tuple[int, ...]:
@@ -185,10 +160,15 @@ class PrefixTable:
 
 
 def route(
-    replicas: Sequence[Replica], key: bytes | None, rng: random.Random | None = None, preferred: str | None = None
+    replicas: Sequence[Replica],
+    key: bytes | None,
+    rng: random.Random | None = None,
+    preferred: str | None = None,
+    cached: Iterable[str] = (),
 ) -> Choice:
     """The replica for a request with prefix ``key`` (``None``: no affinity) among ``replicas`` (not empty);
-    ``preferred``: the replica that took the prompt's longest known prefix (``PrefixTable.match``)."""
+    ``preferred``: the replica that took the prompt's longest known prefix (``PrefixTable.match``); ``cached``: the
+    replicas whose KV tiers hold entries of ``key``."""
     if len(replicas) == 1:
         return Choice(replicas[0].id, "only")
     if key is not None:
@@ -196,6 +176,10 @@ def route(
         known = next((r for r in replicas if r.id == preferred), None)
         if known is not None and known.load + 1 <= bound:
             return Choice(known.id, "prefix")
+        holders = set(cached)
+        tiers = [r for r in replicas if r.id in holders and r.load + 1 <= bound]
+        if tiers:
+            return Choice(min(tiers, key=lambda r: (r.load, -_score(key, r.id))).id, "tier")
         order = sorted(replicas, key=lambda r: _score(key, r.id), reverse=True)
         for rank, replica in enumerate(order):
             if replica.load + 1 <= bound:

@@ -35,7 +35,7 @@ from meshgate.gateway.serving.admission import Admission
 from meshgate.gateway.serving.catalog import Catalog
 from meshgate.gateway.serving.dispatch import Dispatcher
 from meshgate.gateway.serving.model_defaults import UserModels
-from meshgate.gateway.serving.runner_health import runner_health, runner_peers
+from meshgate.gateway.serving.runner_health import runner_health, runner_kv
 from meshgate.gateway.telemetry.metrics import PlaneSnapshot
 from meshgate.plugins.policy import by_preference
 from meshgate.plugins.settings import Settings
@@ -169,8 +169,9 @@ async def control_plane(
                     resume_wait=settings.resume_wait,
                 )
                 health_of = runner_health(catalog.resolve, plane.dispatcher.backend_for)
-                tell = runner_peers(catalog.resolve, plane.dispatcher.backend_for)
+                tell = runner_kv(catalog.resolve, plane.dispatcher.backend_for)
                 plane.kv_tiers = KvTiers(plane.instances.snapshot, health_of, tell=tell, links=plane.store.links)
+                plane.instances.replicas.cached = plane.kv_tiers.holding  # routing's ``tier`` rule
                 await plane.kv_tiers.start()
             yield plane
         finally:

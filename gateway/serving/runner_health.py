@@ -17,7 +17,7 @@ from meshgate.backends.base import Backend, ModelCard, Runner
 from meshgate.gateway.cluster.records import Instance
 from meshgate.gateway.serving.start import connect
 
-__all__ = ["ReportsHealth", "health_reporter", "runner_health", "runner_peers"]
+__all__ = ["ReportsHealth", "health_reporter", "runner_health", "runner_kv"]
 
 
 @runtime_checkable
@@ -46,17 +46,17 @@ def runner_health(
     return health_of
 
 
-def runner_peers(
+def runner_kv(
     resolve: Callable[[str], ModelCard], backend_for: Callable[[ModelCard], Backend]
-) -> Callable[[Instance, list[dict[str, object]]], Awaitable[None]]:
-    """``tell(instance, peers)``: give its head runner the runners its KV tier may fetch from, when it takes them
-    (a ``set_kv_peers``: llama.cpp's); raises what the call raises."""
+) -> Callable[[Instance, str, dict[str, object]], Awaitable[None]]:
+    """``tell(instance, action, body)``: tell its head runner's KV tier something (``peers``, ``warm``), when its
+    runner has one (a ``kv`` method: llama.cpp's); raises what the call raises."""
 
-    async def tell(instance: Instance, peers: list[dict[str, object]]) -> None:
+    async def tell(instance: Instance, action: str, body: dict[str, object]) -> None:
         card = resolve(instance.model)
         runner = connect(instance, card, backend_for(card))
-        setter = getattr(runner, "set_kv_peers", None)
-        if setter is not None:
-            await setter(peers)
+        call = getattr(runner, "kv", None)
+        if call is not None:
+            await call(action, body)
 
     return tell

@@ -22,11 +22,12 @@ from dataclasses import dataclass
 
 from meshgate.backends.base import Backend, ModelCard, Runner
 from meshgate.gateway.cluster.records import Instance
-from meshgate.gateway.cluster.routing import Routing, prefix_blocks, prefix_key
+from meshgate.gateway.cluster.routing import Routing, prefix_blocks
 from meshgate.gateway.serving import streams
 from meshgate.gateway.serving.admission import Admission, Ticket
 from meshgate.gateway.serving.context_fit import Fit, cap_output, fit_context, grown_context, needed_context
 from meshgate.protocols.model import Event, Failed, GatewayError, KeepAlive, Request, error_from_info
+from meshgate.protocols.prefix import prefix_key, request_prefix
 
 __all__ = ["Bigger", "Job", "Started", "Starter", "Visit", "abandon", "connect", "keepalive_until", "request_routing"]
 
@@ -194,11 +195,9 @@ def request_routing(request: Request) -> Routing:
     order (``routing.prefix_blocks``)."""
 
     def derive() -> tuple[bytes | None, tuple[int, ...]]:
+        preamble, first = request_prefix(request)
         if request.raw_prompt is not None:
-            return prefix_key((), request.raw_prompt), prefix_blocks((request.raw_prompt,))
-        system = [m.text for m in request.messages if m.role == "system"][:1]
-        preamble = system + [f"{t.name}\0{t.description or ''}" for t in request.tools]
-        first = next((m.text for m in request.messages if m.role != "system"), "")
+            return prefix_key(preamble, first), prefix_blocks((request.raw_prompt,))
         turns = (f"{m.role}\x1f{m.text}" for m in request.messages if m.role != "system")
         return prefix_key(preamble, first), prefix_blocks([*preamble, *turns])
 

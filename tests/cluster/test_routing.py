@@ -13,6 +13,7 @@ import pytest
 from meshgate.gateway.cluster.routing import (
     EPSILON,
     MIN_PREFIX,
+    Choice,
     PrefixTable,
     Replica,
     prefix_blocks,
@@ -181,3 +182,20 @@ def test_prefix_blocks_cover_whole_blocks_and_the_table_stays_bounded() -> None:
     for n in range(50):
         table.learn(prefix_blocks([f"{n} " * 1000]), f"r{n % 3}")
     assert len(table._where) <= 100
+
+
+def test_a_replica_whose_kv_tier_holds_the_prompt_takes_it_within_the_bound() -> None:
+    replicas = [Replica("r0", 0), Replica("r1", 1), Replica("r2", 0)]
+    home = route(replicas, KEY).id
+    holder = next(r.id for r in replicas if r.id != home)
+    assert route(replicas, KEY, cached=[holder]) == Choice(holder, "tier"), "the tier beats a cold affinity"
+    assert route(replicas, KEY, preferred=home, cached=[holder]) == Choice(home, "prefix"), "a warm slot beats it"
+    busy = [Replica(r.id, 9 if r.id == holder else 0) for r in replicas]
+    assert route(busy, KEY, cached=[holder]).rule != "tier", "a holder past the bound is passed over"
+
+
+def test_a_runner_tags_its_entries_with_the_key_the_gateway_routes_by() -> None:
+    from meshgate.protocols.prefix import prefix_key, request_prefix
+
+    request = _chat(SYSTEM, "Task 1: fix the tests", "Done.", "Now the docs")
+    assert prefix_key(*request_prefix(request)) == request_routing(request).key

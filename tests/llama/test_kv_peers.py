@@ -1,10 +1,13 @@
 """Two llama.cpp runner processes, each with its own KV tier: the second fetches a prompt's state from the first
 over HTTP (the cluster secret, the entry format, checked) when the link's estimate beats prefilling, and answers
-with the tokens the first computed; with a link too slow to pay, it prefills instead. Every process is stopped."""
+with the tokens the first computed; with a link too slow to pay, it prefills instead. A third one, told to warm
+from the first, fetches what the first used last before it is asked for. Every process is stopped."""
 
 from __future__ import annotations
 
+import asyncio
 import sys
+import time
 from pathlib import Path
 
 import httpx
@@ -62,6 +65,16 @@ async def test_a_runner_fetches_a_prompt_from_its_peers_tier_when_that_beats_pre
             assert prefilled.cached_tokens == 0 and prefilled.cache_note.endswith("prefilled"), prefilled.cache_note
             tier = (await b.health())["kv_tier"]
             assert tier["received"] == 1 and tier["refused"] == 0, tier
+
+            processes.append(await _runner(packaged_gguf, tmp_path / "c"))  # a new replica warms from a peer
+            c = LlamaCppRunner(RunnerClient(f"http://127.0.0.1:{processes[-1].port}", http))
+            await c.kv("warm", {"url": a.client.base_url, "count": 8})
+            deadline = time.monotonic() + 60
+            while (await c.health())["kv_tier"]["warmed"] < 2 and time.monotonic() < deadline:
+                await asyncio.sleep(0.2)
+            warm_text, warm = await _ask(c, fast)
+            assert warm.cached_tokens == computed.prompt_tokens and warm.cache_note == "", "from its own tier"
+            assert warm_text == text
     finally:
         for process in processes:
             await process.stop()

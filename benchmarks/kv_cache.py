@@ -12,12 +12,16 @@ runner runs it, with its tier (``backends/runner/kvtier.py``) in host memory and
    runner with ``--slots`` slots (each turn adds the answer and a new question): prompt tokens evaluated in turns
    2 and later, and the share of each agent's prefix restored rather than evaluated, without and with the tier.
 
-    .venv/bin/python benchmarks/kv_cache.py [--prefix 8000] [--agents 12] [--agent-prefix 2500] [--turns 3]
+With ``--peers``, runner processes too: one over the table's disk tier, a second that fetches the prompt from it on
+demand (over loopback HTTP, the link taken to be ``--bandwidth``), a third told to warm from it (a new replica).
+
+    .venv/bin/python benchmarks/kv_cache.py [--prefix 8000 18714] [--peers] [--agents 12] [--agent-prefix 2500]
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import sys
 import tempfile
 import threading
@@ -27,13 +31,19 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+import httpx  # noqa: E402
 import llama_cpp  # noqa: E402
 
+from meshgate.backends.llama_cpp import LlamaCppRunner  # noqa: E402
 from meshgate.backends.llama_cpp.batch import MIN_REUSE, Job, Scheduler  # noqa: E402
+from meshgate.backends.llama_cpp.engine import kv_namespace  # noqa: E402
 from meshgate.backends.llama_cpp.rpc import weight_repacking  # noqa: E402
 from meshgate.backends.llama_cpp.sampling import Sampler  # noqa: E402
 from meshgate.backends.llama_cpp.sources import PackagedGGUFSource  # noqa: E402
+from meshgate.backends.runner.client import RunnerClient  # noqa: E402
 from meshgate.backends.runner.kvtier import KVTier  # noqa: E402
+from meshgate.backends.runner.process import RunnerProcess  # noqa: E402
+from meshgate.protocols.model import Request, Sampling, TextDelta, Usage  # noqa: E402
 
 GREEDY = dict(top_k=40, top_p=1.0, min_p=0.0, repeat_penalty=1.0, presence_penalty=0.0, frequency_penalty=0.0)
 WORDS = "the parser reads each token of the file and the linter reports a warning when a rule fails".split()
@@ -60,7 +70,9 @@ def scheduler(llm, slots: int, n_ctx: int, threads: int, tier: KVTier | None):
         s.free()
 
 
-def ask(s: Scheduler, prompt: list[int], tokens: int, tier: KVTier | None) -> tuple[list[int], float, Job]:
+def ask(
+    s: Scheduler, prompt: list[int], tokens: int, tier: KVTier | None, ends: bool = False
+) -> tuple[list[int], float, Job]:
     """Greedy ``tokens`` after ``prompt``; seconds to the first token (the tier lookup included)."""
     started = time.perf_counter()
     job = Job(
@@ -68,7 +80,7 @@ def ask(s: Scheduler, prompt: list[int], tokens: int, tier: KVTier | None) -> tu
     )
     if tier is not None:
         job.scope = ""
-        job.restore = tier.find("", prompt, usable=MIN_REUSE)
+        job.restore = tier.find("", prompt, usable=MIN_REUSE, ends=ends)
     s.submit(job)
     out, first = [], 0.0
     while (item := job.out.get(timeout=1800)) is not None:
@@ -78,46 +90,91 @@ def ask(s: Scheduler, prompt: list[int], tokens: int, tier: KVTier | None) -> tu
     return out, first, job
 
 
-def text(llm, name: str, n: int) -> list[int]:
-    words = [f"{name}:"] + [f"{WORDS[(i * 7 + len(name)) % len(WORDS)]}{i % 97}" for i in range(n)]
-    tokens = llm.tokenize(" ".join(words).encode(), add_bos=True, special=True)
-    assert len(tokens) >= n, (len(tokens), n)
-    return tokens[:n]
+def text(llm, name: str, n: int) -> tuple[str, list[int]]:
+    """A plain prompt of about ``n`` tokens and its tokens, as a runner tokenizes a plain prompt."""
+    words = [f"{name}:"]
+    while True:
+        words += [f"{WORDS[(len(words) * 7 + len(name)) % len(WORDS)]}{len(words) % 97}" for _ in range(64)]
+        prompt = " ".join(words)
+        tokens = llm.tokenize(prompt.encode(), add_bos=True, special=False)
+        if len(tokens) >= n:
+            return prompt, tokens
 
 
-def ttft_table(llm, args, directory: Path) -> None:
-    prompt = text(llm, "System", args.prefix)
-    rows = []
-    with scheduler(llm, 2, args.n_ctx, args.threads, None) as s:
-        cold, t_cold, _ = ask(s, prompt, args.tokens, None)
-        warm, t_warm, _ = ask(s, prompt, args.tokens, None)
-    rows += [("cold", t_cold, cold == cold, 0), ("warm in its slot", t_warm, warm == cold, len(prompt) - 1)]
-    tier = KVTier("bench", ram_budget=4 << 30, directory=directory, disk_budget=8 << 30)
+def ttft_table(llm, args, directory: Path, prefix: int) -> None:
+    raw, prompt = text(llm, "System", prefix)
+    tier = KVTier(args.namespace, ram_budget=4 << 30, directory=directory, disk_budget=8 << 30)
     with scheduler(llm, 2, args.n_ctx, args.threads, tier) as s:
-        ask(s, prompt, args.tokens, tier)  # evaluated cold again, kept
+        cold, t_cold, _ = ask(s, prompt, args.tokens, tier)  # evaluated, kept
+        warm, t_warm, job = ask(s, prompt, args.tokens, None)  # no tier lookup: its slot's prefix
+        rows = [("cold", t_cold, True, 0), ("warm in its slot", t_warm, warm == cold, job.cached)]
     tier.flush()
     with scheduler(llm, 2, args.n_ctx, args.threads, tier) as s:
         again, t_ram, job = ask(s, prompt, args.tokens, tier)
     rows.append(("RAM tier (slots empty)", t_ram, again == cold, job.cached))
     tier.close()
-    restarted = KVTier("bench", ram_budget=4 << 30, directory=directory, disk_budget=8 << 30)
+    restarted = KVTier(args.namespace, ram_budget=4 << 30, directory=directory, disk_budget=8 << 30)
     with scheduler(llm, 2, args.n_ctx, args.threads, restarted) as s:
         again, t_disk, job = ask(s, prompt, args.tokens, restarted)
     rows.append(("disk tier after a restart", t_disk, again == cold, job.cached))
     size = sum(f.stat().st_size for f in directory.glob("*.kv"))
-    print(
-        f"\n{len(prompt)}-token prompt, {args.tokens} greedy tokens, {args.threads} threads "
-        f"(entry on disk: {size / 2**20:.1f} MiB)"
-    )
+    print(f"\n{len(prompt)}-token prompt, {args.tokens} greedy tokens, {args.threads} threads")
+    print(f"(entry: {size / 2**20:.1f} MiB)")
     print(f"{'from':28} {'TTFT s':>9} {'restored':>9}  same tokens as cold")
     for name, seconds, same, cached in rows:
         print(f"{name:28} {seconds:9.2f} {cached:9d}  {same}")
-    print(f"{'from a peer':28} {'n/a':>9}  (not built yet)")
+    if args.peers:
+        for name, seconds, same, cached, note in asyncio.run(from_peers(args, directory, raw, cold)):
+            print(f"{name:28} {seconds:9.2f} {cached:9d}  {same}  {note}")
 
 
-def agents(llm, args, tier: KVTier | None) -> tuple[list[int], float]:
+async def from_peers(args, directory: Path, prompt: str, cold: list[int]) -> list[tuple]:
+    """Runner processes: ``a`` over the table's disk tier, ``b`` fetching from it on demand, ``c`` warmed from it."""
+    rows, processes = [], []
+    try:
+        async with httpx.AsyncClient(timeout=1800) as http:
+            runners = []
+            for name, kv in (("a", directory), ("b", None), ("c", None)):
+                kv = kv or Path(tempfile.mkdtemp(prefix=f"kv-{name}-"))
+                argv = [sys.executable, "-m", "meshgate.backends.llama_cpp.runner", "--model", args.gguf]
+                argv += ["--n-ctx", str(args.n_ctx), "--parallel", "2", "--threads", str(args.threads)]
+                argv += ["--kv-ram", str(4 << 30), "--kv-dir", str(kv), "--kv-disk", str(8 << 30)]
+                processes.append(await RunnerProcess.start(argv, name=name, ready_timeout=300))
+                runners.append(LlamaCppRunner(RunnerClient(f"http://127.0.0.1:{processes[-1].port}", http)))
+            a, b, c = runners
+            await b.set_kv_peers([{"url": a.client.base_url, "bandwidth": args.bandwidth, "latency": 0.0005}])
+            tokens, seconds, usage = await ask_runner(b, prompt, args.tokens)
+            size = sum(f.stat().st_size for f in directory.glob("*.kv"))
+            estimate = size / args.bandwidth
+            rows.append(("from a peer (loopback)", seconds, tokens == cold, usage.cached_tokens, usage.cache_note))
+            rows.append(("  transfer estimate", estimate, True, 0, f"at {args.bandwidth / 1e6:.0f} MB/s"))
+            await c.kv("warm", {"url": a.client.base_url, "count": 16})
+            while (await c.health())["kv_tier"]["warmed"] < 1:
+                await asyncio.sleep(0.1)
+            tokens, seconds, usage = await ask_runner(c, prompt, args.tokens)
+            rows.append(("a new replica, warmed", seconds, tokens == cold, usage.cached_tokens, ""))
+    finally:
+        for process in processes:
+            await process.stop()
+    return rows
+
+
+async def ask_runner(runner: LlamaCppRunner, prompt: str, tokens: int) -> tuple[list[int], float, Usage]:
+    """Greedy ``tokens`` after the plain ``prompt`` from a runner process; seconds to the first token."""
+    request = Request(model="m", raw_prompt=prompt, max_tokens=tokens, sampling=Sampling(temperature=0.0))
+    started, first, out, usage = time.perf_counter(), 0.0, [], Usage()
+    async for event in runner.generate(request):
+        if isinstance(event, TextDelta):
+            first = first or time.perf_counter() - started
+            out += list(event.tokens)
+        elif isinstance(event, Usage):
+            usage = event
+    return out, first, usage
+
+
+def agents(llm, args, tier: KVTier | None, exact: bool) -> tuple[list[int], float]:
     """Prompt tokens evaluated per round, and the share of turn 2+ agents' prefixes restored or reused."""
-    prefixes = [text(llm, f"Agent {i}", args.agent_prefix) for i in range(args.agents)]
+    prefixes = [text(llm, f"Agent {i}", args.agent_prefix)[1] for i in range(args.agents)]
     history = [list(p) for p in prefixes]
     spent, shared, saved = [], 0, 0
     with scheduler(llm, args.slots, args.n_ctx, args.threads, tier) as s:
@@ -128,7 +185,7 @@ def agents(llm, args, tier: KVTier | None) -> tuple[list[int], float]:
                     f" Question {turn} for agent {i}: what next?".encode(), add_bos=False, special=True
                 )
                 prompt = history[i] + question
-                answer, _, job = ask(s, prompt, args.tokens, tier)
+                answer, _, job = ask(s, prompt, args.tokens, tier, ends=not exact)
                 evaluated += len(prompt) - job.cached
                 if turn:
                     shared += len(prefixes[i])
@@ -140,7 +197,7 @@ def agents(llm, args, tier: KVTier | None) -> tuple[list[int], float]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--prefix", type=int, default=8000)
+    parser.add_argument("--prefix", type=int, nargs="+", default=[8000])
     parser.add_argument("--tokens", type=int, default=16)
     parser.add_argument("--agents", type=int, default=12)
     parser.add_argument("--agent-prefix", type=int, default=2500)
@@ -149,33 +206,31 @@ def main() -> None:
     parser.add_argument("--n-ctx", type=int, default=20480)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--skip", choices=["ttft", "agents"], default=None)
+    parser.add_argument("--peers", action="store_true", help="also from a peer runner process and a warmed one")
+    parser.add_argument("--bandwidth", type=float, default=1e9, help="bytes/s the peer link is taken to have")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         (gguf,) = PackagedGGUFSource(Path(tmp) / "models").models()
+        args.gguf = gguf.path
+        args.namespace = kv_namespace(gguf.path, "", (), llama_cpp.__version__)  # what its runner processes use
         with weight_repacking(False):
             llm = llama_cpp.Llama(model_path=gguf.path, n_ctx=64, n_batch=64, n_threads=args.threads, verbose=False)
         if args.skip != "ttft":
-            ttft_table(llm, args, Path(tmp) / "kv")
+            for n, prefix in enumerate(args.prefix):
+                ttft_table(llm, args, Path(tmp) / f"kv{n}", prefix)
         if args.skip != "agents":
             n_ctx = args.n_ctx
             args.n_ctx = min(n_ctx, args.agent_prefix + args.turns * (args.tokens + 64) + 64)
-            without, share_without = agents(llm, args, None)
-            with tempfile.TemporaryDirectory() as kv:
-                tier = KVTier("bench", ram_budget=4 << 30, directory=kv, disk_budget=8 << 30)
-                with_tier, share_with = agents(llm, args, tier)
-                stats = tier.stats()
+            rows = [("no tier", *agents(llm, args, None, exact=True))]
+            for name, exact in (("tier, exact", True), ("tier, inexact", False)):
+                with tempfile.TemporaryDirectory() as kv:
+                    tier = KVTier(args.namespace, ram_budget=4 << 30, directory=kv, disk_budget=8 << 30)
+                    rows.append((name, *agents(llm, args, tier, exact=exact)))
             print(f"\n{args.agents} agents, {args.agent_prefix}-token prefixes, {args.turns} turns, {args.slots} slots")
-            print(
-                f"{'':12} "
-                + " ".join(f"{f'turn {t + 1}':>9}" for t in range(args.turns))
-                + "  prefix restored/reused (turns 2+)"
-            )
-            print(f"{'no tier':12} " + " ".join(f"{n:9d}" for n in without) + f"  {share_without:.1%}")
-            print(f"{'with tier':12} " + " ".join(f"{n:9d}" for n in with_tier) + f"  {share_with:.1%}")
-            print(
-                f"tier: {stats['ram_bytes'] / 2**20:.0f} MiB RAM of {stats['ram_budget'] / 2**30:.0f} GiB, "
-                f"{stats['disk_bytes'] / 2**20:.0f} MiB disk, hits {stats['hits_ram']} RAM / {stats['hits_disk']} disk"
-            )
+            turns = " ".join(f"{f'turn {t + 1}':>9}" for t in range(args.turns))
+            print(f"{'prompt tokens evaluated':24} {turns}  prefix restored or reused (turns 2+)")
+            for name, spent, share in rows:
+                print(f"{name:24} " + " ".join(f"{n:9d}" for n in spent) + f"  {share:.1%}")
 
 
 if __name__ == "__main__":

@@ -120,7 +120,9 @@ class LlamaEngine:
         decodes all in one call with the kernels as they are (greedy text may then depend on the load).
 
         ``kv_ram`` bytes of host memory and ``kv_disk`` bytes of ``kv_dir`` keep prompts' KV (``runner.kvtier``);
-        ``digest`` names the model's weights for the tiers' namespace (else the file's path, size and mtime)."""
+        ``digest`` names the model's weights for the tiers' namespace (else the file's path, size and mtime). Not
+        ``exact``, a prompt that goes on from an entry's whole prompt restores all of it and prefills the rest in
+        other chunks than a cold evaluation (next turns restore more; greedy text may differ from cold)."""
         import llama_cpp
 
         from meshgate.backends.llama_cpp.gguf import read_metadata
@@ -149,6 +151,7 @@ class LlamaEngine:
             )
         self.n_ctx = n_ctx
         self.parallel = max(1, parallel)
+        self.exact = exact  # inexact: a tier entry's end also serves the prompts that go on from it
         self.tier = None
         self.kv_peers = None
         if kv_ram > 0 or (kv_dir and kv_disk > 0):
@@ -244,7 +247,7 @@ class LlamaEngine:
             job.scope = request.cache_scope
             key = prefix_key(*request_prefix(request))
             job.tag = key.hex() if key is not None else ""
-            job.restore = self.tier.find(request.cache_scope, prompt, usable=MIN_REUSE)
+            job.restore = self.tier.find(request.cache_scope, prompt, usable=MIN_REUSE, ends=not self.exact)
             if self.kv_peers is not None:
                 rate = self.scheduler.prompt_rate
                 job.restore, job.note = self.kv_peers.improve(request.cache_scope, prompt, job.restore, rate)

@@ -9,11 +9,14 @@ back. Two facts shape what the tiers keep (measured on Gemma 3 270M, llama-cpp-p
   full-attention cache only: cut back to an earlier position, the sliding-window layers would miss cells. So a
   restore point inside a prompt keeps, beside the whole state, the sliding-window cells at that position
   (``LLAMA_STATE_SEQ_FLAGS_SWA_ONLY``, ~7.5 MiB): restore the state, cut it back, put those cells in.
-- Restored, the cells are the very bytes computed: a prompt restored at a position where its cold evaluation
-  cut a chunk (every ``CHUNK`` tokens from 0) and evaluated on in the same chunks gets the cold numbers bit for
-  bit, at any position of the window. Cut anywhere else, the chunks differ, and llama.cpp's CPU kernels give a
-  row other numbers in another chunking (seen: up to 2.7 in a logit). So restore points are multiples of
-  ``CHUNK``, and a prompt that is an entry's whole prompt starts from its saved logits.
+- Restored, the cells are the very bytes computed. A prompt restored at a position where its cold evaluation cut a
+  chunk (every ``CHUNK`` tokens from 0) and evaluated on in the same chunks is evaluated as cold is; cut anywhere
+  else, the chunks differ, and llama.cpp's CPU kernels give a row other numbers in another chunking (seen: up to
+  2.7 in a logit). So restore points are multiples of ``CHUNK``, and a prompt that is an entry's whole prompt
+  starts from its saved logits, the cold ones bit for bit. One difference remains: llama.cpp puts restored
+  sliding-window cells at the start of the sequence's cells, where a cold evaluation left them at their
+  positions, and once the window moves past them attention sums over another layout (seen: logits up to ~1 apart
+  after 20 tokens; greedy tokens the same in the tests).
 
 Runs only in the runner process; imports llama_cpp and numpy.
 """

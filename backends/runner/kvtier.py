@@ -14,13 +14,14 @@ prompt once, incrementally, at every length some entry of its scope can restore,
 
 Host memory: ``ram_budget`` bytes, least recently used out. Disk: a directory and ``disk_budget`` bytes for all of
 it (the runners of a node share it), least recently used (by mtime) out. Every entry put is written by a writer
-thread, off the decode loop, to a temporary file renamed into place (mode 0600). A file starts with a fixed header
-(magic, format version, header length), then a JSON header (namespace, token count, part sizes, restore points
-with their digests, a BLAKE2b-256 of the body), then the body. A file whose header, size or checksum does not
-match is refused: deleted, counted (``refused``) and logged, and the prompt is computed again; it is never loaded.
-A restarted runner indexes the headers of its namespace's files; a body is read at its first use.
+thread, off the decode loop, to a temporary file renamed into place (mode 0600), in the entry format of
+``kvformat`` (a header, a checksum); a file that does not check is refused: deleted, counted (``refused``) and
+logged, and the prompt is computed again; it is never loaded. A restarted runner indexes the headers of its
+namespace's files; a body is read at its first use. Peers (``kvpeers``) ask what a tier holds by digest
+(``offer``), fetch entries in the same format (``export``, ``receive``: checked the same way) and warm from the
+entries it used last (``hot``); each entry carries its prompt's prefix key (``tags``: what routing may send here).
 
-Runs in runner processes; imports numpy, nothing of ours.
+Runs in runner processes; imports numpy and the entry format.
 """
 
 from __future__ import annotations
@@ -180,9 +181,9 @@ class KVTier:
             if key not in self._ram and key not in self._disk and key not in self._pending:
                 self._unindex(key, entry.digests)
 
-    def find(self, scope: str, prompt: Sequence[int], *, usable: int = 1) -> Hit | None:
+    def find(self, scope: str, prompt: Sequence[int], *, usable: int = 1, ends: bool = False) -> Hit | None:
         """The longest restorable prefix of ``prompt`` in ``scope``: a restore point, or an entry's end when that
-        is the whole prompt; ``None`` when none is ``usable`` tokens or more."""
+        is the whole prompt (or, with ``ends``, any prefix of it); ``None`` when none is ``usable`` tokens or more."""
         tokens = np.asarray(prompt, dtype=np.int32)
         with self._lock:
             lengths = [n for n in self._lengths.get(scope, ()) if usable <= n <= len(tokens)]
@@ -200,7 +201,7 @@ class KVTier:
                 continue
             if n == len(tokens) and n != len(entry.tokens):
                 continue  # the prompt's last token needs its logits: only an entry's end has them
-            if n < len(tokens) and n not in entry.points:
+            if n < len(tokens) and n not in entry.points and not (ends and n == len(entry.tokens)):
                 continue  # an entry's end serves a longer prompt only where it is also a restore point
             self.counts[f"hits_{tier}"] += 1
             return Hit(entry, n, tier)

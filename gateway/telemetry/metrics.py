@@ -21,7 +21,7 @@ one of five words, ``endpoint`` a route template (``other`` when no route matche
     meshgate_prefix_cache_hits_total / meshgate_prompt_tokens_cached_total{model,instance}   counters: generations
                                             whose prompt reused a prefix the runner held, and the tokens reused
     meshgate_route_decisions_total{model,rule}   requests this gateway routed, by rule (``routing``: only,
-                                            affinity, spill, least_loaded)
+                                            prefix, tier, affinity, spill, least_loaded)
     meshgate_replica_load{instance,kind}    gauges, every gateway's: kind running, queued (``loads``)
     meshgate_replacements_total{model}      instances this gateway re-placed after a failure
     meshgate_stream_resumes_total{model}, meshgate_resume_wait_seconds{model}   counter, histogram: streams moved

@@ -27,11 +27,12 @@ def test_the_longest_restorable_prefix_is_found_within_its_scope_only():
     assert tier.find("a", PROMPT).length == len(PROMPT), "the whole prompt: its end, with its logits"
     longer = tier.find("a", PROMPT + [7, 8, 9])
     assert longer.length == 1024, "a longer prompt restores at the last restore point, not at the entry's end"
+    assert tier.find("a", PROMPT + [7, 8, 9], ends=True).length == len(PROMPT), "inexact: from the entry's end"
     assert tier.find("a", PROMPT[:700] + [1, 2, 3]).length == 512
     assert tier.find("a", PROMPT[:1024]).length == 512, "a prompt ending at a restore point needs logits it lacks"
     assert tier.find("b", PROMPT) is None, "another scope's entry is never served"
     assert KVTier("other", ram_budget=1 << 20).find("a", PROMPT) is None
-    assert tier.stats()["hits_ram"] == 4
+    assert tier.stats()["hits_ram"] == 5
 
 
 def test_host_memory_keeps_the_most_recently_used_within_its_budget():

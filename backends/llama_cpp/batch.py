@@ -52,6 +52,11 @@ the way llama.cpp's own server drives its slots:
   after its prompt one step each, as they were generated, instead of as prompt chunks: they get the numbers they
   had, so its greedy text goes on as the undisturbed run's would. It samples once they are all in.
 - A finished or cancelled job leaves its slot at once; the slot keeps its tokens for the next job's prefix.
+- With a KV tier (``kvstate.Keeper``, ``runner.kvtier``), a job whose ``restore`` (a tier hit) holds more of its
+  prompt than any slot restores it into the free slot used longest ago: a whole prompt then samples its first
+  token from the logits kept with it, a longer one prefills the rest from a chunk boundary, as cold does. A
+  prompt evaluated as cold evaluates it (from nothing or from the tier, never from a slot's reuse or copy, which
+  may hold numbers of other chunks or of decodes: ``Job.exact``) is kept in the tier as it ends.
 - Every job samples with its own native chain (``sampling.Sampler``) from its own row of the batch's logits;
   log probabilities are read from the same row before the next decode replaces them.
 
@@ -83,9 +88,9 @@ from typing import Any
 import numpy as np
 
 from meshgate.backends.llama_cpp.cpu_kernels import ReferenceKernels, cpu_backend
-from meshgate.backends.llama_cpp.kvstate import SeqStates
+from meshgate.backends.llama_cpp.kvstate import Keeper
 from meshgate.backends.llama_cpp.sampling import GrammarStuck, Sampler
-from meshgate.backends.runner.kvtier import Entry, Hit, KVTier
+from meshgate.backends.runner.kvtier import Hit, KVTier
 
 __all__ = ["DECODE_GROUP", "TILED_ENV", "Job", "Scheduler", "decode_group"]
 
@@ -131,13 +136,6 @@ CHUNK = 512
 
 PREEMPTIONS = 1
 """Times one prompt chunk may be stopped for a newcomer: each costs up to a chunk's work, done again."""
-
-SAVED = CHUNK
-"""Prompts shorter than this are not kept in the KV tier: they are evaluated again in well under a second."""
-
-POINTS = 2
-"""Restore points a tier entry keeps: the last ``POINTS`` multiples of ``CHUNK`` inside its prompt (where the next
-turn of a conversation, or a prompt that shares all but its last message, starts over)."""
 
 
 @dataclass(eq=False)
@@ -246,8 +244,7 @@ class Scheduler:
         self._preempt = False  # stop that chunk: a job that goes first is waiting, or the chunk's job is gone
         self._abort = lib.ggml_abort_callback(self._should_abort)  # kept alive with the scheduler
         self._no_abort = lib.ggml_abort_callback()
-        self.tier = tier
-        self.states = SeqStates(lib, self.ctx, model) if tier is not None else None
+        self.keeper = Keeper(lib, self.ctx, model, tier, CHUNK) if tier is not None else None
         self.restored = 0  # prompt tokens restored from the KV tier instead of evaluated
         self.prompt_rate = (
             200.0  # prompt tokens a second, measured on chunks (a moving average): peers' fetches weigh it
@@ -322,7 +319,10 @@ class Scheduler:
             hit, job.restore = job.restore, None
             if hit is not None and hit.length > (_usable(holder.tokens, job.prompt) if holder else keep):
                 slot = min(free, key=lambda s: s.used)  # the tier holds more than any slot: restore it there
-                keep = self._restore(slot, hit, job)
+                assert self.keeper is not None
+                keep, job.logits = self.keeper.restore(slot.seq, hit, len(job.prompt))
+                slot.tokens = job.prompt[:keep]
+                self.restored += keep
             elif holder is not None:  # another slot holds more of the prompt: copy it over the least recently used
                 slot = min(free, key=lambda s: s.used)
                 keep = self._copy(holder, slot, _usable(holder.tokens, job.prompt))
@@ -338,40 +338,6 @@ class Scheduler:
             self._admitted += 1
             job.admitted = slot.used = self._admitted
             slot.job = job
-
-    def _restore(self, slot: _Slot, hit: Hit, job: Job) -> int:
-        """Put ``hit``'s KV into ``slot``; returns the tokens it holds (0: llama.cpp refused it, the slot is empty).
-        A whole prompt restored keeps its last logits for the first token."""
-        assert self.states is not None and self.tier is not None
-        entry, n = hit.entry, hit.length
-        total = len(entry.tokens)
-        if not self.states.restore(slot.seq, entry.state, n, total, entry.points.get(n)):
-            slot.tokens = []
-            return 0
-        slot.tokens = job.prompt[:n]
-        if n == len(job.prompt):
-            job.logits = np.frombuffer(entry.logits, dtype=np.float32)
-        self.restored += n
-        self.tier.restored(n)
-        return n
-
-    def _keep(self, slot: _Slot, job: Job, row: int) -> None:
-        """Put the state of ``job``'s whole prompt (just evaluated, its logits at batch row ``row``) in the tier."""
-        assert self.states is not None and self.tier is not None and job.scope is not None
-        logits = np.ctypeslib.as_array(self._lib.llama_get_logits_ith(self.ctx, row), shape=(self.n_vocab,))
-        n = len(job.prompt)
-        if n % CHUNK == 0:
-            job.points[n] = bytearray()  # its end is a restore point too: the whole state is that position's
-        entry = Entry(
-            job.scope,
-            np.asarray(job.prompt, dtype=np.int32),
-            self.states.capture(slot.seq),
-            bytearray(logits.astype(np.float32).tobytes()),
-            dict(job.points),
-            tag=job.tag,
-        )
-        job.points.clear()
-        self.tier.put(entry)
 
     def _holder(self, prompt: list[int], have: int) -> _Slot | None:
         """The slot, busy or not, that holds the longest prefix of ``prompt``, if that is ``MIN_REUSE`` tokens or
@@ -480,13 +446,10 @@ class Scheduler:
             return n
         job.fed, job.preempted = end, 0
         self.prompt_rate = 0.8 * self.prompt_rate + 0.2 * n / max(time.perf_counter() - started, 1e-6)
-        keeping = self.tier is not None and job.scope is not None and job.exact and len(job.prompt) >= SAVED
-        if keeping and end < len(job.prompt) and end % CHUNK == 0 and end >= _points_from(len(job.prompt)):
-            assert self.states is not None
-            job.points[end] = self.states.capture_window(slot.seq)  # a restore point: its window's cells
+        if self.keeper is not None and job.scope is not None and job.exact:  # its KV is cold's: the tier's
+            logits = self._lib.llama_get_logits_ith(self.ctx, n - 1) if end == len(job.prompt) else None
+            self.keeper.passed(slot.seq, job.prompt, end, job.points, job.scope, job.tag, logits)
         if end == len(job.prompt):
-            if keeping:
-                self._keep(slot, job, n - 1)
             self._sample(slot, n - 1)
         return n
 
@@ -581,11 +544,6 @@ def _common(a: list[int], b: list[int]) -> int:
     while i < n and a[i] == b[i]:
         i += 1
     return i
-
-
-def _points_from(n: int) -> int:
-    """The first restore point a prompt of ``n`` tokens keeps: the last ``POINTS`` multiples of ``CHUNK`` before it."""
-    return max(CHUNK, ((n - 1) // CHUNK - POINTS + 1) * CHUNK)
 
 
 def _pointer(logits: np.ndarray) -> Any:

@@ -26,7 +26,18 @@ from __future__ import annotations
 import ctypes
 from typing import Any
 
-__all__ = ["SeqStates"]
+import numpy as np
+
+from meshgate.backends.runner.kvtier import Entry, Hit, KVTier
+
+__all__ = ["POINTS", "SAVED", "Keeper", "SeqStates"]
+
+SAVED = 512
+"""Prompts shorter than this are not kept in the KV tier: they are evaluated again in well under a second."""
+
+POINTS = 2
+"""Restore points a tier entry keeps: the last ``POINTS`` chunk boundaries inside its prompt (where the next turn
+of a conversation, or a prompt that shares all but its last message, starts over)."""
 
 
 class SeqStates:
@@ -85,3 +96,55 @@ def _set(lib: Any, ctx: Any, seq: int, data: Any, flags: int) -> int:
     if flags:
         return int(lib.llama_state_seq_set_data_ext(ctx, buffer, size, seq, flags))
     return int(lib.llama_state_seq_set_data(ctx, buffer, size, seq))
+
+
+class Keeper:
+    """The KV tier as the scheduler uses it: a hit restored into a sequence, and a prompt's state kept as its
+    prefill passes its restore points and ends (only a prompt evaluated as cold evaluates it: cold's chunks, from
+    nothing or from the tier)."""
+
+    def __init__(self, lib: Any, ctx: Any, model: Any, tier: KVTier, chunk: int) -> None:
+        self._lib = lib
+        self.ctx = ctx
+        self.states = SeqStates(lib, ctx, model)
+        self.tier = tier
+        self.chunk = chunk
+        self.n_vocab = lib.llama_vocab_n_tokens(lib.llama_model_get_vocab(model))
+
+    def restore(self, seq: int, hit: Hit, prompt_length: int) -> tuple[int, np.ndarray | None]:
+        """Put ``hit``'s KV into ``seq``: the tokens it holds (0: llama.cpp refused it, ``seq`` is empty) and, when
+        that is the whole prompt, the logits its first token is sampled from."""
+        entry, n = hit.entry, hit.length
+        if not self.states.restore(seq, entry.state, n, len(entry.tokens), entry.points.get(n)):
+            return 0, None
+        self.tier.restored(n)
+        whole = n == prompt_length
+        return n, np.frombuffer(entry.logits, dtype=np.float32) if whole else None
+
+    def passed(
+        self,
+        seq: int,
+        prompt: list[int],
+        end: int,
+        points: dict[int, bytearray],
+        scope: str,
+        tag: str,
+        logits: Any,
+    ) -> None:
+        """``seq``'s prefill of ``prompt`` reached ``end``: at one of its last ``POINTS`` chunk boundaries, the
+        window's cells there go to ``points``; at its end (``logits``: the last position's), it goes to the tier."""
+        n = len(prompt)
+        if n < SAVED:
+            return
+        first = max(self.chunk, ((n - 1) // self.chunk - POINTS + 1) * self.chunk)
+        if end < n and end % self.chunk == 0 and end >= first:
+            points[end] = self.states.capture_window(seq)
+        if end != n:
+            return
+        if n % self.chunk == 0:
+            points[n] = bytearray()  # its end is a restore point too: the whole state is that position's
+        row = np.ctypeslib.as_array(logits, shape=(self.n_vocab,))
+        state = self.states.capture(seq)
+        entry = Entry(scope, np.asarray(prompt, dtype=np.int32), state, bytearray(row.tobytes()), dict(points), tag=tag)
+        points.clear()
+        self.tier.put(entry)

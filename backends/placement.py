@@ -156,6 +156,8 @@ class ShardCosts(_Data, frozen=True):
     its last stage. ``vocab_parallel``: tensor ranks split the embedding and output layer (vLLM does); when
     false each tensor rank holds them whole (MLX here). ``sequences``: requests a runner batches, each with its
     own KV cache of the full context (llama.cpp's slots), so the KV cache is reserved that many times.
+    ``cache_share``, ``cache_cap``: the head runner keeps prompts' KV in host memory (a KV tier) sized from its
+    node's memory; the planner counts it as the head's and records it in the shard (``Shard.cache_bytes``).
     """
 
     base_bytes: int = 64 << 20
@@ -164,6 +166,13 @@ class ShardCosts(_Data, frozen=True):
     tied_output_copy: bool = False
     vocab_parallel: bool = True
     sequences: int = 1
+    cache_share: float = 0.0
+    cache_cap: int = 0
+
+    def cache(self, node_memory: int) -> int:
+        """The head runner's host-memory KV tier on a node of ``node_memory`` bytes: ``cache_share`` of it, at most
+        ``cache_cap`` (a tier of a fixed size is in ``head_bytes`` instead)."""
+        return min(self.cache_cap, int(node_memory * self.cache_share))
 
 
 class Shard(_Data, frozen=True):
@@ -178,6 +187,7 @@ class Shard(_Data, frozen=True):
     weight_bytes: int = 0
     kv_bytes: int = 0
     overhead_bytes: int = 0
+    cache_bytes: int = 0  # of ``overhead_bytes``: the head runner's host-memory KV tier (``ShardCosts.cache_share``)
 
     @property
     def memory_bytes(self) -> int:

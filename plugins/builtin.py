@@ -52,8 +52,8 @@ class LlamaCppSettings(PluginSettings, frozen=True):
         llama_calibrate: Measure this node's llama.cpp speed once (on the packaged model, a few seconds, cached
             for the machine in ``~/.cache/meshgate``) for the planner's tok/s estimates
             (``MESHGATE_LLAMA_CALIBRATE=0``: estimate from a numpy matmul instead).
-        kv_ram_mib: MiB of host memory each llama.cpp runner keeps evicted prompts' KV in (the planner counts it as
-            the runner's memory); -1: a sixteenth of this machine's memory, at most 8 GiB; 0: no host tier.
+        kv_ram_mib: MiB of host memory each llama.cpp runner keeps prompts' KV in (the planner counts it as the
+            runner's memory); -1: a sixteenth of its node's memory, at most 8 GiB; 0: no host tier.
         kv_disk_mib: MiB of ``kv_dir`` the node's runners keep prompts' KV in, across restarts; -1: a tenth of the
             free space there, at most 32 GiB; 0: no disk tier.
         kv_dir: The disk tier's directory (default ``<data dir>/kv-cache``).
@@ -96,20 +96,13 @@ def meshgate_register_backends(
 def _kv_tiers(own: LlamaCppSettings, data_dir: Path) -> dict[str, Any]:
     """The KV tiers' budgets: as set, or sized from this machine's memory and the directory's free space."""
     directory = Path(own.kv_dir) if own.kv_dir else data_dir / "kv-cache"
-    ram = own.kv_ram_mib * MIB if own.kv_ram_mib >= 0 else min(8 << 30, _memory() // 16)
+    ram = own.kv_ram_mib * MIB if own.kv_ram_mib >= 0 else None  # None: sized from each node's memory
     if own.kv_disk_mib >= 0:
         disk = own.kv_disk_mib * MIB
     else:
         probe = next((p for p in (directory, *directory.parents) if p.exists()), Path("/"))
         disk = min(32 << 30, shutil.disk_usage(probe).free // 10)
     return {"kv_ram": ram, "kv_dir": str(directory), "kv_disk": disk}
-
-
-def _memory() -> int:
-    try:
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (ValueError, OSError):
-        return 0
 
 
 def _packaged_path(settings: Settings) -> str | None:

@@ -39,6 +39,10 @@ GEMMA_TEMPLATE = (
     "{{- end }}\n"
     "{{- end }}"
 )
+KV_SHARE = 1 / 16
+"""The share of a node's memory a head runner's host-memory KV tier takes unless its size is set."""
+KV_CAP = 8 << 30
+"""The most a host-memory KV tier takes unless its size is set (llama.cpp's server keeps 8 GiB of prompts)."""
 _ARRAY_KEYS = ("tokenizer.ggml.tokens", "tokenizer.ggml.scores", "tokenizer.ggml.token_type", "tokenizer.ggml.merges")
 
 
@@ -118,12 +122,13 @@ class LlamaCppBackend(Backend):
         parallel: int | None = None,
         exact: bool = True,
         calibration_model: Callable[[], str | None] | None = None,
-        kv_ram: int = 0,
+        kv_ram: int | None = 0,
         kv_dir: str | None = None,
         kv_disk: int = 0,
     ) -> None:
-        """``kv_ram``: bytes of host memory each head runner keeps prompts' KV in (counted as its memory);
-        ``kv_disk`` bytes of ``kv_dir`` for the node's disk tier (``runner.kvtier``)."""
+        """``kv_ram``: bytes of host memory each head runner keeps prompts' KV in (``None``: ``KV_SHARE`` of its
+        node's memory, at most ``KV_CAP``; the planner counts it as the runner's memory); ``kv_disk`` bytes of
+        ``kv_dir`` for the node's disk tier (``runner.kvtier``)."""
         self.http = http
         self.calibration_model = calibration_model  # a small GGUF's path to measure the node with (calibrate)
         self.python = python or sys.executable
@@ -152,7 +157,9 @@ class LlamaCppBackend(Backend):
         # worker, while the head keeps the input embedding (file-backed pages of the GGUF).
         return ShardCosts(
             base_bytes=55 * MiB,
-            head_bytes=70 * MiB + self.kv_ram,  # the KV tier's host memory is the head runner's
+            head_bytes=70 * MiB + (self.kv_ram or 0),  # a KV tier of a set size is the head runner's memory
+            cache_share=KV_SHARE if self.kv_ram is None else 0.0,  # else a share of its node's
+            cache_cap=KV_CAP,
             per_token_bytes=23 << 10,
             tied_output_copy=True,
             sequences=self.parallel or 0,  # 0: the planner sizes the slots from the nodes' memory
@@ -214,7 +221,8 @@ class LlamaCppBackend(Backend):
         argv += ["--repack"] if self.repack else []
         slots = self.parallel or placement.sequences  # the planner's count unless the operator set one
         argv += ["--parallel", str(slots)] + ([] if self.exact else ["--inexact"])
-        argv += ["--kv-ram", str(self.kv_ram), "--model-digest", card.digest]
+        kv_ram = shard.cache_bytes if self.kv_ram is None else self.kv_ram  # as the planner counted it
+        argv += ["--kv-ram", str(kv_ram), "--model-digest", card.digest]
         argv += ["--kv-dir", self.kv_dir, "--kv-disk", str(self.kv_disk)] if self.kv_dir and self.kv_disk else []
         process = await RunnerProcess.start(
             argv, name=card.name, ready_timeout=self.ready_timeout, env={"GGML_NO_BACKTRACE": "1"}

@@ -96,10 +96,18 @@ class BackendOffer(msgspec.Struct, frozen=True, kw_only=True):
     vocab_parallel: bool = True
     kv_sequences: int = 1
     required_runtime: str | None = None
+    head_cache_share: float = 0.0
+    head_cache_cap: int = 0
 
-    def overhead(self, context: int, head: bool = False) -> int:
-        """Runtime memory of one shard for ``context`` tokens (the head's when ``head``)."""
-        return self.overhead_bytes + self.overhead_per_token * context + (self.head_overhead_bytes if head else 0)
+    def cache(self, node_memory: int) -> int:
+        """The head runner's host-memory KV tier on a node of ``node_memory`` bytes (``ShardCosts.cache``)."""
+        return min(self.head_cache_cap, int(node_memory * self.head_cache_share))
+
+    def overhead(self, context: int, head: bool = False, node_memory: int = 0) -> int:
+        """Runtime memory of one shard for ``context`` tokens (the head's when ``head``, on a node of
+        ``node_memory`` bytes: its KV tier)."""
+        extra = self.head_overhead_bytes + self.cache(node_memory) if head else 0
+        return self.overhead_bytes + self.overhead_per_token * context + extra
 
 
 def plan(
@@ -233,10 +241,16 @@ class _Planner:
     # ------------------------------------------------------------------------------------------ node choice
 
     def _singles(self) -> Iterator[Candidate]:
-        need = self.spec.weight_bytes + self.spec.kv_bytes(self.kv_tokens) + self.offer.overhead(self.ctx, head=True)
-        fit = sorted((n for n in self.view.order if n.memory_available >= need), key=lambda n: (-self._rate(n), n.id))
+        need = self.spec.weight_bytes + self.spec.kv_bytes(self.kv_tokens)
+        fit = sorted(
+            (n for n in self.view.order if n.memory_available >= need + self._head_overhead(n)),
+            key=lambda n: (-self._rate(n), n.id),
+        )
         for node in fit[:ALTERNATIVES] or self.view.order[:1]:
             yield self.pipeline([node], "single")
+
+    def _head_overhead(self, node: Node) -> int:
+        return self.offer.overhead(self.ctx, head=True, node_memory=node.memory_total)
 
     def _smallest_size(self, limit: int) -> int:
         """The smallest k >= 2 whose k roomiest nodes could hold the model at all; ``limit`` when none can."""
@@ -312,7 +326,9 @@ class _Planner:
         """Layers over ``chain`` in order, balanced by compute within each node's memory; stage 0 holds the
         embedding, the last stage the untied output layer. Every stage gets at least one layer."""
         spec, k = self.spec, len(chain)
-        overheads = [self.offer.overhead(self.ctx, head=i == 0) for i in range(k)]
+        overheads = [
+            self.offer.overhead(self.ctx, head=i == 0, node_memory=n.memory_total) for i, n in enumerate(chain)
+        ]
         output_copy = spec.embedding_bytes if k > 1 and spec.tied_output and self.offer.tied_output_copy else 0
         fixed = [
             (spec.embedding_bytes if i == 0 else 0) + (spec.output_bytes + output_copy if i == k - 1 else 0)
@@ -351,6 +367,7 @@ class _Planner:
                     weight_bytes=fixed[i] + layers[i] * spec.layer_bytes,
                     kv_bytes=spec.kv_bytes(self.kv_tokens, layers[i]),
                     overhead_bytes=overheads[i],
+                    cache_bytes=self.offer.cache(node.memory_total) if i == 0 else 0,
                 )
             )
             first += layers[i]
@@ -413,7 +430,8 @@ class _Planner:
                 holds_embedding=True,
                 weight_bytes=weight,
                 kv_bytes=kv,
-                overhead_bytes=self.offer.overhead(self.ctx, head=r == 0),
+                overhead_bytes=self.offer.overhead(self.ctx, head=r == 0, node_memory=n.memory_total),
+                cache_bytes=self.offer.cache(n.memory_total) if r == 0 else 0,
             )
             for r, n in enumerate(ranks)
         )

@@ -266,3 +266,17 @@ def test_a_custom_rank_orders_only_the_fitting_ones() -> None:
     fits = [c.fits for c in candidates]
     assert fits == sorted(fits, reverse=True)
     assert len(candidates[0].shards) == 2
+
+
+def test_the_heads_kv_tier_is_a_share_of_its_nodes_memory_counted_and_recorded() -> None:
+    tiered = offer(head_cache_share=1 / 16, head_cache_cap=1 << 30)
+    single = plan(SPEC, topology(node("a", 16)), [tiered])[0]
+    (shard,) = single.shards
+    assert shard.cache_bytes == 1 << 30, "a 16th of 16 GiB, at most its cap"
+    assert shard.overhead_bytes == 64 * MiB + (1 << 30)
+    assert single.memory_per_node["a"] == plan(SPEC, topology(node("a", 16)), [offer()])[0].memory_per_node["a"] + (
+        1 << 30
+    )
+    small = plan(SPEC, topology(node("a", 4), node("b", 4)), [tiered], context=4096)[0]
+    head, *rest = small.shards
+    assert head.cache_bytes == 256 << 20 and all(s.cache_bytes == 0 for s in rest), "the head's only, its node's 16th"

@@ -207,6 +207,30 @@ async def test_the_vllm_plugin_passes_its_settings_to_its_backend(tmp_path):
     assert by_name["llama_cpp"].repack is True
 
 
+def test_the_llama_cpp_plugin_sizes_its_kv_tiers_and_the_planner_counts_the_host_one(tmp_path):
+    def backend(environ: dict[str, str]):
+        settings = Settings.from_env(environ, data_dir=str(tmp_path))
+        backends: list = []
+        build_plugin_manager(settings).hook.meshgate_register_backends(
+            register=backends.append, settings=settings, http=None
+        )
+        return next(b for b in backends if b.name == "llama_cpp")
+
+    card = ModelCard(name="m", path="/m.gguf", format="gguf")
+    default, set_, off = (
+        backend({}),
+        backend({"MESHGATE_KV_RAM_MIB": "512", "MESHGATE_KV_DISK_MIB": "1024", "MESHGATE_KV_DIR": "/srv/kv"}),
+        backend({"MESHGATE_KV_RAM_MIB": "0", "MESHGATE_KV_DISK_MIB": "0"}),
+    )
+    assert default.kv_ram is None and default.kv_dir == str(tmp_path / "kv-cache") and 0 < default.kv_disk <= 32 << 30
+    auto = default.costs(card)
+    assert auto.cache(24 << 30) == 1536 << 20 and auto.cache(1 << 40) == 8 << 30, "a 16th of its node, at most 8 GiB"
+    assert (set_.kv_ram, set_.kv_disk, set_.kv_dir) == (512 << 20, 1 << 30, "/srv/kv")
+    assert set_.costs(card).head_bytes - off.costs(card).head_bytes == 512 << 20, "a set size is the runner's"
+    assert set_.costs(card).cache(24 << 30) == off.costs(card).cache(24 << 30) == 0
+    assert (off.kv_ram, off.kv_disk) == (0, 0)
+
+
 # ------------------------------------------------------------------------------------------- the models plugin
 
 

@@ -20,6 +20,7 @@ import json
 from collections.abc import Callable
 from typing import Any
 
+from meshgate.backends.runner.asgi import read_body
 from meshgate.backends.runner.kvpeers import Peer
 
 __all__ = ["serve"]
@@ -32,7 +33,7 @@ async def serve(engine: Any, path: str, method: str, receive: Callable[..., Any]
     tier = engine.tier
     try:
         if path == "/kv/offer" and method == "POST":
-            asked = json.loads(await _body(receive))
+            asked = json.loads(await read_body(receive))
             digests = [(int(n), str(d)) for n, d in asked["digests"]]
             offer = await asyncio.to_thread(tier.offer, str(asked["scope"]), digests)
             answer = {"length": offer[0], "key": offer[1], "size": offer[2]} if offer else {"length": 0}
@@ -44,15 +45,15 @@ async def serve(engine: Any, path: str, method: str, receive: Callable[..., Any]
                 return
             await _stream(send, parts)
         elif path == "/kv/hot" and method == "POST":
-            count = int(json.loads(await _body(receive)).get("count", 8))
+            count = int(json.loads(await read_body(receive)).get("count", 8))
             await _json(send, 200, {"entries": [[key, size] for key, size in tier.hot(count)]})
         elif path == "/kv/warm" and method == "POST":
-            asked = json.loads(await _body(receive))
+            asked = json.loads(await read_body(receive))
             if getattr(engine, "kv_peers", None) is not None:
                 engine.kv_peers.warm(str(asked["url"]), int(asked.get("count", 8)))
             await _json(send, 202, {"warming": True})
         elif path == "/kv/peers" and method in ("PUT", "POST"):
-            listed = json.loads(await _body(receive))["peers"]
+            listed = json.loads(await read_body(receive))["peers"]
             peers = [Peer(str(p["url"]), float(p.get("bandwidth") or 0), float(p.get("latency") or 0)) for p in listed]
             if getattr(engine, "kv_peers", None) is not None:
                 engine.kv_peers.set(peers)
@@ -72,15 +73,6 @@ async def _stream(send: Callable[..., Any], parts: list[Any]) -> None:
         for at in range(0, len(view), PIECE):
             await send({"type": "http.response.body", "body": bytes(view[at : at + PIECE]), "more_body": True})
     await send({"type": "http.response.body", "body": b"", "more_body": False})
-
-
-async def _body(receive: Callable[..., Any]) -> bytes:
-    chunks = []
-    while True:
-        message = await receive()
-        chunks.append(message.get("body", b""))
-        if not message.get("more_body"):
-            return b"".join(chunks)
 
 
 async def _json(send: Callable[..., Any], status: int, body: dict[str, Any]) -> None:

@@ -36,6 +36,7 @@ import msgspec
 
 from meshgate.backends.runner import kv_routes
 from meshgate.backends.runner import secret as cluster_secret
+from meshgate.backends.runner.asgi import read_body
 from meshgate.backends.runner.net import family
 from meshgate.protocols.model import (
     TERMINAL,
@@ -123,7 +124,7 @@ class RunnerApp:
             await _respond(send, 404, b'{"error":"not found"}')
 
     async def _generate(self, receive: Callable[..., Any], send: Callable[..., Any]) -> None:
-        body = await _read_body(receive)
+        body = await read_body(receive)
         try:
             request = _request_decoder.decode(body)
         except (msgspec.MsgspecError, RecursionError) as exc:  # RecursionError: JSON nested too deeply
@@ -163,7 +164,7 @@ class RunnerApp:
     ) -> None:
         """One request in, one JSON answer out, run by ``engine.<method>(request, cancel)`` on a thread under
         the runner's one-job lock; errors as ``{"error": ErrorInfo}`` with their status."""
-        body = await _read_body(receive)
+        body = await read_body(receive)
         try:
             try:
                 request = decoder.decode(body)
@@ -246,15 +247,6 @@ async def _wait_disconnect(receive: Callable[..., Any], cancel: threading.Event)
         if message["type"] == "http.disconnect":
             cancel.set()
             return
-
-
-async def _read_body(receive: Callable[..., Any]) -> bytes:
-    chunks = []
-    while True:
-        message = await receive()
-        chunks.append(message.get("body", b""))
-        if not message.get("more_body"):
-            return b"".join(chunks)
 
 
 async def _respond(

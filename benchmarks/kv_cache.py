@@ -16,6 +16,23 @@ With ``--peers``, runner processes too: one over the table's disk tier, a second
 demand (over loopback HTTP, the link taken to be ``--bandwidth``), a third told to warm from it (a new replica).
 
     .venv/bin/python benchmarks/kv_cache.py [--prefix 8000 18714] [--peers] [--agents 12] [--agent-prefix 2500]
+
+Measured 2026-12-05 on the 2-core box, quiet, 2 threads (``--prefix 8000 18714 --peers``: prompts of 8,067 and
+18,883 tokens; the peer's link taken as 1 GB/s, over loopback):
+
+    | from                          | TTFT 8,067 | TTFT 18,883 | same tokens as cold |
+    | cold                          | 54.89 s    | 177.31 s    | -                   |
+    | warm in its slot              | 0.03 s     | 0.06 s      | yes                 |
+    | RAM tier, slots empty         | 0.01 s     | 0.02 s      | yes                 |
+    | disk tier after a restart     | 0.11 s     | 0.18 s      | yes                 |
+    | a peer's tier (47 / 79 MiB)   | 0.55 s     | 0.79 s      | yes                 |
+    | a new replica, warmed         | 0.02 s     | 0.05 s      | yes                 |
+
+    12 agents, 3 turns, 4 slots: prompt tokens evaluated per turn, prefix restored in turns 2-3
+    | prefixes of 2,587 tokens | no tier 31,044 / 31,370 / 31,696, 0% | exact 31,044 / 650 / 976, 99.4% |
+    |                          | inexact 31,044 / 326 / 326, 100%     |                                 |
+    | prefixes of 2,395 tokens | no tier 28,740 / 29,066 / 29,392, 0% | exact 28,740 / 4,490 / 4,816, 85.9% |
+    |                          | inexact 28,740 / 326 / 326, 100%     |                                     |
 """
 
 from __future__ import annotations

@@ -148,11 +148,12 @@ def ttft_table(llm, args, directory: Path, prefix: int) -> None:
 async def from_peers(args, directory: Path, prompt: str, cold: list[int]) -> list[tuple]:
     """Runner processes: ``a`` over the table's disk tier, ``b`` fetching from it on demand, ``c`` warmed from it."""
     rows, processes = [], []
+    scratch = tempfile.TemporaryDirectory(prefix="kv-peers-")
     try:
         async with httpx.AsyncClient(timeout=1800) as http:
             runners = []
             for name, kv in (("a", directory), ("b", None), ("c", None)):
-                kv = kv or Path(tempfile.mkdtemp(prefix=f"kv-{name}-"))
+                kv = kv or Path(scratch.name) / name
                 argv = [sys.executable, "-m", "meshgate.backends.llama_cpp.runner", "--model", args.gguf]
                 argv += ["--n-ctx", str(args.n_ctx), "--parallel", "2", "--threads", str(args.threads)]
                 argv += ["--kv-ram", str(4 << 30), "--kv-dir", str(kv), "--kv-disk", str(8 << 30)]
@@ -173,6 +174,7 @@ async def from_peers(args, directory: Path, prompt: str, cold: list[int]) -> lis
     finally:
         for process in processes:
             await process.stop()
+        scratch.cleanup()
     return rows
 
 

@@ -3,7 +3,9 @@
 Every client protocol translates into these types and every backend speaks them. Vendor-neutral: no field
 here is named after one wire protocol's spelling.
 
-Must not import anything of ours (it is the bottom of the import graph) and does no I/O.
+Imports nothing of ours but its own parts, which import nothing else of ours: the errors (``protocols.errors``:
+the error tree, ``ErrorInfo``, ``error_from_info``) and the reading of request bodies (``protocols.bodies``),
+re-exported here. Does no I/O.
 
 Shape:
 
@@ -14,38 +16,39 @@ Shape:
   ``Usage`` snapshots are cumulative (the last one wins). ``KeepAlive`` carries no content.
 - ``collect(events)`` folds a stream into a ``Response``; non-streaming endpoints use it, never a second path.
 - Embeddings are request/response, not a stream: ``EmbedRequest`` in, ``Embeddings`` (unit vectors) out.
-
-Error tree (status on the class)::
-
-    GatewayError (500)
-    ├── InvalidRequest (400)
-    │   ├── UnsupportedFeature (400)
-    │   ├── ContextLengthExceeded (400)  the prompt (plus the output asked for) does not fit the context
-    │   └── OutputTooLarge (400)         more output asked for than the gateway allows one request
-    ├── AuthenticationFailed (401)
-    ├── NotFound (404)
-    │   └── UnknownModel (404)
-    ├── RequestTooLarge (413)
-    ├── Unprocessable (422)
-    ├── RateLimited (429)
-    ├── NoCapacity (503)          no placement fits / overloaded
-    │   ├── Overloaded (503)      the instance's queue is full; retry after ``retry_after`` seconds
-    │   └── StoreUnavailable (503) the cluster's state store did not answer in time; retry after ``retry_after``
-    ├── BackendUnavailable (503)  runner down, crashed or unreachable
-    ├── BackendProtocolError (502)
-    └── BackendTimeout (504)
 """
 
 from __future__ import annotations
 
-import array
-import itertools
-import re
 from collections.abc import AsyncIterable
-from typing import Any, ClassVar, Literal, TypeAlias, TypeVar
+from typing import Any, Literal, TypeAlias
 
 import msgspec
 from msgspec import UNSET, UnsetType
+
+from meshgate.protocols.bodies import MAX_JSON_DEPTH, MAX_MESSAGES, decode_body, json_depth, too_many_messages
+from meshgate.protocols.errors import (
+    AuthenticationFailed,
+    BackendProtocolError,
+    BackendTimeout,
+    BackendUnavailable,
+    ContextLengthExceeded,
+    ErrorInfo,
+    GatewayError,
+    InvalidRequest,
+    NoCapacity,
+    NotFound,
+    OutputTooLarge,
+    Overloaded,
+    PermissionDenied,
+    RateLimited,
+    RequestTooLarge,
+    StoreUnavailable,
+    UnknownModel,
+    Unprocessable,
+    UnsupportedFeature,
+    error_from_info,
+)
 
 __all__ = [
     "MAX_JSON_DEPTH",
@@ -105,8 +108,6 @@ __all__ = [
     "json_depth",
     "too_many_messages",
 ]
-
-T = TypeVar("T")
 
 JsonSchema: TypeAlias = dict[str, Any]
 """A JSON Schema document, kept as parsed JSON (tool parameters, response formats)."""
@@ -352,203 +353,12 @@ class Finished(_Frozen, frozen=True, tag="finished"):
     stop_sequence: str | None = None
 
 
-class ErrorInfo(_Frozen, frozen=True):
-    """A serializable error: ``kind`` is a ``GatewayError`` subclass name; ``param`` the field it is about;
-    ``detail`` the numbers a protocol words its own message from (``ContextLengthExceeded``'s token counts), so
-    an error that reaches a client mid-stream reads as it would have as an HTTP error."""
-
-    kind: str
-    message: str
-    param: str | None = None
-    detail: dict[str, int | None] | None = None
-
-
 class Failed(_Frozen, frozen=True, tag="failed"):
     error: ErrorInfo
 
 
 Event: TypeAlias = TextDelta | ReasoningDelta | ToolCallDelta | Usage | KeepAlive | Finished | Failed
 TERMINAL = (Finished, Failed)
-
-
-# ---------------------------------------------------------------------------------------------------- errors
-
-
-class GatewayError(Exception):
-    """Base of every error meshgate reports to a client. ``status`` is the HTTP status it maps to."""
-
-    status: ClassVar[int] = 500
-
-    def __init__(self, message: str, *, param: str | None = None) -> None:
-        super().__init__(message)
-        self.message = message
-        self.param = param
-
-    def info(self) -> ErrorInfo:
-        return ErrorInfo(kind=type(self).__name__, message=self.message, param=self.param)
-
-
-class InvalidRequest(GatewayError):
-    status = 400
-
-
-class UnsupportedFeature(InvalidRequest):
-    status = 400
-
-
-class ContextLengthExceeded(InvalidRequest):
-    """The prompt, or the prompt plus the output the client asked for, does not fit the model's context.
-
-    ``completion_tokens`` is the output asked for, or ``None`` when only the prompt was checked (the output is
-    then capped by the room left). Rebuilt from an ``ErrorInfo`` (a ``Failed`` event) it keeps only the message
-    (``context`` is then 0); protocols render their own wording from the numbers when they have them.
-    """
-
-    status = 400
-
-    def __init__(
-        self,
-        message: str | None = None,
-        *,
-        prompt_tokens: int = 0,
-        completion_tokens: int | None = None,
-        context: int = 0,
-        param: str | None = "messages",
-    ) -> None:
-        if message is None:
-            asked = "" if completion_tokens is None else f" and {completion_tokens} asked for the output"
-            message = (
-                f"the prompt has {prompt_tokens} tokens{asked}, but the model's context holds {context}; "
-                f"shorten the prompt{'' if completion_tokens is None else ' or ask for less output'}"
-            )
-        super().__init__(message, param=param)
-        self.prompt_tokens = prompt_tokens
-        self.completion_tokens = completion_tokens
-        self.context = context
-
-    def info(self) -> ErrorInfo:
-        detail = {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens}
-        return msgspec.structs.replace(super().info(), detail={**detail, "context": self.context})
-
-
-class OutputTooLarge(InvalidRequest):
-    """A request asks for more output tokens (``asked``) than the gateway allows one request (``limit``).
-
-    Protocols that refuse it render their own wording from the numbers; rebuilt from an ``ErrorInfo`` it keeps
-    only the message (``limit`` is then 0).
-    """
-
-    status = 400
-
-    def __init__(
-        self,
-        message: str | None = None,
-        *,
-        asked: int = 0,
-        limit: int = 0,
-        model: str = "",
-        param: str | None = "max_tokens",
-    ) -> None:
-        if message is None:
-            message = (
-                f"max_tokens is {asked}, more than the {limit} output tokens one request may ask of "
-                f"{model or 'this model'}; ask for fewer"
-            )
-        super().__init__(message, param=param)
-        self.asked = asked
-        self.limit = limit
-        self.model = model
-
-
-class AuthenticationFailed(GatewayError):
-    status = 401
-
-
-class PermissionDenied(GatewayError):
-    """A valid key without the scope an endpoint needs."""
-
-    status = 403
-
-
-class NotFound(GatewayError):
-    status = 404
-
-
-class UnknownModel(NotFound):
-    def __init__(self, model: str) -> None:
-        super().__init__(f"model '{model}' not found", param="model")
-        self.model = model
-
-
-class RequestTooLarge(GatewayError):
-    status = 413
-
-
-class RateLimited(GatewayError):
-    status = 429
-
-    def __init__(self, message: str, *, param: str | None = None, retry_after: float = 1.0) -> None:
-        super().__init__(message, param=param)
-        self.retry_after = retry_after
-
-
-class Unprocessable(GatewayError):
-    """Well-formed, but the content cannot be processed (e.g. a JSON schema the model cannot be held to)."""
-
-    status = 422
-
-
-class NoCapacity(GatewayError):
-    status = 503
-
-
-class Overloaded(NoCapacity):
-    """Too many requests already wait for the model; ``retry_after`` is a fair guess in seconds."""
-
-    def __init__(self, message: str, *, param: str | None = None, retry_after: float = 1.0) -> None:
-        super().__init__(message, param=param)
-        self.retry_after = retry_after
-
-
-class StoreUnavailable(NoCapacity):
-    """The cluster's state store (Redis) did not answer within its timeout, or refused the connection. The message
-    never names the store's address; ``retry_after`` is a fair guess in seconds."""
-
-    def __init__(self, message: str = "", *, param: str | None = None, retry_after: float = 2.0) -> None:
-        super().__init__(message or "the cluster's state store is unreachable; retry shortly", param=param)
-        self.retry_after = retry_after
-
-
-class BackendUnavailable(GatewayError):
-    status = 503
-
-
-class BackendProtocolError(GatewayError):
-    status = 502
-
-
-class BackendTimeout(GatewayError):
-    status = 504
-
-
-def _subclasses(cls: type[GatewayError]) -> dict[str, type[GatewayError]]:
-    found = {cls.__name__: cls}
-    for sub in cls.__subclasses__():
-        found.update(_subclasses(sub))
-    return found
-
-
-def error_from_info(info: ErrorInfo) -> GatewayError:
-    """Rebuild the exception a ``Failed`` event describes (unknown kinds become ``GatewayError``)."""
-    cls = _subclasses(GatewayError).get(info.kind, GatewayError)
-    if cls is UnknownModel:
-        err: GatewayError = NotFound(info.message, param="model")
-    elif cls is ContextLengthExceeded and info.detail:
-        err = ContextLengthExceeded(info.message, **info.detail)  # type: ignore[arg-type]  # its own info()'s keys
-    else:
-        err = cls(info.message)
-        err.param = info.param
-    return err
 
 
 # ---------------------------------------------------------------------------------------------------- context
@@ -577,77 +387,6 @@ class ModelInfo(_Frozen, frozen=True):
     parameter_size: str = ""
     quantization: str = ""
     context_length: int = 0
-
-
-MAX_JSON_DEPTH = 128
-"""How deeply a request body may nest JSON arrays and objects. Python's recursion limit (about 1,000 frames, shared
-with the code on the stack) stops every JSON decoder, encoder and schema walker somewhere below that; a body that
-decodes here must still encode for a runner and turn into a grammar there."""
-
-MAX_MESSAGES = 10_000
-"""The most messages (Responses API: input items) one request may hold; OpenAI's chat completions keep their own
-2,048. Rendering and counting a prompt is linear in them, yet a chat of 100,000 empty messages still cost seconds
-of CPU per count and 37-60 s before an answer; no model's context holds that many turns, and a client that sends
-more is refused before any work is done, told the bound."""
-
-
-def too_many_messages(count: int, param: str = "messages") -> InvalidRequest | None:
-    """The ``InvalidRequest`` for a request of ``count`` messages when that is more than ``MAX_MESSAGES``."""
-    if count <= MAX_MESSAGES:
-        return None
-    return InvalidRequest(
-        f"{param} holds {count:,} messages; at most {MAX_MESSAGES:,} are allowed: drop or summarize the oldest",
-        param=param,
-    )
-
-
-_JSON_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"')
-_BRACKET_STEPS = bytes.maketrans(b"[{]}", b"\x01\x01\xff\xff")  # +1 / -1 as signed bytes
-_NOT_BRACKETS = bytes(b for b in range(256) if b not in b"[]{}")
-
-
-def json_depth(body: bytes) -> int:
-    """How deeply ``body``, valid JSON, nests arrays and objects (brackets inside strings do not count).
-
-    Linear and mostly in C: the strings are cut out and the brackets left are summed (0.4 s for 32 MB of them).
-    """
-    steps = _JSON_STRING.sub(b"", body).translate(_BRACKET_STEPS, _NOT_BRACKETS)
-    return max(itertools.accumulate(array.array("b", steps)), default=0)
-
-
-def decode_body(body: bytes, into: type[T]) -> T:
-    """Decode a JSON request body into a wire Struct; bad JSON or a bad field becomes ``InvalidRequest``.
-
-    The message names the offending field (``Object missing required field `max_tokens```,
-    ``Expected `str`, got `int` - at `$.messages[0].content```). JSON nested deeper than ``MAX_JSON_DEPTH`` is
-    refused, even in fields that are otherwise taken as they come.
-    """
-    try:
-        wire = msgspec.json.decode(body, type=into)
-    except msgspec.ValidationError as exc:
-        raise InvalidRequest(f"invalid request body: {exc}", param=_param_of(str(exc))) from exc
-    except msgspec.DecodeError as exc:
-        raise InvalidRequest(f"request body is not valid JSON: {exc}") from exc
-    except RecursionError as exc:  # deeper than the decoder's stack allows
-        raise InvalidRequest(
-            f"request body nests JSON too deeply; at most {MAX_JSON_DEPTH} levels are allowed"
-        ) from exc
-    # Measured on valid JSON only (every string closed, so the scan is linear). A body with fewer opening brackets
-    # than the limit cannot nest deeper than it and is not scanned.
-    if body.count(b"[") + body.count(b"{") > MAX_JSON_DEPTH and (depth := json_depth(body)) > MAX_JSON_DEPTH:
-        raise InvalidRequest(f"request body nests JSON {depth} levels deep; at most {MAX_JSON_DEPTH} are allowed")
-    return wire
-
-
-def _param_of(message: str) -> str | None:
-    """The field a msgspec error names: ``messages[0].role`` from "... - at `$.messages[0].role`"."""
-    if "`" not in message:
-        return None
-    at = message.rsplit(" - at `$.", 1)[1].rstrip("`") if " - at `$." in message else None
-    if message.startswith("Object missing required field"):
-        field = message.split("`")[1]
-        return f"{at}.{field}" if at else field
-    return at or message.split("`")[1]
 
 
 # ---------------------------------------------------------------------------------------------------- collect

@@ -160,7 +160,8 @@ async def from_peers(args, directory: Path, prompt: str, cold: list[int]) -> lis
                 processes.append(await RunnerProcess.start(argv, name=name, ready_timeout=300))
                 runners.append(LlamaCppRunner(RunnerClient(f"http://127.0.0.1:{processes[-1].port}", http)))
             a, b, c = runners
-            await b.set_kv_peers([{"url": a.client.base_url, "bandwidth": args.bandwidth, "latency": 0.0005}])
+            peer = {"url": a.client.base_url, "bandwidth": args.bandwidth, "latency": 0.0005}
+            await b.kv("peers", {"peers": [peer]})
             tokens, seconds, usage = await ask_runner(b, prompt, args.tokens)
             size = sum(f.stat().st_size for f in directory.glob("*.kv"))
             estimate = size / args.bandwidth

@@ -73,9 +73,6 @@ class LlamaCppRunner:
         response = await client.http.post(url, json=body, headers=client.headers)
         response.raise_for_status()
 
-    async def set_kv_peers(self, peers: list[dict[str, object]]) -> None:
-        await self.kv("peers", {"peers": peers})
-
 
 class LaunchedRunner:
     """A process an agent started for one shard: a head runner (``http://``) or an RPC worker (``rpc://``)."""

@@ -75,6 +75,7 @@ Runs only in the runner process; imports llama_cpp, numpy and ``sampling``.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import os
 import queue
 import re
@@ -547,6 +548,4 @@ def _common(a: list[int], b: list[int]) -> int:
 
 
 def _pointer(logits: np.ndarray) -> Any:
-    import ctypes
-
     return logits.ctypes.data_as(ctypes.POINTER(ctypes.c_float))

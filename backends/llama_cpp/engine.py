@@ -16,6 +16,8 @@ Runs only in the runner process; imports protocols and llama_cpp, never the gate
 from __future__ import annotations
 
 import codecs
+import hashlib
+import json
 import os
 import queue
 import random
@@ -383,10 +385,7 @@ class LlamaEngine:
 def kv_namespace(path: str, digest: str, shards: Sequence[tuple[str | None, int, int]], version: str) -> str:
     """What makes two runners' KV comparable: the weights (their digest, else this file as it is now), the runtime,
     and the settings the numbers depend on (f16 KV, chunks of ``CHUNK``, no flash attention, full sliding window,
-    one stream a sequence). The layer split is left out: a split model gives a single process's numbers."""
-    import hashlib
-    import json
-
+    one stream a sequence). A split over RPC workers is another namespace."""
     if not digest:
         stat = os.stat(path)
         digest = f"{os.path.realpath(path)}:{stat.st_size}:{stat.st_mtime_ns}"

@@ -52,7 +52,7 @@ async def serve(engine: Any, path: str, method: str, receive: Callable[..., Any]
             if getattr(engine, "kv_peers", None) is not None:
                 engine.kv_peers.warm(str(asked["url"]), int(asked.get("count", 8)))
             await _json(send, 202, {"warming": True})
-        elif path == "/kv/peers" and method in ("PUT", "POST"):
+        elif path == "/kv/peers" and method == "POST":
             listed = json.loads(await read_body(receive))["peers"]
             peers = [Peer(str(p["url"]), float(p.get("bandwidth") or 0), float(p.get("latency") or 0)) for p in listed]
             if getattr(engine, "kv_peers", None) is not None:

@@ -1,6 +1,6 @@
 """Prompt states fetched from peer runners' KV tiers over the cluster link, when that beats prefilling them.
 
-The gateway tells each runner with a tier which runners of the same model it may ask (``PUT /kv/peers``: their URLs,
+The gateway tells each runner with a tier which runners of the same model it may ask (``POST /kv/peers``: their URLs,
 and the measured bandwidth and latency of the link to each). A prompt the runner's own tier restores less of than
 ``MIN_GAIN`` tokens short of its whole length asks every peer at once (``POST /kv/offer``: the digests of the
 prompt's restorable prefixes, never its tokens) for the longest one it holds. The best offer is fetched

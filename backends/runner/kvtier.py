@@ -210,7 +210,8 @@ class KVTier:
 
     def offer(self, scope: str, digests: Sequence[tuple[int, str]]) -> tuple[int, str, int] | None:
         """For a peer: the longest of ``digests`` (``(length, digest)`` of a prompt's prefixes, in ``scope``) an
-        entry here can restore, as ``(length, entry key, bytes to send)``; ``None`` when none."""
+        entry here can restore, as ``(length, entry key, its body's bytes)``; ``None`` when none. (What is sent adds
+        a header of a few kilobytes.)"""
         for n, digest in sorted(digests, reverse=True):
             with self._lock:
                 key, length = self._points.get(digest, ("", 0))
@@ -219,7 +220,7 @@ class KVTier:
                 entry = self._ram.get(key)
                 on_disk = self._disk.get(key)
             if entry is not None:
-                return n, key, sum(len(part) for part in encode(entry, self.namespace))
+                return n, key, entry.nbytes()  # not encoded here: that would checksum the whole entry per offer
             if on_disk is not None:
                 return n, key, on_disk.size
         return None

@@ -54,13 +54,13 @@ async def test_a_runner_fetches_a_prompt_from_its_peers_tier_when_that_beats_pre
             await _ask(a, slow)
             assert computed.cached_tokens == 0 and computed.prompt_tokens > 1024
 
-            await b.set_kv_peers([{"url": a.client.base_url, "bandwidth": 1e9, "latency": 0.001}])
+            await b.kv("peers", {"peers": [{"url": a.client.base_url, "bandwidth": 1e9, "latency": 0.001}]})
             fetched_text, fetched = await _ask(b, fast)
             assert fetched.cached_tokens == computed.prompt_tokens, fetched.cache_note
             assert fetched_text == text
             assert "fetched" in fetched.cache_note and a.client.base_url in fetched.cache_note
 
-            await b.set_kv_peers([{"url": a.client.base_url, "bandwidth": 1000.0, "latency": 0.001}])
+            await b.kv("peers", {"peers": [{"url": a.client.base_url, "bandwidth": 1000.0, "latency": 0.001}]})
             _, prefilled = await _ask(b, slow)
             assert prefilled.cached_tokens == 0 and prefilled.cache_note.endswith("prefilled"), prefilled.cache_note
             tier = (await b.health())["kv_tier"]

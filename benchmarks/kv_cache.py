@@ -43,7 +43,6 @@ import sys
 import tempfile
 import threading
 import time
-from contextlib import contextmanager
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -61,30 +60,14 @@ from meshgate.backends.runner.client import RunnerClient  # noqa: E402
 from meshgate.backends.runner.kvtier import KVTier  # noqa: E402
 from meshgate.backends.runner.process import RunnerProcess  # noqa: E402
 from meshgate.protocols.model import Request, Sampling, TextDelta, Usage  # noqa: E402
+from tests.llama.scheduling import running  # noqa: E402
 
 GREEDY = dict(top_k=40, top_p=1.0, min_p=0.0, repeat_penalty=1.0, presence_penalty=0.0, frequency_penalty=0.0)
 WORDS = "the parser reads each token of the file and the linter reports a warning when a rule fails".split()
 
 
-@contextmanager
 def scheduler(llm, slots: int, n_ctx: int, threads: int, tier: KVTier | None):
-    vocab = llama_cpp.llama_model_get_vocab(llm._model.model)
-    s = Scheduler(
-        llm._model.model,
-        n_ctx=n_ctx,
-        parallel=slots,
-        n_threads=threads,
-        is_eog=lambda t: bool(llama_cpp.llama_vocab_is_eog(vocab, t)),
-        tier=tier,
-    )
-    thread = threading.Thread(target=s.run, daemon=True)
-    thread.start()
-    try:
-        yield s
-    finally:
-        s.close()
-        thread.join(60)
-        s.free()
+    return running(llm, slots, tier, n_ctx=n_ctx, threads=threads)
 
 
 def ask(

@@ -26,15 +26,17 @@ def load(gguf: Path) -> llama_cpp.Llama:
 
 
 @contextmanager
-def running(llm: llama_cpp.Llama, parallel: int, tier: KVTier | None = None) -> Iterator[Scheduler]:
-    """A ``Scheduler`` of ``parallel`` sequences of 4,096 tokens over ``llm``, run in a thread; closed and freed on
+def running(
+    llm: llama_cpp.Llama, parallel: int, tier: KVTier | None = None, *, n_ctx: int = 4096, threads: int = 2
+) -> Iterator[Scheduler]:
+    """A ``Scheduler`` of ``parallel`` sequences of ``n_ctx`` tokens over ``llm``, run in a thread; closed and freed on
     the way out. ``s.llm`` keeps the model alive with the context (and tokenizes)."""
     vocab = llama_cpp.llama_model_get_vocab(llm._model.model)
     s = Scheduler(
         llm._model.model,
-        n_ctx=4096,
+        n_ctx=n_ctx,
         parallel=parallel,
-        n_threads=2,
+        n_threads=threads,
         is_eog=lambda token: bool(llama_cpp.llama_vocab_is_eog(vocab, token)),
         tier=tier,
     )

@@ -247,9 +247,7 @@ class Scheduler:
         self._no_abort = lib.ggml_abort_callback()
         self.keeper = Keeper(lib, self.ctx, model, tier, CHUNK) if tier is not None else None
         self.restored = 0  # prompt tokens restored from the KV tier instead of evaluated
-        self.prompt_rate = (
-            200.0  # prompt tokens a second, measured on chunks (a moving average): peers' fetches weigh it
-        )
+        self.prompt_rate = 200.0  # prompt tokens/s on chunks, a moving average (peer fetches are weighed on it)
 
     def submit(self, job: Job) -> None:
         with self._wake:

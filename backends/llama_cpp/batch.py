@@ -21,12 +21,13 @@ the way llama.cpp's own server drives its slots:
   cells, with the same numbers (checked bit for bit). A chunk is preempted for newcomers at most once
   (``PREEMPTIONS``), so a stream of short requests at most doubles a long prompt's prefill. Running streams
   still get one token per step: while a deep chunk runs, they wait for it.
-- Prompts are cut where ``Llama.eval`` cuts them for one sequence (every ``CHUNK`` tokens from the end of the
-  cached prefix) and each chunk is decoded on its own: llama.cpp's CPU kernels give a token slightly
-  different numbers when the tokens beside it in a ubatch differ (seen on Gemma 3 270M: up to 1.1 in a
-  logit), which flips near-ties in greedy output. Decode tokens batched together get exactly the numbers
-  they get alone: all in one call, on ggml's reference matmuls while more than ``DECODE_GROUP`` share it
-  (``cpu_kernels``; ggml's tiled K-quant kernel would take them); where those cannot be had (RPC workers,
+- Prompts are cut where ``Llama.eval`` cuts them for one sequence (every ``CHUNK`` tokens from the end of the cached
+  prefix; a prompt of ``SAVED`` tokens or more has its tokens past its last multiple of 256 cut off into a chunk of
+  their own, ``kvstate.tail``, so its KV tier entry can be restored there) and each chunk is decoded on its own:
+  llama.cpp's CPU kernels give a token slightly different numbers when the tokens beside it in a ubatch differ (seen on
+  Gemma 3 270M: up to 1.1 in a logit), which flips near-ties in greedy output. Decode tokens batched together get
+  exactly the numbers they get alone: all in one call, on ggml's reference matmuls while more than ``DECODE_GROUP``
+  share it (``cpu_kernels``; ggml's tiled K-quant kernel would take them); where those cannot be had (RPC workers,
   repacked weights, a llama.cpp whose context hides its CPU backend) in groups of up to ``DECODE_GROUP``
   (``decode_group``). So a request's greedy text does not depend on load: with others it is what it is alone.
 - A new job joins at the next step. It takes the free slot whose cached tokens share the longest prefix with
@@ -54,7 +55,9 @@ the way llama.cpp's own server drives its slots:
 - A finished or cancelled job leaves its slot at once; the slot keeps its tokens for the next job's prefix.
 - With a KV tier (``kvstate.Keeper``, ``runner.kvtier``), a job whose ``restore`` (a tier hit) holds more of its
   prompt than any slot restores it into the free slot used longest ago: a whole prompt then samples its first
-  token from the logits kept with it, a longer one prefills the rest from a chunk boundary, as cold does. A
+  token from the logits kept with it, a longer one prefills the rest from a restore point (a multiple of ``CHUNK``
+  or where the kept prompt's last chunk started), in chunks that start and end at multiples of 8, which gives every
+  row cold's numbers (``kvstate.ALIGN``). A
   prompt evaluated as cold evaluates it (from nothing or from the tier, never from a slot's reuse or copy, which
   may hold numbers of other chunks or of decodes: ``Job.exact``) is kept in the tier as it ends.
 - Every job samples with its own native chain (``sampling.Sampler``) from its own row of the batch's logits;
@@ -89,7 +92,7 @@ from typing import Any
 import numpy as np
 
 from meshgate.backends.llama_cpp.cpu_kernels import ReferenceKernels, cpu_backend
-from meshgate.backends.llama_cpp.kvstate import Keeper
+from meshgate.backends.llama_cpp.kvstate import SAVED, Keeper, tail
 from meshgate.backends.llama_cpp.sampling import GrammarStuck, Sampler
 from meshgate.backends.runner.kvtier import Hit, KVTier
 
@@ -415,6 +418,8 @@ class Scheduler:
             job.exact = False
         start = job.fed
         end = min(len(job.prompt), start + CHUNK - (start - job.cached) % CHUNK)
+        if end == len(job.prompt) and len(job.prompt) >= SAVED and start < tail(end):
+            end = tail(end)  # a long prompt's last rows in a chunk of their own: the tier restores up to them
         with self._wake:
             if any(self._jumps(waiting, job) for waiting in self.waiting):  # came in since ``_admit``
                 return 0

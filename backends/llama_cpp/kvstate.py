@@ -9,14 +9,14 @@ back. Two facts shape what the tiers keep (measured on Gemma 3 270M, llama-cpp-p
   full-attention cache only: cut back to an earlier position, the sliding-window layers would miss cells. So a
   restore point inside a prompt keeps, beside the whole state, the sliding-window cells at that position
   (``LLAMA_STATE_SEQ_FLAGS_SWA_ONLY``, ~7.5 MiB): restore the state, cut it back, put those cells in.
-- Restored, the cells are the very bytes computed. A prompt restored at a position where its cold evaluation cut a
-  chunk (every ``CHUNK`` tokens from 0) and evaluated on in the same chunks is evaluated as cold is; cut anywhere
-  else, the chunks differ, and llama.cpp's CPU kernels give a row other numbers in another chunking (seen: up to
-  2.7 in a logit). So restore points are multiples of ``CHUNK``, and a prompt that is an entry's whole prompt
-  starts from its saved logits, the cold ones bit for bit. One difference remains: llama.cpp puts restored
-  sliding-window cells at the start of the sequence's cells, where a cold evaluation left them at their
-  positions, and once the window moves past them attention sums over another layout (seen: logits up to ~1 apart
-  after 20 tokens; greedy tokens the same in the tests).
+- Restored, the cells are the very bytes computed. A prompt restored at a position where its cold evaluation cut a chunk
+  and evaluated on in chunks that start and span multiples of 8 is evaluated as cold is (``ALIGN``); cut anywhere else,
+  llama.cpp's CPU kernels give a row other numbers (seen: up to 2.7 in a logit). So restore points are the last
+  ``POINTS`` multiples of ``CHUNK`` and where the prompt's last chunk starts (``tail``), and a prompt that is an entry's
+  whole prompt starts from its saved logits, the cold ones bit for bit. One difference remains: llama.cpp puts restored
+  sliding-window cells at the start of the sequence's cells, where a cold evaluation left them at their positions, and
+  once the window moves past them attention sums over another layout (seen: logits up to ~1 apart after 20 tokens;
+  greedy tokens the same in the tests).
 
 Runs only in the runner process; imports llama_cpp and numpy.
 """
@@ -30,7 +30,7 @@ import numpy as np
 
 from meshgate.backends.runner.kvtier import Entry, Hit, KVTier
 
-__all__ = ["POINTS", "SAVED", "Keeper", "SeqStates"]
+__all__ = ["ALIGN", "POINTS", "SAVED", "Keeper", "SeqStates", "tail"]
 
 SAVED = 512
 """Prompts shorter than this are not kept in the KV tier: they are evaluated again in well under a second."""
@@ -38,6 +38,25 @@ SAVED = 512
 POINTS = 2
 """Restore points a tier entry keeps: the last ``POINTS`` chunk boundaries inside its prompt (where the next turn
 of a conversation, or a prompt that shares all but its last message, starts over)."""
+
+
+ALIGN = 256
+"""Where restore points other than ``CHUNK``'s multiples sit: multiples of this. Two facts, probed on Gemma 3 270M
+Q4_K_M: ggml's CPU matmuls take token rows 8 at a time, so chunks that start and span multiples of 8 give every
+row the numbers other such chunks give (1,200 tokens cut 512+512+176, or with the last chunk split 128+48 or 168+8:
+the next 64 tokens' logits equal bit for bit; split 130+46 or 172+4: up to 0.52 apart). And a restored
+sliding-window snapshot lands in the sequence's first cells, shifted from where cold evaluation left it, while
+attention reads a sequence's cells padded to 256: shifted by a multiple of 256 (restore points at 1,024, 1,280,
+1,792) the next token's logits were cold's bit for bit, shifted otherwise (1,296, 1,320, 1,344, 1,408) up to 1.4
+apart, though the greedy tokens held."""
+
+
+def tail(n: int) -> int:
+    """Where the last chunk of a prompt of ``n >= SAVED`` tokens starts: the last multiple of ``ALIGN`` before its
+    end. Cold evaluation cuts the prompt there, and an entry keeps a restore point there: the next turn of a
+    conversation, which goes on from the whole prompt, restores all but those 1 to ``ALIGN`` tokens and gets cold's
+    numbers."""
+    return n - (n % ALIGN or ALIGN)
 
 
 class SeqStates:
@@ -131,13 +150,14 @@ class Keeper:
         tag: str,
         logits: Any,
     ) -> None:
-        """``seq``'s prefill of ``prompt`` reached ``end``: at one of its last ``POINTS`` chunk boundaries, the
-        window's cells there go to ``points``; at its end (``logits``: the last position's), it goes to the tier."""
+        """``seq``'s prefill of ``prompt`` reached ``end``: at one of its last ``POINTS`` chunk boundaries or where
+        its last chunk starts (``tail``), the window's cells there go to ``points``; at its end (``logits``: the last
+        position's), it goes to the tier."""
         n = len(prompt)
         if n < SAVED:
             return
         first = max(self.chunk, ((n - 1) // self.chunk - POINTS + 1) * self.chunk)
-        if end < n and end % self.chunk == 0 and end >= first:
+        if end < n and (end == tail(n) or (end % self.chunk == 0 and end >= first)):
             points[end] = self.states.capture_window(seq)
         if end != n:
             return

@@ -1,8 +1,9 @@
 """The KV tier on the real Gemma 3 270M in this process: a prompt's state kept, then restored instead of evaluated.
 
 Each test compares token for token with the prompt evaluated cold in a scheduler without a tier (a fresh context,
-nothing cached): a whole prompt restored starts from its kept logits; a longer prompt restores at a multiple of
-``CHUNK`` (where cold evaluation cut a chunk) and evaluates the rest in the cold chunks. A second scheduler over the
+nothing cached): a whole prompt restored starts from its kept logits; a longer prompt restores where the kept
+prompt's last chunk started (``kvstate.tail``) or at a multiple of ``CHUNK`` (where cold evaluation cut a chunk)
+and evaluates the rest in chunks that give cold's numbers. A second scheduler over the
 same tier is a runner restarted: its slots are empty, its tier is not. The prompts are not multiples of ``CHUNK``
 long, so a restore point inside them is exercised with the sliding-window cells it keeps.
 
@@ -18,6 +19,7 @@ import numpy as np
 import pytest
 
 from meshgate.backends.llama_cpp.batch import CHUNK, MIN_REUSE, Job, Scheduler
+from meshgate.backends.llama_cpp.kvstate import tail
 from meshgate.backends.runner.kvtier import KVTier
 from tests.llama.scheduling import greedy_job, load, running
 
@@ -67,9 +69,11 @@ def _run(s: Scheduler, prompt: list[int], tier: KVTier | None = None, scope: str
 def test_a_prompt_restored_whole_or_at_a_chunk_gives_its_cold_tokens(llm, reference, tmp_path):
     tier = KVTier("test", ram_budget=1 << 30)
     prompt = _prompt(reference, "Whole", 2 * CHUNK + 300)
-    longer = prompt + _prompt(reference, "And then", 200)[1:]
+    longer = prompt + _prompt(reference, "And then", 200)[1:]  # the next turn: goes on from the whole prompt
+    edited = prompt[: 2 * CHUNK + 100] + _prompt(reference, "Instead", 150)[1:]  # its last message changed
     cold, alone = _run(reference, prompt)
-    cold_longer, _ = _run(reference, longer)
+    cold_longer, alone_longer = _run(reference, longer)
+    cold_edited, alone_edited = _run(reference, edited)
     with running(llm, parallel=2, tier=tier) as first:
         kept, job = _run(first, prompt, tier)
         assert job.cached == 0 and kept == cold
@@ -81,8 +85,14 @@ def test_a_prompt_restored_whole_or_at_a_chunk_gives_its_cold_tokens(llm, refere
         assert job.first == alone.first, "the kept logits are the cold ones, bit for bit"
     with running(llm, parallel=2, tier=tier) as restarted:
         extended, job = _run(restarted, longer, tier)
-        assert job.cached == 2 * CHUNK, "restored at the last chunk boundary inside the kept prompt"
+        assert job.cached == tail(len(prompt)) == 2 * CHUNK + 256, "restored up to the kept prompt's last chunk"
         assert extended == cold_longer
+        assert job.first == alone_longer.first, "the restored KV is cold's: the next token's logits bit for bit"
+    with running(llm, parallel=2, tier=tier) as restarted:
+        changed, job = _run(restarted, edited, tier)
+        assert job.cached == 2 * CHUNK, "restored at the last chunk boundary before the change"
+        assert changed == cold_edited
+        assert job.first == alone_edited.first
         assert restarted.stats()["restored_tokens"] == 2 * CHUNK
 
 

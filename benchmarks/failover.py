@@ -1,7 +1,7 @@
 """Streams that outlive their node, measured: a node killed under load, and a rolling restart of both nodes.
 
     .venv/bin/python benchmarks/failover.py [--streams 8] [--tokens 300] [--threads 1] [--grace 120] [--seed 1]
-        [--protocols openai,anthropic,ollama] [--json]
+        [--protocols openai,anthropic,ollama] [--json] [--preamble WORDS --n-ctx N] [--kv on|off] [--no-rolling]
 
 One cluster on loopback: ``redis-server``, two ``meshgate node`` agents (each runner ``--threads`` llama.cpp
 threads) and one gateway, two replicas of the packaged Gemma 3 270M (one per node). For each protocol (OpenAI chat,
@@ -96,7 +96,9 @@ def _wait(check, timeout: float, what: str) -> None:
 class Cluster:
     """Redis, two agents and a gateway; ``restart`` a node by name."""
 
-    def __init__(self, data_dir: Path, logs: Path, threads: int, grace: float) -> None:
+    def __init__(
+        self, data_dir: Path, logs: Path, threads: int, grace: float, n_ctx: int = N_CTX, kv: bool = True
+    ) -> None:
         from tests.cluster.redis_server import RedisServer
         from tests.cluster.test_cluster_e2e import FAST
         from tests.conftest import Server
@@ -109,12 +111,14 @@ class Cluster:
             "MESHGATE_NODE_TTL": "15",
             "MESHGATE_THREADS": str(threads),
             "MESHGATE_DRAIN_GRACE": str(grace),
+            **({} if kv else {"MESHGATE_KV_RAM_MIB": "0", "MESHGATE_KV_DISK_MIB": "0"}),
         }
+        self.n_ctx = n_ctx
         self.grace = grace
         self.redis = RedisServer(logs / "redis")
         self.redis.__enter__()
         self.agents = {name: self._agent(name) for name in ("node-1", "node-2")}
-        self.gateway = Server(data_dir, "--redis", self.redis.url, "--n-ctx", str(N_CTX), env=self.env)
+        self.gateway = Server(data_dir, "--redis", self.redis.url, "--n-ctx", str(n_ctx), env=self.env)
         self.url = self.gateway.url
         _wait(lambda: len(httpx.get(f"{self.url}/cluster").json()["nodes"]) == 2, 120, "two nodes")
         r = httpx.post(f"{self.url}/instances", json={"model": MODEL, "replicas": 2}, timeout=120)
@@ -124,7 +128,8 @@ class Cluster:
     def _agent(self, name: str):
         from tests.cluster.test_cluster_e2e import Agent
 
-        return Agent(self.redis.url, name, self.data_dir, self.logs, n_ctx=N_CTX, env=self.env, memory=str(4 << 30))
+        env = {**self.env, "MESHGATE_KV_DIR": str(self.data_dir / f"kv-{name}")}  # each node its own disk
+        return Agent(self.redis.url, name, self.data_dir, self.logs, n_ctx=self.n_ctx, env=env, memory=str(4 << 30))
 
     def ready(self, timeout: float = 300) -> None:
         """Until two replicas of the model are ready."""
@@ -196,6 +201,7 @@ def load(
     reference: list[str] | None,
     act=None,
     steady: bool = False,
+    prompts: list[str] = PROMPTS,
 ) -> tuple[Run, list[str]]:
     """``streams`` streams at once through ``protocol``; ``act`` (run in a thread beside them) disturbs the cluster.
     ``steady``: each client sends its next stream as soon as one ends, until ``act`` is done."""
@@ -207,9 +213,9 @@ def load(
 
     def client(n: int) -> list[tuple[int, tuple[str, float, bool]]]:
         """Client ``n``'s streams: one, or while ``steady`` and the actor runs (bounded), one after another."""
-        done = [(n, _one(cluster.url, protocol, PROMPTS[n], tokens))]
+        done = [(n, _one(cluster.url, protocol, prompts[n], tokens))]
         while steady and actor is not None and actor.is_alive() and len(done) < 100:
-            done.append((n, _one(cluster.url, protocol, PROMPTS[n], tokens)))
+            done.append((n, _one(cluster.url, protocol, prompts[n], tokens)))
         return done
 
     with ThreadPoolExecutor(streams) as pool:
@@ -233,6 +239,16 @@ def load(
     return run, texts
 
 
+WORDS = "the parser reads each token of the file and the linter reports a warning when a rule fails".split()
+
+
+def preamble(n: int, words: int) -> str:
+    """Client ``n``'s own preamble of ``words`` words (an agent's instructions): "" for none."""
+    if not words:
+        return ""
+    return f"Agent {n} instructions: " + " ".join(f"{WORDS[(i * 7 + n) % len(WORDS)]}{i % 89}" for i in range(words))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--streams", type=int, default=8)
@@ -243,7 +259,12 @@ def main() -> None:
     parser.add_argument("--protocols", default=",".join(PROTOCOLS))
     parser.add_argument("--json", action="store_true")
     parser.add_argument("--keep", action="store_true", help="keep the data and logs folder (printed)")
+    parser.add_argument("--preamble", type=int, default=0, help="words of a distinct preamble before each prompt")
+    parser.add_argument("--n-ctx", type=int, default=N_CTX)
+    parser.add_argument("--kv", choices=["on", "off"], default="on", help="the runners' KV tiers (default: on)")
+    parser.add_argument("--no-rolling", action="store_true", help="skip the rolling restart")
     args = parser.parse_args()
+    prompts = [preamble(n, args.preamble) + prompt for n, prompt in enumerate(PROMPTS)]
     rng = random.Random(args.seed)
     import tempfile
 
@@ -259,11 +280,13 @@ def main() -> None:
             print(f"data and logs in {tmp}", file=sys.stderr)
         logs.mkdir(parents=True)
         PackagedGGUFSource(data_dir / "models").models()
-        cluster = Cluster(data_dir, logs, args.threads, args.grace)
+        cluster = Cluster(data_dir, logs, args.threads, args.grace, args.n_ctx, args.kv == "on")
         runs: list[Run] = []
         try:
             for protocol in args.protocols.split(","):
-                undisturbed, reference = load(cluster, protocol, "undisturbed", args.streams, args.tokens, None)
+                undisturbed, reference = load(
+                    cluster, protocol, "undisturbed", args.streams, args.tokens, None, prompts=prompts
+                )
                 runs.append(undisturbed)
                 print(undisturbed, file=sys.stderr)
                 at = rng.uniform(0.1, 0.6) * undisturbed.seconds
@@ -273,13 +296,16 @@ def main() -> None:
                     time.sleep(at)
                     cluster.kill(victim)
 
+                scenario = f"{victim} killed at {at:.1f} s"
                 killed, _ = load(
-                    cluster, protocol, f"{victim} killed at {at:.1f} s", args.streams, args.tokens, reference, kill
+                    cluster, protocol, scenario, args.streams, args.tokens, reference, kill, False, prompts
                 )
                 runs.append(killed)
                 print(killed, file=sys.stderr)
                 cluster.restart(victim, graceful=False)
                 cluster.ready()
+                if args.no_rolling:
+                    continue
 
                 def rolling() -> None:
                     time.sleep(2)
@@ -288,7 +314,7 @@ def main() -> None:
                         cluster.ready()
 
                 rolled, _ = load(
-                    cluster, protocol, "rolling restart", args.streams, args.tokens, reference, rolling, steady=True
+                    cluster, protocol, "rolling restart", args.streams, args.tokens, reference, rolling, True, prompts
                 )
                 runs.append(rolled)
                 print(rolled, file=sys.stderr)

@@ -4,8 +4,10 @@ a ``tier``; the cluster secret is checked before):
 - ``POST /kv/offer`` ``{"scope", "digests": [[length, digest], ...]}``: the longest of those prefixes the tier can
   restore, ``{"length", "key", "size"}`` (``{"length": 0}``: none);
 - ``GET /kv/entry/<key>``: that entry in the entry format (``kvformat``), streamed;
-- ``POST /kv/peers`` ``{"peers": [{"url", "bandwidth", "latency"}, ...]}``: the runners it may fetch from
-  (``kvpeers``), from the gateway;
+- ``POST /kv/copy`` (an entry in the entry format): a peer's entry, sent as it was made, kept on this runner's disk
+  tier (checked as a file is: a bad one is refused with 400);
+- ``POST /kv/peers`` ``{"peers": [{"url", "bandwidth", "latency", "node"}, ...], "node"}``: the runners it may fetch
+  from and copy its entries to (``kvpeers``), and its own node, from the gateway;
 - ``POST /kv/hot`` ``{"count"}``: its ``count`` most recently used entries, ``{"entries": [[key, size], ...]}``;
 - ``POST /kv/warm`` ``{"url", "count"}``: fetch (in the background) the most recently used entries of the runner
   at ``url``: a new replica warms itself from a peer, a draining replica's sessions move to the ones that stay.
@@ -44,6 +46,10 @@ async def serve(engine: Any, path: str, method: str, receive: Callable[..., Any]
                 await _json(send, 404, {"error": "no such entry (evicted since it was offered)"})
                 return
             await _stream(send, parts)
+        elif path == "/kv/copy" and method == "POST":
+            data = await read_body(receive)
+            entry = await asyncio.to_thread(tier.receive, data, copy=True)
+            await _json(send, 201, {"key": entry.key})
         elif path == "/kv/hot" and method == "POST":
             count = int(json.loads(await read_body(receive)).get("count", 8))
             await _json(send, 200, {"entries": [[key, size] for key, size in tier.hot(count)]})
@@ -53,15 +59,20 @@ async def serve(engine: Any, path: str, method: str, receive: Callable[..., Any]
                 engine.kv_peers.warm(str(asked["url"]), int(asked.get("count", 8)))
             await _json(send, 202, {"warming": True})
         elif path == "/kv/peers" and method == "POST":
-            listed = json.loads(await read_body(receive))["peers"]
-            peers = [Peer(str(p["url"]), float(p.get("bandwidth") or 0), float(p.get("latency") or 0)) for p in listed]
+            told = json.loads(await read_body(receive))
+            peers = [_peer(p) for p in told["peers"]]
             if getattr(engine, "kv_peers", None) is not None:
-                engine.kv_peers.set(peers)
+                engine.kv_peers.set(peers, str(told.get("node", "")))
             await _json(send, 200, {"peers": len(peers)})
         else:
             await _json(send, 404, {"error": "not found"})
     except (ValueError, KeyError, TypeError) as exc:
         await _json(send, 400, {"error": f"bad KV tier request: {exc}"})
+
+
+def _peer(told: dict[str, Any]) -> Peer:
+    bandwidth, latency = float(told.get("bandwidth") or 0), float(told.get("latency") or 0)
+    return Peer(str(told["url"]), bandwidth, latency, str(told.get("node") or ""))
 
 
 async def _stream(send: Callable[..., Any], parts: list[Any]) -> None:

@@ -9,13 +9,22 @@ when its estimated transfer time (latency + bytes / bandwidth) is below the pref
 measured prompt rate); the entry is then kept in this runner's tiers too. Every call carries the cluster secret.
 The estimate and the choice are the request's ``Usage.cache_note`` (the gateway's request log).
 
+Copies. Each entry this runner makes is also sent, as it is made, to one peer on another node (``POST /kv/copy``;
+the peer is picked by rendezvous hashing of the entry's key, so a runner's copies spread over the other nodes and
+one entry always goes to the same peer), which keeps it on its disk tier: when this node dies, the replica that
+takes over its streams (``Request.resume``) and its next turns restores their prompts from its own tier. A sender
+thread does it, off the decode loop, at most ``BACKLOG`` entries waiting (more are not copied); peers on this
+runner's own node get no copies (they would die with it), nor do peers of unknown node.
+
 Runs in runner processes; imports httpx and the tier.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
+import hashlib
 import logging
+import queue
 import threading
 import time
 from collections.abc import Sequence
@@ -25,9 +34,10 @@ import httpx
 import numpy as np
 
 from meshgate.backends.runner import secret as cluster_secret
-from meshgate.backends.runner.kvtier import Hit, KVTier
+from meshgate.backends.runner.kvformat import encode
+from meshgate.backends.runner.kvtier import Entry, Hit, KVTier
 
-__all__ = ["MIN_GAIN", "Peer", "Peers"]
+__all__ = ["BACKLOG", "MIN_GAIN", "Peer", "Peers"]
 
 log = logging.getLogger("meshgate.kvpeers")
 
@@ -37,15 +47,19 @@ UNMEASURED = 100e6
 """Bytes/second assumed of a link not measured yet (gigabit Ethernet, less its overheads)."""
 OFFER_TIMEOUT = 1.0
 """Seconds a peer has to say what it holds."""
+BACKLOG = 4
+"""Entries waiting to be copied to a peer at most."""
 
 
 @dataclass(frozen=True)
 class Peer:
-    """A runner of the same model: its URL and the link to it (``bandwidth`` bytes/s, 0: not measured)."""
+    """A runner of the same model: its URL, its node (``""``: unknown) and the link to it (``bandwidth`` bytes/s, 0:
+    not measured)."""
 
     url: str
     bandwidth: float = 0.0
     latency: float = 0.0
+    node: str = ""
 
 
 class Peers:
@@ -55,12 +69,48 @@ class Peers:
         self.tier = tier
         self.chunk = chunk
         self.peers: tuple[Peer, ...] = ()
+        self.node = ""  # this runner's node, as the gateway named it
         secret = cluster_secret.from_environ()
         headers = {"authorization": f"Bearer {secret.decode()}"} if secret else {}
         self._http = httpx.Client(headers=headers, timeout=httpx.Timeout(30.0, connect=OFFER_TIMEOUT))
+        self._copies: queue.Queue[tuple[Entry, Peer]] = queue.Queue(BACKLOG)
+        self._sender: threading.Thread | None = None
+        tier.on_made = self.copy
 
-    def set(self, peers: Sequence[Peer]) -> None:
-        self.peers = tuple(peers)
+    def set(self, peers: Sequence[Peer], node: str = "") -> None:
+        self.peers, self.node = tuple(peers), node
+
+    def copy(self, entry: Entry) -> None:
+        """Send ``entry`` (just made here) to its peer on another node, in the background; none: nothing to do."""
+        remote = [p for p in self.peers if p.node and self.node and p.node != self.node]
+        if not remote:
+            return
+        peer = max(remote, key=lambda p: hashlib.blake2b(f"{entry.key} {p.url}".encode(), digest_size=8).digest())
+        try:
+            self._copies.put_nowait((entry, peer))
+        except queue.Full:
+            log.info("KV tier: %d entries already wait to be copied; %s is not", BACKLOG, entry.key)
+            return
+        if self._sender is None:
+            self._sender = threading.Thread(target=self._send_copies, name="kv-copies", daemon=True)
+            self._sender.start()
+
+    def _send_copies(self) -> None:
+        while True:
+            entry, peer = self._copies.get()
+            parts = encode(entry, self.tier.namespace)
+            size = sum(len(part) for part in parts)
+            try:
+                response = self._http.post(
+                    f"{peer.url}/kv/copy",
+                    content=(bytes(part) for part in parts),
+                    headers={"content-length": str(size)},
+                    timeout=httpx.Timeout(30.0 + _seconds(peer, size), connect=OFFER_TIMEOUT),
+                )
+                response.raise_for_status()
+                self.tier.counts["replicated"] += 1
+            except httpx.HTTPError as exc:
+                log.warning("KV tier: copying %s to %s failed: %s", entry.key, peer.url, exc)
 
     def improve(self, scope: str, prompt: Sequence[int], hit: Hit | None, rate: float) -> tuple[Hit | None, str]:
         """``hit``, or a longer one fetched from a peer when that is faster than prefilling the difference at

@@ -35,7 +35,7 @@ import queue
 import threading
 import time
 from collections import Counter, OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -48,9 +48,20 @@ __all__ = ["Entry", "Hit", "KVTier"]
 
 log = logging.getLogger("meshgate.kvtier")
 
-COUNTS = ("hits_ram", "hits_disk", "hits_peer", "misses", "restored_tokens", "saved", "refused", "received", "warmed")
+COUNTS = (
+    "hits_ram",
+    "hits_disk",
+    "hits_peer",
+    "misses",
+    "restored_tokens",
+    "saved",
+    "refused",
+    "received",
+    "warmed",
+    "replicated",
+)
 """What ``stats`` counts: hits by tier, prompts no tier held, tokens restored, entries kept, files refused, entries
-received from peers (on demand or warming)."""
+received from peers (on demand, warming or as copies), entries sent to a peer on another node as they were made."""
 SUFFIX = ".kv"
 BACKLOG = 4
 """Entries waiting for the disk writer at most; more are not written (counted as ``dropped``)."""
@@ -95,6 +106,7 @@ class KVTier:
         self.counts: Counter[str] = Counter()
         self._queue: queue.Queue[Entry | None] = queue.Queue()
         self._writer: threading.Thread | None = None
+        self.on_made: Callable[[Entry], None] | None = None  # told of each entry this runner made (``kvpeers``)
         if self.directory is not None:
             self.directory.mkdir(parents=True, exist_ok=True, mode=0o700)
             self._index_directory()
@@ -143,8 +155,9 @@ class KVTier:
 
     # -- putting and finding
 
-    def put(self, entry: Entry) -> None:
-        """Keep ``entry`` (its ``digests`` filled in here): in host memory within the budget, and on disk."""
+    def put(self, entry: Entry, *, made: bool = True, ram: bool = True) -> None:
+        """Keep ``entry`` (its ``digests`` filled in here): in host memory within the budget (unless ``ram`` is
+        false and a disk tier takes it), and on disk. ``made``: this runner computed it (``on_made`` is told)."""
         lengths = [*entry.points, len(entry.tokens)]
         entry.digests = self.digests(entry.scope, entry.tokens, lengths)
         key = entry.key
@@ -155,13 +168,16 @@ class KVTier:
                 return
             self.counts["saved"] += 1
             self._index(key, entry.scope, entry.digests)
-            self._keep_in_ram(entry)
+            if ram or self._writer is None:
+                self._keep_in_ram(entry)
             if self._writer is not None and len(self._pending) < BACKLOG:
                 self._pending.add(key)
                 self._queue.put(entry)
             elif self._writer is not None:
                 self.counts["dropped"] += 1
         self._forget_if_nowhere(entry)
+        if made and self.on_made is not None:
+            self.on_made(entry)
 
     def _keep_in_ram(self, entry: Entry) -> None:
         size = entry.nbytes()
@@ -251,13 +267,15 @@ class KVTier:
         entry, _ = self._fetch(key)
         return encode(entry, self.namespace) if entry is not None else None
 
-    def receive(self, data: bytes | bytearray) -> Entry:
-        """An entry a peer sent, checked as a file is (``ValueError`` says what is wrong), then kept here."""
+    def receive(self, data: bytes | bytearray, *, copy: bool = False) -> Entry:
+        """An entry a peer sent, checked as a file is (``ValueError`` says what is wrong), then kept here; a ``copy``
+        (a peer's own entry, sent as it was made in case its node fails) goes to disk only where there is one, so
+        it does not push this runner's own entries out of host memory."""
         stream = io.BytesIO(data)
         header = read_header(stream)
         entry = decode(header, bytearray(stream.read()), self.namespace, self.digests)
         self.counts["received"] += 1
-        self.put(entry)
+        self.put(entry, made=False, ram=not copy)
         return entry
 
     def restored(self, tokens: int) -> None:

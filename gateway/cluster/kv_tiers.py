@@ -14,14 +14,15 @@ most recently used first: ``holding(key)`` tells routing which replicas hold a r
 * one that failed or timed out: its last figures stay;
 * an instance that is neither ready nor draining (gone, failed, being re-placed): its figures are dropped.
 
-After a pass, each instance with a tier is told its peers (``peers``: the other instances of its model with a tier,
-by their head runners' URLs, with the measured link from its head node to theirs), when they changed since it was
-last told or ``RETELL`` seconds ago (a runner that restarted has forgotten them): runners fetch prompt states from
-their peers' tiers when that beats prefilling them (``backends.runner.kvpeers``). A replica told its peers for the
-first time warms itself: it fetches the ``WARM`` entries a peer used last, before they are asked for (a new replica,
-added by the autoscaler or re-placed, starts with the deployment's hot prefixes). A replica seen draining hands its
-sessions over: every ready replica of its model with a tier fetches the ``WARM`` entries it used last, while it
-finishes its streams, so their next turns find them.
+After a pass, each instance with a tier is told its peers (``peers``: the other instances of its model with a tier, by
+their head runners' URLs, with the measured link from its head node to theirs), when they changed since it was last told
+or ``RETELL`` seconds ago (a runner that restarted has forgotten them), with their nodes and its own: runners fetch
+prompt states from their peers' tiers when that beats prefilling them, and copy each entry they make to one peer on
+another node, so a node's death loses no prompt (``backends.runner.kvpeers``). A replica told its peers for the first
+time warms itself: it fetches the ``WARM`` entries a peer used last, before they are asked for (a new replica, added by
+the autoscaler or re-placed, starts with the deployment's hot prefixes). A replica seen draining hands its sessions
+over: every ready replica of its model with a tier fetches the ``WARM`` entries it used last, while it finishes its
+streams, so their next turns find them.
 
 Imports the records and ``telemetry.kv_tier``; the health source is given, so this room never imports serving.
 """
@@ -139,7 +140,9 @@ class KvTiers:
         now = asyncio.get_running_loop().time()
         self._told = {i: told for i, told in self._told.items() if i in lists}
         due = [i for i in ready if i.id in lists and _due(self._told.get(i.id), lists[i.id], now)]
-        told = await asyncio.gather(*(self._tell(i, "peers", {"peers": lists[i.id]}) for i in due))
+        told = await asyncio.gather(
+            *(self._tell(i, "peers", {"peers": lists[i.id], "node": _head_node(i)}) for i in due)
+        )
         warm = []
         for instance, ok in zip(due, told, strict=True):
             if ok and instance.id not in self._told and lists[instance.id]:  # new: warm it from a peer
@@ -218,7 +221,9 @@ def peer_lists(tiered: Sequence[Instance], links: Sequence[Link]) -> dict[str, l
             peer_node, url = heads[other.id]
             link = measured.get((node, peer_node))
             bandwidth = SAME_NODE if peer_node == node else (link.bandwidth if link else 0.0)
-            peers.append({"url": url, "bandwidth": bandwidth, "latency": link.latency if link else 0.0})
+            peers.append(
+                {"url": url, "bandwidth": bandwidth, "latency": link.latency if link else 0.0, "node": peer_node}
+            )
         lists[instance.id] = peers
     return lists
 
@@ -230,6 +235,11 @@ def _head(instance: Instance) -> tuple[str, str] | None:
             status = instance.runners.get(shard.node_id)
             return (shard.node_id, status.url) if status is not None and status.url else None
     return None
+
+
+def _head_node(instance: Instance) -> str:
+    head = _head(instance)
+    return head[0] if head is not None else ""
 
 
 def _due(told: tuple[list[dict[str, object]], float] | None, peers: list[dict[str, object]], now: float) -> bool:

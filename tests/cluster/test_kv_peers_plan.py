@@ -22,10 +22,10 @@ def test_peers_are_the_other_replicas_of_the_model_with_the_link_to_each():
     links = [Link(src=NodeId("a"), dst=NodeId("b"), latency=0.002, bandwidth=1e8)]
     lists = peer_lists([a, b, c, other_model], links)
     assert lists["i1"] == [
-        {"url": "http://b/i2", "bandwidth": 1e8, "latency": 0.002},
-        {"url": "http://a/i3", "bandwidth": SAME_NODE, "latency": 0.0},
+        {"url": "http://b/i2", "bandwidth": 1e8, "latency": 0.002, "node": "b"},
+        {"url": "http://a/i3", "bandwidth": SAME_NODE, "latency": 0.0, "node": "a"},
     ]
-    assert lists["i2"][0] == {"url": "http://a/i1", "bandwidth": 0.0, "latency": 0.0}, "b to a is not measured"
+    assert lists["i2"][0] == {"url": "http://a/i1", "bandwidth": 0.0, "latency": 0.0, "node": "a"}, "not measured"
     assert "i4" not in lists or lists["i4"] == [], "another model's runner is never a peer"
 
 
@@ -44,6 +44,7 @@ async def test_a_new_replica_warms_from_a_peer_and_a_draining_one_hands_its_sess
     expected = [("i1", "peers"), ("i1", "warm"), ("i2", "peers"), ("i2", "warm")]
     assert sorted((i, action) for i, action, _ in told) == expected
     assert {body["count"] for _, action, body in told if action == "warm"} == {WARM}
+    assert {i: body["node"] for i, action, body in told if action == "peers"} == {"i1": "a", "i2": "b"}
     told.clear()
     await tiers.poll()
     assert told == [], "nothing changed: nobody is told again"

@@ -1,7 +1,8 @@
 """Two llama.cpp runner processes, each with its own KV tier: the second fetches a prompt's state from the first
 over HTTP (the cluster secret, the entry format, checked) when the link's estimate beats prefilling, and answers
 with the tokens the first computed; with a link too slow to pay, it prefills instead. A third one, told to warm
-from the first, fetches what the first used last before it is asked for. Every process is stopped."""
+from the first, fetches what the first used last before it is asked for. A runner told its node copies each entry it
+makes to a peer on another node, which then serves the prompt without its source. Every process is stopped."""
 
 from __future__ import annotations
 
@@ -75,6 +76,39 @@ async def test_a_runner_fetches_a_prompt_from_its_peers_tier_when_that_beats_pre
             warm_text, warm = await _ask(c, fast)
             assert warm.cached_tokens == computed.prompt_tokens and warm.cache_note == "", "from its own tier"
             assert warm_text == text
+    finally:
+        for process in processes:
+            await process.stop()
+
+
+async def test_each_entry_is_copied_as_it_is_made_to_a_peer_on_another_node_which_serves_it_when_the_node_dies(
+    packaged_gguf, tmp_path
+):
+    processes = []
+    try:
+        processes = [await _runner(packaged_gguf, tmp_path / name) for name in ("a", "b", "c")]
+        async with httpx.AsyncClient(timeout=300) as http:
+            a, b, c = (LlamaCppRunner(RunnerClient(f"http://127.0.0.1:{p.port}", http)) for p in processes)
+            same_node = {"url": c.client.base_url, "bandwidth": 2e9, "latency": 0.0, "node": "n1"}
+            other_node = {"url": b.client.base_url, "bandwidth": 1e9, "latency": 0.001, "node": "n2"}
+            await a.kv("peers", {"peers": [same_node, other_node], "node": "n1"})
+            prompt = _prompt("Copied", 700)
+            text, computed = await _ask(a, prompt)
+            assert computed.cached_tokens == 0 and computed.prompt_tokens > 1024
+            deadline = time.monotonic() + 60
+            while (await b.health())["kv_tier"]["disk_entries"] < 1 and time.monotonic() < deadline:
+                await asyncio.sleep(0.2)
+            copied, kept, untouched = [(await r.health())["kv_tier"] for r in (b, a, c)]
+            assert copied["received"] == 1 and copied["disk_entries"] == 1, copied
+            assert copied["ram_entries"] == 0, "a copy waits on disk: it does not push out the peer's own entries"
+            assert kept["replicated"] == 1 and untouched["received"] == 0, "one copy, never on the same node"
+
+            processes[0].proc.kill()  # node n1's runner is gone; b takes its requests with their prompts
+            await processes[0].proc.wait()
+            again, restored = await _ask(b, prompt)
+            assert restored.cached_tokens == computed.prompt_tokens and restored.cache_note == "", "from b's own tier"
+            assert again == text
+            assert (await b.health())["kv_tier"]["hits_disk"] == 1
     finally:
         for process in processes:
             await process.stop()

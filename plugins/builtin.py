@@ -30,7 +30,7 @@ from meshgate.backends.registry import HidingSource, ModelRegistry, RegistrySour
 from meshgate.plugins.hookspecs import RegisterCommand, hookimpl
 from meshgate.plugins.settings import PluginSettings, Settings
 
-__all__ = ["LlamaCppSettings"]
+__all__ = ["LlamaCppSettings", "kv_tiers"]
 
 MIB = 1 << 20
 
@@ -52,8 +52,9 @@ class LlamaCppSettings(PluginSettings, frozen=True):
         llama_calibrate: Measure this node's llama.cpp speed once (on the packaged model, a few seconds, cached
             for the machine in ``~/.cache/meshgate``) for the planner's tok/s estimates
             (``MESHGATE_LLAMA_CALIBRATE=0``: estimate from a numpy matmul instead).
-        kv_ram_mib: MiB of host memory each llama.cpp runner keeps prompts' KV in (the planner counts it as the
-            runner's memory); -1: a sixteenth of its node's memory, at most 8 GiB; 0: no host tier.
+        kv_ram_mib: MiB of host memory each llama.cpp runner (and MLX runner of one process) keeps prompts' KV in
+            (the planner counts it as the runner's memory); -1: a sixteenth of its node's memory, at most 8 GiB; 0:
+            no host tier.
         kv_disk_mib: MiB of ``kv_dir`` the node's runners keep prompts' KV in, across restarts; -1: a tenth of the
             free space there, at most 32 GiB; 0: no disk tier.
         kv_dir: The disk tier's directory (default ``<data dir>/kv-cache``).
@@ -88,13 +89,14 @@ def meshgate_register_backends(
             parallel=settings.parallel,
             exact=own.exact_batches,
             calibration_model=(lambda: _packaged_path(settings)) if own.llama_calibrate else None,
-            **_kv_tiers(own, Path(settings.data_dir)),
+            **kv_tiers(own, Path(settings.data_dir)),
         )
     )
 
 
-def _kv_tiers(own: LlamaCppSettings, data_dir: Path) -> dict[str, Any]:
-    """The KV tiers' budgets: as set, or sized from this machine's memory and the directory's free space."""
+def kv_tiers(own: LlamaCppSettings, data_dir: Path) -> dict[str, Any]:
+    """The KV tiers' budgets: as set, or sized from this machine's memory and the directory's free space (the MLX
+    plugin's runners take them too)."""
     directory = Path(own.kv_dir) if own.kv_dir else data_dir / "kv-cache"
     ram = own.kv_ram_mib * MIB if own.kv_ram_mib >= 0 else None  # None: sized from each node's memory
     if own.kv_disk_mib >= 0:

@@ -2,7 +2,9 @@
 
 Registered only where an interpreter with mlx-lm is known: ``MESHGATE_MLX_PYTHON`` (a runtime venv), or this
 one when ``pip install "meshgate[mlx]"`` put mlx-lm beside meshgate. Its own settings (``MlxSettings``) are read
-here, not by the core ``Settings``. Published as the ``mlx`` entry point.
+here, not by the core ``Settings``; its runners' KV tiers take the llama.cpp plugin's settings
+(``MESHGATE_KV_RAM_MIB``, ``MESHGATE_KV_DISK_MIB``, ``MESHGATE_KV_DIR``: one budget per runner and one directory per
+node, whichever runtime). Published as the ``mlx`` entry point.
 """
 
 from __future__ import annotations
@@ -11,11 +13,13 @@ import importlib.util
 import logging
 import sys
 from collections.abc import Callable
+from pathlib import Path
 
 import httpx
 
 from meshgate.backends.base import Backend
 from meshgate.backends.mlx import MlxBackend
+from meshgate.plugins.builtin import LlamaCppSettings, kv_tiers
 from meshgate.plugins.hookspecs import hookimpl
 from meshgate.plugins.settings import PluginSettings, Settings
 
@@ -57,5 +61,6 @@ def meshgate_register_backends(
             n_ctx=settings.runner_context,
             runtime_dir=str(settings.run_dir),
             parallel=settings.parallel,
+            **kv_tiers(LlamaCppSettings.from_settings(settings), Path(settings.data_dir)),
         )
     )

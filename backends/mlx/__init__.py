@@ -5,7 +5,9 @@ backends.mlx.runner`` with a python that has mlx): rank 0, the head, is the firs
 and speaks the internal streaming protocol; the others follow its generation loop. Ranks are in placement order
 (layer range, then tensor rank); followers start first and wait to be joined (``rendezvous``), the head's agent
 builds the ring's hostfile from their addresses on the cluster interface. ``MlxBackend.connect`` (in the
-gateway) gives a runner client for the head. mlx itself is only ever imported in the rank processes.
+gateway) gives a runner client for the head. mlx itself is only ever imported in the rank processes. A placement of
+one rank keeps prompts' KV in a tier (``runner.kvtier``, as llama.cpp runners do: ``kv_ram``, ``kv_dir``,
+``kv_disk``); over a ring there is none.
 
 Imports protocols, backends.base/placement/runner and ``backends.checkpoints``; never the gateway.
 """
@@ -42,6 +44,10 @@ _PACKAGES = ("meshgate",)  # what a rank imports: the package (from a checkout i
 # MLX on Linux is CPU only: compute in float32 there (CPUs have no fast bfloat16; measured on Gemma 3 270M with
 # mlx 0.32.4: 4.0 tok/s float32 vs 3.6 bfloat16, and tensor-parallel sums then match one process exactly).
 _CPU_DTYPE = "float32" if sys.platform == "linux" else None
+KV_SHARE = 1 / 16
+"""The share of a node's memory a head runner's host-memory KV tier takes unless its size is set (as llama.cpp's)."""
+KV_CAP = 8 << 30
+"""The most a host-memory KV tier takes unless its size is set (as llama.cpp's)."""
 
 
 def rank_order(placement: Candidate) -> list[Shard]:
@@ -63,6 +69,16 @@ class MlxRunner:
 
     async def embed(self, request: EmbedRequest) -> Embeddings:
         raise UnsupportedFeature("the MLX backend does not compute embeddings", param="model")
+
+    async def health(self) -> dict[str, object]:
+        """The head's ``/health``: its batch and, in one process, its KV tier's figures."""
+        return await self.client.health()
+
+    async def kv(self, action: str, body: dict[str, object]) -> None:
+        """Tell the head's KV tier something (``runner.kv_routes``): ``peers`` or ``warm``."""
+        client = self.client
+        response = await client.http.post(f"{client.base_url}/kv/{action}", json=body, headers=client.headers)
+        response.raise_for_status()
 
 
 class LaunchedRank:
@@ -92,7 +108,9 @@ class MlxBackend(Backend):
     ``backends`` and ``protocols`` packages reach it through ``PYTHONPATH``. Pipeline ranks load only their layer
     range; tensor ranks split every layer. ``parallel``: requests an instance decodes together (its head's batch;
     the runner's ``--parallel``). Response formats are enforced (llguidance, ``structured.py``); no tools or
-    embeddings.
+    embeddings. ``kv_ram``, ``kv_dir``, ``kv_disk``: the KV tiers of a placement of one rank, as the llama.cpp
+    backend's (``kv_ram`` ``None``: ``KV_SHARE`` of the node's memory, at most ``KV_CAP``, counted by the planner as
+    the head's memory, over a ring too, where the runner has no tier).
     """
 
     name = "mlx"
@@ -107,8 +125,12 @@ class MlxBackend(Backend):
         ready_timeout: float = 300.0,
         dtype: str | None = _CPU_DTYPE,
         parallel: int | None = None,
+        kv_ram: int | None = 0,
+        kv_dir: str | None = None,
+        kv_disk: int = 0,
     ) -> None:
         self.http = http
+        self.kv_ram, self.kv_dir, self.kv_disk = kv_ram, kv_dir, kv_disk
         self.parallel = parallel
         self.dtype = dtype
         self.python = python or sys.executable
@@ -131,7 +153,9 @@ class MlxBackend(Backend):
         # context token on Gemma 3 270M.
         return ShardCosts(
             base_bytes=190 * MiB,
-            head_bytes=25 * MiB,
+            head_bytes=25 * MiB + (self.kv_ram or 0),  # a KV tier of a set size is the head's memory
+            cache_share=KV_SHARE if self.kv_ram is None else 0.0,  # else a share of its node's
+            cache_cap=KV_CAP,
             per_token_bytes=16 << 10,
             vocab_parallel=False,
             sequences=self.parallel or 0,  # 0: the planner sizes the slots from the nodes' memory
@@ -186,6 +210,10 @@ class MlxBackend(Backend):
         if mode == "pipeline":
             argv += ["--layers", f"{shard.layer_start}:{shard.layer_end}"]
         argv += ["--dtype", self.dtype] if self.dtype else []
+        if ranks == 1:  # one process: a KV tier (over a ring each rank holds a shard of the cache: none)
+            kv_ram = shard.cache_bytes if self.kv_ram is None else self.kv_ram  # as the planner counted it
+            argv += ["--kv-ram", str(kv_ram), "--model-digest", card.digest]
+            argv += ["--kv-dir", self.kv_dir, "--kv-disk", str(self.kv_disk)] if self.kv_dir and self.kv_disk else []
         env = self._env()
         if rank > 0:  # a follower: up as soon as its join endpoint listens
             process = await RunnerProcess.start(argv, name=f"{card.name} rank {rank}", env=env, ready_timeout=60)

@@ -32,21 +32,32 @@ tests check pipeline and tensor sharding batched against one process.
 Chunks are cut at the same places alone and under load, so a prompt's numbers do not depend on what else runs;
 a prompt longer than ``CHUNK`` gets other numbers than the one-piece prefill before chunking (as mlx-lm's own
 ``generate_step``, which prefills in chunks of 2048). A chunk in flight is not stopped (an MLX evaluation cannot
-be): a short prompt may wait for one. Not done: prefix reuse between requests.
+be): a short prompt may wait for one.
+
+Prefix reuse between requests goes through the KV tier only (``kvcache``, ``runner.kvtier``), and only in a runner
+of one process (over a ring each rank holds its shard of the cache: the tier is off there): a sequence whose
+``restore`` (a tier hit, found by the engine) holds part of its prompt starts from that cache at admission, its
+``fed`` tokens a multiple of ``CHUNK``, so its prefill goes on in the chunks cold prefill cuts; one that holds the
+whole prompt joins the rows at once and takes its first pick from the logits kept with it (no forward pass). As a
+prompt's prefill (from nothing or from a restore: every prefill here is cold's) passes its restore points and
+ends, its cache is kept (``kvcache.Keeper.passed``, before the cache joins the batch).
 
 A resumed sequence (its stream moved here from a replica that failed, ``Request.resume``) takes the tokens it had
 sent as its first picks, one decode step each, as they were generated: greedy text then goes on exactly as the
 undisturbed run's, and its grammar (if any) is advanced through them.
 
-Runs only in MLX processes; imports mlx, mlx_lm and numpy (lazily) and protocols; of ours, ``structured`` for a
-type only.
+Runs only in MLX processes; imports mlx, mlx_lm and numpy (lazily) and protocols; of ours, ``kvcache`` (lazily)
+and ``structured`` and ``runner.kvtier`` for types only.
 """
 
 from __future__ import annotations
 
 import collections
+import functools
+import logging
 import queue
 import threading
+import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -54,8 +65,11 @@ from meshgate.protocols.model import BackendUnavailable
 
 if TYPE_CHECKING:
     from meshgate.backends.mlx.structured import Constraint
+    from meshgate.backends.runner.kvtier import Hit, KVTier
 
 __all__ = ["Batch", "Sampler", "Scheduler", "Sequence"]
+
+log = logging.getLogger("meshgate.mlx.batch")
 
 _POLL_S = 0.05  # how often a waiting ``generate`` looks at its cancel flag
 
@@ -92,10 +106,12 @@ class Batch:
         """A follower's way in: the operation the head sent."""
         return getattr(self, op)(values)
 
-    def admit(self, values: list[int]) -> Any:
-        """``[key, then, *tokens]``: prefill ``tokens`` on prompt ``key``'s own cache (made at its first chunk);
-        ``then`` is ``_LAST`` after the prompt's last chunk (its cache becomes the batch's last row), ``_MORE``
-        before, ``_DROP`` to forget the cache of a prompt given up part way. The logits of the chunk's last token."""
+    def admit(self, values: list[int], seen: Callable[[list[Any], Any], None] | None = None) -> Any:
+        """``[key, then, *tokens]``: prefill ``tokens`` on prompt ``key``'s own cache (made at its first chunk, or
+        put in ``pending`` restored from the KV tier); ``then`` is ``_LAST`` after the prompt's last chunk (its cache
+        becomes the batch's last row), ``_MORE`` before, ``_DROP`` to forget the cache of a prompt given up part
+        way. The logits of the chunk's last token. ``seen`` (the head's, with a KV tier) is shown the prompt's cache
+        and those logits after the chunk, before the cache joins the batch."""
         import mlx.core as mx
 
         key, then, tokens = values[0], values[1], values[2:]
@@ -104,9 +120,16 @@ class Batch:
             return None
         cache = self.pending.pop(key, None) or self._make_cache()
         logits = self._eval(self._forward(mx.array(tokens)[None], cache=cache))
+        if seen is not None:
+            seen(cache, logits)
         if then == _MORE:
             self.pending[key] = cache
             return logits
+        self.join(cache)
+        return logits
+
+    def join(self, cache: list[Any]) -> None:
+        """Add a whole prompt's plain ``cache`` to the batch as its last row."""
         if self.cache is None:
             self.cache, self.merged = cache, False
         else:
@@ -116,7 +139,6 @@ class Batch:
                 if mine is not None:
                     mine.extend(new)
         self.rows += 1
-        return logits
 
     @staticmethod
     def _merge(cache: list[Any]) -> list[Any]:
@@ -207,6 +229,13 @@ class Sequence:
         self.fed = 0  # prompt tokens prefilled
         self.key = 0  # its prompt's cache while prefilling (``Batch.pending``), numbered in order of arrival
         self.ended = self.closed = False
+        # the KV tier (a runner of one process): set by the engine before ``submit``
+        self.restore: Hit | None = None  # a hit to start from, taken at admission
+        self.scope: str | None = None  # the tier scope its prompt's cache is kept under (``None``: not kept)
+        self.tag = ""  # its prompt's prefix key (``protocols.prefix``): kept with its entry, for routing
+        self.note = ""  # where its restored KV came from, when a peer's was weighed (``Usage.cache_note``)
+        self.cached = 0  # prompt tokens restored instead of prefilled
+        self.points: dict[int, bytearray] = {}  # restore points its prefill passed, for its entry
 
     @property
     def over(self) -> bool:
@@ -249,11 +278,18 @@ class Scheduler:
     """The head's batching loop over ``batch``, at most ``parallel`` rows, mirrored to followers by ``lockstep``.
 
     ``steps`` counts decode passes, ``decoded`` the rows they advanced, ``widest`` the most rows in one pass.
+    With a KV ``tier`` (one process only: ignored over a ring) sequences start from their ``restore`` hits and
+    prompts are kept; ``restored`` counts the prompt tokens restored, ``prompt_rate`` is a moving average of prompt
+    tokens prefilled per second (what a peer's entry is weighed against).
     """
 
-    def __init__(self, batch: Batch, lockstep: Any, parallel: int) -> None:
+    def __init__(self, batch: Batch, lockstep: Any, parallel: int, tier: KVTier | None = None) -> None:
+        from meshgate.backends.mlx.kvcache import Keeper
+
         self.batch, self.lockstep, self.parallel = batch, lockstep, max(1, parallel)
-        self.steps = self.decoded = self.widest = 0
+        self.keeper = Keeper(tier, CHUNK) if tier is not None and lockstep.size == 1 else None
+        self.steps = self.decoded = self.widest = self.restored = 0
+        self.prompt_rate = 200.0
         self._rows: list[Sequence] = []
         self._prefilling: list[Sequence] = []
         self._current: Sequence | None = None  # the sequence whose prompt chunk is being evaluated
@@ -273,6 +309,7 @@ class Scheduler:
             "steps": self.steps,
             "decoded": self.decoded,
             "widest": self.widest,
+            "restored_tokens": self.restored,
         }
 
     def submit(self, seq: Sequence) -> None:
@@ -305,6 +342,7 @@ class Scheduler:
                 seq.key = self._keys
             self._prefilling += new
             try:
+                self._restore(new)
                 self._leave()
                 if self._rows:
                     self._step()
@@ -355,6 +393,37 @@ class Scheduler:
             self.batch.keep(keep)
             self._rows = [self._rows[i] for i in keep]
 
+    def _restore(self, new: list[Sequence]) -> None:
+        """Start the ``new`` sequences that have a KV tier hit from it: a part of the prompt goes to its pending
+        cache (prefill goes on from there), a whole prompt joins the rows with its first pick."""
+        for seq in new:
+            hit, seq.restore = seq.restore, None
+            if hit is None or self.keeper is None:
+                continue
+            cache, n, logits = self.keeper.restore(hit, len(seq.tokens))
+            if cache is None:
+                continue
+            seq.fed = seq.cached = n
+            self.restored += n
+            if n < len(seq.tokens):
+                self.batch.pending[seq.key] = cache
+                self._keep(seq, n, cache, None)  # a restore point of its own entry too
+                continue
+            self.batch.join(cache)
+            self._prefilling.remove(seq)
+            self._rows.append(seq)
+            seq.deliver(self._pick([seq], logits)[0])
+
+    def _keep(self, seq: Sequence, end: int, cache: list[Any], logits: Any) -> None:
+        """Show the KV tier ``seq``'s prompt cache at ``end`` (a failure there is logged, never the sequence's)."""
+        if self.keeper is None or seq.scope is None:
+            return
+        try:
+            self.keeper.passed(cache, seq.tokens, end, seq.points, seq.scope, seq.tag, logits)
+        except Exception:
+            log.exception("KV tier: a prompt's cache could not be kept")
+            seq.points.clear()
+
     def _prefill(self) -> None:
         """Up to ``CHUNK`` prompt tokens, shortest remaining prompt first; a prompt done joins the rows."""
         budget = CHUNK
@@ -363,9 +432,12 @@ class Scheduler:
                 break
             chunk = seq.tokens[seq.fed : seq.fed + CHUNK]
             then = _LAST if seq.fed + len(chunk) == len(seq.tokens) else _MORE
+            seen = functools.partial(self._keep, seq, seq.fed + len(chunk)) if seq.scope is not None else None
             self._current = seq
             self.lockstep.send("admit", [seq.key, then, *chunk])
-            logits = self.batch.admit([seq.key, then, *chunk])
+            started = time.perf_counter()
+            logits = self.batch.admit([seq.key, then, *chunk], seen)
+            self.prompt_rate = 0.8 * self.prompt_rate + 0.2 * len(chunk) / max(time.perf_counter() - started, 1e-6)
             self._current = None
             seq.fed += len(chunk)
             budget -= len(chunk)

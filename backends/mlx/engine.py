@@ -17,11 +17,19 @@ llguidance (``structured.py``: a matcher per sequence masks its logits row befor
 answer ``UnsupportedFeature``. Every text delta carries the ids of the tokens it holds, so a stream whose replica
 fails resumes on another (``Request.resume``: those ids are the new sequence's first picks, ``batch.py``).
 
+A runner of one process may keep prompts' KV in a tier (``kv_ram``, ``kv_dir``/``kv_disk``: ``runner.kvtier``, the
+llama.cpp runners' own, with their peers and ``/kv`` routes): ``generate`` looks the prompt up (and may fetch a
+longer entry from a peer, ``runner.kvpeers``), the scheduler restores the hit and keeps cold prompts
+(``kvcache``); restored tokens are the usage's ``cached_tokens``. Over a ring, or for a model whose cache the tier
+cannot keep, there is none.
+
 Runs only in the runner process; imports protocols and mlx/mlx_lm, never the gateway.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 import random
 import threading
 import time
@@ -31,9 +39,12 @@ from typing import Any
 
 import msgspec
 
-from meshgate.backends.mlx.batch import Batch, Sampler, Scheduler, Sequence
+from meshgate.backends.mlx import kvcache
+from meshgate.backends.mlx.batch import CHUNK, Batch, Sampler, Scheduler, Sequence
 from meshgate.backends.mlx.lockstep import Lockstep
 from meshgate.backends.mlx.structured import Grammars
+from meshgate.backends.runner.kvpeers import Peers
+from meshgate.backends.runner.kvtier import KVTier
 from meshgate.backends.runner.stops import StopMatcher
 from meshgate.protocols.model import (
     UNSET,
@@ -47,8 +58,12 @@ from meshgate.protocols.model import (
     UnsupportedFeature,
     Usage,
 )
+from meshgate.protocols.prefix import prefix_key, request_prefix
 
-__all__ = ["MlxEngine"]
+__all__ = ["MlxEngine", "kv_namespace"]
+
+PUBLISHED = 256
+"""Prefix keys of its KV tier's entries a runner's ``/health`` lists, most recently used first (for routing)."""
 
 _DEFAULTS = {"temperature": 0.8, "top_p": 0.95, "top_k": 40, "min_p": 0.05}
 
@@ -78,6 +93,10 @@ class MlxEngine:
         n_ctx: int = 4096,
         dtype: str | None = None,
         parallel: int = 1,
+        kv_ram: int = 0,
+        kv_dir: str | None = None,
+        kv_disk: int = 0,
+        digest: str = "",
     ) -> None:
         """Load ``path``; over a ``group`` of more than one rank, shard it by ``mode`` (``tensor`` or
         ``pipeline``; ``single`` runs the whole model on this rank alone, as does any mode without a group).
@@ -87,6 +106,10 @@ class MlxEngine:
         type (``float32`` on CPUs, which have no fast bfloat16: faster there, and tensor-parallel partial sums
         then match one process exactly); ``None`` keeps the checkpoint's. ``parallel``: the most requests
         decoded together (the head's; followers run whatever batch the head sends).
+
+        ``kv_ram`` bytes of host memory and ``kv_disk`` bytes of ``kv_dir`` keep prompts' KV (``runner.kvtier``), in
+        one process only (not over a ring); ``digest`` names the weights for the tier's namespace (else the
+        checkpoint's files' paths, sizes and mtimes).
         """
         import mlx.core as mx
 
@@ -102,7 +125,14 @@ class MlxEngine:
         self.path, self.mode, self.n_ctx = path, mode, n_ctx
         batch = Batch(self._forward, self._make_cache)
         self.parallel = max(1, parallel) if batch.can_batch else 1  # a cache mlx-lm cannot merge: one at a time
-        self.scheduler = Scheduler(batch, self.lockstep, self.parallel)
+        self.tier: KVTier | None = None
+        self.kv_peers: Peers | None = None
+        wanted = kv_ram > 0 or bool(kv_dir and kv_disk > 0)
+        if wanted and self.lockstep.size == 1 and kvcache.supported(self._make_cache()):
+            namespace = kv_namespace(path, digest, dtype)
+            self.tier = KVTier(namespace, ram_budget=kv_ram, directory=kv_dir, disk_budget=kv_disk)
+            self.kv_peers = Peers(self.tier, CHUNK)
+        self.scheduler = Scheduler(batch, self.lockstep, self.parallel, tier=self.tier)
         self.grammars = Grammars(self.tokenizer)
         self._tokenizing = threading.Lock()  # a fast tokenizer may refuse two calls at once ("Already borrowed")
         self._first_request = True
@@ -153,6 +183,7 @@ class MlxEngine:
             "sharding": self.mode,
             "layers": list(self.layers) if self.layers else None,
             "batch": self.scheduler.stats(),
+            **({"kv_tier": {**self.tier.stats(), "prefixes": self.tier.tags(PUBLISHED)}} if self.tier else {}),
         }
 
     def count_tokens(self, request: Request, cancel: threading.Event) -> Count:
@@ -211,6 +242,14 @@ class MlxEngine:
             else Sampler(temp, float(_value(s, "top_p")), float(_value(s, "min_p")), int(_value(s, "top_k")), seed)
         )
         seq = Sequence(tokens, limit, eos, sampler, cancel, constraint, forced=list(request.resume))
+        if self.tier is not None:  # looked up here, on the request's thread: a disk entry is read off the loop
+            seq.scope = request.cache_scope
+            key = prefix_key(*request_prefix(request))
+            seq.tag = key.hex() if key is not None else ""
+            seq.restore = self.tier.find(request.cache_scope, tokens, usable=CHUNK)
+            if self.kv_peers is not None:
+                rate = self.scheduler.prompt_rate
+                seq.restore, seq.note = self.kv_peers.improve(request.cache_scope, tokens, seq.restore, rate)
         started = first_token_at = time.perf_counter_ns()
         count, finish = 0, Finished(reason="length")
         picked: list[int] = []
@@ -251,6 +290,8 @@ class MlxEngine:
         yield Usage(
             prompt_tokens=len(tokens),
             completion_tokens=count,
+            cached_tokens=seq.cached,  # restored from the KV tier, not prefilled
+            cache_note=seq.note,
             load_ns=load_ns,
             prompt_ns=first_token_at - started,
             eval_ns=ended - first_token_at,
@@ -267,3 +308,18 @@ class MlxEngine:
         """Head only: stop the scheduler, tell followers to exit, then drain and barrier so no rank leaves a peer
         mid-transfer."""
         self.scheduler.close()
+
+
+def kv_namespace(path: str, digest: str, dtype: str | None) -> str:
+    """What makes two runners' KV comparable: the weights (their digest, else the checkpoint's files as they are
+    now), mlx and mlx-lm, the compute dtype and the prefill chunks (``CHUNK``)."""
+    import mlx.core as mx
+    import mlx_lm
+
+    if not digest:
+        root = Path(path)
+        files = sorted(root.glob("*.safetensors")) + [root / "config.json"] if root.is_dir() else [root]
+        digest = ";".join(f"{p.resolve()}:{p.stat().st_size}:{p.stat().st_mtime_ns}" for p in files if p.exists())
+    settings = {"weights": digest, "mlx": mx.__version__, "mlx_lm": mlx_lm.__version__, "dtype": dtype or ""}
+    settings |= {"chunk": CHUNK, "runtime": "mlx"}
+    return hashlib.blake2b(json.dumps(settings, sort_keys=True).encode(), digest_size=16).hexdigest()

@@ -3,7 +3,8 @@
 One rank of an instance:
 
 - alone (``--ranks 1``): load the whole model and serve it over the internal streaming protocol, decoding up to
-  ``--parallel`` requests together (``MESHGATE_PARALLEL``, default 4);
+  ``--parallel`` requests together (``MESHGATE_PARALLEL``, default 4), with a KV tier when ``--kv-ram`` or
+  ``--kv-dir``/``--kv-disk`` give it room (and its ``/kv`` routes: ``runner.kv_routes``);
 - the head (``--rank 0`` of N, ``MLX_HOSTFILE`` set by the backend): join the ring, load its shard, serve (batched
   as alone: the followers run every batch operation the head sends); when the server stops (SIGTERM), tell the
   followers to shut down and meet them at a barrier, then exit;
@@ -53,6 +54,10 @@ def main(argv: list[str] | None = None) -> None:
         default=int(os.environ.get("MESHGATE_PARALLEL") or 4),
         help="requests decoded together (default: MESHGATE_PARALLEL, else 4)",
     )
+    parser.add_argument("--kv-ram", type=int, default=0, help="bytes of host memory for the KV tier (0: none)")
+    parser.add_argument("--kv-dir", default=None, help="the node's KV tier directory")
+    parser.add_argument("--kv-disk", type=int, default=0, help="bytes of --kv-dir the node's KV tier may fill")
+    parser.add_argument("--model-digest", default="", help="the weights' digest (KV is shared only between equals)")
     args = parser.parse_args(argv)
     launched = os.environ.get("MLX_HOSTFILE")  # started by a ring launcher (backends.mlx.launch): no join
     if launched:
@@ -108,12 +113,15 @@ def _leave(code: int) -> None:
 
 class _Head:
     """The head's engine as the server sees it: a ring error ends the stream as ``BackendUnavailable`` and the
-    process (the ring is gone: this instance cannot generate again)."""
+    process (the ring is gone: this instance cannot generate again). Its ``tier`` (``None`` over a ring) is the
+    engine's, for the server's ``/kv`` routes."""
 
     def __init__(self, engine: Any) -> None:
         self.engine = engine
         self.count_tokens = engine.count_tokens
         self.parallel = engine.parallel
+        self.tier = engine.tier
+        self.kv_peers = engine.kv_peers
 
     def health(self) -> dict[str, Any]:
         return self.engine.health()
@@ -165,6 +173,10 @@ def _load(args: argparse.Namespace, *, own_hostfile: bool):
         n_ctx=args.n_ctx,
         dtype=args.dtype,
         parallel=args.parallel,
+        kv_ram=args.kv_ram,
+        kv_dir=args.kv_dir,
+        kv_disk=args.kv_disk,
+        digest=args.model_digest,
     )
 
 

@@ -75,6 +75,7 @@ class Peers:
         self._http = httpx.Client(headers=headers, timeout=httpx.Timeout(30.0, connect=OFFER_TIMEOUT))
         self._copies: queue.Queue[tuple[Entry, Peer]] = queue.Queue(BACKLOG)
         self._sender: threading.Thread | None = None
+        self._lock = threading.Lock()
         tier.on_made = self.copy
 
     def set(self, peers: Sequence[Peer], node: str = "") -> None:
@@ -161,10 +162,20 @@ class Peers:
             return [offer for offer in pool.map(ask, self.peers) if offer is not None]
 
     def warm(self, url: str, count: int) -> None:
-        """Fetch, in the background, the ``count`` entries the runner at ``url`` used last that this tier lacks."""
+        """Fetch, in the background, the ``count`` entries the runner at ``url`` used last that this tier lacks
+        (``tier.warming`` counts it from now until it ends)."""
+        with self._lock:
+            self.tier.warming += 1
         threading.Thread(target=self._warm, args=(url, count), name="kv-warm", daemon=True).start()
 
     def _warm(self, url: str, count: int) -> None:
+        try:
+            self._fetch_hot(url, count)
+        finally:
+            with self._lock:
+                self.tier.warming -= 1
+
+    def _fetch_hot(self, url: str, count: int) -> None:
         try:
             response = self._http.post(f"{url}/kv/hot", json={"count": count}, timeout=OFFER_TIMEOUT * 5)
             response.raise_for_status()

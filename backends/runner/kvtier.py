@@ -107,6 +107,7 @@ class KVTier:
         self._queue: queue.Queue[Entry | None] = queue.Queue()
         self._writer: threading.Thread | None = None
         self.on_made: Callable[[Entry], None] | None = None  # told of each entry this runner made (``kvpeers``)
+        self.warming = 0  # warm-ups from a peer in progress (``kvpeers``): the gateway sends no traffic meanwhile
         if self.directory is not None:
             self.directory.mkdir(parents=True, exist_ok=True, mode=0o700)
             self._index_directory()
@@ -431,6 +432,7 @@ class KVTier:
                 "disk_bytes": disk_bytes,
                 "disk_budget": self.disk_budget,
                 "disk_entries": len(self._disk),
+                "warming": self.warming,
                 **{name: self.counts[name] for name in COUNTS},
             }
 

@@ -20,9 +20,11 @@ or ``RETELL`` seconds ago (a runner that restarted has forgotten them), with the
 prompt states from their peers' tiers when that beats prefilling them, and copy each entry they make to one peer on
 another node, so a node's death loses no prompt (``backends.runner.kvpeers``). A replica told its peers for the first
 time warms itself: it fetches the ``WARM`` entries a peer used last, before they are asked for (a new replica, added by
-the autoscaler or re-placed, starts with the deployment's hot prefixes). A replica seen draining hands its sessions
-over: every ready replica of its model with a tier fetches the ``WARM`` entries it used last, while it finishes its
-streams, so their next turns find them.
+the autoscaler or re-placed, starts with the deployment's hot prefixes); until its runner says it is done (watched every
+``WATCH`` seconds, for ``WARM_LIMIT`` seconds at most) it is ``cold``: routing sends it nothing while another replica of
+its model is ready. A pass runs as soon as a new instance is ready, not only every ``EVERY`` seconds, so a new replica
+is told at once. A replica seen draining hands its sessions over: every ready replica of its model with a tier fetches
+the ``WARM`` entries it used last, while it finishes its streams, so their next turns find them.
 
 Imports the records and ``telemetry.kv_tier``; the health source is given, so this room never imports serving.
 """
@@ -38,7 +40,7 @@ from meshgate.backends.placement import Link
 from meshgate.gateway.cluster.records import Draining, Instance, Ready
 from meshgate.gateway.telemetry.kv_tier import KvTier, kv_tier_of
 
-__all__ = ["EVERY", "TIMEOUT", "HealthOf", "KvTiers", "Read", "TellPeers", "merge", "peer_lists"]
+__all__ = ["EVERY", "TIMEOUT", "WARM_LIMIT", "HealthOf", "KvTiers", "Read", "TellPeers", "merge", "peer_lists"]
 
 log = logging.getLogger("meshgate.kv_tiers")
 
@@ -58,6 +60,10 @@ TellPeers = Callable[[Instance, str, dict[str, object]], Awaitable[None]]
 raise."""
 WARM = 16
 """Entries a new replica fetches from a peer, and each staying replica from a draining one: the most recently used."""
+WARM_LIMIT = 60.0
+"""Seconds a new replica's warm-up may keep routing away from it."""
+WATCH = 0.5
+"""Seconds between two looks at a warming replica's runner, and at the view for new ready instances."""
 """An instance's head runner's ``/health`` answer; ``None`` when its runner cannot report one. May raise."""
 
 Read = tuple[str, KvTier | None, bool]
@@ -104,6 +110,13 @@ class KvTiers:
         self._figures: dict[str, KvTier] = {}
         self._prefixes: dict[str, frozenset[bytes]] = {}  # instance id -> prefix keys its tier's entries hold
         self._task: asyncio.Task[None] | None = None
+        self._warming: dict[str, asyncio.Task[None]] = {}  # new replicas warming up, by instance id
+        self._ready: frozenset[str] = frozenset()  # the ready instances of the last pass
+
+    def cold(self, instance_ids: Collection[str]) -> set[str]:
+        """Those of ``instance_ids`` still warming up as new replicas (routing sends them nothing while another
+        replica is ready)."""
+        return {i for i in instance_ids if i in self._warming}
 
     def get(self, instance_id: str) -> KvTier | None:
         """``instance_id``'s figures as last read; ``None`` when there are none."""
@@ -120,6 +133,7 @@ class KvTiers:
     async def poll(self) -> None:
         """One pass: read every ready instance's runner at once, then ``merge``."""
         ready = [i for i in self.instances() if isinstance(i.state, Ready)]
+        self._ready = frozenset(i.id for i in ready)
         reads = await asyncio.gather(*(self._read(i) for i in ready)) if ready else []
         kept = {i.id for i in self.instances() if isinstance(i.state, Ready | Draining)}  # as of now, after reads
         self._figures = merge(self._figures, kept, reads)
@@ -144,9 +158,11 @@ class KvTiers:
             *(self._tell(i, "peers", {"peers": lists[i.id], "node": _head_node(i)}) for i in due)
         )
         warm = []
+        new = []
         for instance, ok in zip(due, told, strict=True):
             if ok and instance.id not in self._told and lists[instance.id]:  # new: warm it from a peer
                 warm.append((instance, {"url": lists[instance.id][0]["url"], "count": WARM}))
+                new.append(instance.id)
             if ok:
                 self._told[instance.id] = (lists[instance.id], now)
         for draining in self.instances():
@@ -160,7 +176,29 @@ class KvTiers:
                 stay = [i for i in ready if i.model == draining.model and i.id in lists]
                 warm += [(i, {"url": head[1], "count": WARM}) for i in stay if head is not None]
         self._handed &= {i.id for i in self.instances()}
-        await asyncio.gather(*(self._tell(instance, "warm", body) for instance, body in warm))
+        warmed = await asyncio.gather(*(self._tell(instance, "warm", body) for instance, body in warm))
+        for (instance, _), ok in zip(warm, warmed, strict=True):
+            if ok and instance.id in new and instance.id not in self._warming:
+                self._warming[instance.id] = asyncio.create_task(self._watch(instance), name="kv-warm-watch")
+
+    async def _watch(self, instance: Instance) -> None:
+        """Until ``instance``'s runner says its warm-up is over (or ``WARM_LIMIT``), it stays ``cold``."""
+        try:
+            async with asyncio.timeout(WARM_LIMIT):
+                while True:
+                    await asyncio.sleep(WATCH)
+                    try:
+                        async with asyncio.timeout(self.timeout):
+                            health = await self.health_of(instance)
+                    except Exception:  # not read this time: look again
+                        continue
+                    tier = health.get("kv_tier") if health is not None else None
+                    if not isinstance(tier, Mapping) or not tier.get("warming"):
+                        return
+        except TimeoutError:
+            log.info("instance %s still warming after %.0f s: routing to it anyway", instance.id, WARM_LIMIT)
+        finally:
+            self._warming.pop(instance.id, None)
 
     async def _tell(self, instance: Instance, action: str, body: dict[str, object]) -> bool:
         assert self.tell is not None
@@ -188,15 +226,22 @@ class KvTiers:
         self._task = asyncio.create_task(self._loop(), name="kv-tiers")
 
     async def close(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-            self._task = None
+        for task in [self._task, *self._warming.values()]:
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+        self._task = None
 
     async def _loop(self) -> None:
+        loop = asyncio.get_running_loop()
+        last = loop.time()
         while True:
-            await asyncio.sleep(self.every)
+            await asyncio.sleep(min(WATCH, self.every))
+            ready = {i.id for i in self.instances() if isinstance(i.state, Ready)}
+            if loop.time() - last < self.every and ready <= self._ready:
+                continue  # not due, and no instance became ready since the last pass
+            last = loop.time()
             try:
                 await self.poll()
             except Exception:  # the view could not be read: the next pass tries again

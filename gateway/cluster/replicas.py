@@ -53,6 +53,7 @@ class Replicas:
         self.on_route = on_route  # told the replica of each generation routed (``loads.LoadBoard.routed``)
         self.prefixes = PrefixTable()  # which replica this gateway sent each prompt prefix to
         self.cached: Callable[[bytes], Collection[str]] = lambda key: ()  # replicas whose KV tier holds ``key``
+        self.cold: Callable[[Collection[str]], Collection[str]] = lambda ids: ()  # new replicas still warming up
         self.routed: dict[tuple[str, str], int] = {}  # (model, routing rule) -> requests (``/metrics``)
         self._turn = 0
 
@@ -104,6 +105,9 @@ class Replicas:
         if not ready:
             found = _usable(holding)
             return self._routed(found, routing) if found is not None else None
+        cold = self.cold([i.id for i in ready])
+        if cold and len(cold) < len(ready):  # a new replica warming its KV tier takes nothing while another can
+            ready = [i for i in ready if i.id not in cold]
         if routing is None:  # a load, an embedding, a count: no prompt to route by
             return min(ready, key=lambda i: self.load(i.id))
         if len(ready) == 1:  # nothing to choose: the prompt is not even hashed

@@ -172,6 +172,7 @@ async def control_plane(
                 tell = runner_kv(catalog.resolve, plane.dispatcher.backend_for)
                 plane.kv_tiers = KvTiers(plane.instances.snapshot, health_of, tell=tell, links=plane.store.links)
                 plane.instances.replicas.cached = plane.kv_tiers.holding  # routing's ``tier`` rule
+                plane.instances.replicas.cold = plane.kv_tiers.cold  # new replicas warming up take nothing
                 await plane.kv_tiers.start()
             yield plane
         finally:

@@ -3,9 +3,13 @@
 
 from __future__ import annotations
 
+import asyncio
+from types import SimpleNamespace
+
 from meshgate.backends.placement import Link, NodeId
 from meshgate.gateway.cluster.kv_tiers import SAME_NODE, WARM, KvTiers, peer_lists
 from meshgate.gateway.cluster.records import Draining, Instance, Ready, RunnerStatus
+from meshgate.gateway.cluster.replicas import Replicas
 from tests.cluster.test_store import instance
 
 HEALTH = {"status": "ok", "kv_tier": {"ram_bytes": 1, "ram_budget": 2}}
@@ -74,3 +78,37 @@ async def test_routing_learns_which_replicas_tiers_hold_a_prefix_from_their_heal
     view.pop(0)  # i1 went away
     await tiers.poll()
     assert tiers.holding(key) == frozenset()
+
+
+async def test_a_new_replica_takes_no_traffic_while_it_warms_unless_it_is_the_only_one():
+    view = [_placed("i1", "a")]
+    warming = {"i2": 1}
+
+    async def health_of(target: Instance) -> dict:
+        return {"kv_tier": {**HEALTH["kv_tier"], "warming": warming.get(target.id, 0)}}
+
+    async def tell(target: Instance, action: str, body: dict) -> None:
+        pass
+
+    tiers = KvTiers(lambda: view, health_of, tell=tell)
+    await tiers.poll()
+    assert tiers.cold({"i1"}) == set(), "the first replica has no peer to warm from"
+    view.append(_placed("i2", "b"))
+    await tiers.poll()
+    assert tiers.cold({"i1", "i2"}) == {"i2"}, "told to warm from i1: cold until its runner says it is done"
+
+    cache = SimpleNamespace(store=None, cached=lambda model: view)
+    replicas = Replicas(cache, deployments=None, load=lambda i: {"i1": 5, "i2": 0}[i])  # type: ignore[arg-type]
+    replicas.cold = tiers.cold
+    assert replicas._pick("m", None, None).id == "i1", "the warm replica, though busier"
+    alone = Replicas(SimpleNamespace(store=None, cached=lambda model: view[1:]), deployments=None)  # type: ignore[arg-type]
+    alone.cold = tiers.cold
+    assert alone._pick("m", None, None).id == "i2", "the only ready replica serves, warm or not"
+    warming["i2"] = 0
+    for _ in range(40):
+        if not tiers.cold({"i2"}):
+            break
+        await asyncio.sleep(0.1)
+    assert tiers.cold({"i1", "i2"}) == set(), "its runner finished warming: routing may send it work"
+    assert replicas._pick("m", None, None).id == "i2", "now the less loaded one"
+    await tiers.close()

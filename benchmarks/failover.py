@@ -2,6 +2,7 @@
 
     .venv/bin/python benchmarks/failover.py [--streams 8] [--tokens 300] [--threads 1] [--grace 120] [--seed 1]
         [--protocols openai,anthropic,ollama] [--json] [--preamble WORDS --n-ctx N] [--kv on|off] [--no-rolling]
+        [--kill-after SECONDS]
 
 One cluster on loopback: ``redis-server``, two ``meshgate node`` agents (each runner ``--threads`` llama.cpp
 threads) and one gateway, two replicas of the packaged Gemma 3 270M (one per node). For each protocol (OpenAI chat,
@@ -263,6 +264,7 @@ def main() -> None:
     parser.add_argument("--n-ctx", type=int, default=N_CTX)
     parser.add_argument("--kv", choices=["on", "off"], default="on", help="the runners' KV tiers (default: on)")
     parser.add_argument("--no-rolling", action="store_true", help="skip the rolling restart")
+    parser.add_argument("--kill-after", type=float, default=None, help="kill this many seconds into the run")
     args = parser.parse_args()
     prompts = [preamble(n, args.preamble) + prompt for n, prompt in enumerate(PROMPTS)]
     rng = random.Random(args.seed)
@@ -289,7 +291,7 @@ def main() -> None:
                 )
                 runs.append(undisturbed)
                 print(undisturbed, file=sys.stderr)
-                at = rng.uniform(0.1, 0.6) * undisturbed.seconds
+                at = args.kill_after or rng.uniform(0.1, 0.6) * undisturbed.seconds
                 victim = rng.choice(cluster.replica_nodes())  # a node holding a replica (both may be on one)
 
                 def kill(at: float = at, victim: str = victim) -> None:

@@ -54,12 +54,21 @@ the way llama.cpp's own server drives its slots:
   had, so its greedy text goes on as the undisturbed run's would. It samples once they are all in.
 - A finished or cancelled job leaves its slot at once; the slot keeps its tokens for the next job's prefix.
 - With a KV tier (``kvstate.Keeper``, ``runner.kvtier``), a job whose ``restore`` (a tier hit) holds more of its
-  prompt than any slot restores it into the free slot used longest ago: a whole prompt then samples its first
-  token from the logits kept with it, a longer one prefills the rest from a restore point (a multiple of ``CHUNK``
-  or where the kept prompt's last chunk started), in chunks that start and end at multiples of 8, which gives every
-  row cold's numbers (``kvstate.ALIGN``). A
-  prompt evaluated as cold evaluates it (from nothing or from the tier, never from a slot's reuse or copy, which
-  may hold numbers of other chunks or of decodes: ``Job.exact``) is kept in the tier as it ends.
+  prompt than any slot restores it into the free slot used longest ago and prefills the rest from there: from a
+  restore point (a multiple of ``CHUNK``, or where the kept prompt's last chunk started: multiples of 256, so the
+  restored sliding-window cells sit where cold's numbers come out), in chunks that start and end at multiples of
+  8, which gives every row cold's numbers (``kvstate.ALIGN``). An entry's end, restored, would start a prompt
+  that is its whole prompt from the logits kept with it, but later decode steps then sum over sliding-window cells
+  laid out elsewhere and greedy text drifts from cold's (probed: 2 of 4 concurrent 200-token answers differed),
+  so only the inexact mode restores ends; the exact one restores the last restore point and evaluates the last
+  chunk again (at most 256 tokens). A prompt evaluated as cold evaluates it (from nothing, from the tier or from
+  a slot's exact reuse, never from a copy: ``Job.exact``) is kept in the tier as it ends.
+- Exact slot reuse. In exact mode (the default) a prompt of ``SAVED`` tokens or more takes from a slot only what
+  that slot computed as cold does (``_Slot.cold``: its last exact job's prompt, never what it decoded), cut back to
+  a multiple of 8 and to where cold starts the prompt's last chunk (``Scheduler._reusable``): the same request
+  sent twice, or a conversation's next turn, gets the text a cold evaluation gives, whatever its slot held
+  (before, the last prompt token was evaluated alone and 2 of 4 repeated 1,300-token prompts answered
+  otherwise). Shorter prompts reuse the whole shared prefix, as ``Llama`` does.
 - Every job samples with its own native chain (``sampling.Sampler``) from its own row of the batch's logits;
   log probabilities are read from the same row before the next decode replaces them.
 
@@ -92,7 +101,7 @@ from typing import Any
 import numpy as np
 
 from meshgate.backends.llama_cpp.cpu_kernels import ReferenceKernels, cpu_backend
-from meshgate.backends.llama_cpp.kvstate import SAVED, Keeper, tail
+from meshgate.backends.llama_cpp.kvstate import ROWS, SAVED, Keeper, tail
 from meshgate.backends.llama_cpp.sampling import GrammarStuck, Sampler
 from meshgate.backends.runner.kvtier import Hit, KVTier
 
@@ -185,6 +194,7 @@ class _Slot:
     tokens: list[int] = field(default_factory=list)  # what the KV cache holds for this sequence, in order
     job: Job | None = None
     used: int = 0  # admission order of its last job: a copied prefix goes to the free slot used longest ago
+    cold: int = 0  # its first tokens whose cells a cold evaluation would hold (its last exact job's prompt)
 
 
 class Scheduler:
@@ -202,9 +212,11 @@ class Scheduler:
         reference: bool = False,
         fair: bool = True,
         tier: KVTier | None = None,
+        exact: bool = True,
     ) -> None:
         """``fair=False`` prefills oldest first and never stops a chunk (the policy before this one), to compare
-        (``benchmarks/prefill.py``)."""
+        (``benchmarks/prefill.py``). ``exact``: a long prompt reuses a slot's cache only where that gives cold's
+        numbers (``_reusable``)."""
         import llama_cpp as lib
 
         self._lib = lib
@@ -244,6 +256,7 @@ class Scheduler:
         self._closed = False
         self._admitted = 0
         self.fair = fair
+        self.exact = exact
         self._inflight: Job | None = None  # the job whose prompt chunk is being decoded (set under ``_wake``)
         self._preempt = False  # stop that chunk: a job that goes first is waiting, or the chunk's job is gone
         self._abort = lib.ggml_abort_callback(self._should_abort)  # kept alive with the scheduler
@@ -316,24 +329,27 @@ class Scheduler:
                 return
             self.waiting.popleft()
             slot = max(free, key=lambda s: _common(s.tokens, job.prompt))
-            keep = _usable(slot.tokens, job.prompt)
-            holder = self._holder(job.prompt, keep)
+            keep, cold = self._reusable(slot, job.prompt)
+            holder = self._holder(job.prompt, keep, slot)
             hit, job.restore = job.restore, None
             if hit is not None and hit.length > (_usable(holder.tokens, job.prompt) if holder else keep):
                 slot = min(free, key=lambda s: s.used)  # the tier holds more than any slot: restore it there
                 assert self.keeper is not None
                 keep, job.logits = self.keeper.restore(slot.seq, hit, len(job.prompt))
                 slot.tokens = job.prompt[:keep]
+                slot.cold = keep if keep < len(hit.entry.tokens) else 0  # a restore point: cold's numbers on
                 self.restored += keep
             elif holder is not None:  # another slot holds more of the prompt: copy it over the least recently used
                 slot = min(free, key=lambda s: s.used)
                 keep = self._copy(holder, slot, _usable(holder.tokens, job.prompt))
                 job.exact = False
+                slot.cold = 0
             elif keep == 0 or not self._lib.llama_memory_seq_rm(self.memory, slot.seq, keep, -1):
                 self._lib.llama_memory_seq_rm(self.memory, slot.seq, -1, -1)
-                keep = 0
+                keep = slot.cold = 0
             else:
-                job.exact = False  # a slot's tokens may hold what other chunks (or decodes) computed
+                job.exact = cold  # else the slot's tokens may hold what other chunks (or decodes) computed
+                slot.cold = keep if cold else 0
             del slot.tokens[keep:]
             job.fed = job.cached = keep
             self.reused += keep
@@ -341,11 +357,25 @@ class Scheduler:
             job.admitted = slot.used = self._admitted
             slot.job = job
 
-    def _holder(self, prompt: list[int], have: int) -> _Slot | None:
-        """The slot, busy or not, that holds the longest prefix of ``prompt``, if that is ``MIN_REUSE`` tokens or
-        more longer than the ``have`` tokens its own slot holds (a copy is worth that much)."""
-        best = max(self.slots, key=lambda s: _common(s.tokens, prompt))
-        return best if _usable(best.tokens, prompt) >= have + MIN_REUSE else None
+    def _reusable(self, slot: _Slot, prompt: list[int]) -> tuple[int, bool]:
+        """How much of ``prompt`` ``slot``'s cache saves, and whether the rest evaluated from there gets cold's
+        numbers. In exact mode a prompt of ``SAVED`` tokens or more keeps only what the slot computed as cold does
+        (``cold``), cut back to a multiple of ``ROWS`` and to no later than where cold starts its last chunk
+        (``tail``): the rest is then evaluated in chunks that give every row cold's numbers, and the last token its
+        cold logits (so greedy text does not depend on what a slot held). Otherwise (shorter prompts, a slot whose
+        cache came from a copy, inexact mode) the whole shared prefix, as ``Llama`` reuses it."""
+        keep = _usable(slot.tokens, prompt)
+        if self.exact and len(prompt) >= SAVED and keep:
+            cold = min(keep, slot.cold, tail(len(prompt))) // ROWS * ROWS
+            if cold >= MIN_REUSE:
+                return cold, True
+        return keep, False
+
+    def _holder(self, prompt: list[int], have: int, own: _Slot) -> _Slot | None:
+        """The other slot, busy or not, that holds the longest prefix of ``prompt``, if that is ``MIN_REUSE`` tokens
+        or more longer than the ``have`` tokens its ``own`` slot gives it (a copy is worth that much)."""
+        best = max((s for s in self.slots if s is not own), key=lambda s: _common(s.tokens, prompt), default=None)
+        return best if best is not None and _usable(best.tokens, prompt) >= have + MIN_REUSE else None
 
     def _copy(self, source: _Slot, slot: _Slot, keep: int) -> int:
         """Make ``slot``'s KV stream a copy of ``source``'s, cut back to its first ``keep`` tokens; returns how many
@@ -409,7 +439,7 @@ class Scheduler:
         when it was stopped before it began or while it ran (``_should_abort``): nothing of it is kept."""
         job = slot.job
         assert job is not None
-        holder = self._holder(job.prompt, job.fed)
+        holder = self._holder(job.prompt, job.fed, slot)
         if holder is not None:  # another slot has computed more of this prompt since: take it instead
             keep = self._copy(holder, slot, _usable(holder.tokens, job.prompt))
             taken = keep - job.fed if keep else 0  # 0 kept: the cut failed and the slot was emptied
@@ -454,6 +484,7 @@ class Scheduler:
             logits = self._lib.llama_get_logits_ith(self.ctx, n - 1) if end == len(job.prompt) else None
             self.keeper.passed(slot.seq, job.prompt, end, job.points, job.scope, job.tag, logits)
         if end == len(job.prompt):
+            slot.cold = end if job.exact else 0
             self._sample(slot, n - 1)
         return n
 

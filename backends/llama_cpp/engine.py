@@ -32,6 +32,7 @@ import numpy as np
 from meshgate.backends.llama_cpp.batch import CHUNK, MIN_REUSE, Job, Scheduler, decode_group
 from meshgate.backends.llama_cpp.embed import Embedder
 from meshgate.backends.llama_cpp.grammar import FORMAT_OPTIONS, JSON_OBJECT, Grammars
+from meshgate.backends.llama_cpp.kvstate import ALIGN
 from meshgate.backends.llama_cpp.logprobs import LogprobAligner, token_logprob
 from meshgate.backends.llama_cpp.prompt import render_prompt
 from meshgate.backends.llama_cpp.sampling import GrammarStuck, Sampler
@@ -159,7 +160,9 @@ class LlamaEngine:
         if kv_ram > 0 or (kv_dir and kv_disk > 0):
             namespace = kv_namespace(path, digest, shards, llama_cpp.__version__)
             self.tier = KVTier(namespace, ram_budget=kv_ram, directory=kv_dir, disk_budget=kv_disk)
-            self.kv_peers = Peers(self.tier, CHUNK)
+            self.kv_peers = Peers(
+                self.tier, ALIGN
+            )  # restore points: multiples of 512 and tails, all multiples of ALIGN
         self.scheduler = Scheduler(
             self.llm._model.model,
             n_ctx=n_ctx,
@@ -169,6 +172,7 @@ class LlamaEngine:
             group=group,
             reference=exact and not remote and not repack,  # RPC workers' and repacked kernels are their own
             tier=self.tier,
+            exact=exact,
         )
         threading.Thread(target=self.scheduler.run, name="llama-scheduler", daemon=True).start()
         self.load_ns = time.perf_counter_ns() - started
@@ -249,10 +253,15 @@ class LlamaEngine:
             job.scope = request.cache_scope
             key = prefix_key(*request_prefix(request))
             job.tag = key.hex() if key is not None else ""
-            job.restore = self.tier.find(request.cache_scope, prompt, usable=MIN_REUSE, ends=not self.exact)
+            # exact: never an entry's end, whose restored sliding-window cells sit where later steps sum them in
+            # another order (greedy text then drifts from cold's within a few hundred tokens); its ``tail`` point
+            # is restored and the last chunk evaluated again, as cold evaluates it
+            inexact = not self.exact
+            scope = request.cache_scope
+            job.restore = self.tier.find(scope, prompt, usable=MIN_REUSE, ends=inexact, whole=inexact)
             if self.kv_peers is not None:
                 rate = self.scheduler.prompt_rate
-                job.restore, job.note = self.kv_peers.improve(request.cache_scope, prompt, job.restore, rate)
+                job.restore, job.note = self.kv_peers.improve(scope, prompt, job.restore, rate, whole=inexact)
         if request.logprobs:
             top_n, n_vocab = request.top_logprobs, self.llm.n_vocab()
             job.logprob = lambda row, token: token_logprob(
@@ -389,6 +398,7 @@ def kv_namespace(path: str, digest: str, shards: Sequence[tuple[str | None, int,
     if not digest:
         stat = os.stat(path)
         digest = f"{os.path.realpath(path)}:{stat.st_size}:{stat.st_mtime_ns}"
-    settings = {"weights": digest, "llama_cpp": version, "kv": "f16", "chunk": CHUNK, "flash_attn": False}
+    settings = {"weights": digest, "llama_cpp": version, "kv": "f16", "chunk": CHUNK, "tail": ALIGN}
+    settings |= {"flash_attn": False}
     settings |= {"swa_full": True, "kv_unified": False, "layers": len(shards) > 1}
     return hashlib.blake2b(json.dumps(settings, sort_keys=True).encode(), digest_size=16).hexdigest()

@@ -30,7 +30,7 @@ import numpy as np
 
 from meshgate.backends.runner.kvtier import Entry, Hit, KVTier
 
-__all__ = ["ALIGN", "POINTS", "SAVED", "Keeper", "SeqStates", "tail"]
+__all__ = ["ALIGN", "POINTS", "ROWS", "SAVED", "Keeper", "SeqStates", "tail"]
 
 SAVED = 512
 """Prompts shorter than this are not kept in the KV tier: they are evaluated again in well under a second."""
@@ -39,6 +39,10 @@ POINTS = 2
 """Restore points a tier entry keeps: the last ``POINTS`` chunk boundaries inside its prompt (where the next turn
 of a conversation, or a prompt that shares all but its last message, starts over)."""
 
+
+ROWS = 8
+"""Token rows ggml's CPU matmuls take together: chunks that start and span multiples of this give every row the
+numbers other such chunks give (see ``ALIGN``)."""
 
 ALIGN = 256
 """Where restore points other than ``CHUNK``'s multiples sit: multiples of this. Two facts, probed on Gemma 3 270M

@@ -65,9 +65,9 @@ class Peer:
 class Peers:
     """The peers of one runner's tier, and fetches from them."""
 
-    def __init__(self, tier: KVTier, chunk: int) -> None:
+    def __init__(self, tier: KVTier, align: int) -> None:
         self.tier = tier
-        self.chunk = chunk
+        self.align = align  # the runtime's restore points are multiples of this
         self.peers: tuple[Peer, ...] = ()
         self.node = ""  # this runner's node, as the gateway named it
         secret = cluster_secret.from_environ()
@@ -113,14 +113,21 @@ class Peers:
             except httpx.HTTPError as exc:
                 log.warning("KV tier: copying %s to %s failed: %s", entry.key, peer.url, exc)
 
-    def improve(self, scope: str, prompt: Sequence[int], hit: Hit | None, rate: float) -> tuple[Hit | None, str]:
+    def improve(
+        self, scope: str, prompt: Sequence[int], hit: Hit | None, rate: float, *, whole: bool = True
+    ) -> tuple[Hit | None, str]:
         """``hit``, or a longer one fetched from a peer when that is faster than prefilling the difference at
-        ``rate`` prompt tokens/second; and what was weighed (``""``: no peer was asked)."""
+        ``rate`` prompt tokens/second; and what was weighed (``""``: no peer was asked). Restore points are asked
+        for at every multiple of ``align`` (a runtime's points sit at some of them), and the whole prompt unless
+        ``whole`` is false (the runtime restores no entry's end)."""
         have = hit.length if hit is not None else 0
         if not self.peers or len(prompt) - have < MIN_GAIN:
             return hit, ""
         tokens = np.asarray(prompt, dtype=np.int32)
-        lengths = [n for n in range(self.chunk, len(tokens), self.chunk) if n >= have + MIN_GAIN] + [len(tokens)]
+        lengths = [n for n in range(self.align, len(tokens), self.align) if n >= have + MIN_GAIN]
+        lengths += [len(tokens)] if whole else []
+        if not lengths:
+            return hit, ""
         digests = sorted(self.tier.digests(scope, tokens, lengths).items())
         offers = self._offers(scope, digests)
         if not offers:

@@ -198,12 +198,16 @@ class KVTier:
             if key not in self._ram and key not in self._disk and key not in self._pending:
                 self._unindex(key, entry.digests)
 
-    def find(self, scope: str, prompt: Sequence[int], *, usable: int = 1, ends: bool = False) -> Hit | None:
+    def find(
+        self, scope: str, prompt: Sequence[int], *, usable: int = 1, ends: bool = False, whole: bool = True
+    ) -> Hit | None:
         """The longest restorable prefix of ``prompt`` in ``scope``: a restore point, or an entry's end when that
-        is the whole prompt (or, with ``ends``, any prefix of it); ``None`` when none is ``usable`` tokens or more."""
+        is the whole prompt (unless ``whole`` is false) or, with ``ends``, any prefix of it; ``None`` when none is
+        ``usable`` tokens or more."""
         tokens = np.asarray(prompt, dtype=np.int32)
         with self._lock:
-            lengths = [n for n in self._lengths.get(scope, ()) if usable <= n <= len(tokens)]
+            longest = len(tokens) if whole else len(tokens) - 1
+            lengths = [n for n in self._lengths.get(scope, ()) if usable <= n <= longest]
         if not lengths:
             self.counts["misses"] += 1
             return None

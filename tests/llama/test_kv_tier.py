@@ -50,13 +50,16 @@ def _prompt(s: Scheduler, name: str, n: int) -> list[int]:
     return tokens
 
 
-def _run(s: Scheduler, prompt: list[int], tier: KVTier | None = None, scope: str = "") -> tuple[list[int], Job]:
-    """The greedy tokens after ``prompt``; the first one's logits (as bytes) in ``job.first``."""
+def _run(
+    s: Scheduler, prompt: list[int], tier: KVTier | None = None, scope: str = "", whole: bool = False
+) -> tuple[list[int], Job]:
+    """The greedy tokens after ``prompt``; the first one's logits (as bytes) in ``job.first``. ``whole``: an
+    entry's end may be restored (the inexact mode's lookup; the exact engine restores restore points only)."""
     job = greedy_job(s, prompt, TOKENS)
     job.logprob = lambda row, token: np.ctypeslib.as_array(row, shape=(s.n_vocab,)).tobytes()
     if tier is not None:
         job.scope = scope
-        job.restore = tier.find(scope, prompt, usable=MIN_REUSE)
+        job.restore = tier.find(scope, prompt, usable=MIN_REUSE, whole=whole)
     s.submit(job)
     out = []
     while (item := job.out.get(timeout=300)) is not None:
@@ -78,8 +81,15 @@ def test_a_prompt_restored_whole_or_at_a_chunk_gives_its_cold_tokens(llm, refere
         kept, job = _run(first, prompt, tier)
         assert job.cached == 0 and kept == cold
         assert tier.stats()["saved"] == 1
+        reused, job = _run(first, longer)  # its slot holds the prompt: reused up to where cold's last chunk began
+        assert job.cached == tail(len(prompt)) and job.exact, "a slot gives back only what cold would compute"
+        assert reused == cold_longer and job.first == alone_longer.first
     with running(llm, parallel=2, tier=tier) as restarted:  # empty slots, the same tier
         again, job = _run(restarted, prompt, tier)
+        assert job.cached == tail(len(prompt)), "restored but for its last chunk, evaluated as cold evaluates it"
+        assert again == cold and job.first == alone.first
+    with running(llm, parallel=2, tier=tier) as restarted:
+        again, job = _run(restarted, prompt, tier, whole=True)
         assert job.cached == len(prompt), "the whole prompt is restored, its first token from the kept logits"
         assert again == cold
         assert job.first == alone.first, "the kept logits are the cold ones, bit for bit"
@@ -110,5 +120,5 @@ def test_entries_survive_a_restart_on_disk_and_stay_in_their_scope(llm, referenc
     assert reopened.find("team-b", prompt) is None, "another tenant's entry is never served"
     with running(llm, parallel=2, tier=reopened) as restarted:
         again, job = _run(restarted, prompt, reopened, scope="team-a")
-    assert job.cached == len(prompt) and again == cold
+    assert job.cached == tail(len(prompt)) and again == cold
     assert reopened.stats()["hits_disk"] == 1

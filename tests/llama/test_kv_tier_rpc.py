@@ -13,6 +13,7 @@ from pathlib import Path
 import httpx
 
 from meshgate.backends.llama_cpp import LlamaCppRunner
+from meshgate.backends.llama_cpp.kvstate import tail
 from meshgate.backends.runner.client import RunnerClient
 from meshgate.backends.runner.process import RunnerProcess
 from meshgate.protocols.model import Request, Sampling, TextDelta, Usage
@@ -63,5 +64,5 @@ async def test_a_split_runner_restores_a_prompt_kept_over_rpc_after_a_restart(pa
             await process.stop()
     (cold, first), (restored, second) = results
     assert first.cached_tokens == 0 and first.prompt_tokens > 1024
-    assert second.cached_tokens == first.prompt_tokens, "the whole prompt came from the disk tier"
+    assert second.cached_tokens == tail(first.prompt_tokens), "all but the last chunk came from the disk tier"
     assert restored == cold and len(cold) == 16

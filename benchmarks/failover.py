@@ -37,6 +37,21 @@ Measured 2026-12-04 on the 2-core box (each runner 1 thread), ``--streams 8 --to
     | ollama    | node-1 killed at 14.1 s  | 8/8       | 8/8                  | 8       | 13.76 / 15.79 s       | 41 s |
     | ollama    | rolling restart          | 16/16     | 16/16                | 0       | 0.88 / 1.71 s         | 59 s |
 
+With long prompts, where the KV tier matters (``--protocols openai --preamble 500 --n-ctx 4096 --no-rolling
+--kill-after 12``: each of the 8 prompts ~1,300 tokens, every node its own KV directory; 2026-12-05, same box):
+
+    | KV tiers | run                      | completed | equal to undisturbed | resumed | longest gap p50 / max |
+    | off      | undisturbed              | 8/8       | 8/8                  | 0       | 2.82 / 4.12 s         |
+    | off      | node-1 killed at 12.0 s  | 8/8       | 8/8                  | 4       | 4.36 / 43.24 s        |
+    | on       | undisturbed              | 8/8       | 8/8                  | 0       | 3.38 / 4.80 s         |
+    | on       | node-1 killed at 12.0 s  | 8/8       | 8/8                  | 4       | 4.11 / 14.29 s        |
+
+Without tiers the surviving replica prefills each resumed prompt again; with them it restores each from the copy
+the dying node's runner had sent it as the prompt ended (its disk tier), evaluates the last chunk again (the
+prompt's last 1-256 tokens) and decodes the tokens its client had been sent one step each (what no tier holds),
+beside its own four streams. (Before exact slot reuse, a second run of the same long prompts answered otherwise in
+4 of 8 streams without tiers, 6 of 8 with them.)
+
 Every stream completed with the undisturbed text. A kill costs a resume: when the killed node held both replicas
 (8 resumed) a replica is placed and loaded first, and every resumed stream then decodes the tokens it had sent
 one step each before its next token. A rolling restart costs none: each node drains (its streams finish on it

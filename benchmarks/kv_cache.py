@@ -17,22 +17,29 @@ demand (over loopback HTTP, the link taken to be ``--bandwidth``), a third told 
 
     .venv/bin/python benchmarks/kv_cache.py [--prefix 8000 18714] [--peers] [--agents 12] [--agent-prefix 2500]
 
-Measured 2026-12-05 on the 2-core box, quiet, 2 threads (``--prefix 8000 18714 --peers``: prompts of 8,067 and
-18,883 tokens; the peer's link taken as 1 GB/s, over loopback):
+Measured 2026-12-05 on the 2-core box, quiet, 2 threads. Exact mode (the default: an entry is restored at its
+last restore point and its last chunk, 1-256 tokens, evaluated again), ``--prefix 8000 18714`` (prompts of exactly
+that many tokens):
 
-    | from                          | TTFT 8,067 | TTFT 18,883 | same tokens as cold |
-    | cold                          | 54.89 s    | 177.31 s    | -                   |
-    | warm in its slot              | 0.03 s     | 0.06 s      | yes                 |
-    | RAM tier, slots empty         | 0.01 s     | 0.02 s      | yes                 |
-    | disk tier after a restart     | 0.11 s     | 0.18 s      | yes                 |
-    | a peer's tier (47 / 79 MiB)   | 0.55 s     | 0.79 s      | yes                 |
-    | a new replica, warmed         | 0.02 s     | 0.05 s      | yes                 |
+    | from                                      | TTFT 8,000 | TTFT 18,714 | same tokens as cold |
+    | cold                                      | 43.93 s    | 161.06 s    | -                   |
+    | warm in its slot (exact reuse)            | 0.55 s     | 0.49 s      | yes                 |
+    | RAM tier, slots empty                     | 0.31 s     | 0.26 s      | yes                 |
+    | RAM tier, whole entry (the inexact mode)  | 0.01 s     | 0.01 s      | yes                 |
+    | disk tier after a restart                 | 0.40 s     | 0.43 s      | yes                 |
 
-    12 agents, 3 turns, 4 slots: prompt tokens evaluated per turn, prefix restored in turns 2-3
-    | prefixes of 2,587 tokens | no tier 31,044 / 31,370 / 31,696, 0% | exact 31,044 / 650 / 976, 99.4% |
-    |                          | inexact 31,044 / 326 / 326, 100%     |                                 |
-    | prefixes of 2,395 tokens | no tier 28,740 / 29,066 / 29,392, 0% | exact 28,740 / 4,490 / 4,816, 85.9% |
-    |                          | inexact 28,740 / 326 / 326, 100%     |                                     |
+``--prefix 8000 18714 --peers`` (prompts of 8,067 and 18,883 tokens; the peer's link taken as 1 GB/s, over
+loopback, where the fetch itself ran at ~110 MB/s):
+
+    | from                          | TTFT 8,067                   | TTFT 18,883                  |
+    | a peer's tier (55 / 87 MiB)   | 1.17 s (estimate 0.06 s)     | 1.99 s (estimate 0.09 s)     |
+    | a new replica, warmed         | 0.54 s                       | 1.13 s                       |
+
+    12 agents, 3 turns, 4 slots (``--skip ttft --agent-prefix 2300``: prefixes of 2,395 tokens): prompt tokens
+    evaluated per turn, share of the prefixes restored or reused in turns 2-3
+    | no tier        | 28,740 / 29,066 / 29,392 | 0%     |
+    | tier, exact    | 28,740 /  1,418 /  1,744 | 96.7%  |  (85.9% before the tail restore point)
+    | tier, inexact  | 28,740 /    326 /    326 | 100%   |
 """
 
 from __future__ import annotations
@@ -80,7 +87,7 @@ def ask(
     )
     if tier is not None:
         job.scope = ""
-        job.restore = tier.find("", prompt, usable=MIN_REUSE, ends=ends)
+        job.restore = tier.find("", prompt, usable=MIN_REUSE, ends=ends, whole=ends)  # as the engine looks up
     s.submit(job)
     out, first = [], 0.0
     while (item := job.out.get(timeout=1800)) is not None:
@@ -90,19 +97,20 @@ def ask(
     return out, first, job
 
 
-def text(llm, name: str, n: int) -> tuple[str, list[int]]:
-    """A plain prompt of about ``n`` tokens and its tokens, as a runner tokenizes a plain prompt."""
+def text(llm, name: str, n: int, cut: bool = False) -> tuple[str, list[int]]:
+    """A plain prompt of about ``n`` tokens (``cut``: its first ``n`` tokens exactly, its text then no longer
+    theirs) and its tokens, as a runner tokenizes a plain prompt."""
     words = [f"{name}:"]
     while True:
         words += [f"{WORDS[(len(words) * 7 + len(name)) % len(WORDS)]}{len(words) % 97}" for _ in range(64)]
         prompt = " ".join(words)
         tokens = llm.tokenize(prompt.encode(), add_bos=True, special=False)
         if len(tokens) >= n:
-            return prompt, tokens
+            return prompt, tokens[:n] if cut else tokens
 
 
 def ttft_table(llm, args, directory: Path, prefix: int) -> None:
-    raw, prompt = text(llm, "System", prefix)
+    raw, prompt = text(llm, "System", prefix, cut=not args.peers)
     tier = KVTier(args.namespace, ram_budget=4 << 30, directory=directory, disk_budget=8 << 30)
     with scheduler(llm, 2, args.n_ctx, args.threads, tier) as s:
         cold, t_cold, _ = ask(s, prompt, args.tokens, tier)  # evaluated, kept
@@ -112,6 +120,9 @@ def ttft_table(llm, args, directory: Path, prefix: int) -> None:
     with scheduler(llm, 2, args.n_ctx, args.threads, tier) as s:
         again, t_ram, job = ask(s, prompt, args.tokens, tier)
     rows.append(("RAM tier (slots empty)", t_ram, again == cold, job.cached))
+    with scheduler(llm, 2, args.n_ctx, args.threads, tier) as s:  # the inexact mode: the entry's end, no prefill
+        again, t_end, job = ask(s, prompt, args.tokens, tier, ends=True)
+    rows.append(("RAM tier, whole (inexact)", t_end, again == cold, job.cached))
     tier.close()
     restarted = KVTier(args.namespace, ram_budget=4 << 30, directory=directory, disk_budget=8 << 30)
     with scheduler(llm, 2, args.n_ctx, args.threads, restarted) as s:
@@ -209,7 +220,11 @@ def main() -> None:
     parser.add_argument("--n-ctx", type=int, default=20480)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--skip", choices=["ttft", "agents"], default=None)
-    parser.add_argument("--peers", action="store_true", help="also from a peer runner process and a warmed one")
+    parser.add_argument(
+        "--peers",
+        action="store_true",
+        help="also from a peer runner process and a warmed one (else prompts of exactly --prefix tokens)",
+    )
     parser.add_argument("--bandwidth", type=float, default=1e9, help="bytes/s the peer link is taken to have")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:

@@ -53,8 +53,8 @@ class LlamaCppSettings(PluginSettings, frozen=True):
             for the machine in ``~/.cache/meshgate``) for the planner's tok/s estimates
             (``MESHGATE_LLAMA_CALIBRATE=0``: estimate from a numpy matmul instead).
         kv_ram_mib: MiB of host memory each llama.cpp runner (and MLX runner of one process) keeps prompts' KV in
-            (the planner counts it as the runner's memory); -1: a sixteenth of its node's memory, at most 8 GiB; 0:
-            no host tier.
+            (the planner counts it as the runner's memory); -1: a sixteenth of its node's memory, at most 8 GiB
+            (MLX runners: none, their disk tier only); 0: no host tier.
         kv_disk_mib: MiB of ``kv_dir`` the node's runners keep prompts' KV in, across restarts; -1: a tenth of the
             free space there, at most 32 GiB; 0: no disk tier.
         kv_dir: The disk tier's directory (default ``<data dir>/kv-cache``).

@@ -44,10 +44,6 @@ _PACKAGES = ("meshgate",)  # what a rank imports: the package (from a checkout i
 # MLX on Linux is CPU only: compute in float32 there (CPUs have no fast bfloat16; measured on Gemma 3 270M with
 # mlx 0.32.4: 4.0 tok/s float32 vs 3.6 bfloat16, and tensor-parallel sums then match one process exactly).
 _CPU_DTYPE = "float32" if sys.platform == "linux" else None
-KV_SHARE = 1 / 16
-"""The share of a node's memory a head runner's host-memory KV tier takes unless its size is set (as llama.cpp's)."""
-KV_CAP = 8 << 30
-"""The most a host-memory KV tier takes unless its size is set (as llama.cpp's)."""
 
 
 def rank_order(placement: Candidate) -> list[Shard]:
@@ -109,8 +105,10 @@ class MlxBackend(Backend):
     range; tensor ranks split every layer. ``parallel``: requests an instance decodes together (its head's batch;
     the runner's ``--parallel``). Response formats are enforced (llguidance, ``structured.py``); no tools or
     embeddings. ``kv_ram``, ``kv_dir``, ``kv_disk``: the KV tiers of a placement of one rank, as the llama.cpp
-    backend's (``kv_ram`` ``None``: ``KV_SHARE`` of the node's memory, at most ``KV_CAP``, counted by the planner as
-    the head's memory, over a ring too, where the runner has no tier).
+    backend's, except that ``kv_ram`` ``None`` (the default setting) means no host tier, only the disk one: the
+    planner cannot tell a one-rank head (with a tier) from a ring's (without), and a share of every head node's
+    memory squeezed the two-rank placements out of small nodes (the MLX cluster tests' nodes, CI run 15). A set
+    ``kv_ram`` is counted as the head's memory.
     """
 
     name = "mlx"
@@ -154,8 +152,7 @@ class MlxBackend(Backend):
         return ShardCosts(
             base_bytes=190 * MiB,
             head_bytes=25 * MiB + (self.kv_ram or 0),  # a KV tier of a set size is the head's memory
-            cache_share=KV_SHARE if self.kv_ram is None else 0.0,  # else a share of its node's
-            cache_cap=KV_CAP,
+            cache_share=0.0,  # ``kv_ram`` None: no host tier (above)
             per_token_bytes=16 << 10,
             vocab_parallel=False,
             sequences=self.parallel or 0,  # 0: the planner sizes the slots from the nodes' memory

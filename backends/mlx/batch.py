@@ -436,7 +436,8 @@ class Scheduler:
             self._current = seq
             self.lockstep.send("admit", [seq.key, then, *chunk])
             started = time.perf_counter()
-            logits = self.batch.admit([seq.key, then, *chunk], seen)
+            values = [seq.key, then, *chunk]
+            logits = self.batch.admit(values, seen) if seen is not None else self.batch.admit(values)
             self.prompt_rate = 0.8 * self.prompt_rate + 0.2 * len(chunk) / max(time.perf_counter() - started, 1e-6)
             self._current = None
             seq.fed += len(chunk)

@@ -21,7 +21,7 @@ from types import SimpleNamespace
 import pytest
 
 from meshgate.backends.base import ModelCard
-from meshgate.backends.mlx import KV_CAP, KV_SHARE, MlxBackend
+from meshgate.backends.mlx import MlxBackend
 from meshgate.backends.placement import Candidate, NodeId, Shard
 from meshgate.plugins.manager import build_plugin_manager
 from meshgate.plugins.settings import Settings
@@ -118,7 +118,7 @@ def test_the_mlx_plugin_gives_runners_of_one_rank_the_kv_tier_settings(
     card = ModelCard(name="m", path="/m", format="safetensors", digest="sha256:1")
     default = backend({})
     assert default.kv_ram is None and default.kv_dir == str(tmp_path / "kv-cache") and default.kv_disk > 0
-    assert default.costs(card).cache(24 << 30) == min(KV_CAP, int((24 << 30) * KV_SHARE)) == 1536 << 20
+    assert default.costs(card).cache(24 << 30) == 0, "no host tier unless its size is set: the disk tier only"
     set_ = backend({"MESHGATE_KV_RAM_MIB": "512", "MESHGATE_KV_DISK_MIB": "1024", "MESHGATE_KV_DIR": "/srv/kv"})
     assert (set_.kv_ram, set_.kv_disk, set_.kv_dir) == (512 << 20, 1 << 30, "/srv/kv")
     assert set_.costs(card).head_bytes - backend({"MESHGATE_KV_RAM_MIB": "0"}).costs(card).head_bytes == 512 << 20

@@ -208,8 +208,7 @@ class MlxBackend(Backend):
             argv += ["--layers", f"{shard.layer_start}:{shard.layer_end}"]
         argv += ["--dtype", self.dtype] if self.dtype else []
         if ranks == 1:  # one process: a KV tier (over a ring each rank holds a shard of the cache: none)
-            kv_ram = shard.cache_bytes if self.kv_ram is None else self.kv_ram  # as the planner counted it
-            argv += ["--kv-ram", str(kv_ram), "--model-digest", card.digest]
+            argv += ["--kv-ram", str(self.kv_ram or 0), "--model-digest", card.digest]  # None: no host tier
             argv += ["--kv-dir", self.kv_dir, "--kv-disk", str(self.kv_disk)] if self.kv_dir and self.kv_disk else []
         env = self._env()
         if rank > 0:  # a follower: up as soon as its join endpoint listens

@@ -105,7 +105,7 @@ async def test_a_new_replica_takes_no_traffic_while_it_warms_unless_it_is_the_on
     alone.cold = tiers.cold
     assert alone._pick("m", None, None).id == "i2", "the only ready replica serves, warm or not"
     warming["i2"] = 0
-    for _ in range(40):
+    for _ in range(200):  # the watcher looks every WATCH (0.5 s); a loaded box may take a few turns
         if not tiers.cold({"i2"}):
             break
         await asyncio.sleep(0.1)

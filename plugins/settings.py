@@ -122,6 +122,17 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
             only those of its API key's tenant (``meshgate keys create --tenant``; a key without one, its own;
             without keys, everyone's), as OpenAI and Anthropic scope their prompt caches: a cache hit's speed
             tells what another caller sent; ``all``: every caller's.
+        default_priority: The class of a request whose protocol sends no ``service_tier`` and whose API key sets no
+            ``priority`` (``MESHGATE_DEFAULT_PRIORITY``): ``interactive`` (the default) or ``batch``. Admission serves
+            interactive requests first (docs/operations.md, "Tiers and batch jobs").
+        batch_aging: Seconds a batch-class request may wait while interactive ones take every free slot before it
+            takes the next one itself (at most one such slot per this many seconds): bulk work never starves.
+        batch_concurrency: Lines of batch jobs (``/v1/batches``, ``/v1/messages/batches``) one gateway runs at once.
+        batch_lease: Seconds a gateway's claim on a batch line lasts unless renewed (it is renewed every third of
+            that while the line runs); a line whose gateway died is run again by another once its lease expires.
+        batch_max_bytes: Largest batch input (an uploaded file, an Anthropic batch's body) and largest output kept
+            per batch, in bytes: bodies live in the state store, so every gateway can read them.
+        batch_max_lines: Most requests in one batch (OpenAI's limit is 50,000).
         environ: The ``MESHGATE_*`` variables no core field reads, for plugins' own settings
             (``PluginSettings.from_settings``); filled by ``from_env``, never read from a variable itself.
     """
@@ -169,6 +180,12 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     runtime_dir: str | None = None
     backend_preference: tuple[str, ...] = ("vllm", "mlx")
     kv_sharing: Literal["tenant", "all"] = "tenant"
+    default_priority: Literal["interactive", "batch"] = "interactive"
+    batch_aging: Annotated[float, msgspec.Meta(ge=0)] = 30.0
+    batch_concurrency: Annotated[int, msgspec.Meta(ge=1)] = 4
+    batch_lease: Annotated[float, msgspec.Meta(gt=0)] = 30.0
+    batch_max_bytes: Annotated[int, msgspec.Meta(ge=1)] = 64 << 20
+    batch_max_lines: Annotated[int, msgspec.Meta(ge=1)] = 50_000
     environ: dict[str, str] = msgspec.field(default_factory=dict)
 
     @classmethod

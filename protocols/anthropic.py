@@ -192,6 +192,7 @@ class MessagesRequest(CountTokensRequest, kw_only=True):
     top_p: Annotated[float, msgspec.Meta(ge=0, le=1)] | None | UnsetType = UNSET
     top_k: Annotated[int, msgspec.Meta(ge=0)] | None | UnsetType = UNSET
     stream: bool = False
+    service_tier: Literal["auto", "standard_only"] | None = None  # ANT-20: both interactive (``priority``)
 
 
 # ---------------------------------------------------------------------------------------------------- requests
@@ -211,6 +212,7 @@ def messages_to_internal(wire: MessagesRequest) -> Request:
         stop=tuple(wire.stop_sequences or ()),
         max_tokens=wire.max_tokens,
         stream=wire.stream,
+        priority=UNSET if wire.service_tier is None else "interactive",
     )
 
 
@@ -389,6 +391,9 @@ def _tool_input(arguments: str) -> dict[str, Any]:
 
 
 def _message(meta: Meta, content: list[dict[str, Any]], stop: dict[str, str | None], usage: Usage) -> dict[str, Any]:
+    counted: dict[str, Any] = _usage(usage)
+    if meta.priority is not None:  # the tier that served it (``usage.service_tier``): ``standard`` or ``batch``
+        counted["service_tier"] = "batch" if meta.priority == "batch" else "standard"
     return {
         "id": f"msg_{meta.id}",
         "type": "message",
@@ -396,7 +401,7 @@ def _message(meta: Meta, content: list[dict[str, Any]], stop: dict[str, str | No
         "model": meta.model,
         "content": content,
         **stop,
-        "usage": _usage(usage),
+        "usage": counted,
     }
 
 

@@ -79,6 +79,7 @@ __all__ = [
     "OutputTooLarge",
     "Overloaded",
     "Part",
+    "Priority",
     "RateLimited",
     "ReasoningDelta",
     "ReasoningPart",
@@ -114,6 +115,11 @@ JsonSchema: TypeAlias = dict[str, Any]
 
 Role = Literal["system", "user", "assistant", "tool"]
 FinishReason = Literal["stop", "stop_sequence", "length", "tool_calls", "content_filter"]
+
+
+Priority: TypeAlias = Literal["interactive", "batch"]
+"""A request's class: admission serves ``interactive`` requests first; ``batch`` ones (bulk work, batch jobs) take
+the capacity left, with aging so that they never starve (``gateway.serving.admission``)."""
 
 
 class _Frozen(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
@@ -221,6 +227,10 @@ class Request(_Frozen, frozen=True):
 
     ``cache_scope`` is whose cached prompt states the request may use and add to (the tenant of its API key, set by
     the gateway; ``""``: everyone's): a backend's prompt cache never serves one scope what another put there.
+
+    ``priority`` is the request's class (``Priority``): what its protocol's ``service_tier`` asked for, else
+    ``UNSET`` until the gateway settles it from the caller's key or its setting; admission serves ``interactive``
+    before ``batch``.
     """
 
     model: str
@@ -240,6 +250,7 @@ class Request(_Frozen, frozen=True):
     top_logprobs: int = 0
     resume: tuple[int, ...] = ()
     cache_scope: str = ""
+    priority: Priority | UnsetType = UNSET
 
     @property
     def calls_forced(self) -> bool:
@@ -367,12 +378,14 @@ TERMINAL = (Finished, Failed)
 class Meta(_Frozen, frozen=True):
     """What a protocol needs to frame an answer besides the events: an id, the model name, a timestamp.
 
-    ``id`` is bare (protocols add their own prefix such as ``chatcmpl-``); ``created`` is unix seconds.
+    ``id`` is bare (protocols add their own prefix such as ``chatcmpl-``); ``created`` is unix seconds;
+    ``priority`` the class the request ran at, which protocols echo as their ``service_tier`` (``None``: none echoed).
     """
 
     id: str
     model: str
     created: float
+    priority: Priority | None = None
 
 
 class ModelInfo(_Frozen, frozen=True):

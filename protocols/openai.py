@@ -68,6 +68,7 @@ from meshgate.protocols.openai_wire import (
     DONE,
     Penalty,
     Probability,
+    ServiceTier,
     StreamOptions,
     Temperature,
     TokenLimit,
@@ -79,6 +80,8 @@ from meshgate.protocols.openai_wire import (
     sampling,
     stop_sequences,
     stream_error_frame,
+    tier_echo,
+    tier_priority,
     usage_body,
     wants_usage,
 )
@@ -250,6 +253,7 @@ class ChatRequest(Wire):
     reasoning_effort: str | None = None
     response_format: TextFormat | JSONObjectFormat | JSONSchemaFormat | None = None
     seed: int | None | UnsetType = UNSET
+    service_tier: ServiceTier | None = None
     stop: str | list[str] | None = None
     stream: bool | None = None
     stream_options: StreamOptions | None = None
@@ -301,6 +305,7 @@ def chat_to_internal(wire: ChatRequest) -> Request:
         reasoning=UNSET if wire.reasoning_effort is None else wire.reasoning_effort != "none",
         logprobs=bool(wire.logprobs),
         top_logprobs=(wire.top_logprobs or 0) if wire.logprobs else 0,
+        priority=tier_priority(wire.service_tier),
     )
 
 
@@ -464,16 +469,17 @@ def encode_chat_response(response: Response, meta: Meta) -> bytes:
         "logprobs": _logprobs(response.logprobs),
         "finish_reason": _finish_reason(response.finish, bool(response.tool_calls)),
     }
-    return msgspec.json.encode(
-        {
-            "id": f"chatcmpl-{meta.id}",
-            "object": "chat.completion",
-            "created": int(meta.created),
-            "model": meta.model,
-            "choices": [choice],
-            "usage": usage_body(response.usage),
-        }
-    )
+    body = {
+        "id": f"chatcmpl-{meta.id}",
+        "object": "chat.completion",
+        "created": int(meta.created),
+        "model": meta.model,
+        "choices": [choice],
+        "usage": usage_body(response.usage),
+    }
+    if meta.priority is not None:
+        body["service_tier"] = tier_echo(meta.priority)
+    return msgspec.json.encode(body)
 
 
 # ---------------------------------------------------------------------------------------------------- streams
@@ -489,6 +495,8 @@ class _ChatChunks:
             "created": int(meta.created),
             "model": meta.model,
         }
+        if meta.priority is not None:
+            self.head["service_tier"] = tier_echo(meta.priority)
         self.role_sent = False
         self.tool_indexes: set[int] = set()
 

@@ -6,7 +6,7 @@ Pure translation between ``protocols.model`` and the Responses API's JSON. This 
 re-exported here, so callers import one codec. Errors before the stream starts use the OpenAI error envelope
 (``protocols.openai_wire.error_body``, applied by the route), which is the same for both APIs.
 
-Imports only ``protocols.model``, ``protocols.openai_responses_request`` (its own request half),
+Imports only ``protocols.model``, ``protocols.openai_responses_request`` (its own request half), ``openai_wire``,
 ``protocols.sse`` (SSE framing), msgspec and the standard library. Must not import the other protocol modules
 (it is listed in the independence contract). No I/O.
 
@@ -53,6 +53,7 @@ from meshgate.protocols.model import (
     error_from_info,
 )
 from meshgate.protocols.openai_responses_request import ResponsesRequest, responses_to_internal
+from meshgate.protocols.openai_wire import tier_echo
 
 __all__ = ["ResponsesRequest", "encode_response", "encode_response_stream", "responses_to_internal"]
 
@@ -139,6 +140,7 @@ def _response(
         "tool_choice": "auto",
         "tools": [],
         "usage": _usage(usage) if usage is not None else None,
+        **({"service_tier": tier_echo(meta.priority)} if meta.priority is not None else {}),
     }
 
 

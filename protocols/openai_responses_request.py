@@ -24,8 +24,9 @@ Decisions worth knowing:
   ``conversation``, ``prompt``, ``background: true``; and input items other than messages and function calls
   (``item_reference``, ``custom_tool_call``, ...), and content parts other than text (``input_image``,
   ``input_file``, ``input_audio``).
+- ``service_tier`` sets the request's class (``openai_wire.tier_priority``: ``flex`` is batch).
 - Accepted and ignored: ``store`` (nothing is stored, whatever it says), ``metadata``, ``user``, ``include``,
-  ``truncation``, ``service_tier``, ``stream_options``, ``prompt_cache_key``, and
+  ``truncation``, ``stream_options``, ``prompt_cache_key``, and
   ``reasoning`` items in ``input`` (earlier reasoning is not replayed, as chat templates also drop it).
 """
 
@@ -51,7 +52,7 @@ from meshgate.protocols.model import (
     UnsupportedFeature,
     too_many_messages,
 )
-from meshgate.protocols.openai_wire import Probability, Temperature, TokenLimit, Wire
+from meshgate.protocols.openai_wire import Probability, ServiceTier, Temperature, TokenLimit, Wire, tier_priority
 
 __all__ = ["ResponsesRequest", "responses_to_internal"]
 
@@ -125,6 +126,7 @@ class ResponsesRequest(Wire):
     previous_response_id: str | None = None
     prompt: dict[str, Any] | None = None
     reasoning: ReasoningConfig | None = None
+    service_tier: ServiceTier | None = None
     stream: bool | None = None
     temperature: Temperature | None | UnsetType = UNSET
     text: TextConfig | None = None
@@ -171,6 +173,7 @@ def responses_to_internal(wire: ResponsesRequest) -> Request:
         reasoning=UNSET if effort is None else effort != "none",
         tools=tools,
         tool_choice=_tool_choice(wire.tool_choice, wire.parallel_tool_calls, tools),
+        priority=tier_priority(wire.service_tier),
     )
 
 

@@ -7,6 +7,9 @@ API (``protocols.openai_responses``) each import what they share from here, and 
   ``TokenLimit``, ``TopLogprobs``), the request Structs' base ``Wire`` and ``StreamOptions``;
 - request helpers of chat and legacy completions: ``sampling``, ``stop_sequences``, ``only_one`` and
   ``wants_usage`` (``stream_options.include_usage``, OAI-52);
+- ``service_tier`` both ways (chat and the Responses API): ``ServiceTier``, ``tier_priority`` (a request's
+  ``auto``/``default``/``priority``/``fast``/``scale`` are interactive, ``flex`` is batch) and ``tier_echo`` (the
+  tier a response says it ran at: ``default`` or ``flex``);
 - the ``usage`` object of chat and legacy completions (``usage_body``; the Responses API spells usage its own way);
 - SSE framing: ``frame`` (one ``data:`` frame, no ``event:`` line, OAI-40, OAI-41) and ``DONE``
   (``data: [DONE]``); the keep-alive comment is ``protocols.sse.KEEPALIVE``;
@@ -20,7 +23,7 @@ the standard library; never a protocol module (they import it). No I/O.
 from __future__ import annotations
 
 import re
-from typing import Annotated, Any, Protocol
+from typing import Annotated, Any, Literal, Protocol
 
 import msgspec
 from msgspec import UnsetType
@@ -28,6 +31,7 @@ from sse_starlette.event import ServerSentEvent
 
 from meshgate.protocols import sse
 from meshgate.protocols.model import (
+    UNSET,
     AuthenticationFailed,
     ContextLengthExceeded,
     GatewayError,
@@ -35,6 +39,7 @@ from meshgate.protocols.model import (
     NotFound,
     OutputTooLarge,
     Overloaded,
+    Priority,
     RateLimited,
     Sampling,
     UnknownModel,
@@ -44,6 +49,7 @@ from meshgate.protocols.model import (
 __all__ = [
     "DONE",
     "Penalty",
+    "ServiceTier",
     "Probability",
     "SamplingFields",
     "StreamOptions",
@@ -58,6 +64,8 @@ __all__ = [
     "sampling",
     "stop_sequences",
     "stream_error_frame",
+    "tier_echo",
+    "tier_priority",
     "usage_body",
     "wants_usage",
 ]
@@ -98,6 +106,27 @@ class Streamed(Protocol):
     """A request with ``stream_options`` (chat and legacy completions)."""
 
     stream_options: StreamOptions | None
+
+
+ServiceTier = Literal["auto", "default", "flex", "scale", "priority", "fast"]
+"""The ``service_tier`` values a request may send (``oai: types/chat/completion_create_params.py``)."""
+
+
+def tier_priority(tier: str | None) -> Priority | UnsetType:
+    """The class a request's ``service_tier`` asks for: ``flex`` is batch, any other tier interactive; none sent is
+    ``UNSET`` (the caller's key or the gateway's setting decides)."""
+    if tier is None:
+        return UNSET
+    return "batch" if tier == "flex" else "interactive"
+
+
+def tier_echo(priority: Priority | None) -> str | None:
+    """The ``service_tier`` a response reports, the processing mode that served it: ``flex`` for the batch class,
+    ``default`` for the interactive one (a request that asked for ``priority`` ran as everyone's interactive
+    requests do); ``None`` when no class is known."""
+    if priority is None:
+        return None
+    return "flex" if priority == "batch" else "default"
 
 
 def wants_usage(wire: Streamed) -> bool:

@@ -41,7 +41,14 @@ from litestar.connection import ASGIConnection
 from litestar.handlers.base import BaseRouteHandler
 
 from meshgate.gateway.auth.keys import Accounts, ApiKey, MemoryAccounts, Scope, retry_after
-from meshgate.protocols.model import AuthenticationFailed, PermissionDenied, RateLimited, StoreUnavailable, Usage
+from meshgate.protocols.model import (
+    AuthenticationFailed,
+    PermissionDenied,
+    Priority,
+    RateLimited,
+    StoreUnavailable,
+    Usage,
+)
 
 __all__ = ["Caller", "KeyRing", "authorize", "caller_of"]
 
@@ -62,6 +69,8 @@ class Caller:
     rpm: int = 0
     tpm: int = 0
     tenant: str = ""  # the prompt-cache scope of its requests: keys of one tenant share cached prompts
+    priority: Priority | None = None  # its key's class for requests that send no service_tier (None: the setting's)
+    weight: float = 1.0  # its key's share of the slots within a class
 
     def may_use(self, model: str) -> bool:
         """A model outside the key's list is answered as unknown (as OpenAI does), never as forbidden."""
@@ -79,6 +88,8 @@ def mint(
     rpm: int = 0,
     tpm: int = 0,
     tenant: str = "",
+    priority: Priority | None = None,
+    weight: float = 1.0,
 ) -> tuple[str, ApiKey]:
     """A new key (``mg_<id>_<secret>``, shown once) and the record to store (its digest, not the key)."""
     key_id = secrets.token_hex(6)
@@ -93,6 +104,8 @@ def mint(
         created=time.time(),
         digest=digest(key),
         tenant=tenant,
+        priority=priority,
+        weight=weight,
     )
 
 
@@ -152,6 +165,8 @@ class KeyRing:
             rpm=key.rpm or self.rate_limit,
             tpm=key.tpm,
             tenant=f"tenant:{key.tenant}" if key.tenant else f"key:{key.id}",
+            priority=key.priority,
+            weight=key.weight,
         )
 
     async def _lookup(self, key_id: str) -> ApiKey | None:

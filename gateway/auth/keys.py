@@ -45,7 +45,7 @@ import msgspec
 from redis.exceptions import RedisError
 
 from meshgate.gateway.cluster.redis_store import STORE_TIMEOUT, connect_redis
-from meshgate.protocols.model import StoreUnavailable
+from meshgate.protocols.model import Priority, StoreUnavailable
 
 __all__ = ["ApiKey", "Accounts", "MemoryAccounts", "RedisAccounts", "Scope", "open_accounts", "retry_after"]
 
@@ -66,6 +66,8 @@ class ApiKey(msgspec.Struct, frozen=True, kw_only=True):
     created: float = 0.0
     digest: str = ""
     tenant: str = ""  # whose cached prompts its requests share (``""``: its own, no other key's)
+    priority: Priority | None = None  # its requests' class when they send no service_tier (None: the setting's)
+    weight: float = 1.0  # its share of the slots within its class, against other keys (``serving.admission``)
 
 
 class Accounts(Protocol):

@@ -6,7 +6,8 @@
     meshgate ps [--url U]                                  instances of a running gateway
     meshgate place MODEL [--preview] [--nodes a,b] [--replicas N] [--no-wait] [--url U]   progress until ready
     meshgate convert MODEL [--dtype D] [--name NAME] [--out DIR]   a GGUF as a Hugging Face checkpoint (MLX, vLLM)
-    meshgate keys create NAME [--scope S] [--model M ...] [--rpm N] [--tpm N] | keys list | keys revoke ID
+    meshgate keys create NAME [--scope S] [--model M ...] [--rpm N] [--tpm N] [--priority C] [--weight W]
+                                | keys list | keys revoke ID
     meshgate bench [--model M] [-p 128,512] [-n 64,128] [-c 1,4,8] [-r 3] [--json] [--plot FILE]   (gateway.cli.bench)
 
 Plugins add commands through ``meshgate_register_commands`` (``convert`` is the llama.cpp plugin's), on a plugin
@@ -231,6 +232,8 @@ def _keys(settings: Settings, args: argparse.Namespace) -> int:
                 "rpm": args.rpm,
                 "tpm": args.tpm,
                 "tenant": args.tenant,
+                "priority": args.priority,
+                "weight": args.weight,
             }
             response = http.post("/keys", json=payload)
             if response.status_code != 201:
@@ -242,11 +245,11 @@ def _keys(settings: Settings, args: argparse.Namespace) -> int:
             response = http.get("/keys")
             if response.status_code != 200:
                 return _fail(response)
-            print(f"{'ID':14} {'NAME':20} {'SCOPE':10} {'RPM':>6} {'TPM':>8} MODELS")
+            print(f"{'ID':14} {'NAME':20} {'SCOPE':10} {'RPM':>6} {'TPM':>8} {'CLASS':12} {'WEIGHT':>6} MODELS")
             for k in response.json()["keys"]:
                 print(
                     f"{k['id']:14} {k['name']:20} {k['scope']:10} {k['rpm'] or '-':>6} {k['tpm'] or '-':>8} "
-                    f"{', '.join(k['models']) or 'all'}"
+                    f"{k.get('priority') or 'default':12} {k.get('weight', 1):>6g} {', '.join(k['models']) or 'all'}"
                 )
         else:
             response = http.delete(f"/keys/{args.key_id}")
@@ -450,6 +453,13 @@ def build_parser(
     made.add_argument("--rpm", type=int, default=0, help="requests per minute (default MESHGATE_RATE_LIMIT)")
     made.add_argument("--tpm", type=int, default=0, help="tokens per minute (default no limit)")
     made.add_argument("--tenant", default="", help="keys of one tenant share cached prompts (default: this key only)")
+    made.add_argument(
+        "--priority",
+        choices=["interactive", "batch"],
+        default=None,
+        help="the class of its requests that send no service_tier (default MESHGATE_DEFAULT_PRIORITY)",
+    )
+    made.add_argument("--weight", type=float, default=1.0, help="its share of slots within its class (default 1)")
     actions.add_parser("list", help="list keys (never the keys themselves)")
     actions.add_parser("revoke", help="revoke a key").add_argument("key_id", metavar="ID")
     from meshgate.gateway.cli import bench

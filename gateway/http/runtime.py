@@ -128,7 +128,7 @@ async def control_plane(
                 def context(backend: Backend, card: ModelCard) -> int | None:
                     return backend.context(card) or None  # 0: the model's own (the planner reads its spec)
 
-                admission = Admission(settings.parallel, settings.max_queue)
+                admission = Admission(settings.parallel, settings.max_queue, settings.batch_aging)
                 loads = LoadBoard(store, admission, live=lambda: plane.instances.ids() if plane.instances else set())
                 plane.instances = InstanceManager(
                     store,

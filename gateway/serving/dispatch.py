@@ -174,6 +174,7 @@ class Dispatcher:
         may_use: Callable[[str], bool] | None = None,
         on_usage: Callable[[Usage], None] | None = None,
         cache_scope: str = "",
+        weight: float = 1.0,
     ) -> EventStream:
         """Start ``request``; raise its ``GatewayError`` if it fails before the first event (or, streaming, before
         it has to wait). Whoever opens the stream closes it (``EventStream.aclose``): that frees its slot.
@@ -182,10 +183,12 @@ class Dispatcher:
         ``clamp_output`` cuts a ``max_tokens`` above the ``max_tokens`` setting to it (Ollama) instead of raising
         ``OutputTooLarge``. ``may_use`` restricts the models (a key's list); ``on_usage`` gets the last ``Usage``
         when the stream ends (a key's token budget); ``cache_scope`` whose cached prompts it may use
-        (``Request.cache_scope``: its key's tenant).
+        (``Request.cache_scope``: its key's tenant). ``request.priority`` is the class it waits in (unset:
+        interactive) and ``weight`` its caller's share within the class (``gateway.serving.admission``).
         """
         if cache_scope:
             request = msgspec.structs.replace(request, cache_scope=cache_scope)
+        telemetry.note_class("batch" if request.priority == "batch" else "interactive")
         card = self.resolve(request.model, may_use)
         backend = self.backend_for(card)
         ready = prepare(
@@ -204,6 +207,7 @@ class Dispatcher:
             fit=fit,
             routing=request_routing(ready.request),
             grow=self.grow_context and not isinstance(ready.request.num_ctx, int),
+            weight=weight,
         )
 
         async def restart(again: Job, failed: tuple[Instance, GatewayError]) -> Started:

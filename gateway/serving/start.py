@@ -26,7 +26,7 @@ from meshgate.gateway.cluster.routing import Routing, prefix_blocks
 from meshgate.gateway.serving import streams
 from meshgate.gateway.serving.admission import Admission, Ticket
 from meshgate.gateway.serving.context_fit import Fit, cap_output, fit_context, grown_context, needed_context
-from meshgate.protocols.model import Event, Failed, GatewayError, KeepAlive, Request, error_from_info
+from meshgate.protocols.model import Event, Failed, GatewayError, KeepAlive, Priority, Request, error_from_info
 from meshgate.protocols.prefix import prefix_key, request_prefix
 
 __all__ = ["Bigger", "Job", "Started", "Starter", "Visit", "abandon", "connect", "keepalive_until", "request_routing"]
@@ -44,6 +44,12 @@ class Job:
     routing: Routing  # what routing reads of the prompt (``request_routing``)
     grow: bool  # may move to a replica with a bigger context (the dispatcher's module docstring)
     fitted: bool = False  # the request was fitted to a replica's context already (a resume)
+    weight: float = 1.0  # the caller's share of its class's slots (``admission``)
+
+    @property
+    def priority(self) -> Priority:
+        """The class the request waits in (``interactive`` unless it was settled as ``batch``)."""
+        return "batch" if self.request.priority == "batch" else "interactive"
 
 
 @dataclass(frozen=True)
@@ -119,7 +125,9 @@ class Starter:
                     return Bigger(bigger)
             request = await fit_context(request, context, count, job.fit, token_bytes)
             request = cap_output(request, self.max_tokens, clamp=True, context=context)
-        ticket = self.admission.enter(instance.id, job.caller, instance.placement.sequences)
+        ticket = self.admission.enter(
+            instance.id, job.caller, instance.placement.sequences, priority=job.priority, weight=job.weight
+        )
         visit.settle()
         if not ticket.granted:
             visit.waiting()

@@ -14,6 +14,10 @@ one of five words, ``endpoint`` a route template (``other`` when no route matche
     meshgate_prompt_tokens_total / meshgate_generated_tokens_total / meshgate_instance_requests_total
                                                         {model,instance}  counters (generations only)
     meshgate_queue_depth{instance}, meshgate_active_sequences{instance}  gauges, this gateway's admission queues
+    meshgate_class_requests_total{class,model}                           counter, generations by priority class
+    meshgate_class_time_to_first_token_seconds{class}                   histogram, TTFT by class
+    meshgate_class_queue_depth{instance,class}, meshgate_class_active_sequences{instance,class}   gauges, the
+                                            admission queues by class (interactive, batch)
     meshgate_instances{state}, meshgate_instance_info{instance,model,backend,strategy,state}   gauges
     meshgate_node_memory_bytes{node,kind}   kind: offered (the node's memory for models), available (free now, the
                                             planner's input), used (what the placed instances reserve there)
@@ -71,7 +75,7 @@ class PlaneSnapshot:
     nodes: Sequence[Any] = ()
     links: Sequence[Any] = ()
     instances: Sequence[Any] = ()
-    queues: Mapping[str, Any] = field(default_factory=dict)  # instance id -> this gateway's queue (queued, active)
+    queues: Mapping[str, Any] = field(default_factory=dict)  # instance id -> this gateway's queue (``admission.Load``)
     replacements: Mapping[str, int] = field(default_factory=dict)  # model -> instances this gateway re-placed
     routed: Mapping[tuple[str, str], int] = field(default_factory=dict)  # (model, rule) -> requests routed
     replica_load: Callable[[str], Any] | None = None  # instance id -> every gateway's load (running, queued)
@@ -110,6 +114,15 @@ class GatewayMetrics(Instruments):
             ("model",),
             ITL_BUCKETS,
         )
+        self.class_requests = Counter(
+            "meshgate_class_requests_total", "Generations by priority class", ("class", "model")
+        )
+        self.class_ttft = Histogram(
+            "meshgate_class_time_to_first_token_seconds",
+            "From the request's arrival to its first generated token, by priority class",
+            ("class",),
+            TTFT_BUCKETS,
+        )
         self.prompt_tokens = Counter("meshgate_prompt_tokens_total", "Prompt tokens read", ("model", "instance"))
         self.generated_tokens = Counter("meshgate_generated_tokens_total", "Tokens generated", ("model", "instance"))
         self.instance_requests = Counter(
@@ -137,6 +150,8 @@ class GatewayMetrics(Instruments):
         super().__init__(
             [
                 self.requests,
+                self.class_requests,
+                self.class_ttft,
                 self.resumes,
                 self.resume_wait,
                 self.duration,
@@ -161,6 +176,10 @@ class GatewayMetrics(Instruments):
         self.requests.inc((protocol, endpoint, model, status))
         self.duration.observe((protocol, endpoint, model), ended - record.started)
         first = record.first_token_at
+        if record.klass is not None:
+            self.class_requests.inc((record.klass, model))
+            if first is not None:
+                self.class_ttft.observe((record.klass,), first - record.started)
         if first is not None:
             self.ttft.observe((protocol, model), first - record.started)
             gaps = (record.generated_tokens or 0) - 1
@@ -207,12 +226,24 @@ class GatewayMetrics(Instruments):
         active = GaugeMetricFamily(
             "meshgate_active_sequences", "Generations in flight from this gateway", labels=("instance",)
         )
+        by_class = ("instance", "class")
+        class_depth = GaugeMetricFamily(
+            "meshgate_class_queue_depth", "Requests waiting for a slot, by priority class", labels=by_class
+        )
+        class_active = GaugeMetricFamily(
+            "meshgate_class_active_sequences", "Generations in flight from this gateway, by class", labels=by_class
+        )
         known = {i.id for i in self._plane.instances}
         for instance_id, load in self._plane.queues.items():
             if instance_id in known or load.active or load.queued:
                 depth.add_metric((instance_id,), load.queued)
                 active.add_metric((instance_id,), load.active)
-        return depth, active
+                batch_queued, batch_active = load.batch_queued, load.batch_active
+                class_depth.add_metric((instance_id, "interactive"), load.queued - batch_queued)
+                class_depth.add_metric((instance_id, "batch"), batch_queued)
+                class_active.add_metric((instance_id, "interactive"), load.active - batch_active)
+                class_active.add_metric((instance_id, "batch"), batch_active)
+        return depth, active, class_depth, class_active
 
     def _instance_families(self) -> Iterable[Metric]:
         counts = dict.fromkeys(STATES, 0)

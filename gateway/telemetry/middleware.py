@@ -8,9 +8,11 @@ dispatcher fills as the request runs; when the app returns (after a stream's las
 
     request id=req_... protocol=openai method=POST path=/v1/chat/completions model=gemma3:270m key=3f2a9c01d4e5
     status=200 prompt_tokens=12 generated_tokens=40 ttft_ms=85 duration_ms=912 instance=5d0c2f1e9a7b
+    class=interactive
 
-(one line; ``-`` where a field does not apply). A 4xx/5xx line ends with ``error="..."``, the message the client
-got (read from the error body); a stream that failed after its 200 carries its ``Failed`` message there too.
+(one line; ``-`` where a field does not apply; ``class``, a generation's priority class, only on generations). A
+4xx/5xx line ends with ``error="..."``, the message the client got (read from the error body); a stream that
+failed after its 200 carries its ``Failed`` message there too.
 ``key`` is the caller's key id (a stored key's id, ``boot:<n>`` for the n-th bootstrap key), never the key.
 Probes (``GET``/``HEAD /``, ``/api/version``, ``/metrics``) that succeed are logged at DEBUG.
 
@@ -175,6 +177,8 @@ class RequestTelemetry:
             "duration_ms": round((ended - record.started) * 1000),
             "instance": record.instance,
         }
+        if record.klass is not None:
+            fields["class"] = record.klass
         if record.resumes:
             fields["resumes"], fields["resume_wait_ms"] = record.resumes, round(record.resume_wait * 1000)
         if record.cached_tokens:

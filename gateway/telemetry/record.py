@@ -3,8 +3,8 @@
 ``gateway.telemetry.middleware`` creates a ``RequestRecord`` when a request arrives (its id is the one the
 response carries in ``x-request-id``) and reads it when the response is done, for the request log line and the
 metrics. In between, the code that knows a fact writes it: the auth guard's caller is read from the connection
-state; the dispatcher notes the model asked for (``note_model``), the replica that serves (``note_served``), an
-embedding's tokens (``note_embedded``) and, for a generation, the first
+state; the dispatcher notes the model asked for (``note_model``), a generation's class (``note_class``), the
+replica that serves (``note_served``), an embedding's tokens (``note_embedded``) and, for a generation, the first
 token's time, the last ``Usage`` (or, for a stream that did not finish, the deltas it relayed) and how the
 stream ended (``gateway.serving.streams.relay``, through ``telemetry.observe``). Tasks a request starts copy the
 context, so they see the same record; code that runs outside a request sees ``None``.
@@ -19,7 +19,15 @@ import secrets
 import time
 from typing import Any
 
-__all__ = ["RequestRecord", "current", "new_request_id", "note_embedded", "note_model", "note_served"]
+__all__ = [
+    "RequestRecord",
+    "current",
+    "new_request_id",
+    "note_class",
+    "note_embedded",
+    "note_model",
+    "note_served",
+]
 
 
 class RequestRecord:
@@ -29,6 +37,7 @@ class RequestRecord:
         "asked",
         "cache_note",
         "cached_tokens",
+        "klass",
         "error",
         "first_token_at",
         "generated_tokens",
@@ -57,6 +66,7 @@ class RequestRecord:
         self.asked: str | None = None  # the model name the client sent
         self.model: str | None = None  # the catalog model that served it
         self.instance: str | None = None
+        self.klass: str | None = None  # a generation's class: interactive or batch (``gateway.serving.admission``)
         self.prompt_tokens: int | None = None
         self.generated_tokens: int | None = None
         self.cached_tokens = 0  # prompt tokens the runner took from its cache (a prefix it still held)
@@ -98,6 +108,13 @@ def note_model(asked: str) -> None:
     record = _current.get()
     if record is not None:
         record.asked = asked
+
+
+def note_class(klass: str) -> None:
+    """The class a generation waits in (``interactive`` or ``batch``), as the dispatcher settled it."""
+    record = _current.get()
+    if record is not None:
+        record.klass = klass
 
 
 def note_served(model: str, instance: str) -> None:

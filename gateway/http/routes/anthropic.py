@@ -9,6 +9,7 @@ from litestar.di import NamedDependency
 from meshgate.gateway.auth.guard import caller_of
 from meshgate.gateway.http.routes.common import (
     body,
+    classify,
     json_response,
     may_use,
     new_meta,
@@ -23,8 +24,8 @@ from meshgate.protocols import anthropic
 async def messages(
     request: HttpRequest, wire: NamedDependency[anthropic.MessagesRequest], dispatcher: NamedDependency[Dispatcher]
 ) -> Response:
-    internal = anthropic.messages_to_internal(wire)
-    meta = new_meta(internal.model)
+    internal = classify(request, anthropic.messages_to_internal(wire))
+    meta = new_meta(internal.model, internal.priority or None)
     # only the prompt is checked: clients send max_tokens far beyond small contexts, and the runner caps the
     # output at the room left
     return await serve_generation(

@@ -16,6 +16,7 @@ import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
+import msgspec
 from litestar import Request as HttpRequest
 from litestar import Response
 from litestar.datastructures import State
@@ -32,7 +33,7 @@ from meshgate.gateway.serving.dispatch import Dispatcher
 from meshgate.gateway.serving.streams import aclose
 from meshgate.plugins.settings import Settings
 from meshgate.protocols import model
-from meshgate.protocols.model import Event, Meta, ModelInfo, decode_body
+from meshgate.protocols.model import Event, Meta, ModelInfo, Priority, decode_body
 
 JSON = "application/json"
 SSE = "text/event-stream"
@@ -79,10 +80,6 @@ def provide_settings(state: State) -> Settings:
     return state.settings
 
 
-def new_meta(model: str) -> Meta:
-    return Meta(id=uuid.uuid4().hex[:24], model=model, created=time.time())
-
-
 def model_infos(dispatcher: Dispatcher, request: HttpRequest | None = None) -> list[ModelInfo]:
     """The models to list; only those the caller's key may use when it has a list."""
     allowed = may_use(request) if request is not None else None
@@ -109,7 +106,27 @@ def who(request: HttpRequest) -> dict[str, Any]:
     caller = caller_of(request)
     meter = request.app.state.keyring.meter(caller) if caller.tpm else None
     scope = caller.tenant if request.app.state.settings.kv_sharing == "tenant" else ""
-    return {"caller": caller.bucket, "may_use": may_use(request), "on_usage": meter, "cache_scope": scope}
+    return {
+        "caller": caller.bucket,
+        "may_use": may_use(request),
+        "on_usage": meter,
+        "cache_scope": scope,
+        "weight": caller.weight,
+    }
+
+
+def classify(request: HttpRequest, internal: model.Request) -> model.Request:
+    """``internal`` with its class settled: what its protocol's ``service_tier`` asked for, else its caller's key's
+    ``priority``, else the ``default_priority`` setting (``gateway.serving.admission``)."""
+    if internal.priority is not model.UNSET:
+        return internal
+    priority = caller_of(request).priority or request.app.state.settings.default_priority
+    return msgspec.structs.replace(internal, priority=priority)
+
+
+def new_meta(model: str, priority: Priority | None = None) -> Meta:
+    """An answer's id, model and time; ``priority``, the class it runs at, for protocols that echo it."""
+    return Meta(id=uuid.uuid4().hex[:24], model=model, created=time.time(), priority=priority)
 
 
 def may_use(request: HttpRequest) -> Callable[[str], bool] | None:
@@ -183,7 +200,9 @@ async def serve_generation(
     """Every generation handler's tail: open ``internal``'s stream for the caller, then answer with ``stream``'s
     chunks (a streamed 200) when the client asked to stream, else with ``whole`` of the collected answer.
 
-    ``fit`` is the protocol's context rule and ``clamp_output`` its output rule (``Dispatcher.open_stream``)."""
+    ``fit`` is the protocol's context rule and ``clamp_output`` its output rule (``Dispatcher.open_stream``);
+    ``internal``'s class is settled here unless the handler did (``classify``)."""
+    internal = classify(request, internal)
     opening = dispatcher.open_stream(internal, **who(request), fit=fit, clamp_output=clamp_output)
     if internal.stream:
         events = await opening

@@ -14,6 +14,7 @@ from litestar.di import NamedDependency
 
 from meshgate.gateway.http.routes.common import (
     body,
+    classify,
     json_response,
     may_use,
     model_infos,
@@ -40,8 +41,8 @@ def _is_anthropic(request: HttpRequest) -> bool:
 async def chat_completions(
     request: HttpRequest, wire: NamedDependency[openai.ChatRequest], dispatcher: NamedDependency[Dispatcher]
 ) -> Response:
-    internal = openai.chat_to_internal(wire)
-    meta = new_meta(internal.model)
+    internal = classify(request, openai.chat_to_internal(wire))
+    meta = new_meta(internal.model, internal.priority or None)
     return await serve_generation(
         request,
         dispatcher,
@@ -84,8 +85,8 @@ async def responses(
     wire: NamedDependency[openai_responses.ResponsesRequest],
     dispatcher: NamedDependency[Dispatcher],
 ) -> Response:
-    internal = openai_responses.responses_to_internal(wire)
-    meta = new_meta(internal.model)
+    internal = classify(request, openai_responses.responses_to_internal(wire))
+    meta = new_meta(internal.model, internal.priority or None)
     return await serve_generation(
         request,
         dispatcher,

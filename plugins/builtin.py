@@ -52,7 +52,7 @@ class LlamaCppSettings(PluginSettings, frozen=True):
         llama_calibrate: Measure this node's llama.cpp speed once (on the packaged model, a few seconds, cached
             for the machine in ``~/.cache/meshgate``) for the planner's tok/s estimates
             (``MESHGATE_LLAMA_CALIBRATE=0``: estimate from a numpy matmul instead).
-        kv_ram_mib: MiB of host memory each llama.cpp runner (and MLX runner of one process) keeps prompts' KV in
+        kv_ram_mib: MiB of host memory each llama.cpp runner (and each rank of an MLX runner) keeps prompts' KV in
             (the planner counts it as the runner's memory); -1: a sixteenth of its node's memory, at most 8 GiB
             (MLX runners: none, their disk tier only); 0: no host tier.
         kv_disk_mib: MiB of ``kv_dir`` the node's runners keep prompts' KV in, across restarts; -1: a tenth of the

@@ -5,9 +5,9 @@ backends.mlx.runner`` with a python that has mlx): rank 0, the head, is the firs
 and speaks the internal streaming protocol; the others follow its generation loop. Ranks are in placement order
 (layer range, then tensor rank); followers start first and wait to be joined (``rendezvous``), the head's agent
 builds the ring's hostfile from their addresses on the cluster interface. ``MlxBackend.connect`` (in the
-gateway) gives a runner client for the head. mlx itself is only ever imported in the rank processes. A placement of
-one rank keeps prompts' KV in a tier (``runner.kvtier``, as llama.cpp runners do: ``kv_ram``, ``kv_dir``,
-``kv_disk``); over a ring there is none.
+gateway) gives a runner client for the head. mlx itself is only ever imported in the rank processes. Every rank
+keeps prompts' KV in a tier (``runner.kvtier``, as llama.cpp runners do: ``kv_ram``, ``kv_dir``, ``kv_disk``): a
+placement of one rank the whole cache, a ring's ranks each their shard, restored together (``mlx.batch``).
 
 Imports protocols, backends.base/placement/runner and ``backends.checkpoints``; never the gateway.
 """
@@ -67,7 +67,7 @@ class MlxRunner:
         raise UnsupportedFeature("the MLX backend does not compute embeddings", param="model")
 
     async def health(self) -> dict[str, object]:
-        """The head's ``/health``: its batch and, in one process, its KV tier's figures."""
+        """The head's ``/health``: its batch and its KV tier's figures (over a ring, its own shard's)."""
         return await self.client.health()
 
     async def kv(self, action: str, body: dict[str, object]) -> None:
@@ -104,11 +104,12 @@ class MlxBackend(Backend):
     ``backends`` and ``protocols`` packages reach it through ``PYTHONPATH``. Pipeline ranks load only their layer
     range; tensor ranks split every layer. ``parallel``: requests an instance decodes together (its head's batch;
     the runner's ``--parallel``). Response formats are enforced (llguidance, ``structured.py``); no tools or
-    embeddings. ``kv_ram``, ``kv_dir``, ``kv_disk``: the KV tiers of a placement of one rank, as the llama.cpp
-    backend's, except that ``kv_ram`` ``None`` (the default setting) means no host tier, only the disk one: the
-    planner cannot tell a one-rank head (with a tier) from a ring's (without), and a share of every head node's
-    memory squeezed the two-rank placements out of small nodes (the MLX cluster tests' nodes, CI run 15). A set
-    ``kv_ram`` is counted as the head's memory.
+    embeddings. ``kv_ram``, ``kv_dir``, ``kv_disk``: the KV tiers of every rank (each rank its own budgets and its
+    node's directory; over a ring each holds its shard of an entry), as the llama.cpp backend's, except that
+    ``kv_ram`` ``None`` (the default setting) means no host tier, only the disk one: a share of every node's
+    memory sized from the node squeezed the two-rank placements out of small nodes (the MLX cluster tests' nodes,
+    CI run 15), so the planner's figures stay those of no host tier. A set ``kv_ram`` is counted as every rank's
+    memory (each rank may fill it).
     """
 
     name = "mlx"
@@ -150,8 +151,8 @@ class MlxBackend(Backend):
         # resident before weights, the head's HTTP server ~25 MiB more; compute buffers grow ~16 KiB per
         # context token on Gemma 3 270M.
         return ShardCosts(
-            base_bytes=190 * MiB,
-            head_bytes=25 * MiB + (self.kv_ram or 0),  # a KV tier of a set size is the head's memory
+            base_bytes=190 * MiB + (self.kv_ram or 0),  # a host KV tier of a set size, on every rank
+            head_bytes=25 * MiB,
             cache_share=0.0,  # ``kv_ram`` None: no host tier (above)
             per_token_bytes=16 << 10,
             vocab_parallel=False,
@@ -207,9 +208,9 @@ class MlxBackend(Backend):
         if mode == "pipeline":
             argv += ["--layers", f"{shard.layer_start}:{shard.layer_end}"]
         argv += ["--dtype", self.dtype] if self.dtype else []
-        if ranks == 1:  # one process: a KV tier (over a ring each rank holds a shard of the cache: none)
-            argv += ["--kv-ram", str(self.kv_ram or 0), "--model-digest", card.digest]  # None: no host tier
-            argv += ["--kv-dir", self.kv_dir, "--kv-disk", str(self.kv_disk)] if self.kv_dir and self.kv_disk else []
+        # the KV tier, every rank alike (over a ring each keeps its shard in its node's directory)
+        argv += ["--kv-ram", str(self.kv_ram or 0), "--model-digest", card.digest]  # None: no host tier
+        argv += ["--kv-dir", self.kv_dir, "--kv-disk", str(self.kv_disk)] if self.kv_dir and self.kv_disk else []
         env = self._env()
         if rank > 0:  # a follower: up as soon as its join endpoint listens
             process = await RunnerProcess.start(argv, name=f"{card.name} rank {rank}", env=env, ready_timeout=60)

@@ -34,13 +34,21 @@ a prompt longer than ``CHUNK`` gets other numbers than the one-piece prefill bef
 ``generate_step``, which prefills in chunks of 2048). A chunk in flight is not stopped (an MLX evaluation cannot
 be): a short prompt may wait for one.
 
-Prefix reuse between requests goes through the KV tier only (``kvcache``, ``runner.kvtier``), and only in a runner
-of one process (over a ring each rank holds its shard of the cache: the tier is off there): a sequence whose
+Prefix reuse between requests goes through the KV tier only (``kvcache``, ``runner.kvtier``): a sequence whose
 ``restore`` (a tier hit, found by the engine) holds part of its prompt starts from that cache at admission, its
 ``fed`` tokens a multiple of ``CHUNK``, so its prefill goes on in the chunks cold prefill cuts; one that holds the
 whole prompt joins the rows at once and takes its first pick from the logits kept with it (no forward pass). As a
 prompt's prefill (from nothing or from a restore: every prefill here is cold's) passes its restore points and
 ends, its cache is kept (``kvcache.Keeper.passed``, before the cache joins the batch).
+
+Over a ring every rank has a tier of its own holding its shard of each entry (its namespace names the shard:
+``engine.kv_namespace``), and the head decides for all. Before a new sequence's first chunk the head sends ``kv``
+(``[key, n, scope's length, *scope (UTF-8 bytes), *prompt]``) when its prompt is long enough to keep or it has a
+hit: each follower (``Follower``) then keeps that prompt's shard as its chunks pass, as the head keeps its own.
+With a hit of ``n`` tokens (that the head's own tier could load) every rank looks up the same ``n`` tokens in its
+tier, loads them, and all vote (``Lockstep.agree``): only when every rank could does every rank restore;
+otherwise every rank drops what it loaded and the prompt is prefilled cold on all (and kept again, so a rank
+that had lost its shard holds it afterwards). No rank ever restores while another prefills.
 
 A resumed sequence (its stream moved here from a replica that failed, ``Request.resume``) takes the tokens it had
 sent as its first picks, one decode step each, as they were generated: greedy text then goes on exactly as the
@@ -67,7 +75,7 @@ if TYPE_CHECKING:
     from meshgate.backends.mlx.structured import Constraint
     from meshgate.backends.runner.kvtier import Hit, KVTier
 
-__all__ = ["Batch", "Sampler", "Scheduler", "Sequence"]
+__all__ = ["Batch", "Follower", "Sampler", "Scheduler", "Sequence"]
 
 log = logging.getLogger("meshgate.mlx.batch")
 
@@ -229,13 +237,14 @@ class Sequence:
         self.fed = 0  # prompt tokens prefilled
         self.key = 0  # its prompt's cache while prefilling (``Batch.pending``), numbered in order of arrival
         self.ended = self.closed = False
-        # the KV tier (a runner of one process): set by the engine before ``submit``
+        # the KV tier: set by the engine (the head's, over a ring) before ``submit``
         self.restore: Hit | None = None  # a hit to start from, taken at admission
         self.scope: str | None = None  # the tier scope its prompt's cache is kept under (``None``: not kept)
         self.tag = ""  # its prompt's prefix key (``protocols.prefix``): kept with its entry, for routing
         self.note = ""  # where its restored KV came from, when a peer's was weighed (``Usage.cache_note``)
         self.cached = 0  # prompt tokens restored instead of prefilled
         self.points: dict[int, bytearray] = {}  # restore points its prefill passed, for its entry
+        self.mirrored = False  # over a ring: the followers keep its prompt's shard (``kv`` sent, not yet done)
 
     @property
     def over(self) -> bool:
@@ -278,17 +287,19 @@ class Scheduler:
     """The head's batching loop over ``batch``, at most ``parallel`` rows, mirrored to followers by ``lockstep``.
 
     ``steps`` counts decode passes, ``decoded`` the rows they advanced, ``widest`` the most rows in one pass.
-    With a KV ``tier`` (one process only: ignored over a ring) sequences start from their ``restore`` hits and
-    prompts are kept; ``restored`` counts the prompt tokens restored, ``prompt_rate`` is a moving average of prompt
-    tokens prefilled per second (what a peer's entry is weighed against).
+    With a KV ``tier`` sequences start from their ``restore`` hits and prompts are kept (over a ring, with every
+    rank's agreement: ``Follower``); ``restored`` counts the prompt tokens restored, ``ring_refused`` the hits not
+    restored because a follower could not, ``prompt_rate`` is a moving average of prompt tokens prefilled per
+    second (what a peer's entry is weighed against).
     """
 
     def __init__(self, batch: Batch, lockstep: Any, parallel: int, tier: KVTier | None = None) -> None:
-        from meshgate.backends.mlx.kvcache import Keeper
+        from meshgate.backends.mlx.kvcache import SAVED, Keeper
 
         self.batch, self.lockstep, self.parallel = batch, lockstep, max(1, parallel)
-        self.keeper = Keeper(tier, CHUNK) if tier is not None and lockstep.size == 1 else None
-        self.steps = self.decoded = self.widest = self.restored = 0
+        self._saved = SAVED
+        self.keeper = Keeper(tier, CHUNK) if tier is not None else None
+        self.steps = self.decoded = self.widest = self.restored = self.ring_refused = 0
         self.prompt_rate = 200.0
         self._rows: list[Sequence] = []
         self._prefilling: list[Sequence] = []
@@ -310,6 +321,7 @@ class Scheduler:
             "decoded": self.decoded,
             "widest": self.widest,
             "restored_tokens": self.restored,
+            **({"ring_refused": self.ring_refused} if self.lockstep.size > 1 else {}),
         }
 
     def submit(self, seq: Sequence) -> None:
@@ -383,7 +395,7 @@ class Scheduler:
 
     def _leave(self) -> None:
         for seq in [seq for seq in self._prefilling if seq.over]:
-            if seq.fed:  # its cache holds chunks: forget them
+            if seq.fed or seq.mirrored:  # its cache holds chunks, or followers keep it: forget them
                 self.lockstep.send("admit", [seq.key, _DROP])
                 self.batch.admit([seq.key, _DROP])
             self._prefilling.remove(seq)
@@ -395,14 +407,24 @@ class Scheduler:
 
     def _restore(self, new: list[Sequence]) -> None:
         """Start the ``new`` sequences that have a KV tier hit from it: a part of the prompt goes to its pending
-        cache (prefill goes on from there), a whole prompt joins the rows with its first pick."""
+        cache (prefill goes on from there), a whole prompt joins the rows with its first pick. Over a ring, tell
+        the followers what to keep and restore, and restore only if every rank can."""
+        ring = self.lockstep.size > 1
         for seq in new:
             hit, seq.restore = seq.restore, None
-            if hit is None or self.keeper is None:
+            if self.keeper is None or (ring and seq.scope is None):  # followers hear of prompts kept in a scope
                 continue
-            cache, n, logits = self.keeper.restore(hit, len(seq.tokens))
+            cache, n, logits = self.keeper.restore(hit, len(seq.tokens)) if hit is not None else (None, 0, None)
+            if ring and seq.scope is not None and (cache is not None or len(seq.tokens) >= self._saved):
+                self.lockstep.send("kv", [seq.key, n, *_scope_values(seq.scope), *seq.tokens])
+                seq.mirrored = True
+                if cache is not None and not self.lockstep.agree(True):
+                    log.info("KV tier: a rank of the ring lacks %d tokens the head holds; prefilled on all", n)
+                    self.ring_refused += 1
+                    cache = None
             if cache is None:
                 continue
+            self.keeper.tier.restored(n)
             seq.fed = seq.cached = n
             self.restored += n
             if n < len(seq.tokens):
@@ -410,6 +432,7 @@ class Scheduler:
                 self._keep(seq, n, cache, None)  # a restore point of its own entry too
                 continue
             self.batch.join(cache)
+            seq.mirrored = False  # nothing to prefill: followers joined theirs too
             self._prefilling.remove(seq)
             self._rows.append(seq)
             seq.deliver(self._pick([seq], logits)[0])
@@ -443,6 +466,7 @@ class Scheduler:
             seq.fed += len(chunk)
             budget -= len(chunk)
             if then == _LAST:
+                seq.mirrored = False  # a follower forgets the prompt after its last chunk
                 self._prefilling.remove(seq)
                 self._rows.append(seq)
                 seq.deliver(self._pick([seq], logits)[0])
@@ -486,3 +510,90 @@ class Scheduler:
             if seq.forced:  # a resumed sequence replays what it had sent before its own picks
                 chosen[i] = seq.forced.popleft()
         return chosen
+
+
+def _scope_values(scope: str) -> list[int]:
+    """A tier scope as lockstep values: its UTF-8 length, then its bytes."""
+    raw = scope.encode()
+    return [len(raw), *raw]
+
+
+class _Mirrored:
+    """A follower's record of a prompt the head keeps: its scope, its tokens, how far its prefill went, the
+    restore points it passed."""
+
+    def __init__(self, scope: str, tokens: list[int], fed: int) -> None:
+        self.scope, self.tokens, self.fed = scope, tokens, fed
+        self.points: dict[int, bytearray] = {}
+
+
+class Follower:
+    """A follower rank's side of the scheduler: runs the head's operations on its ``batch`` and, with a KV
+    ``tier`` of its own, keeps and restores its shard of the prompts the head says (``kv``), as the head does.
+
+    Whatever happens here, a restore's vote is cast (a follower that cannot load says no) and every operation
+    runs: a rank that stopped would leave the ring waiting.
+    """
+
+    def __init__(self, batch: Batch, lockstep: Any, tier: KVTier | None) -> None:
+        from meshgate.backends.mlx.kvcache import Keeper
+
+        self.batch, self.lockstep = batch, lockstep
+        self.keeper = Keeper(tier, CHUNK) if tier is not None else None
+        self.mirrored: dict[int, _Mirrored] = {}  # by sequence key
+
+    def run(self, op: str, values: list[int]) -> None:
+        if op == "kv":
+            self.kv(values)
+        elif op == "admit" and values[0] in self.mirrored:
+            self._admit(values)
+        else:
+            self.batch.run(op, values)
+
+    def kv(self, values: list[int]) -> None:
+        """``[key, n, scope's length, *scope, *prompt]``: keep prompt ``key`` (its shard); with ``n``, restore its
+        first ``n`` tokens too if every rank can (the vote)."""
+        key, n, length = values[0], values[1], values[2]
+        scope, prompt = bytes(values[3 : 3 + length]).decode(), values[3 + length :]
+        cache = None
+        try:
+            if n and self.keeper is not None and (hit := self.keeper.find(scope, prompt, n)) is not None:
+                cache = self.keeper.restore(hit, len(prompt), logits=False)[0]
+        except Exception:  # counted as "could not": every rank then prefills
+            log.exception("KV tier: a follower could not restore %d tokens", n)
+        if n and not self.lockstep.agree(cache is not None):
+            cache = None
+        record = _Mirrored(scope, prompt, n if cache is not None else 0)
+        if cache is None:
+            if self.keeper is not None:
+                self.mirrored[key] = record
+            return
+        assert self.keeper is not None  # a cache came from it
+        self.keeper.tier.restored(n)
+        if n == len(prompt):
+            self.batch.join(cache)
+            return
+        self.batch.pending[key] = cache
+        self.mirrored[key] = record
+        self._keep(record, n, cache)
+
+    def _admit(self, values: list[int]) -> None:
+        key, then = values[0], values[1]
+        record = self.mirrored[key]
+        if then == _DROP:
+            del self.mirrored[key]
+            self.batch.admit(values)
+            return
+        record.fed += len(values) - 2
+        self.batch.admit(values, lambda cache, _: self._keep(record, record.fed, cache))
+        if then == _LAST:
+            del self.mirrored[key]
+
+    def _keep(self, record: _Mirrored, end: int, cache: list[Any]) -> None:
+        if self.keeper is None:
+            return
+        try:
+            self.keeper.passed(cache, record.tokens, end, record.points, record.scope, "", None)
+        except Exception:  # as the head's: logged, never the sequence's
+            log.exception("KV tier: a prompt's cache could not be kept on a follower")
+            record.points.clear()

@@ -17,11 +17,15 @@ llguidance (``structured.py``: a matcher per sequence masks its logits row befor
 answer ``UnsupportedFeature``. Every text delta carries the ids of the tokens it holds, so a stream whose replica
 fails resumes on another (``Request.resume``: those ids are the new sequence's first picks, ``batch.py``).
 
-A runner of one process may keep prompts' KV in a tier (``kv_ram``, ``kv_dir``/``kv_disk``: ``runner.kvtier``, the
-llama.cpp runners' own, with their peers and ``/kv`` routes): ``generate`` looks the prompt up (and may fetch a
-longer entry from a peer, ``runner.kvpeers``), the scheduler restores the hit and keeps cold prompts
-(``kvcache``); restored tokens are the usage's ``cached_tokens``. Over a ring, or for a model whose cache the tier
-cannot keep, there is none.
+A runner may keep prompts' KV in a tier (``kv_ram``, ``kv_dir``/``kv_disk``: ``runner.kvtier``, the llama.cpp
+runners' own): ``generate`` looks the prompt up, the scheduler restores the hit and keeps cold prompts
+(``kvcache``); restored tokens are the usage's ``cached_tokens``. A runner of one process also has the tier's
+peers and ``/kv`` routes (it may fetch a longer entry from a peer, ``runner.kvpeers``). Over a ring every rank
+keeps its own shard of each entry in a tier of its own, under a namespace that names the shard (``kv_namespace``:
+an entry never loads into another shard or a runner of one process); the head decides what is kept and restored
+and the followers do the same at the same step (``batch.Follower``), restoring only when every rank holds the
+entry. A ring has no peers (another instance's followers would lack the head's entries). A model whose cache the
+tier cannot keep has none.
 
 Runs only in the runner process; imports protocols and mlx/mlx_lm, never the gateway.
 """
@@ -40,7 +44,7 @@ from typing import Any
 import msgspec
 
 from meshgate.backends.mlx import kvcache
-from meshgate.backends.mlx.batch import CHUNK, Batch, Sampler, Scheduler, Sequence
+from meshgate.backends.mlx.batch import CHUNK, Batch, Follower, Sampler, Scheduler, Sequence
 from meshgate.backends.mlx.lockstep import Lockstep
 from meshgate.backends.mlx.structured import Grammars
 from meshgate.backends.runner.kvpeers import Peers
@@ -107,8 +111,8 @@ class MlxEngine:
         then match one process exactly); ``None`` keeps the checkpoint's. ``parallel``: the most requests
         decoded together (the head's; followers run whatever batch the head sends).
 
-        ``kv_ram`` bytes of host memory and ``kv_disk`` bytes of ``kv_dir`` keep prompts' KV (``runner.kvtier``), in
-        one process only (not over a ring); ``digest`` names the weights for the tier's namespace (else the
+        ``kv_ram`` bytes of host memory and ``kv_disk`` bytes of ``kv_dir`` keep prompts' KV (``runner.kvtier``), on
+        every rank alike (each its shard); ``digest`` names the weights for the tier's namespace (else the
         checkpoint's files' paths, sizes and mtimes).
         """
         import mlx.core as mx
@@ -128,10 +132,14 @@ class MlxEngine:
         self.tier: KVTier | None = None
         self.kv_peers: Peers | None = None
         wanted = kv_ram > 0 or bool(kv_dir and kv_disk > 0)
-        if wanted and self.lockstep.size == 1 and kvcache.supported(self._make_cache()):
-            namespace = kv_namespace(path, digest, dtype)
+        if wanted and kvcache.supported(self._make_cache()):
+            shard = None
+            if self.lockstep.size > 1:  # this rank's part of the cache: another rank's or shape's is another cache
+                shard = {"sharding": mode, "rank": self.rank, "ranks": self.lockstep.size, "layers": self.layers}
+            namespace = kv_namespace(path, digest, dtype, shard)
             self.tier = KVTier(namespace, ram_budget=kv_ram, directory=kv_dir, disk_budget=kv_disk)
-            self.kv_peers = Peers(self.tier, CHUNK)
+            if shard is None:
+                self.kv_peers = Peers(self.tier, CHUNK)
         self.scheduler = Scheduler(batch, self.lockstep, self.parallel, tier=self.tier)
         self.grammars = Grammars(self.tokenizer)
         self._tokenizing = threading.Lock()  # a fast tokenizer may refuse two calls at once ("Already borrowed")
@@ -299,10 +307,11 @@ class MlxEngine:
         yield finish
 
     def follow(self) -> None:
-        """A follower's life: run the head's batch operations in lockstep until the head says shut down."""
-        batch = Batch(self._forward, self._make_cache)
+        """A follower's life: run the head's batch operations (and KV tier decisions) in lockstep until the head
+        says shut down."""
+        follower = Follower(Batch(self._forward, self._make_cache), self.lockstep, self.tier)
         while (message := self.lockstep.receive())[0] != "shutdown":
-            batch.run(*message)
+            follower.run(*message)
 
     def shutdown(self) -> None:
         """Head only: stop the scheduler, tell followers to exit, then drain and barrier so no rank leaves a peer
@@ -310,9 +319,11 @@ class MlxEngine:
         self.scheduler.close()
 
 
-def kv_namespace(path: str, digest: str, dtype: str | None) -> str:
+def kv_namespace(path: str, digest: str, dtype: str | None, shard: dict[str, Any] | None = None) -> str:
     """What makes two runners' KV comparable: the weights (their digest, else the checkpoint's files as they are
-    now), mlx and mlx-lm, the compute dtype and the prefill chunks (``CHUNK``)."""
+    now), mlx and mlx-lm, the compute dtype and the prefill chunks (``CHUNK``); over a ring, the ``shard`` a rank
+    holds (sharding, rank, ranks, layer range: a runner of one process has none, so its namespace stays the
+    same)."""
     import mlx.core as mx
     import mlx_lm
 
@@ -321,5 +332,5 @@ def kv_namespace(path: str, digest: str, dtype: str | None) -> str:
         files = sorted(root.glob("*.safetensors")) + [root / "config.json"] if root.is_dir() else [root]
         digest = ";".join(f"{p.resolve()}:{p.stat().st_size}:{p.stat().st_mtime_ns}" for p in files if p.exists())
     settings = {"weights": digest, "mlx": mx.__version__, "mlx_lm": mlx_lm.__version__, "dtype": dtype or ""}
-    settings |= {"chunk": CHUNK, "runtime": "mlx"}
+    settings |= {"chunk": CHUNK, "runtime": "mlx"} | ({"shard": shard} if shard is not None else {})
     return hashlib.blake2b(json.dumps(settings, sort_keys=True).encode(), digest_size=16).hexdigest()

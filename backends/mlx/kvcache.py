@@ -1,11 +1,12 @@
-"""One prompt's MLX KV cache in and out of bytes, for the KV tiers (``runner.kvtier``); single-process runners only.
+"""One prompt's MLX KV cache in and out of bytes, for the KV tiers (``runner.kvtier``): a whole model's or one rank's.
 
 The scheduler prefills a prompt on its own plain cache (``batch.Batch.pending``): one mlx-lm cache per layer, a
 ``KVCache`` (a buffer grown ``KVCache.step`` rows at a time, filled up to ``offset``; the rows past it are zeros)
 or a ``RotatingKVCache`` (a sliding-window layer's: after a chunk of S tokens it holds the window's last rows before
 the chunk and the chunk's, reordered and trimmed as it goes, so it cannot be cut back to an earlier position). A
 model with any other cache (quantized, state-space, chunked) has no tier (``supported``). Over a ring each rank
-holds only its shard of the cache: the engine turns the tier off there.
+keeps its own shard of the cache in its own tier (``batch.Follower``): a tensor rank's layers hold its KV heads, a
+pipeline stage's cache has ``None`` for the layers other ranks hold, kept as ``absent`` layers.
 
 A snapshot (``snapshot``) is a JSON header (per layer: its class, the arrays' dtype and shapes, ``offset``, and a
 rotating cache's ``keep``, ``max_size`` and write index) and the arrays' raw bytes (bfloat16 as its uint16 bits:
@@ -25,7 +26,8 @@ What a tier entry holds (``Keeper.passed``):
 A prompt restored at a restore point prefills the rest in the chunks cold prefill cuts (they start at the prompt's
 first token) from the very cache cold had there: its numbers are cold's bit for bit; a prompt that is an entry's
 whole prompt starts from the kept logits, the cold ones. An entry's end serves a longer prompt only where it is a
-multiple of ``CHUNK``: elsewhere the rest would be cut into other chunks than cold's.
+multiple of ``CHUNK``: elsewhere the rest would be cut into other chunks than cold's. A follower's entries have no
+logits (the head picks): ``Keeper.passed`` with ``logits`` ``None``, ``Keeper.restore`` with ``logits=False``.
 
 Runs only in MLX processes; imports mlx and mlx_lm (lazily), numpy and the tier.
 """
@@ -52,14 +54,18 @@ POINTS = 2
 
 _LENGTH = struct.Struct("<I")  # the JSON header's length, before it
 _STORED = {"float32": "<f4", "float16": "<f2", "bfloat16": "<u2"}  # how each dtype's arrays are stored
+_ABSENT = "absent"  # the class of a layer another pipeline stage holds: no arrays
+_NOTHING = np.empty((0, 0, 0, 0), dtype=np.float32)
 
 
 def supported(cache: list[Any]) -> bool:
-    """Whether a model's (fresh) ``cache`` is one the tier keeps: every layer mlx-lm's ``KVCache`` or
-    ``RotatingKVCache`` (not a subclass: another class may hold more than their state)."""
+    """Whether a model's (fresh) ``cache`` is one the tier keeps: every layer this rank holds mlx-lm's ``KVCache`` or
+    ``RotatingKVCache`` (not a subclass: another class may hold more than their state); ``None`` for a layer
+    another pipeline stage holds."""
     from mlx_lm.models.cache import KVCache, RotatingKVCache
 
-    return bool(cache) and all(type(c) in (KVCache, RotatingKVCache) for c in cache)
+    held = [c for c in cache if c is not None]
+    return bool(held) and all(type(c) in (KVCache, RotatingKVCache) for c in held)
 
 
 def snapshot(cache: list[Any], *, windows: bool = False, logits: str = "") -> bytearray | None:
@@ -72,6 +78,9 @@ def snapshot(cache: list[Any], *, windows: bool = False, logits: str = "") -> by
     layers: list[dict[str, Any] | None] = []
     arrays = []
     for c in cache:
+        if c is None:  # a layer another pipeline stage holds
+            layers.append({"class": _ABSENT})
+            continue
         rotating = type(c) is RotatingKVCache
         if windows and not rotating:
             layers.append(None)
@@ -119,7 +128,9 @@ def load(state: Any, n: int, point: Any = None) -> tuple[list[Any], str]:
             if at_end is None:
                 raise ValueError("its state lacks a layer")
             layer, keys, values = at_n or at_end
-            if layer["class"] == "RotatingKVCache":
+            if layer["class"] == _ABSENT:
+                cache.append(None)
+            elif layer["class"] == "RotatingKVCache":
                 if layer["offset"] != n:
                     raise ValueError(f"a sliding-window layer at {layer['offset']} tokens, not {n}")
                 k, v = _device(keys, layer["dtype"]), _device(values, layer["dtype"])
@@ -130,7 +141,7 @@ def load(state: Any, n: int, point: Any = None) -> tuple[list[Any], str]:
                 cache.append(KVCache.from_state((k, v, n)))
             else:
                 raise ValueError(f"a {layer['class']} layer of {layer['offset']} tokens cannot give {n}")
-        mx.eval([[c.keys, c.values] for c in cache])
+        mx.eval([[c.keys, c.values] for c in cache if c is not None])
         return cache, str(header.get("logits", ""))
     except (KeyError, TypeError, IndexError) as exc:
         raise ValueError(f"not an MLX cache snapshot ({exc!r})") from exc
@@ -149,6 +160,9 @@ def _parse(data: Any) -> tuple[dict[str, Any], list[tuple[dict[str, Any], np.nda
     for layer in header["layers"]:
         if layer is None:
             layers.append(None)
+            continue
+        if layer["class"] == _ABSENT:
+            layers.append((layer, _NOTHING, _NOTHING))
             continue
         dtype = np.dtype(_STORED[layer["dtype"]])
         pair = []
@@ -184,32 +198,39 @@ def _name(dtype: Any) -> str:
 
 
 class Keeper:
-    """The KV tier as the scheduler uses it: a hit loaded into a cache, and a prompt's cache kept as its (cold)
-    prefill passes its restore points and ends."""
+    """The KV tier as the scheduler (or a follower rank) uses it: a hit loaded into a cache, and a prompt's cache
+    kept as its (cold) prefill passes its restore points and ends."""
 
     def __init__(self, tier: KVTier, chunk: int) -> None:
         self.tier = tier
         self.chunk = chunk
 
-    def restore(self, hit: Hit, prompt_length: int) -> tuple[list[Any] | None, int, Any]:
+    def restore(self, hit: Hit, prompt_length: int, *, logits: bool = True) -> tuple[list[Any] | None, int, Any]:
         """``hit`` as a cache: ``(cache, tokens it holds, the logits (1, 1, vocab) to pick the first token from when
         that is the whole prompt, else None)``; ``(None, 0, None)`` when its bytes do not make a cache (the prompt
-        is prefilled cold)."""
+        is prefilled cold). No logits with ``logits`` false (a follower's entries keep none). The caller counts
+        the tokens restored (``KVTier.restored``) once it uses them: over a ring, once every rank could."""
         import mlx.core as mx
 
         entry, n = hit.entry, hit.length
         try:
             point = entry.points.get(n) if n < len(entry.tokens) else None
             cache, dtype = load(entry.state, n, point)
-            logits = None
-            if n == prompt_length:
-                row = mx.array(np.frombuffer(entry.logits, dtype=np.float32)).reshape(1, 1, -1)
-                logits = row.astype(getattr(mx, dtype)) if dtype else row
+            row = None
+            if n == prompt_length and logits:
+                kept = mx.array(np.frombuffer(entry.logits, dtype=np.float32)).reshape(1, 1, -1)
+                row = kept.astype(getattr(mx, dtype)) if dtype else kept
         except (ValueError, AttributeError, RuntimeError) as exc:
             log.warning("KV tier: an entry of %d tokens cannot be restored (%s); prefilled instead", n, exc)
             return None, 0, None
-        self.tier.restored(n)
-        return cache, n, logits
+        return cache, n, row
+
+    def find(self, scope: str, prompt: list[int], n: int) -> Hit | None:
+        """The entry that restores exactly the first ``n`` tokens of ``prompt`` (where the head's hit is), a
+        restore point or an entry's end; ``None`` when this tier holds none."""
+        if n < len(prompt):  # the prompt cut one token past ``n``, whose end ``whole=False`` leaves out
+            return self.tier.find(scope, prompt[: n + 1], usable=n, ends=True, whole=False)
+        return self.tier.find(scope, prompt, usable=n)
 
     def passed(
         self,
@@ -222,8 +243,8 @@ class Keeper:
         logits: Any,
     ) -> None:
         """Prefill of ``prompt`` on ``cache`` reached ``end``: at one of its last ``POINTS`` chunk boundaries the
-        rotating layers there go to ``points``; at its end (``logits``: the last position's, (1, 1, vocab)), an
-        entry goes to the tier."""
+        rotating layers there go to ``points``; at its end (``logits``: the last position's, (1, 1, vocab); ``None``
+        on a follower rank, whose entry keeps none), an entry goes to the tier."""
         import mlx.core as mx
 
         n = len(prompt)
@@ -238,8 +259,8 @@ class Keeper:
             return
         if n % self.chunk == 0:
             points[n] = bytearray()  # its end is a restore point too: the state is that position's
-        state = snapshot(cache, logits=_name(logits.dtype))
-        row = np.array(logits.astype(mx.float32)).reshape(-1)
+        state = snapshot(cache, logits=_name(logits.dtype) if logits is not None else "")
+        row = np.array(logits.astype(mx.float32)).reshape(-1) if logits is not None else np.empty(0, np.float32)
         kept: dict[int, bytearray | memoryview] = dict(points)
         tokens = np.asarray(prompt, dtype=np.int32)
         points.clear()

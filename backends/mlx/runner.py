@@ -6,8 +6,10 @@ One rank of an instance:
   ``--parallel`` requests together (``MESHGATE_PARALLEL``, default 4), with a KV tier when ``--kv-ram`` or
   ``--kv-dir``/``--kv-disk`` give it room (and its ``/kv`` routes: ``runner.kv_routes``);
 - the head (``--rank 0`` of N, ``MLX_HOSTFILE`` set by the backend): join the ring, load its shard, serve (batched
-  as alone: the followers run every batch operation the head sends); when the server stops (SIGTERM), tell the
-  followers to shut down and meet them at a barrier, then exit;
+  as alone: the followers run every batch operation the head sends; with the ``--kv-*`` flags every rank keeps
+  its shard of prompts' KV in a tier of its own, the head deciding for all, and its ``/kv`` routes share nothing
+  with peers: no other runner can use one rank's shard); when the server stops (SIGTERM), tell the followers to
+  shut down and meet them at a barrier, then flush its tier's disk writes and exit (as each follower does);
 - a follower (``--rank r`` > 0): serve ``/ring`` and ``/join`` (``backends.mlx.rendezvous``) until the head's
   agent sends the hostfile, then join the ring, load its shard and follow the head's batch operations until the
   head shuts it down. SIGTERM does not cut a follower off mid-transfer: it waits for the head's shutdown (its
@@ -89,6 +91,7 @@ def main(argv: list[str] | None = None) -> None:
         except RuntimeError as exc:  # the head went away without a shutdown: nothing left to follow
             print(f"meshgate-mlx-runner rank {engine.rank}: {exc}", file=sys.stderr, flush=True)
             _leave(1)
+        _flush(engine)
         _leave(0)
     # uvicorn turns SIGTERM into a graceful stop, then raises it again once it has stopped; this handler takes
     # that second one, so the ring's shutdown below still runs
@@ -101,7 +104,15 @@ def main(argv: list[str] | None = None) -> None:
     except RuntimeError as exc:
         print(f"meshgate-mlx-runner: shutdown: {exc}", file=sys.stderr, flush=True)
         _leave(1)
+    _flush(engine)
     _leave(0)
+
+
+def _flush(engine: Any) -> None:
+    """A ring rank leaving: let its tier's disk writer finish what is queued (bounded), so that every rank's
+    directory holds the entries the ring kept when it starts again."""
+    if engine.tier is not None:
+        engine.tier.flush(timeout=10)
 
 
 def _leave(code: int) -> None:
@@ -113,15 +124,16 @@ def _leave(code: int) -> None:
 
 class _Head:
     """The head's engine as the server sees it: a ring error ends the stream as ``BackendUnavailable`` and the
-    process (the ring is gone: this instance cannot generate again). Its ``tier`` (``None`` over a ring) is the
-    engine's, for the server's ``/kv`` routes."""
+    process (the ring is gone: this instance cannot generate again). Its ``tier``, for the server's ``/kv`` routes,
+    is a ``_ShardTier`` when the engine has one: the gateway may tell it peers as it tells every runner whose
+    health shows a tier, and it answers them without sharing anything."""
 
     def __init__(self, engine: Any) -> None:
         self.engine = engine
         self.count_tokens = engine.count_tokens
         self.parallel = engine.parallel
-        self.tier = engine.tier
-        self.kv_peers = engine.kv_peers
+        self.tier = _ShardTier() if engine.tier is not None else None
+        self.kv_peers = None
 
     def health(self) -> dict[str, Any]:
         return self.engine.health()
@@ -134,6 +146,23 @@ class _Head:
                 raise
             _exit_soon()
             raise BackendUnavailable(f"a rank of this MLX instance was lost ({exc}); it is being placed again") from exc
+
+
+class _ShardTier:
+    """A ring head's KV tier as its peers see it (``runner.kv_routes``): it holds the head's shard of each entry,
+    which no other runner can restore, so it offers nothing, exports nothing and takes no peer's entry."""
+
+    def offer(self, scope: str, digests: object) -> None:
+        return None
+
+    def export(self, key: str) -> None:
+        return None
+
+    def hot(self, count: int) -> list[tuple[str, int]]:
+        return []
+
+    def receive(self, data: object, *, copy: bool = False) -> None:
+        raise ValueError("a ring's KV tier holds one rank's shard of each entry: it takes no peer's entries")
 
 
 def _join(args: argparse.Namespace) -> None:

@@ -29,6 +29,8 @@ Redis keys, all under ``prefix`` (default ``meshgate:``)::
                                  ``LOAD_FORGET``, deleted by the next reader (no generation bump, no wake-up); age
                                  is by the reader's clock: since it last saw the field's stamp change
     claim:{name}         string  a short lease (SET NX PX) so that one gateway of many carries out a decision
+    file:{id}, files, batch:{id}, batches, batches:active, batch:{id}:lines|pending|claims|results|counts
+                         batch jobs, their files and lines claimed once (``redis_batches.RedisBatchStore``)
     keys                 hash    key id -> ApiKey JSON (``auth.keys.RedisAccounts``)
     window:{name}:{slot} string  a rate-limit counter, expiring after two windows (``auth.keys.RedisAccounts``)
 """

@@ -22,8 +22,10 @@ from meshgate.gateway.auth.keys import open_accounts
 from meshgate.gateway.http import errors
 from meshgate.gateway.http.openapi_bodies import describe_request_bodies
 from meshgate.gateway.http.routes import anthropic as anthropic_routes
+from meshgate.gateway.http.routes import batches as batch_routes
 from meshgate.gateway.http.routes import cluster as cluster_routes
 from meshgate.gateway.http.routes import keys as key_routes
+from meshgate.gateway.http.routes import message_batches as message_batch_routes
 from meshgate.gateway.http.routes import ollama as ollama_routes
 from meshgate.gateway.http.routes import openai as openai_routes
 from meshgate.gateway.http.routes import ui as ui_routes
@@ -74,6 +76,8 @@ def create_app(settings: Settings, plugins: pluggy.PluginManager) -> Litestar:
         route_handlers=[
             openai_routes.router,
             anthropic_routes.router,
+            batch_routes.router,  # OpenAI's /v1/files and /v1/batches
+            message_batch_routes.router,  # Anthropic's /v1/messages/batches
             ollama_routes.router,
             cluster_routes.router,
             key_routes.router,

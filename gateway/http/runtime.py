@@ -22,12 +22,15 @@ import pluggy
 from meshgate.backends.base import Backend, ModelCard, ModelSource
 from meshgate.backends.registry import ModelRegistry
 from meshgate.backends.runner import secret as cluster_secret
+from meshgate.gateway.batches.worker import BatchWorker
 from meshgate.gateway.cluster.agent import NodeAgent
 from meshgate.gateway.cluster.autoscale import Autoscaler, Policy
+from meshgate.gateway.cluster.batch_store import BatchStore, MemoryBatchStore
 from meshgate.gateway.cluster.instances import InstanceManager
 from meshgate.gateway.cluster.kv_tiers import KvTiers
 from meshgate.gateway.cluster.loads import LoadBoard
 from meshgate.gateway.cluster.planner import default_rank
+from meshgate.gateway.cluster.redis_batches import RedisBatchStore
 from meshgate.gateway.cluster.redis_store import RedisStore
 from meshgate.gateway.cluster.store import MemoryStore, StateStore
 from meshgate.gateway.http.ticks import tick_once_a_second
@@ -40,7 +43,7 @@ from meshgate.gateway.telemetry.metrics import PlaneSnapshot
 from meshgate.plugins.policy import by_preference
 from meshgate.plugins.settings import Settings
 
-__all__ = ["ControlPlane", "control_plane", "make_store"]
+__all__ = ["ControlPlane", "control_plane", "make_batch_store", "make_store"]
 
 
 log = logging.getLogger("meshgate.runtime")
@@ -48,6 +51,13 @@ log = logging.getLogger("meshgate.runtime")
 
 def make_store(settings: Settings) -> StateStore:
     return RedisStore(settings.redis, timeout=settings.store_timeout) if settings.redis else MemoryStore()
+
+
+def make_batch_store(settings: Settings) -> BatchStore:
+    """Where batch jobs live: the cluster's Redis when there is one (every gateway shares the work), else memory."""
+    if settings.redis:
+        return RedisBatchStore(settings.redis, timeout=settings.store_timeout)
+    return MemoryBatchStore()
 
 
 @dataclass
@@ -61,6 +71,8 @@ class ControlPlane:
     agent: NodeAgent | None = None
     dispatcher: Dispatcher | None = None
     kv_tiers: KvTiers | None = None  # each ready replica's KV tier, polled (a gateway's)
+    batches: BatchStore | None = None  # batch jobs, files and lines (a gateway's)
+    batch_worker: BatchWorker | None = None  # the task that runs this gateway's share of the lines
     extra: dict = field(default_factory=dict)
 
     async def snapshot(self) -> PlaneSnapshot:
@@ -174,10 +186,22 @@ async def control_plane(
                 plane.instances.replicas.cached = plane.kv_tiers.holding  # routing's ``tier`` rule
                 plane.instances.replicas.cold = plane.kv_tiers.cold  # new replicas warming up take nothing
                 await plane.kv_tiers.start()
+                plane.batches = make_batch_store(settings)
+                plane.batch_worker = BatchWorker(
+                    plane.batches,
+                    plane.dispatcher,
+                    concurrency=settings.batch_concurrency,
+                    lease=settings.batch_lease,
+                )
+                plane.batch_worker.start()
             yield plane
         finally:
             if following is not None:
                 following.cancel()
+            if plane.batch_worker is not None:
+                await plane.batch_worker.close()
+            if plane.batches is not None:
+                await plane.batches.close()
             if plane.kv_tiers is not None:
                 await plane.kv_tiers.close()
             if plane.dispatcher is not None and plane.dispatcher.loads is not None:

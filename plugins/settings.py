@@ -47,6 +47,10 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     Attributes:
         host: Address to bind; loopback unless told otherwise.
         port: Port to bind; Ollama's, so Ollama clients work unconfigured.
+        workers: Gateway processes serving ``host:port`` (``MESHGATE_WORKERS``, ``meshgate serve --workers``). 1,
+            the default, is one process as ever; more share the address (``SO_REUSEPORT`` where the OS has it) and
+            their state through Redis: ``--redis``'s, or without it a private ``redis-server`` the command starts
+            beside one node agent (``gateway.cli.workers``; docs/operations.md, "Gateway workers").
         data_dir: Where models are assembled and state is kept.
         models: Extra GGUF files, ``name=path`` or a bare path (named after the file).
         model_dirs: Directories, besides ``<data_dir>/models``, from which Ollama's ``/api/create`` may read GGUF
@@ -139,6 +143,7 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
 
     host: str = "127.0.0.1"
     port: int = 11434
+    workers: Annotated[int, msgspec.Meta(ge=1)] = 1
     data_dir: str = msgspec.field(default_factory=default_data_dir)
     models: tuple[str, ...] = ()
     model_dirs: tuple[str, ...] = ()

@@ -1,6 +1,7 @@
 """``meshgate``: the command line. Builds Settings once and passes them down.
 
-    meshgate serve [--redis URL] [--host H] [--port P] [--data-dir D] [--model NAME=PATH ...] [--plugin MODULE]
+    meshgate serve [--redis URL] [--host H] [--port P] [--workers N] [--data-dir D] [--model NAME=PATH ...]
+                   [--plugin MODULE]                       N gateway processes on one port (gateway.cli.workers)
     meshgate node --redis URL [--name N] [--address A]     a node agent
     meshgate models                                        what this machine can serve
     meshgate ps [--url U]                                  instances of a running gateway
@@ -21,10 +22,13 @@ import logging
 import os
 import sys
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from meshgate.plugins.manager import build_plugin_manager
 from meshgate.plugins.settings import Settings
+
+if TYPE_CHECKING:
+    from meshgate.gateway.cli.workers import Worker
 
 
 def _settings(args: argparse.Namespace) -> Settings:
@@ -38,6 +42,7 @@ def _settings(args: argparse.Namespace) -> Settings:
         "n_ctx": args.n_ctx,
         "threads": args.threads,
         "redis": args.redis,
+        "workers": getattr(args, "workers", None),  # serve's only
         "node_name": args.name,
         "cluster_address": args.address,
         "placement": args.placement,
@@ -50,11 +55,6 @@ def _settings(args: argparse.Namespace) -> Settings:
 
 
 def _serve(settings: Settings, args: argparse.Namespace) -> int:
-    import uvicorn
-
-    from meshgate.gateway.http.app import create_app
-    from meshgate.gateway.http.ticks import tick_once_a_second
-
     _logging(settings)
     if not _loopback(settings.host) and not settings.api_keys and not _stored_keys(settings):
         if not args.insecure_no_auth:
@@ -70,8 +70,25 @@ def _serve(settings: Settings, args: argparse.Namespace) -> int:
             "anyone who can reach this port can use and administer it",
             settings.host,
         )
+    if settings.workers > 1:
+        from meshgate.gateway.cli import workers
+
+        return workers.supervise(settings)
+    return run_gateway(settings)
+
+
+def run_gateway(settings: Settings, worker: Worker | None = None) -> int:
+    """Serve one gateway until told to stop: the whole of ``meshgate serve``, or one of its ``--workers``
+    (``worker``: its index and listening socket; ``gateway.cli.workers``)."""
+    import uvicorn
+
+    from meshgate.gateway.http.app import create_app
+    from meshgate.gateway.http.ticks import tick_once_a_second
+
+    if worker is not None:
+        _logging(settings)
     _return_freed_memory()
-    app = create_app(settings, build_plugin_manager(settings))
+    app = create_app(settings, build_plugin_manager(settings), worker=worker.index if worker else None)
     server = uvicorn.Server(
         uvicorn.Config(
             app,
@@ -87,14 +104,14 @@ def _serve(settings: Settings, args: argparse.Namespace) -> int:
         )
     )
     tick_once_a_second(server)  # an idle gateway wakes once a second, not ten times
-    _announce(server, app, settings)
-    server.run()
+    _announce(server, app, settings, worker)
+    server.run(sockets=[worker.socket] if worker else None)
     return 0
 
 
-def _announce(server: Any, app: Any, settings: Settings) -> None:
+def _announce(server: Any, app: Any, settings: Settings, worker: Worker | None) -> None:
     """End the start-up log with where the gateway listens and what it offers, once its socket is bound (as
-    Ollama and llama.cpp's server do)."""
+    Ollama and llama.cpp's server do). A worker tells its parent instead, which says it once for all."""
     startup = server.startup
 
     async def announced(sockets: Any = None) -> None:
@@ -105,6 +122,11 @@ def _announce(server: Any, app: Any, settings: Settings) -> None:
         port = bound[0][1] if bound else settings.port
         host = f"[{settings.host}]" if ":" in settings.host else settings.host
         models = ", ".join(c.name for c in app.state.plane.catalog.models()) or "none yet"
+        if worker is not None:
+            log = logging.getLogger("meshgate")
+            log.debug("worker %d of %d serving (pid %d)", worker.index, worker.count, os.getpid())
+            worker.tell_ready(models)
+            return
         logging.getLogger("meshgate").info(
             "meshgate serving at http://%s:%d (OpenAI /v1, Anthropic /v1/messages, Ollama /api, dashboard /ui); "
             "models: %s",
@@ -131,6 +153,11 @@ def _return_freed_memory() -> None:
 
 
 def _node(settings: Settings, args: argparse.Namespace) -> int:
+    return run_node(settings)
+
+
+def run_node(settings: Settings) -> int:
+    """``meshgate node``: a node agent until told to stop (also the one agent of ``serve --workers``)."""
     import asyncio
     import faulthandler
     import signal
@@ -391,6 +418,13 @@ def build_parser(
         p.add_argument("--redis", help="Redis URL for cluster state (default: in memory, one machine)")
         p.add_argument("--host", help="address to bind (default 127.0.0.1)")
         p.add_argument("--port", type=int, help="port to bind (default 11434)")
+        if name == "serve":
+            p.add_argument(
+                "--workers",
+                type=int,
+                help="gateway processes on this port, sharing state through Redis (default 1; without --redis a "
+                "private redis-server and one node agent are started)",
+            )
         p.add_argument("--data-dir", help="where models and state live (default $XDG_DATA_HOME/meshgate)")
         p.add_argument("--model", action="append", default=[], help="a GGUF to serve: NAME=PATH or PATH")
         p.add_argument("--plugin", action="append", default=[], help="an extra plugin module to load")

@@ -47,8 +47,9 @@ __all__ = ["create_app"]
 log = logging.getLogger("meshgate")
 
 
-def create_app(settings: Settings, plugins: pluggy.PluginManager) -> Litestar:
-    """The gateway app for ``settings``, with backends and model sources from ``plugins``."""
+def create_app(settings: Settings, plugins: pluggy.PluginManager, *, worker: int | None = None) -> Litestar:
+    """The gateway app for ``settings``, with backends and model sources from ``plugins``; ``worker``: its index
+    among ``serve --workers`` (labels its metrics and request log lines), ``None`` for a gateway of its own."""
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Litestar) -> AsyncIterator[None]:
@@ -104,7 +105,7 @@ def create_app(settings: Settings, plugins: pluggy.PluginManager) -> Litestar:
     app.state.plugins = plugins
     # every response carries its request id (``x-request-id`` for OpenAI SDKs, ``request-id`` for Anthropic's);
     # each request is logged and counted (gateway.telemetry), its own registry per app
-    app.state.metrics = GatewayMetrics() if settings.metrics else None
-    app.state.telemetry = RequestTelemetry(app.asgi_handler, app.state, app.state.metrics)
+    app.state.metrics = GatewayMetrics(worker=worker) if settings.metrics else None
+    app.state.telemetry = RequestTelemetry(app.asgi_handler, app.state, app.state.metrics, worker=worker)
     app.asgi_handler = app.state.telemetry
     return app

@@ -23,7 +23,7 @@ from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily, M
 from prometheus_client.exposition import choose_encoder
 from prometheus_client.registry import Collector, CollectorRegistry
 
-__all__ = ["Counter", "Histogram", "Instruments", "exposition"]
+__all__ = ["Counter", "Histogram", "Instruments", "WithLabels", "exposition"]
 
 
 class Counter:
@@ -84,6 +84,20 @@ class Instruments(Collector):
         for instrument in self.instruments:
             yield instrument.family()
         yield from self.extra()
+
+
+class WithLabels(Collector):
+    """``collector``'s families with ``labels`` added to every sample (a process's constant labels, such as the
+    ``worker`` of ``meshgate serve --workers``), as Prometheus' target labels would add them."""
+
+    def __init__(self, collector: Collector, labels: dict[str, str]) -> None:
+        self.collector = collector
+        self.labels = labels
+
+    def collect(self) -> Iterator[Metric]:
+        for family in self.collector.collect():  # each collect builds new families: relabelled in place
+            family.samples = [s._replace(labels={**s.labels, **self.labels}) for s in family.samples]
+            yield family
 
 
 def exposition(registry: CollectorRegistry, accept: str) -> tuple[bytes, str]:

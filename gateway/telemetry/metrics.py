@@ -40,6 +40,10 @@ one of five words, ``endpoint`` a route template (``other`` when no route matche
                                             as gauges (they restart with the runner); only replicas with a tier
     process_*                               the gateway process (CPU seconds, memory, open files)
 
+Under ``meshgate serve --workers N`` every series, ``process_*`` too, carries a ``worker`` label (0..N-1): each
+worker is its own process with its own counts, and a scrape of the shared port reaches one of them (the kernel
+picks, as for any connection), so one scrape shows one worker's figures (docs/operations.md, "Gateway workers").
+
 Counters count since this process started; with several gateways, sum them (not the KV tier's: every gateway
 reports the same runner's). Imports ``prometheus_client``, ``telemetry.instruments``, ``telemetry.record`` and
 ``telemetry.kv_tier``; the control plane is read duck-typed, never imported.
@@ -55,7 +59,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.process_collector import ProcessCollector
 from prometheus_client.registry import CollectorRegistry
 
-from meshgate.gateway.telemetry.instruments import Counter, Histogram, Instruments
+from meshgate.gateway.telemetry.instruments import Counter, Histogram, Instruments, WithLabels
 from meshgate.gateway.telemetry.kv_tier import KvTier
 from meshgate.gateway.telemetry.record import RequestRecord
 
@@ -92,7 +96,8 @@ class Snapshots(Protocol):
 class GatewayMetrics(Instruments):
     """One gateway app's metrics and its registry (``registry``)."""
 
-    def __init__(self) -> None:
+    def __init__(self, *, worker: int | None = None) -> None:
+        """``worker``: this process's index under ``serve --workers``, a ``worker`` label on every series."""
         self.requests = Counter(
             "meshgate_requests_total", "HTTP requests answered", ("protocol", "endpoint", "model", "status")
         )
@@ -165,8 +170,13 @@ class GatewayMetrics(Instruments):
             ]
         )
         self.registry = CollectorRegistry()
-        self.registry.register(self)
-        ProcessCollector(registry=self.registry)
+        if worker is None:
+            self.registry.register(self)
+            ProcessCollector(registry=self.registry)
+        else:
+            labels = {"worker": str(worker)}
+            self.registry.register(WithLabels(self, labels))
+            self.registry.register(WithLabels(ProcessCollector(registry=None), labels))
         self._plane = PlaneSnapshot()  # as of the last scrape
 
     def observe(

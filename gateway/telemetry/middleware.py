@@ -10,7 +10,8 @@ dispatcher fills as the request runs; when the app returns (after a stream's las
     status=200 prompt_tokens=12 generated_tokens=40 ttft_ms=85 duration_ms=912 instance=5d0c2f1e9a7b
     class=interactive
 
-(one line; ``-`` where a field does not apply; ``class``, a generation's priority class, only on generations). A
+(one line; ``-`` where a field does not apply; ``class``, a generation's priority class, only on generations;
+``worker``, the process's index under ``meshgate serve --workers N``, only there). A
 4xx/5xx line ends with ``error="..."``, the message the client got (read from the error body); a stream that
 failed after its 200 carries its ``Failed`` message there too.
 ``key`` is the caller's key id (a stored key's id, ``boot:<n>`` for the n-th bootstrap key), never the key.
@@ -74,8 +75,9 @@ def protocol_of(path: str, headers: list[tuple[bytes, bytes]]) -> str:
 class RequestTelemetry:
     """Wraps ``app`` (an ASGI callable); ``state`` is the Litestar app's state (its ``plane`` once started)."""
 
-    def __init__(self, app: Any, state: Any, metrics: GatewayMetrics | None) -> None:
+    def __init__(self, app: Any, state: Any, metrics: GatewayMetrics | None, *, worker: int | None = None) -> None:
         self.app = app
+        self.worker = worker  # ``serve --workers``: this process's index, a field of every request line
         self.state = state
         self.metrics = metrics
         self._finished: list[RequestRecord] = []
@@ -177,6 +179,8 @@ class RequestTelemetry:
             "duration_ms": round((ended - record.started) * 1000),
             "instance": record.instance,
         }
+        if self.worker is not None:
+            fields["worker"] = self.worker
         if record.klass is not None:
             fields["class"] = record.klass
         if record.resumes:

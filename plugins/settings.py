@@ -48,7 +48,7 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
         host: Address to bind; loopback unless told otherwise.
         port: Port to bind; Ollama's, so Ollama clients work unconfigured.
         workers: Gateway processes serving ``host:port`` (``MESHGATE_WORKERS``, ``meshgate serve --workers``). 1,
-            the default, is one process as ever; more share the address (``SO_REUSEPORT`` where the OS has it) and
+            the default, is one process as ever; more share the address (``SO_REUSEPORT`` on Linux) and
             their state through Redis: ``--redis``'s, or without it a private ``redis-server`` the command starts
             beside one node agent (``gateway.cli.workers``; docs/operations.md, "Gateway workers").
         data_dir: Where models are assembled and state is kept.

@@ -3,11 +3,12 @@
 The parent (``supervise``) serves no request itself. In order:
 
 1. **The address.** It binds ``host:port`` (port 0 picks one) and keeps that socket for its lifetime, so the port
-   stays taken while workers come and go. Where the OS has ``SO_REUSEPORT`` (Linux, macOS, the BSDs) the socket
-   is bound with it and never listened on; every worker binds and listens on a socket of its own on the same port,
-   and the kernel hands each new connection to one of them (Linux: by a hash of the connection, so load spreads
-   evenly; a connection stays with its worker). Elsewhere the parent listens and every worker inherits that one
-   socket, as uvicorn's own ``--workers`` does: the workers then take turns accepting.
+   stays taken while workers come and go. On Linux the socket is bound with ``SO_REUSEPORT`` and never listened
+   on; every worker binds and listens on a socket of its own on the same port, and the kernel hands each new
+   connection to one of them, by a hash of the connection, so load spreads evenly (a connection stays with its
+   worker). Elsewhere (macOS, the BSDs: their ``SO_REUSEPORT`` gives every connection to the socket bound last)
+   the parent listens and every worker inherits that one socket, as uvicorn's own ``--workers`` does: the workers
+   then take turns accepting.
 2. **Shared state.** With ``--redis URL`` it starts N workers, each a gateway on that Redis, and nothing else: node
    agents are ``meshgate node``'s, as with gateways on several machines. The embedded default (no Redis) keeps
    state in one process's memory, which workers cannot share, so the parent starts a private ``redis-server``
@@ -71,7 +72,10 @@ MAX_FAST_CRASHES = 3
 """Fast crashes in a row of one child after which the parent gives up (exit 1)."""
 STOP_MARGIN = 10.0
 """Seconds past ``drain_grace`` a worker may take to stop before it is killed."""
-REUSE_PORT = hasattr(socket, "SO_REUSEPORT") and sys.platform != "win32"
+REUSE_PORT = sys.platform.startswith("linux") and hasattr(socket, "SO_REUSEPORT")
+"""Each worker listens on a socket of its own (Linux spreads connections over them). Not on macOS and the BSDs:
+their ``SO_REUSEPORT`` hands every TCP connection to one socket (the last bound), so there the workers share the
+parent's one listening socket and accept in turn."""
 BACKLOG = 2048  # uvicorn's
 
 

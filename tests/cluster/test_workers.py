@@ -181,3 +181,25 @@ def test_without_redis_server_it_says_what_to_install(tmp_path: Path) -> None:
     )
     assert done.returncode == 2
     assert "apt-get install redis-server" in done.stderr and "--redis" in done.stderr
+
+
+def test_with_redis_the_workers_are_all_it_starts(tmp_path_factory: pytest.TempPathFactory) -> None:
+    """``--redis URL``: N gateways on that Redis and nothing else; ``meshgate node`` runs the agent, as ever."""
+    from tests.cluster.redis_server import RedisServer
+    from tests.cluster.test_cluster_e2e import Agent
+
+    data, logs = tmp_path_factory.mktemp("workers-redis-data"), tmp_path_factory.mktemp("workers-redis-logs")
+    with RedisServer(tmp_path_factory.mktemp("workers-redis")) as redis:
+        agent = Agent(redis.url, "a", data, logs, env=ENV)
+        server = Server(data, "--workers", "2", "--redis", redis.url, "--plugin", "tests.scripted_plugin")
+        try:
+            wait_for(lambda: len(workers_of(server)) == 2, 30, "two workers")
+            assert sorted(server.children()) == sorted(workers_of(server).values())  # no Redis, no agent of its own
+            for _ in range(16):
+                assert chat(server.url, "hello").status_code == 200
+            text = httpx.get(server.url + "/metrics", timeout=10).text
+            assert re.search(r'meshgate_requests_total\{[^}]*worker="[01]"', text)
+        finally:
+            server.stop()
+            agent.stop()
+        assert server.proc.returncode == 0, server.log.read_text()[-2000:]

@@ -1,0 +1,200 @@
+"""Relayed tokens per second through ``meshgate serve --workers N``, N = 1, 2, 4, against a scripted runner.
+
+    .venv/bin/python benchmarks/workers.py [--workers 1,2,4] [--streams 256] [--tokens 256] [--seconds 10]
+                                           [--pacing "burst=16 interval=0"]
+
+For each N it starts a gateway with the relay plugin (``benchmarks.relay_plugin``: a runner process that plays
+back ``--tokens`` text deltas as fast as it can write them, 16 per HTTP chunk by default, as a batched runner
+writes a step; the built-in backends disabled), ``--workers N`` on the embedded default (N = 1: one process, no
+Redis, as ever; N > 1: a private redis-server, one node agent, N workers), places the model and warms every worker,
+then keeps ``--streams`` OpenAI chat streams open at once for ``--seconds`` (each a connection of its own, so the
+kernel spreads them over the workers; a finished stream is followed at once by the next) and counts the tokens of
+the streams that finished. The client is one asyncio loop on raw sockets that reads bytes and checks each stream
+ended in ``[DONE]``: it parses nothing, so it costs little beside the gateway.
+
+Printed side by side: tokens/s, ratio to linear (tokens/s over N times the 1-worker figure), each worker's CPU
+(cores busy, from ``/proc/<pid>/task/*/schedstat``), gateway CPU per token, and the runner's and this client's
+CPU: when the runner or the client is at a core, more workers cannot help, and the table shows it. Linux only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from benchmarks.relay import cpu_seconds  # noqa: E402
+from tests.conftest import Server  # noqa: E402
+
+MODEL = "relay"
+
+
+def descendants(pid: int) -> list[int]:
+    """Every process under ``pid`` (its children, theirs, ...)."""
+    found, todo = [], [pid]
+    while todo:
+        parent = todo.pop()
+        for task in Path(f"/proc/{parent}/task").glob("*/children"):
+            with contextlib.suppress(OSError):
+                kids = [int(p) for p in task.read_text().split()]
+                found += kids
+                todo += kids
+    return found
+
+
+def cmdline(pid: int) -> list[bytes]:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+    except OSError:
+        return []
+
+
+def roles(server: Server) -> tuple[list[int], list[int]]:
+    """The gateway processes (the server itself with one worker, else its workers) and the relay runners."""
+    under = descendants(server.proc.pid)
+    workers = [p for p in under if b"meshgate.gateway.cli.workers" in cmdline(p) and b"gateway" in cmdline(p)]
+    runners = [p for p in under if b"benchmarks.relay_plugin" in cmdline(p)]
+    return workers or [server.proc.pid], runners
+
+
+def request(port: int, prompt: str, tokens: int) -> bytes:
+    body = json.dumps(
+        {
+            "model": MODEL,
+            "messages": [{"role": "user", "content": prompt}],
+            "max_tokens": tokens,
+            "stream": True,
+        }
+    ).encode()
+    head = (
+        f"POST /v1/chat/completions HTTP/1.1\r\nhost: 127.0.0.1:{port}\r\ncontent-type: application/json\r\n"
+        f"content-length: {len(body)}\r\nconnection: close\r\n\r\n"
+    )
+    return head.encode() + body
+
+
+async def one_stream(port: int, payload: bytes) -> bool:
+    """One stream read to its end on a connection of its own; whether it ended well (200, ``[DONE]``)."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    try:
+        writer.write(payload)
+        first = await reader.read(65536)
+        ok = first.startswith(b"HTTP/1.1 200")
+        tail = first[-64:]
+        while chunk := await reader.read(65536):
+            tail = (tail + chunk)[-64:]
+        return ok and b"[DONE]" in tail
+    finally:
+        writer.close()
+        with contextlib.suppress(OSError):
+            await writer.wait_closed()
+
+
+async def load(port: int, streams: int, seconds: float, prompt: str, tokens: int) -> tuple[int, int, float]:
+    """``streams`` clients streaming back to back for ``seconds``: (streams finished well, failed, wall seconds
+    until the last one ended)."""
+    payload = request(port, prompt, tokens)
+    done = failed = 0
+    deadline = time.perf_counter() + seconds
+
+    async def client() -> None:
+        nonlocal done, failed
+        while time.perf_counter() < deadline:
+            try:
+                if await one_stream(port, payload):
+                    done += 1
+                else:
+                    failed += 1
+            except OSError:
+                failed += 1
+
+    started = time.perf_counter()
+    await asyncio.gather(*(client() for _ in range(streams)))
+    return done, failed, time.perf_counter() - started
+
+
+def measure(n: int, args: argparse.Namespace) -> dict:
+    data = Path(tempfile.mkdtemp(prefix="meshgate-bench-workers-"))
+    env = {
+        "MESHGATE_DISABLED_PLUGINS": "llama_cpp,mlx,vllm",
+        "MESHGATE_PARALLEL": str(args.streams * 2),  # slots: the relay runner has no limit of its own
+        "MESHGATE_MAX_QUEUE": str(args.streams * 4),
+        "MESHGATE_METRICS": "1",
+    }
+    server = Server(data, "--plugin", "benchmarks.relay_plugin", "--workers", str(n), env=env)
+    try:
+        httpx.post(f"{server.url}/api/generate", json={"model": MODEL}, timeout=120).raise_for_status()  # placed
+        deadline = time.monotonic() + 60
+        while len(roles(server)[0]) < n and time.monotonic() < deadline:
+            time.sleep(0.2)
+        asyncio.run(load(server.port, min(args.streams, 64), 2.0, args.pacing, 16))  # every worker warm
+        time.sleep(1.0)
+        workers, runners = roles(server)
+        watched = [*workers, *runners, os.getpid()]
+        before = {p: cpu_seconds(p) for p in watched}
+        done, failed, wall = asyncio.run(load(server.port, args.streams, args.seconds, args.pacing, args.tokens))
+        spent = {p: cpu_seconds(p) - before[p] for p in watched}
+    finally:
+        server.stop()
+        import shutil
+
+        shutil.rmtree(data, ignore_errors=True)
+    tokens = done * args.tokens
+    gateway_cpu = sum(spent[p] for p in workers)
+    return {
+        "workers": n,
+        "tokens_per_s": tokens / wall,
+        "streams": done,
+        "failed": failed,
+        "wall_s": wall,
+        "worker_cores": [spent[p] / wall for p in workers],
+        "gateway_us_per_token": gateway_cpu * 1e6 / max(tokens, 1),
+        "runner_cores": sum(spent[p] for p in runners) / wall,
+        "client_cores": spent[os.getpid()] / wall,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--workers", default="1,2,4", help="worker counts, comma-separated (1,2,4)")
+    parser.add_argument("--streams", type=int, default=256, help="streams open at once (256)")
+    parser.add_argument("--tokens", type=int, default=256, help="tokens per stream (256)")
+    parser.add_argument("--seconds", type=float, default=10.0, help="seconds of load per worker count (10)")
+    parser.add_argument("--pacing", default="burst=16 interval=0", help="the relay runner's options (see relay_plugin)")
+    parser.add_argument("--json", action="store_true", help="print the results as JSON")
+    args = parser.parse_args()
+    results = [measure(int(n), args) for n in args.workers.split(",") if n.strip()]
+    if args.json:
+        print(json.dumps(results))
+        return
+    base = next((r["tokens_per_s"] for r in results if r["workers"] == 1), results[0]["tokens_per_s"])
+    print(
+        f"relayed tokens/s through the gateway: {args.streams} concurrent OpenAI chat streams x {args.tokens} tokens, "
+        f"runner '{args.pacing}', {args.seconds:g} s per row, {os.cpu_count()} cores"
+    )
+    print(
+        f"{'workers':>7} {'tokens/s':>10} {'x linear':>8} {'streams':>8} {'failed':>6} {'worker CPU (cores each)':>28} "
+        f"{'us CPU/token':>12} {'runner':>7} {'client':>7}"
+    )
+    for r in results:
+        each = " ".join(f"{c:.2f}" for c in r["worker_cores"])
+        print(
+            f"{r['workers']:>7} {r['tokens_per_s']:>10.0f} {r['tokens_per_s'] / (base * r['workers']):>8.2f} "
+            f"{r['streams']:>8} {r['failed']:>6} {each:>28} {r['gateway_us_per_token']:>12.1f} "
+            f"{r['runner_cores']:>7.2f} {r['client_cores']:>7.2f}"
+        )
+
+
+if __name__ == "__main__":
+    main()

@@ -195,6 +195,7 @@ async def test_finished_requests_are_logged_and_counted_in_batches(monkeypatch):
     handler.setFormatter(TextFormatter())
     monkeypatch.setattr(logging.getLogger(), "handlers", [handler])
     monkeypatch.setattr(logging.getLogger(), "level", logging.INFO)
+    logging.Logger.manager._clear_cache()  # loggers cache isEnabledFor: an earlier test's answer must not stick
 
     async def app(scope, receive, send) -> None:
         await send({"type": "http.response.start", "status": 404, "headers": []})

@@ -555,21 +555,21 @@ class Follower:
         first ``n`` tokens too if every rank can (the vote)."""
         key, n, length = values[0], values[1], values[2]
         scope, prompt = bytes(values[3 : 3 + length]).decode(), values[3 + length :]
-        cache = None
+        keeper, cache = self.keeper, None
         try:
-            if n and self.keeper is not None and (hit := self.keeper.find(scope, prompt, n)) is not None:
-                cache = self.keeper.restore(hit, len(prompt), logits=False)[0]
+            if n and keeper is not None and (hit := keeper.find(scope, prompt, n)) is not None:
+                cache = keeper.restore(hit, len(prompt), logits=False)[0]
         except Exception:  # counted as "could not": every rank then prefills
             log.exception("KV tier: a follower could not restore %d tokens", n)
         if n and not self.lockstep.agree(cache is not None):
             cache = None
+        if keeper is None:  # no tier here: nothing to keep (and the vote said no)
+            return
         record = _Mirrored(scope, prompt, n if cache is not None else 0)
         if cache is None:
-            if self.keeper is not None:
-                self.mirrored[key] = record
+            self.mirrored[key] = record
             return
-        assert self.keeper is not None  # a cache came from it
-        self.keeper.tier.restored(n)
+        keeper.tier.restored(n)
         if n == len(prompt):
             self.batch.join(cache)
             return

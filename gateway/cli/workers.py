@@ -15,7 +15,8 @@ The parent (``supervise``) serves no request itself. In order:
    (``PATH`` or ``MESHGATE_REDIS_SERVER``; missing, the command says to install it or pass ``--redis``) on a unix
    socket in a 0700 folder, ``<data_dir>/workers/<port>/`` (a temporary one when that path is too long for a
    socket), without persistence; ONE node agent (``meshgate node`` with the same settings: models, data dir,
-   plugins, memory); and N workers on that Redis. What the embedded gateway persists in the data dir stays there:
+   plugins, memory); and, once that agent's node is registered, N workers on that Redis (as the embedded gateway
+   starts its agent before it serves). What the embedded gateway persists in the data dir stays there:
    API keys (``<data_dir>/keys.json``) are copied into the private Redis at start and back into the file when
    they change (read every second) and at exit (``KeyMirror``), so keys made with ``meshgate keys create``, with
    or without workers, keep working; models and ``registry.json`` are files every process reads.
@@ -76,6 +77,8 @@ REUSE_PORT = sys.platform.startswith("linux") and hasattr(socket, "SO_REUSEPORT"
 """Each worker listens on a socket of its own (Linux spreads connections over them). Not on macOS and the BSDs:
 their ``SO_REUSEPORT`` hands every TCP connection to one socket (the last bound), so there the workers share the
 parent's one listening socket and accept in turn."""
+NODE_WAIT = 120.0
+"""Seconds the parent waits for the embedded default's agent to register its node before starting workers."""
 BACKLOG = 2048  # uvicorn's
 
 
@@ -428,8 +431,14 @@ async def _supervise(settings: Settings, listener: socket.socket) -> int:
             Child(Launch(role="gateway", settings=shared, index=i, workers=count, fd=fd), f"worker {i}")
             for i in range(count)
         ]
+        for child in children:  # the agent, first: a worker serving before any node is up would refuse requests
+            child.start()
+            code = await _node_up(shared, child, signals)
+            if code is not None or not signals.empty():
+                await _stop(settings, children, [], signals, code or 0)
+                return code or 0
         children += workers
-        for child in children:
+        for child in workers:
             child.start()
         code = await _keep(settings, children, workers, redis, keys, signals)
         await _stop(settings, children, workers, signals, code)
@@ -443,6 +452,31 @@ async def _supervise(settings: Settings, listener: socket.socket) -> int:
             await keys.close()
         if redis is not None:
             redis.stop()
+
+
+async def _node_up(settings: Settings, agent: Child, signals: asyncio.Queue[int]) -> int | None:
+    """Wait until a node is registered in the store (the agent is up), as the embedded gateway starts its agent
+    before it serves: ``None`` then (or after ``NODE_WAIT`` seconds, with a warning), 1 if the agent exited."""
+    from meshgate.gateway.http.runtime import make_store
+
+    store = make_store(settings)
+    deadline = time.monotonic() + NODE_WAIT
+    try:
+        while signals.empty():
+            with contextlib.suppress(Exception):  # the store's trouble: asked again
+                if await store.nodes():
+                    return None
+            if not agent.alive:
+                assert agent.proc is not None
+                log.error("the node agent exited with status %s before it came up", agent.proc.returncode)
+                return 1
+            if time.monotonic() > deadline:
+                log.warning("no node registered in %gs; starting the workers anyway", NODE_WAIT)
+                return None
+            await asyncio.sleep(0.1)
+        return None
+    finally:
+        await store.close()
 
 
 async def _keep(

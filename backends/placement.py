@@ -156,6 +156,8 @@ class ShardCosts(_Data, frozen=True):
     its last stage. ``vocab_parallel``: tensor ranks split the embedding and output layer (vLLM does); when
     false each tensor rank holds them whole (MLX here). ``sequences``: requests a runner batches, each with its
     own KV cache of the full context (llama.cpp's slots), so the KV cache is reserved that many times.
+    ``spares``: sequences the head runner holds beyond those, each with its KV cache too, where batch-class
+    requests are paused (their KV kept) for interactive ones that arrive while every slot is taken (llama.cpp).
     ``cache_share``, ``cache_cap``: the head runner keeps prompts' KV in host memory (a KV tier) sized from its
     node's memory; the planner counts it as the head's and records it in the shard (``Shard.cache_bytes``).
     """
@@ -166,6 +168,7 @@ class ShardCosts(_Data, frozen=True):
     tied_output_copy: bool = False
     vocab_parallel: bool = True
     sequences: int = 1
+    spares: int = 0
     cache_share: float = 0.0
     cache_cap: int = 0
 
@@ -200,7 +203,9 @@ class Candidate(_Data, frozen=True):
     ``link_cost`` is the estimated seconds per decoded token spent on links; ``tok_s`` the estimated decode
     speed and ``prompt_tok_s`` the estimated prompt (prefill) speed of one request of typical size
     (``planner.TYPICAL_PROMPT`` tokens). A rejected candidate has ``fits=False`` and the reason in words.
-    ``sequences`` is how many requests the head runner batches (its slots), each with the whole ``context``.
+    ``sequences`` is how many requests the head runner batches (its slots), each with the whole ``context``;
+    ``spares`` how many interactive requests it takes beyond them while batch-class ones hold slots (it pauses as
+    many batch sequences; ``ShardCosts.spares``).
     """
 
     id: str
@@ -217,3 +222,4 @@ class Candidate(_Data, frozen=True):
     reason: str | None = None
     score: float = 0.0
     sequences: int = 1
+    spares: int = 0

@@ -88,6 +88,7 @@ def meshgate_register_backends(
             repack=own.llama_repack,
             parallel=settings.parallel,
             exact=own.exact_batches,
+            spares=settings.batch_spares,
             calibration_model=(lambda: _packaged_path(settings)) if own.llama_calibrate else None,
             **kv_tiers(own, Path(settings.data_dir)),
         )

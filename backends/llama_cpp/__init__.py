@@ -122,10 +122,12 @@ class LlamaCppBackend(Backend):
         kv_ram: int | None = 0,
         kv_dir: str | None = None,
         kv_disk: int = 0,
+        spares: int = 0,
     ) -> None:
         """``kv_ram``: bytes of host memory each head runner keeps prompts' KV in (``None``: ``KV_SHARE`` of its
         node's memory, at most ``KV_CAP``; the planner counts it as the runner's memory); ``kv_disk`` bytes of
-        ``kv_dir`` for the node's disk tier (``runner.kvtier``)."""
+        ``kv_dir`` for the node's disk tier (``runner.kvtier``). ``spares``: sequences each head runner holds
+        beyond its slots, where batch-class sequences are paused for interactive ones (``batch.Scheduler``)."""
         self.http = http
         self.calibration_model = calibration_model  # a small GGUF's path to measure the node with (calibrate)
         self.python = python or sys.executable
@@ -137,6 +139,7 @@ class LlamaCppBackend(Backend):
         self.parallel = parallel
         self.exact = exact
         self.kv_ram, self.kv_dir, self.kv_disk = kv_ram, kv_dir, kv_disk
+        self.spares = max(0, spares)
 
     def supports(self, card: ModelCard) -> bool:
         return card.format == "gguf"
@@ -160,6 +163,7 @@ class LlamaCppBackend(Backend):
             per_token_bytes=23 << 10,
             tied_output_copy=True,
             sequences=self.parallel or 0,  # 0: the planner sizes the slots from the nodes' memory
+            spares=self.spares,  # each a whole-context KV cache too
         )
 
     def context(self, card: ModelCard) -> int:
@@ -218,6 +222,7 @@ class LlamaCppBackend(Backend):
         argv += ["--repack"] if self.repack else []
         slots = self.parallel or placement.sequences  # the planner's count unless the operator set one
         argv += ["--parallel", str(slots)] + ([] if self.exact else ["--inexact"])
+        argv += ["--spares", str(placement.spares)] if placement.spares else []  # as the planner counted them
         kv_ram = shard.cache_bytes if self.kv_ram is None else self.kv_ram  # as the planner counted it
         argv += ["--kv-ram", str(kv_ram), "--model-digest", card.digest]
         argv += ["--kv-dir", self.kv_dir, "--kv-disk", str(self.kv_disk)] if self.kv_dir and self.kv_disk else []

@@ -53,6 +53,16 @@ the way llama.cpp's own server drives its slots:
   after its prompt one step each, as they were generated, instead of as prompt chunks: they get the numbers they
   had, so its greedy text goes on as the undisturbed run's would. It samples once they are all in.
 - A finished or cancelled job leaves its slot at once; the slot keeps its tokens for the next job's prefix.
+- Classes (``Job.batch``, from ``Request.priority``). The context holds ``spares`` sequences beyond the
+  ``parallel`` that run in a step (its decode lanes). Interactive jobs wait before batch ones and are prefilled
+  before them; an interactive job's prompt stops a batch job's chunk in flight as a shorter prompt does. When an
+  interactive job waits, a slot is free and every lane is taken while batch jobs hold some, the batch job admitted
+  last is paused at the step boundary: it keeps its slot and its KV stream untouched, and steps skip it. Paused
+  jobs resume, oldest first, as lanes free up with no interactive job waiting for them (waiting batch jobs come
+  after them). Keeping the KV in its own sequence is what makes this exact: the job's next decode sees the cells
+  it left, and decode rows do not depend on their neighbours (above), so its greedy text is byte for byte the
+  undisturbed run's; restoring a saved state elsewhere would not be (the tier's ends, below). A paused job's
+  client sees a longer gap between two tokens; cancelled, it leaves at the next step. ``stats`` counts pauses.
 - With a KV tier (``kvstate.Keeper``, ``runner.kvtier``), a job whose ``restore`` (a tier hit) holds more of its
   prompt than any slot restores it into the free slot used longest ago and prefills the rest from there: from a
   restore point (a multiple of ``CHUNK``, or where the kept prompt's last chunk started: multiples of 256, so the
@@ -178,6 +188,8 @@ class Job:
     logits: np.ndarray | None = None  # a restored whole prompt's last logits: its first token is sampled from them
     note: str = ""  # where its restored KV came from, when a peer's was weighed (``Usage.cache_note``)
     tag: str = ""  # its prompt's prefix key (``protocols.prefix``): kept with its entry, for routing
+    batch: bool = False  # the batch class: paused for an interactive job when every decode lane is taken
+    paused: bool = False  # kept in its slot (its KV with it) and skipped by the steps until a lane frees up
 
     def gone(self) -> bool:
         """The client went away or the engine has what it needs: the job leaves at the next step."""
@@ -213,29 +225,32 @@ class Scheduler:
         fair: bool = True,
         tier: KVTier | None = None,
         exact: bool = True,
+        spares: int = 0,
     ) -> None:
         """``fair=False`` prefills oldest first and never stops a chunk (the policy before this one), to compare
         (``benchmarks/prefill.py``). ``exact``: a long prompt reuses a slot's cache only where that gives cold's
-        numbers (``_reusable``)."""
+        numbers (``_reusable``). ``spares``: sequences beyond the ``parallel`` that decode each step, where batch
+        jobs are paused for interactive ones (``Job.batch``)."""
         import llama_cpp as lib
 
         self._lib = lib
         self.n_ctx = n_ctx
-        self.parallel = parallel
+        self.parallel = parallel  # decode lanes: sequences that run in one step at most
+        self.spares = spares = max(0, spares)
         self.group = max(1, group)  # sequences decoded in one call at most
         self.n_batch = n_batch = CHUNK + parallel
         self.is_eog = is_eog
         params = lib.llama_context_default_params()
-        params.n_ctx = n_ctx * parallel
+        params.n_ctx = n_ctx * (parallel + spares)
         params.n_batch = params.n_ubatch = n_batch
-        params.n_seq_max = parallel
+        params.n_seq_max = parallel + spares
         params.kv_unified = False
         params.swa_full = True
         params.n_threads = params.n_threads_batch = n_threads
         params.flash_attn_type = lib.LLAMA_FLASH_ATTN_TYPE_DISABLED  # as ``Llama`` makes it: the same numerics
         self.ctx = lib.llama_init_from_model(model, params)
         if not self.ctx:
-            raise RuntimeError(f"llama.cpp could not make a context of {n_ctx} x {parallel} tokens")
+            raise RuntimeError(f"llama.cpp could not make a context of {n_ctx} x {parallel + spares} tokens")
         self.memory = lib.llama_get_memory(self.ctx)
         self._reference: ReferenceKernels | None = None  # decodes wider than DECODE_GROUP run on ggml's vec_dot
         if reference and self.group < parallel:
@@ -245,13 +260,14 @@ class Scheduler:
                 self.group = parallel
         self.n_vocab = lib.llama_vocab_n_tokens(lib.llama_model_get_vocab(model))
         self.batch = lib.llama_batch_init(n_batch, 0, 1)
-        self.slots = [_Slot(seq) for seq in range(parallel)]
+        self.slots = [_Slot(seq) for seq in range(parallel + spares)]
         self.waiting: deque[Job] = deque()
         self.steps = 0  # decodes run; ``stats`` reports them with the widest batch seen
         self.widest = 0
         self.reused = 0  # prompt tokens taken from a slot's cache instead of evaluated
         self.copies = 0  # prefixes copied from another slot's KV stream
         self.preempted = 0  # prompt chunks stopped for a newcomer or a cancel, and evaluated again
+        self.pauses = 0  # batch jobs paused for an interactive one
         self._wake = threading.Condition()
         self._closed = False
         self._admitted = 0
@@ -267,18 +283,22 @@ class Scheduler:
 
     def submit(self, job: Job) -> None:
         with self._wake:
-            self.waiting.append(job)
+            if job.batch:
+                self.waiting.append(job)
+            else:  # interactive jobs wait before batch ones, in their own order
+                self.waiting.insert(next((i for i, w in enumerate(self.waiting) if w.batch), len(self.waiting)), job)
             self._wake.notify()
             if self._inflight is not None and self._jumps(job, self._inflight):
                 self._preempt = True
 
     def _jumps(self, job: Job, inflight: Job) -> bool:
         """Whether waiting ``job`` stops ``inflight``'s chunk (with the lock held): it would be prefilled first
-        (fewer tokens than ``inflight`` has left), a slot is free for it, and the chunk was not stopped already."""
+        (fewer tokens than ``inflight`` has left, or interactive against a batch job's chunk), a slot is free for
+        it, and the chunk was not stopped already."""
         free = sum(slot.job is None for slot in self.slots)
         ahead = self.waiting.index(job)
-        shorter = len(job.prompt) < inflight.left()
-        return self.fair and shorter and ahead < free and inflight.preempted < PREEMPTIONS
+        first = len(job.prompt) < inflight.left() or (inflight.batch and not job.batch)
+        return self.fair and first and ahead < free and inflight.preempted < PREEMPTIONS
 
     def _should_abort(self, _data: Any) -> bool:
         """ggml's abort callback, called on the decoding thread between graph nodes of a prompt chunk."""
@@ -289,7 +309,10 @@ class Scheduler:
         active = sum(slot.job is not None for slot in self.slots)
         return {
             "slots": self.parallel,
+            "spare_sequences": self.spares,
             "active_sequences": active,
+            "paused_sequences": sum(slot.job is not None and slot.job.paused for slot in self.slots),
+            "paused_batch_jobs": self.pauses,
             "waiting": len(self.waiting),
             "steps": self.steps,
             "widest_batch": self.widest,
@@ -317,45 +340,73 @@ class Scheduler:
             self._step()
 
     def _admit(self) -> None:
-        """Move waiting jobs into free slots (called with the lock held)."""
+        """Move waiting jobs into free slots, at most ``parallel`` running (called with the lock held): interactive
+        jobs first, pausing the newest running batch job when every lane is taken; then paused batch jobs, oldest
+        first; then waiting batch jobs."""
         self._preempt = False
         for job in [job for job in self.waiting if job.gone()]:
             self.waiting.remove(job)
             self._end(job, "cancelled")
-        while self.waiting:
-            job = self.waiting[0]
-            free = [slot for slot in self.slots if slot.job is None]
-            if not free:
+        for slot in self.slots:
+            if slot.job is not None and slot.job.paused and slot.job.gone():
+                self._release(slot, "cancelled")
+        while True:
+            free = any(slot.job is None for slot in self.slots)
+            lanes = self.parallel - sum(slot.job is not None and not slot.job.paused for slot in self.slots)
+            head = self.waiting[0] if self.waiting else None
+            if head is not None and not head.batch and free and (lanes > 0 or self._pause()):
+                self._place(self.waiting.popleft())
+                continue
+            if lanes <= 0:
                 return
-            self.waiting.popleft()
-            slot = max(free, key=lambda s: _common(s.tokens, job.prompt))
-            keep, cold = self._reusable(slot, job.prompt)
-            holder = self._holder(job.prompt, keep, slot)
-            hit, job.restore = job.restore, None
-            if hit is not None and hit.length > (_usable(holder.tokens, job.prompt) if holder else keep):
-                slot = min(free, key=lambda s: s.used)  # the tier holds more than any slot: restore it there
-                assert self.keeper is not None
-                keep, job.logits = self.keeper.restore(slot.seq, hit, len(job.prompt))
-                slot.tokens = job.prompt[:keep]
-                slot.cold = keep if keep < len(hit.entry.tokens) else 0  # a restore point: cold's numbers on
-                self.restored += keep
-            elif holder is not None:  # another slot holds more of the prompt: copy it over the least recently used
-                slot = min(free, key=lambda s: s.used)
-                keep = self._copy(holder, slot, _usable(holder.tokens, job.prompt))
-                job.exact = False
-                slot.cold = 0
-            elif keep == 0 or not self._lib.llama_memory_seq_rm(self.memory, slot.seq, keep, -1):
-                self._lib.llama_memory_seq_rm(self.memory, slot.seq, -1, -1)
-                keep = slot.cold = 0
-            else:
-                job.exact = cold  # else the slot's tokens may hold what other chunks (or decodes) computed
-                slot.cold = keep if cold else 0
-            del slot.tokens[keep:]
-            job.fed = job.cached = keep
-            self.reused += keep
-            self._admitted += 1
-            job.admitted = slot.used = self._admitted
-            slot.job = job
+            paused = [slot.job for slot in self.slots if slot.job is not None and slot.job.paused]
+            if paused:  # its KV never left its sequence: it goes on at its next step as if never stopped
+                min(paused, key=lambda j: j.admitted).paused = False
+                continue
+            if head is None or not head.batch or not free:
+                return
+            self._place(self.waiting.popleft())
+
+    def _pause(self) -> bool:
+        """Pause the running batch job admitted last (it has the least done), if any: it keeps its slot."""
+        running = [slot.job for slot in self.slots if slot.job is not None and slot.job.batch and not slot.job.paused]
+        if not running:
+            return False
+        max(running, key=lambda j: j.admitted).paused = True
+        self.pauses += 1
+        return True
+
+    def _place(self, job: Job) -> None:
+        """Give ``job`` the free slot that saves it the most (with the lock held; a slot is free)."""
+        free = [slot for slot in self.slots if slot.job is None]
+        slot = max(free, key=lambda s: _common(s.tokens, job.prompt))
+        keep, cold = self._reusable(slot, job.prompt)
+        holder = self._holder(job.prompt, keep, slot)
+        hit, job.restore = job.restore, None
+        if hit is not None and hit.length > (_usable(holder.tokens, job.prompt) if holder else keep):
+            slot = min(free, key=lambda s: s.used)  # the tier holds more than any slot: restore it there
+            assert self.keeper is not None
+            keep, job.logits = self.keeper.restore(slot.seq, hit, len(job.prompt))
+            slot.tokens = job.prompt[:keep]
+            slot.cold = keep if keep < len(hit.entry.tokens) else 0  # a restore point: cold's numbers on
+            self.restored += keep
+        elif holder is not None:  # another slot holds more of the prompt: copy it over the least recently used
+            slot = min(free, key=lambda s: s.used)
+            keep = self._copy(holder, slot, _usable(holder.tokens, job.prompt))
+            job.exact = False
+            slot.cold = 0
+        elif keep == 0 or not self._lib.llama_memory_seq_rm(self.memory, slot.seq, keep, -1):
+            self._lib.llama_memory_seq_rm(self.memory, slot.seq, -1, -1)
+            keep = slot.cold = 0
+        else:
+            job.exact = cold  # else the slot's tokens may hold what other chunks (or decodes) computed
+            slot.cold = keep if cold else 0
+        del slot.tokens[keep:]
+        job.fed = job.cached = keep
+        self.reused += keep
+        self._admitted += 1
+        job.admitted = slot.used = self._admitted
+        slot.job = job
 
     def _reusable(self, slot: _Slot, prompt: list[int]) -> tuple[int, bool]:
         """How much of ``prompt`` ``slot``'s cache saves, and whether the rest evaluated from there gets cold's
@@ -393,7 +444,7 @@ class Scheduler:
     def _step(self) -> None:
         """One decode of every generating sequence, then prompt chunks, shortest remaining prompt first."""
         for slot in self.slots:  # a restored whole prompt: its first token from the logits kept with it
-            if slot.job is not None and slot.job.logits is not None and not slot.job.gone():
+            if slot.job is not None and slot.job.logits is not None and not slot.job.gone() and not slot.job.paused:
                 self._sample(slot, 0, slot.job.logits)
                 if slot.job is not None:
                     slot.job.logits = None
@@ -404,6 +455,8 @@ class Scheduler:
                 continue
             if job.gone():
                 self._release(slot, "cancelled")
+            elif job.paused:  # a batch job paused for an interactive one: its KV waits in its sequence
+                continue
             elif job.fed == len(job.prompt):  # generating: feed the token sampled last
                 generating.append(slot)
         groups = -(-len(generating) // self.group)
@@ -419,7 +472,7 @@ class Scheduler:
             if decoded:
                 for row, slot in enumerate(group):
                     self._sample(slot, row)
-        prompts = [slot for slot in self.slots if slot.job and slot.job.left() and not slot.job.gone()]
+        prompts = [s for s in self.slots if s.job and s.job.left() and not s.job.gone() and not s.job.paused]
         budget = CHUNK
         for slot in sorted(prompts, key=self._order):
             if budget <= 0:
@@ -429,10 +482,10 @@ class Scheduler:
                 break
             budget -= n
 
-    def _order(self, slot: _Slot) -> tuple[int, int]:
+    def _order(self, slot: _Slot) -> tuple[bool, int, int]:
         job = slot.job
         assert job is not None
-        return (job.left() if self.fair else 0), job.admitted
+        return (job.batch and self.fair), (job.left() if self.fair else 0), job.admitted
 
     def _prefill(self, slot: _Slot) -> int:
         """Decode the next chunk of ``slot``'s prompt on its own; sample after its last token. Returns its size, or 0

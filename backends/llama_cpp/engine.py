@@ -108,6 +108,7 @@ class LlamaEngine:
         shards: Sequence[tuple[str | None, int, int]] = (),
         repack: bool = False,
         parallel: int = PARALLEL,
+        spares: int = 0,
         exact: bool = True,
         kv_ram: int = 0,
         kv_dir: str | None = None,
@@ -117,7 +118,8 @@ class LlamaEngine:
         """Load ``path``; with ``shards`` (``(endpoint or None for local, layer_start, layer_end)`` in pipeline
         order) the blocks are split over llama.cpp RPC workers. ``repack`` lets llama.cpp repack CPU weights
         (faster on some CPUs, but different numerics from a split run). Each of the ``parallel`` sequences holds
-        up to ``n_ctx`` tokens; ``exact`` decodes them so each row gets its single-sequence numbers: all in one
+        up to ``n_ctx`` tokens, and ``spares`` more sequences hold batch-class requests paused for interactive ones
+        (``batch.Scheduler``); ``exact`` decodes them so each row gets its single-sequence numbers: all in one
         call on ggml's reference matmuls (``cpu_kernels``) when the whole model is local and not repacked, else in
         groups of ``DECODE_GROUP`` while ggml's tiled K-quant kernel is on (see ``batch.decode_group``); ``False``
         decodes all in one call with the kernels as they are (greedy text may then depend on the load).
@@ -173,6 +175,7 @@ class LlamaEngine:
             reference=exact and not remote and not repack,  # RPC workers' and repacked kernels are their own
             tier=self.tier,
             exact=exact,
+            spares=spares,
         )
         threading.Thread(target=self.scheduler.run, name="llama-scheduler", daemon=True).start()
         self.load_ns = time.perf_counter_ns() - started
@@ -249,6 +252,7 @@ class LlamaEngine:
         exact = _value(request.sampling, "temperature") == 0
         prompt, forced = (tokens, resumed) if exact else (tokens + resumed, [])
         job = Job(prompt=prompt, limit=max(limit, 1), sampler=sampler, cancel=cancel, forced=forced)
+        job.batch = request.priority == "batch"  # paused for interactive jobs when every lane is taken
         if self.tier is not None:  # read here, on the request's thread: a disk entry is read off the decode loop
             job.scope = request.cache_scope
             key = prefix_key(*request_prefix(request))

@@ -32,6 +32,12 @@ def main(argv: list[str] | None = None) -> None:
         "--parallel", type=int, default=PARALLEL, help="sequences decoded together (each holds up to --n-ctx tokens)"
     )
     parser.add_argument(
+        "--spares",
+        type=int,
+        default=0,
+        help="sequences beyond --parallel where batch-class requests are paused for interactive ones",
+    )
+    parser.add_argument(
         "--inexact",
         action="store_true",
         help="decode every sequence in one call with llama.cpp's kernels as they are: faster, "
@@ -51,6 +57,7 @@ def main(argv: list[str] | None = None) -> None:
             shards=shards,
             repack=args.repack,
             parallel=args.parallel,
+            spares=args.spares,
             exact=not args.inexact,
             kv_ram=args.kv_ram,
             kv_dir=args.kv_dir,

@@ -97,6 +97,7 @@ class Deployments:
                     tied_output_copy=costs.tied_output_copy,
                     vocab_parallel=costs.vocab_parallel,
                     kv_sequences=costs.sequences,
+                    kv_spares=costs.spares,
                     head_cache_share=costs.cache_share,
                     head_cache_cap=costs.cache_cap,
                     required_runtime=None,

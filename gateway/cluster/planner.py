@@ -8,7 +8,7 @@ msgspec.
 Estimates (units: bytes, seconds, bytes/second); the speed model is ``costs``' (its docstring):
 
 * Memory of a shard = its weights + KV cache for ``context`` tokens (times the sequences a runner batches,
-  ``kv_sequences``) over its layers (``ModelSpec.kv_bytes``) +
+  ``kv_sequences``, and its spares, ``kv_spares``) over its layers (``ModelSpec.kv_bytes``) +
   the backend's runtime overhead. It fits when that is at most the node's ``memory_available``.
 * Speed: each node's measured speed for the backend (``Node.calibration``, else ``Node.flops``). A decoded token
   reads every weight its stage multiplies by (an untied embedding is a lookup and costs nothing) and the KV
@@ -84,6 +84,8 @@ class BackendOffer(msgspec.Struct, frozen=True, kw_only=True):
         vocab_parallel: Tensor ranks split the embedding and output layer; otherwise each holds them whole.
         kv_sequences: Sequences the runner batches, each with a KV cache of the whole context; 0 lets the
             planner size them from the nodes' memory (``auto_sequences``).
+        kv_spares: Sequences the head runner holds beyond ``kv_sequences`` for interactive requests while batch
+            ones are paused (``ShardCosts.spares``), each with its KV cache too.
         required_runtime: When set, only nodes whose ``Node.runtimes`` has this key are eligible.
     """
 
@@ -95,6 +97,7 @@ class BackendOffer(msgspec.Struct, frozen=True, kw_only=True):
     tied_output_copy: bool = False
     vocab_parallel: bool = True
     kv_sequences: int = 1
+    kv_spares: int = 0
     required_runtime: str | None = None
     head_cache_share: float = 0.0
     head_cache_cap: int = 0
@@ -206,7 +209,7 @@ class _Planner:
     def __init__(self, spec: ModelSpec, offer: BackendOffer, context: int, view: _View) -> None:
         self.spec, self.offer, self.ctx, self.view = spec, offer, context, view
         self.sequences = offer.kv_sequences or auto_sequences(spec, context, view.order)
-        self.kv_tokens = context * self.sequences  # KV cells: the context for each batched sequence
+        self.kv_tokens = context * (self.sequences + offer.kv_spares)  # KV cells: the context for each sequence
         self._speeds: dict[NodeId, costs.Speed] = {}
 
     def _speed(self, node: Node) -> costs.Speed:
@@ -479,6 +482,7 @@ class _Planner:
             fits=not problems,
             reason="; ".join(problems) or None,
             sequences=self.sequences,
+            spares=self.offer.kv_spares,
         )
 
 

@@ -9,6 +9,11 @@ request before any ``batch`` one, with aging: a batch request that has waited ``
 slot over interactive ones, and then the clock restarts for the next (at most one such slot per ``aging``
 seconds), so bulk work never starves entirely and never crowds out people either.
 
+A runner with spare sequences (``Candidate.spares``: llama.cpp's pause batch sequences for interactive ones) takes
+that many interactive requests beyond ``parallel`` while batch requests hold slots: an interactive request is
+granted while fewer than ``parallel`` interactive ones run and fewer than ``parallel + spares`` run in all, and the
+runner pauses a batch sequence for it instead of making it wait for one to end. Batch requests never take a spare.
+
 Within a class, a free slot goes in turn across callers (an API key, or the client address when there is none):
 the waiting caller with the fewest requests running per unit of its ``weight`` (a key attribute, 1 by default)
 goes first, ties in round-robin order, so a caller with 50 queued requests cannot starve one with a single
@@ -97,8 +102,9 @@ class Ticket:
 class _Gate:
     """One instance's slots and its callers' lines, per class."""
 
-    def __init__(self, parallel: int, max_queue: int, aging: float = AGING) -> None:
+    def __init__(self, parallel: int, max_queue: int, aging: float = AGING, spares: int = 0) -> None:
         self.parallel = parallel
+        self.spares = spares
         self.max_queue = max_queue
         self.aging = aging
         self.active = 0
@@ -114,7 +120,8 @@ class _Gate:
     def enter(self, caller: str, priority: Priority, weight: float) -> Ticket:
         ticket = Ticket(self, caller, priority)
         self.weights[caller] = weight
-        if self.active < self.parallel and not self.queued:
+        first = not self.queued if priority == "batch" else not self.queued_by["interactive"]
+        if first and self._room(priority):
             self._grant(ticket)
         elif self.queued_by[priority] >= self.max_queue:
             raise Overloaded(
@@ -164,9 +171,22 @@ class _Gate:
         self.running[ticket.caller] = self.running.get(ticket.caller, 0) + 1
         ticket._grant()
 
+    def _room(self, priority: Priority) -> bool:
+        """Whether a request of class ``priority`` may take a slot now: one of the ``parallel``, or for an
+        interactive one a spare while batch requests hold some of them."""
+        if self.active < self.parallel:
+            return True
+        spare = self.active < self.parallel + self.spares and self.active_by["interactive"] < self.parallel
+        return priority == "interactive" and spare
+
     def _grant_next(self) -> None:
-        while self.active < self.parallel and self.queued:
-            priority, caller = self._next()
+        while self.queued:
+            if self.active < self.parallel:
+                priority, caller = self._next()
+            elif self.lines["interactive"] and self._room("interactive"):
+                priority, caller = "interactive", self._fairest(self.lines["interactive"])
+            else:
+                return
             lines = self.lines[priority]
             line = lines.pop(caller)
             ticket = line.popleft()
@@ -204,12 +224,20 @@ class Admission:
         self._gates: dict[str, _Gate] = {}
 
     def enter(
-        self, instance_id: str, caller: str, slots: int = 1, *, priority: Priority = "interactive", weight: float = 1.0
+        self,
+        instance_id: str,
+        caller: str,
+        slots: int = 1,
+        *,
+        priority: Priority = "interactive",
+        weight: float = 1.0,
+        spares: int = 0,
     ) -> Ticket:
         """A ticket for ``caller`` on ``instance_id`` in class ``priority``: granted if a slot is free, else waiting
         in line (``weight``: the caller's share within its class). The gate has the ``parallel`` slots it was made
         with, else the instance's runner's ``slots``; a runner that batches on its own terms (vLLM's scheduler:
-        its placement says 1) gets ``SHARED_SLOTS``.
+        its placement says 1) gets ``SHARED_SLOTS``. ``spares``: the runner's spare sequences, for interactive
+        requests while batch ones hold slots.
 
         Raises:
             Overloaded: ``max_queue`` requests of the class already wait for the instance.
@@ -217,7 +245,7 @@ class Admission:
         gate = self._gates.get(instance_id)
         if gate is None:
             gate = self._gates[instance_id] = _Gate(
-                self.parallel or (slots if slots > 1 else SHARED_SLOTS), self.max_queue, self.aging
+                self.parallel or (slots if slots > 1 else SHARED_SLOTS), self.max_queue, self.aging, max(0, spares)
             )
         return gate.enter(caller, priority, weight if weight > 0 else 1.0)
 

@@ -125,8 +125,14 @@ class Starter:
                     return Bigger(bigger)
             request = await fit_context(request, context, count, job.fit, token_bytes)
             request = cap_output(request, self.max_tokens, clamp=True, context=context)
+        placement = instance.placement
         ticket = self.admission.enter(
-            instance.id, job.caller, instance.placement.sequences, priority=job.priority, weight=job.weight
+            instance.id,
+            job.caller,
+            placement.sequences,
+            priority=job.priority,
+            weight=job.weight,
+            spares=placement.spares,
         )
         visit.settle()
         if not ticket.granted:

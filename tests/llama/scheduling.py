@@ -27,10 +27,16 @@ def load(gguf: Path) -> llama_cpp.Llama:
 
 @contextmanager
 def running(
-    llm: llama_cpp.Llama, parallel: int, tier: KVTier | None = None, *, n_ctx: int = 4096, threads: int = 2
+    llm: llama_cpp.Llama,
+    parallel: int,
+    tier: KVTier | None = None,
+    *,
+    n_ctx: int = 4096,
+    threads: int = 2,
+    spares: int = 0,
 ) -> Iterator[Scheduler]:
-    """A ``Scheduler`` of ``parallel`` sequences of ``n_ctx`` tokens over ``llm``, run in a thread; closed and freed on
-    the way out. ``s.llm`` keeps the model alive with the context (and tokenizes)."""
+    """A ``Scheduler`` of ``parallel`` sequences (and ``spares`` more) of ``n_ctx`` tokens over ``llm``, run in a
+    thread; closed and freed on the way out. ``s.llm`` keeps the model alive with the context (and tokenizes)."""
     vocab = llama_cpp.llama_model_get_vocab(llm._model.model)
     s = Scheduler(
         llm._model.model,
@@ -39,6 +45,7 @@ def running(
         n_threads=threads,
         is_eog=lambda token: bool(llama_cpp.llama_vocab_is_eog(vocab, token)),
         tier=tier,
+        spares=spares,
     )
     s.llm = llm
     thread = threading.Thread(target=s.run, daemon=True)

@@ -63,6 +63,28 @@ async def test_a_batch_request_past_the_aging_bound_takes_one_slot_then_waits_it
     assert b2.granted and not people[2].granted, "one more aged batch slot per aging period"
 
 
+async def test_interactive_requests_take_the_runner_s_spares_while_batch_ones_hold_its_slots():
+    """2 slots and 1 spare: a third request is granted only if it is interactive and batch ones hold slots; batch
+    requests never take the spare, and at most ``parallel`` interactive ones run."""
+    admission = Admission(max_queue=10, aging=60)
+    b1, b2 = (admission.enter("i", "bulk", 2, priority="batch", spares=1) for _ in range(2))
+    b3 = admission.enter("i", "bulk", 2, priority="batch", spares=1)
+    assert b1.granted and b2.granted and not b3.granted
+    i1 = admission.enter("i", "alice", 2, spares=1)
+    assert i1.granted, "interactive: the spare (the runner pauses a batch sequence for it)"
+    i2 = admission.enter("i", "bob", 2, spares=1)
+    assert not i2.granted, "spares used up"
+    b1.release()
+    assert i2.granted and not b3.granted, "the freed slot: interactive first"
+    i3 = admission.enter("i", "carol", 2, spares=1)
+    assert not i3.granted, "parallel interactive requests already run"
+    i1.release()
+    assert i3.granted and not b3.granted
+    for t in (b2, i2, i3):
+        t.release()
+    assert b3.granted and admission.load("i").active == 1
+
+
 async def test_weights_share_a_class_s_slots_in_proportion():
     """Weights 3 and 1 over 4 slots: 3 and 1 (equal turns would give 2 and 2)."""
     admission = Admission(parallel=4, max_queue=20, aging=60)

@@ -1,0 +1,138 @@
+"""Batch jobs paused for interactive ones in the llama.cpp scheduler, on the real Gemma 3 270M in this process.
+
+Two batch jobs fill both decode lanes of a scheduler with one spare sequence; an interactive job submitted while
+they generate pauses the batch job admitted last (its KV kept in its sequence), takes the spare, and gets its
+first token before either batch job ends. The paused job resumes when the interactive one is done and its greedy
+text is the undisturbed run's, token for token. A paused job that is cancelled leaves at once.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from meshgate.backends.llama_cpp.batch import Job, Scheduler
+from tests.llama.scheduling import greedy_job, load, running
+
+BATCH_TOKENS = 48
+CHAT_TOKENS = 8
+
+
+@pytest.fixture(scope="module")
+def scheduler(packaged_gguf):
+    with running(load(packaged_gguf), parallel=2, n_ctx=512, spares=1, threads=1) as s:
+        yield s
+
+
+def _prompt(s: Scheduler, text: str) -> list[int]:
+    turn = f"<start_of_turn>user\n{text}<end_of_turn>\n<start_of_turn>model\n"
+    return s.llm.tokenize(turn.encode(), add_bos=True, special=True)
+
+
+def _job(s: Scheduler, text: str, limit: int, *, batch: bool) -> Job:
+    job = greedy_job(s, _prompt(s, text), limit)
+    job.batch = batch
+    return job
+
+
+def _read(job: Job, times: list[float]) -> list[int]:
+    tokens = []
+    while (item := job.out.get(timeout=120)) is not None:
+        times.append(time.monotonic())
+        tokens.append(item[0])
+    return tokens
+
+
+def _reading(job: Job) -> tuple[threading.Thread, dict[str, list]]:
+    got: dict[str, list] = {"times": []}
+    thread = threading.Thread(target=lambda: got.update(tokens=_read(job, got["times"])), daemon=True)
+    thread.start()
+    return thread, got
+
+
+BATCH = ("Write a long story about a lighthouse keeper.", "List the planets and describe each one.")
+CHAT = "Name a colour."
+
+
+def _wait(what, timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not what():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.005)
+
+
+def test_an_interactive_job_pauses_a_batch_job_whose_text_stays_the_same(scheduler):
+    s = scheduler
+    undisturbed = []
+    jobs = [_job(s, text, BATCH_TOKENS, batch=True) for text in BATCH]
+    readers = [_reading(job) for job in jobs]
+    for job in jobs:
+        s.submit(job)
+    for thread, got in readers:
+        thread.join(120)
+        undisturbed.append(got["tokens"])
+    assert all(len(tokens) == BATCH_TOKENS for tokens in undisturbed)  # long enough to be interrupted
+
+    before = s.stats()["paused_batch_jobs"]
+    jobs = [_job(s, text, BATCH_TOKENS, batch=True) for text in BATCH]
+    readers = [_reading(job) for job in jobs]
+    for job in jobs:
+        s.submit(job)
+    _wait(lambda: all(job.count >= 8 for job in jobs))  # both lanes taken, both generating
+    chat = _job(s, CHAT, CHAT_TOKENS, batch=False)
+    chat_thread, chat_got = _reading(chat)
+    submitted = time.monotonic()
+    s.submit(chat)
+    chat_thread.join(120)
+    for thread, _ in readers:
+        thread.join(120)
+    paused = [job for job in jobs if job.admitted == max(j.admitted for j in jobs)]
+    print(f"interactive first token after {chat_got['times'][0] - submitted:.2f} s")
+    assert s.stats()["paused_batch_jobs"] == before + 1
+    assert chat_got["times"][0] < min(got["times"][-1] for _, got in readers), "the interactive job waited"
+    assert [got["tokens"] for _, got in readers] == undisturbed, "a paused job's text changed"
+    assert paused[0].end == "length" and s.stats()["paused_sequences"] == 0
+
+
+def test_interactive_jobs_wait_before_batch_jobs(scheduler):
+    s = scheduler
+    jobs = [_job(s, text, BATCH_TOKENS, batch=True) for text in BATCH]
+    readers = [_reading(job) for job in jobs]
+    for job in jobs:
+        s.submit(job)
+    _wait(lambda: all(job.count >= 1 for job in jobs))
+    late_batch = _job(s, BATCH[0], 4, batch=True)
+    s.submit(late_batch)
+    chat = _job(s, CHAT, 4, batch=False)
+    s.submit(chat)
+    assert list(s.waiting)[:2] == [chat, late_batch] or chat.admitted  # interactive ahead of the batch job
+    late_times: list[float] = []
+    chat_times: list[float] = []
+    _read(chat, chat_times)
+    _read(late_batch, late_times)
+    for thread, _ in readers:
+        thread.join(120)
+    assert chat_times[0] < late_times[0]
+
+
+def test_a_paused_job_can_be_cancelled(scheduler):
+    s = scheduler
+    jobs = [_job(s, text, BATCH_TOKENS, batch=True) for text in BATCH]
+    readers = [_reading(job) for job in jobs]
+    for job in jobs:
+        s.submit(job)
+    _wait(lambda: all(job.count >= 2 for job in jobs))
+    chat = _job(s, CHAT, 32, batch=False)
+    chat_thread, _ = _reading(chat)
+    s.submit(chat)
+    _wait(lambda: any(job.paused for job in jobs))
+    paused = next(job for job in jobs if job.paused)
+    paused.cancel.set()
+    _wait(lambda: paused.end == "cancelled")  # at the next step, while the interactive job runs
+    for thread, _ in readers:
+        thread.join(120)
+    chat_thread.join(120)
+    assert paused.end == "cancelled" and paused.count < BATCH_TOKENS
+    assert chat.end in ("length", "stop") and s.stats()["active_sequences"] == 0

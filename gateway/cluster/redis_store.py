@@ -194,20 +194,30 @@ return 0
 STORE_TIMEOUT = 2.0
 """Seconds one store call may take by default (``Settings.store_timeout``)."""
 
+POOL_SIZE = 128
+"""Connections one client (``connect_redis``) opens to Redis at most; more concurrent calls wait for one."""
+
 
 def connect_redis(url: str, timeout: float = STORE_TIMEOUT) -> aioredis.Redis:
     """A client of the Redis at ``url`` (``redis://host:6379/0``), as every meshgate process opens it. Every
     connect and every reply is bounded by ``timeout`` seconds (a paused or black-holed Redis fails a call then,
     never hangs it); a pooled connection that broke (Redis restarted) is retried on a new one, three times with a
-    short backoff, before an error. A timeout is not retried: the call has had its time."""
-    return aioredis.Redis.from_url(
+    short backoff, before an error. A timeout is not retried: the call has had its time.
+
+    At most ``POOL_SIZE`` connections at once; a call beyond them waits for one, within ``timeout``
+    (redis-py's plain pool refuses the 101st concurrent call at once with ``MaxConnectionsError``: a 503 under
+    load, seen with 256 streams on one gateway of ``serve --workers``)."""
+    pool = aioredis.BlockingConnectionPool.from_url(
         url,
+        max_connections=POOL_SIZE,
+        timeout=timeout,  # waiting for a free connection
         socket_timeout=timeout,
         socket_connect_timeout=timeout,
         retry=Retry(ExponentialBackoff(cap=0.25, base=0.05), 3, supported_errors=(RedisConnectionError,)),
         retry_on_error=[RedisConnectionError],
         health_check_interval=10,
     )
+    return aioredis.Redis.from_pool(pool)
 
 
 def _bounded(cls: type[T]) -> type[T]:

@@ -155,7 +155,7 @@ class LlamaEngine:
                 **split,
             )
         self.n_ctx = n_ctx
-        self.parallel = max(1, parallel)
+        self.parallel = max(1, parallel) + max(0, spares)  # generations at once (the runner server's bound)
         self.exact = exact  # inexact: a tier entry's end also serves the prompts that go on from it
         self.tier = None
         self.kv_peers = None
@@ -168,7 +168,7 @@ class LlamaEngine:
         self.scheduler = Scheduler(
             self.llm._model.model,
             n_ctx=n_ctx,
-            parallel=self.parallel,
+            parallel=max(1, parallel),  # decode lanes; the spares hold paused batch jobs
             n_threads=threads,
             is_eog=self._is_eog,
             group=group,

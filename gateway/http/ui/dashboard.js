@@ -160,6 +160,15 @@ function rate(id, field) {
   return value === undefined ? "-" : value.toFixed(field === "rps" ? 2 : 1);
 }
 
+
+// This gateway's queue for an instance by class (admission's Load): how many of its requests running and waiting
+// are interactive and how many batch (batch jobs' lines, service_tier flex, keys of the batch class).
+function queueText(queue) {
+  const side = (all, batch) => (batch ? `${all - batch} interactive + ${batch} batch` : `${all}`);
+  const active = side(queue.active, queue.batch_active ?? 0);
+  return `${active} active, ${side(queue.queued, queue.batch_queued ?? 0)} waiting`;
+}
+
 function instanceRow(instance) {
   const { id, state: current, placement } = instance;
   const history = state.history.get(id) ?? [];
@@ -174,7 +183,7 @@ function instanceRow(instance) {
     ),
   );
   details.open = state.open.has(id);
-  const queue = instance.queue ? `${instance.queue.active} active, ${instance.queue.queued} waiting` : "-";
+  const queue = instance.queue ? queueText(instance.queue) : "-";
   return el(
     "tr",
     { "data-instance": id },

@@ -188,6 +188,7 @@ class Job:
     logits: np.ndarray | None = None  # a restored whole prompt's last logits: its first token is sampled from them
     note: str = ""  # where its restored KV came from, when a peer's was weighed (``Usage.cache_note``)
     tag: str = ""  # its prompt's prefix key (``protocols.prefix``): kept with its entry, for routing
+    wake: Callable[[], None] | None = None  # its reader polls: called once a step it has tokens (``relay.Pushed``)
     batch: bool = False  # the batch class: paused for an interactive job when every decode lane is taken
     paused: bool = False  # kept in its slot (its KV with it) and skipped by the steps until a lane frees up
 
@@ -280,6 +281,7 @@ class Scheduler:
         self.keeper = Keeper(lib, self.ctx, model, tier, CHUNK) if tier is not None else None
         self.restored = 0  # prompt tokens restored from the KV tier instead of evaluated
         self.prompt_rate = 200.0  # prompt tokens/s on chunks, a moving average (peer fetches are weighed on it)
+        self._woken: set[Callable[[], None]] = set()  # readers to wake at the next ``_notify`` (``Job.wake``)
 
     def submit(self, job: Job) -> None:
         with self._wake:
@@ -338,6 +340,7 @@ class Scheduler:
                     return
                 self._admit()
             self._step()
+            self._notify()
 
     def _admit(self) -> None:
         """Move waiting jobs into free slots, at most ``parallel`` running (called with the lock held): interactive
@@ -472,15 +475,24 @@ class Scheduler:
             if decoded:
                 for row, slot in enumerate(group):
                     self._sample(slot, row)
+        self._notify()  # the decoded tokens go out now, not after this step's prompt chunks
         prompts = [s for s in self.slots if s.job and s.job.left() and not s.job.gone() and not s.job.paused]
         budget = CHUNK
         for slot in sorted(prompts, key=self._order):
             if budget <= 0:
                 break
             n = self._prefill(slot)
+            self._notify()
             if n == 0:  # stopped: admit the newcomer first
                 break
             budget -= n
+
+    def _notify(self) -> None:
+        """Wake the readers of the jobs that got tokens (or ended) since the last call: once each, however many of
+        their streams did (a runner's event loop reads every stream it serves on one wake)."""
+        woken, self._woken = self._woken, set()
+        for wake in woken:
+            wake()
 
     def _order(self, slot: _Slot) -> tuple[bool, int, int]:
         job = slot.job
@@ -589,6 +601,8 @@ class Scheduler:
         job.count += 1
         job.last = token
         job.out.put((token, entry))
+        if job.wake is not None:
+            self._woken.add(job.wake)
         if job.count >= job.limit:
             self._release(slot, "length")
 
@@ -601,6 +615,8 @@ class Scheduler:
         job.end, job.failure = end, failure
         job.sampler.close()
         job.out.put(None)
+        if job.wake is not None:
+            self._woken.add(job.wake)
 
     def _fail_batch(self, code: int) -> None:
         """A decode failed: the state of its sequences is unknown, so they are emptied and their jobs fail."""

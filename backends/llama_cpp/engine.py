@@ -1,29 +1,27 @@
 """The llama.cpp engine that runs inside the runner process: prompt, sampling, stop strings, events.
 
-Requests run side by side: each ``generate`` call (one thread per request, from the runner server) renders and
-tokenizes its prompt, hands a ``batch.Job`` to the one ``Scheduler`` thread that decodes every running sequence
-in one batch per step, and turns the tokens that come back into events on its own thread: text, stop strings
-(``StopMatcher``; not for forced calls), tool calls (``tools.CallGate``, grammar-forced for ``required`` or a named
-tool, whose prompt then ends in the start of the call: ``tools.call_prefix``) and
-per-token logprobs (``logprobs.py``, kept with their text past the stop matcher). When the answer is complete
-(a stop string, a whole tool call) the job is told to stop and leaves its slot at the next step. Grammars are
-checked against each sampled token as llama.cpp's server does (``sampling.py``). llama-cpp-python's exceptions
-are mapped here, once.
+Requests run side by side: each ``generate`` call (one thread per request) or ``open_stream`` (the runner
+server's event loop) renders and tokenizes its prompt, hands a ``batch.Job`` to the one ``Scheduler`` thread that
+decodes every running sequence in one batch per step, and turns the tokens that come back into events
+(``relay``): text, stop strings (``StopMatcher``; not for forced calls), tool calls (``tools.CallGate``,
+grammar-forced for ``required`` or a named tool, whose prompt then ends in the start of the call:
+``tools.call_prefix``) and per-token logprobs (``logprobs.py``, kept with their text past the stop matcher). When
+the answer is complete (a stop string, a whole tool call) the job is told to stop and leaves its slot at the next
+step. Grammars are checked against each sampled token as llama.cpp's server does (``sampling.py``).
+llama-cpp-python's exceptions are mapped here, once.
 
 Runs only in the runner process; imports protocols and llama_cpp, never the gateway.
 """
 
 from __future__ import annotations
 
-import codecs
 import hashlib
 import json
 import os
-import queue
 import random
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import msgspec
@@ -33,10 +31,11 @@ from meshgate.backends.llama_cpp.batch import CHUNK, MIN_REUSE, Job, Scheduler, 
 from meshgate.backends.llama_cpp.embed import Embedder
 from meshgate.backends.llama_cpp.grammar import FORMAT_OPTIONS, JSON_OBJECT, Grammars
 from meshgate.backends.llama_cpp.kvstate import ALIGN
-from meshgate.backends.llama_cpp.logprobs import LogprobAligner, token_logprob
+from meshgate.backends.llama_cpp.logprobs import token_logprob
 from meshgate.backends.llama_cpp.prompt import render_prompt
+from meshgate.backends.llama_cpp.relay import Pushed, TokenEvents, thread_events
 from meshgate.backends.llama_cpp.sampling import GrammarStuck, Sampler
-from meshgate.backends.llama_cpp.tools import CallGate, call_mode, call_prefix, forced_schema
+from meshgate.backends.llama_cpp.tools import call_mode, call_prefix, forced_schema
 from meshgate.backends.runner.kvpeers import Peers
 from meshgate.backends.runner.kvtier import KVTier
 from meshgate.backends.runner.stops import StopMatcher
@@ -45,23 +44,15 @@ from meshgate.protocols.model import (
     Embeddings,
     EmbedRequest,
     Event,
-    Finished,
     GatewayError,
     InvalidRequest,
-    KeepAlive,
     Request,
     RequestTooLarge,
-    TokenLogprob,
     Usage,
 )
 from meshgate.protocols.prefix import prefix_key, request_prefix
 
 __all__ = ["LlamaEngine", "StopMatcher"]  # StopMatcher re-exported from backends.runner.stops
-
-PREFILL_PING = float(os.environ.get("MESHGATE_KEEPALIVE") or 2.0)
-"""Seconds between keep-alives while a prompt is prefilled (the gateway's ``keepalive`` setting, which runners
-inherit from its environment): a long prompt on a CPU takes minutes, and clients give up on a stream that stays
-silent (Claude Code after 300 s, proxies often after 60 s)."""
 
 _DEFAULTS = {
     "temperature": 0.8,
@@ -77,10 +68,6 @@ _DEFAULTS = {
 def _value(sampling: Any, name: str) -> Any:
     value = getattr(sampling, name)
     return _DEFAULTS[name] if value is UNSET or value is None else value
-
-
-_REPLAYED = TokenLogprob(token="", logprob=0.0)
-"""The logprob entry of a resumed request's replayed tokens: their events are the client's already, never sent."""
 
 
 class Count(msgspec.Struct):
@@ -190,6 +177,7 @@ class LlamaEngine:
         eot = llama_cpp.llama_vocab_eot(vocab)
         self._end_token = eot if eot >= 0 else llama_cpp.llama_vocab_eos(vocab)
         self._embed_lock = threading.Lock()
+        self._pieces: dict[int, bytes] = {}  # each token's bytes once it has been seen (``_piece``)
 
     def health(self) -> dict[str, Any]:
         return {
@@ -229,6 +217,46 @@ class LlamaEngine:
         return tokens + self.llm.tokenize(call_prefix(request).encode(), add_bos=False, special=False)
 
     def generate(self, request: Request, cancel: threading.Event) -> Iterator[Event]:
+        """The ``Engine`` protocol's generation, for a thread of its own (``relay.thread_events``)."""
+        job, opening, load_ns = self._job(request, cancel)
+        yield opening
+        started = time.perf_counter_ns()
+        self._submit(job)
+        try:
+            text = TokenEvents(self._piece, request)
+            yield from thread_events(text, job, request, cancel, opening.prompt_tokens, load_ns, started)
+        finally:
+            job.done.set()
+
+    def open_stream(self, request: Request, cancel: threading.Event, wake: Callable[[], None]) -> Pushed:
+        """The same generation for the runner's event loop (``relay.Pushed``): set up here (on a thread: a KV tier
+        entry may be read from disk or fetched from a peer), then submitted; the scheduler calls ``wake`` once a
+        step when this job has tokens, and the loop polls them."""
+        job, opening, load_ns = self._job(request, cancel)
+        job.wake = wake
+        stream = Pushed(TokenEvents(self._piece, request), job, request, opening, load_ns)
+        self._submit(job)
+        return stream
+
+    def _piece(self, token: int) -> bytes:
+        """``token``'s bytes, remembered: the same every time (one token, detokenized alone), and a dict lookup costs
+        a tenth of llama.cpp's call through ctypes."""
+        piece = self._pieces.get(token)
+        if piece is None:
+            piece = self._pieces[token] = self.llm.detokenize([token])
+        return piece
+
+    def _submit(self, job: Job) -> None:
+        if job.limit < 1:  # the failed replica had reached max_tokens: only its events are left to send
+            job.sampler.close()
+            job.out.put(None)
+            if job.wake is not None:
+                job.wake()
+        else:
+            self.scheduler.submit(job)
+
+    def _job(self, request: Request, cancel: threading.Event) -> tuple[Job, Usage, int]:
+        """The request's ``Job`` (not submitted yet), its first event and its load time."""
         tokens = self.tokenize(request)
         resumed = list(request.resume)  # a failed replica's output: taken as this job's own (``Request.resume``)
         n_ctx = self.n_ctx
@@ -251,7 +279,7 @@ class LlamaEngine:
         # (``batch.Job.forced``); a sampled one is only a valid continuation, so its tokens are prefilled, faster.
         exact = _value(request.sampling, "temperature") == 0
         prompt, forced = (tokens, resumed) if exact else (tokens + resumed, [])
-        job = Job(prompt=prompt, limit=max(limit, 1), sampler=sampler, cancel=cancel, forced=forced)
+        job = Job(prompt=prompt, limit=max(limit, 0), sampler=sampler, cancel=cancel, forced=forced)
         job.batch = request.priority == "batch"  # paused for interactive jobs when every lane is taken
         if self.tier is not None:  # read here, on the request's thread: a disk entry is read off the decode loop
             job.scope = request.cache_scope
@@ -271,94 +299,7 @@ class LlamaEngine:
             job.logprob = lambda row, token: token_logprob(
                 self.llm, np.ctypeslib.as_array(row, shape=(n_vocab,)), token, top_n
             )
-        yield Usage(prompt_tokens=len(tokens), load_ns=load_ns)
-        started = time.perf_counter_ns()
-        if limit < 1:  # the failed replica had reached max_tokens: only its events are left to send
-            sampler.close()
-            job.out.put(None)
-        else:
-            self.scheduler.submit(job)
-        try:
-            yield from self._events(job, request, len(tokens), load_ns, started, cancel)
-        finally:
-            job.done.set()
-
-    def _events(
-        self, job: Job, request: Request, n_prompt: int, load_ns: int, started: int, cancel: threading.Event
-    ) -> Iterator[Event]:
-        """The job's tokens as events, on the request's thread; a resumed request's tokens first, as if generated
-        (their events are the ones the failed replica sent, with the same ``tokens`` on each)."""
-        stopper = StopMatcher(request.stop if call_mode(request) != "forced" else ())  # the grammar ends a call
-        gate = CallGate(request)
-        aligner = LogprobAligner() if request.logprobs else None
-        decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
-        first_token_at = None
-        finish = Finished(reason="length")
-        count = 0
-        ids: list[int] = []  # generated since the last event that carried ids
-        ping_at = time.monotonic() + PREFILL_PING
-        replayed = iter([(token, _REPLAYED) for token in request.resume])
-        while True:
-            item = next(replayed, None)
-            if item is None:
-                try:
-                    item = job.out.get(timeout=0.1)
-                except queue.Empty:
-                    if cancel.is_set():
-                        return
-                    if first_token_at is None and time.monotonic() >= ping_at:
-                        ping_at += PREFILL_PING
-                        yield KeepAlive()  # still prefilling: tell the client the stream is alive
-                    continue
-                if item is None:
-                    break
-                if first_token_at is None:
-                    first_token_at = time.perf_counter_ns()
-            token, entry = item
-            count += 1
-            ids.append(token)
-            piece = self.llm.detokenize([token])
-            decoded = decoder.decode(piece)
-            if aligner is not None:
-                aligner.add(decoded, entry)
-            text, matched = stopper.feed(decoded)
-            for event in gate.feed(text, aligner.take(text) if aligner is not None else ()):
-                if ids:
-                    event = msgspec.structs.replace(event, tokens=tuple(ids))
-                    ids.clear()
-                yield event
-            if matched is not None:
-                finish = Finished(reason="stop_sequence", stop_sequence=matched)
-                break
-            if gate.done:
-                finish = Finished(reason="stop")
-                break
-        job.done.set()
-        if item is None:
-            if isinstance(job.failure, GrammarStuck):  # the schema passed the checks: ours to fix, a 500
-                raise GatewayError(f"structured output failed: {job.failure}") from job.failure
-            if job.failure is not None:
-                raise GatewayError(str(job.failure)) from job.failure
-            if job.end == "cancelled":
-                return
-            finish = Finished(reason="stop") if job.end == "stop" else finish
-        rest = stopper.flush() + decoder.decode(b"", final=True) if finish.reason != "stop_sequence" else ""
-        last = aligner.rest() if aligner is not None and finish.reason != "stop_sequence" else ()
-        yield from gate.feed(rest, last)
-        held, finish = gate.close(finish)
-        yield from held
-        ended = time.perf_counter_ns()
-        first = first_token_at or ended
-        yield Usage(
-            prompt_tokens=n_prompt,
-            completion_tokens=count,
-            cached_tokens=job.cached,  # taken from a slot's cache or the KV tier, not evaluated again
-            cache_note=job.note,
-            load_ns=load_ns,
-            prompt_ns=first - started,
-            eval_ns=ended - first,
-        )
-        yield finish
+        return job, Usage(prompt_tokens=len(tokens), load_ns=load_ns), load_ns
 
     def _sampler(self, request: Request) -> Sampler:
         """The request's sampler. A resumed request's seed moves on by the tokens already sent: what follows is

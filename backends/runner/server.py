@@ -2,9 +2,11 @@
 
 The engine is synchronous (llama.cpp and MLX generate on a thread). An engine with ``parallel`` > 1 batches
 requests itself: up to ``parallel`` generations run at once, each ``generate`` on its own thread (more wait here,
-first come first served); other engines run one generation at a time. A client that disconnects sets the
-request's cancel flag, so the runtime stops at its next token. Events go out as NDJSON lines, as many in one
-chunk as the engine has ready, so a fast engine costs one write per batch of events, not one per token.
+first come first served), or, for an engine that pushes its streams (``open_stream``: llama.cpp), read on this
+event loop with one wake per decode step for all of them (``pushed``); other engines run one generation at a
+time. A client that disconnects sets the request's cancel flag, so the runtime stops at its next token. Events go
+out as NDJSON lines, as many in one chunk as the engine has ready, so a fast engine costs one write per batch of
+events, not one per token.
 
 ``POST /embed`` takes an ``EmbedRequest`` and answers ``Embeddings`` (200), or ``{"error": ErrorInfo}`` with the
 error's status; a client that disconnects (or times out) sets its cancel flag too. ``POST /tokenize`` takes a
@@ -38,6 +40,7 @@ from meshgate.backends.runner import kv_routes
 from meshgate.backends.runner import secret as cluster_secret
 from meshgate.backends.runner.asgi import read_body
 from meshgate.backends.runner.net import family
+from meshgate.backends.runner.pushed import Waker, run_pushed
 from meshgate.protocols.model import (
     TERMINAL,
     AuthenticationFailed,
@@ -99,6 +102,7 @@ class RunnerApp:
         self._busy = asyncio.Semaphore(self.parallel)
         self._unary_busy = self._busy if self.parallel == 1 else contextlib.nullcontext()
         self.stats = {"active": 0, "finished": 0, "cancelled": 0}  # requests, as the server sees them
+        self._waker: Waker | None = None  # for an engine that pushes its streams (``pushed``), made on the loop
 
     async def __call__(self, scope: dict[str, Any], receive: Callable[..., Any], send: Callable[..., Any]) -> None:
         if scope["type"] == "lifespan":
@@ -140,7 +144,13 @@ class RunnerApp:
                 self.stats["active"] += 1
                 ended = False
                 try:
-                    async for events in _run_in_thread(self.engine, request, cancel):
+                    if hasattr(self.engine, "open_stream"):
+                        if self._waker is None:
+                            self._waker = Waker(asyncio.get_running_loop())
+                        source = run_pushed(self.engine, request, cancel, self._waker)
+                    else:
+                        source = _run_in_thread(self.engine, request, cancel)
+                    async for events in source:
                         if cancel.is_set():
                             break
                         body = b"".join([_encoder.encode(event) + b"\n" for event in events])

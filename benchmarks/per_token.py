@@ -1,0 +1,298 @@
+"""Where a streamed token's time goes: the same greedy decode measured at each layer meshgate adds, in one run.
+
+    .venv/bin/python benchmarks/per_token.py [--levels 1,8] [--tokens 128] [--threads 2] [--stages raw,...]
+
+Each stage decodes ``--tokens`` greedy tokens for N sequences at once (N in ``--levels``), on the packaged Gemma 3
+270M GGUF with ``--threads`` llama.cpp threads, and reports its decode rate: tokens per second over the window in
+which every sequence is past its first token and none has ended (so prefill and uneven ends are left out, the
+same window at every stage). The stages, each a layer on top of the one before:
+
+- ``raw``: llama.cpp alone through llama-cpp-python's low-level API (``concurrency.RawDecoder``): one
+  ``llama_batch`` per step, greedy argmax, nothing else on the machine's cores; ``raw-ref``: the same with ggml's
+  reference matmuls on for batches (what exact batches decode with: ``cpu_kernels``);
+- ``scheduler``: meshgate's decode loop (``batch.Scheduler``) with a consumer thread per sequence that only takes
+  the tokens off its queue;
+- ``engine``: ``LlamaEngine.generate`` on a thread per request, as the runner runs it (detokenizing, stop
+  strings, tool-call gates, events);
+- ``runner``: a runner process over HTTP, read with the gateway's own ``RunnerClient``;
+- ``gateway``: ``meshgate serve`` with its runner, read as OpenAI chat streams by an httpx client.
+
+The difference between two stages is what that layer costs per token (1 sequence) or per step (N). Every loop
+is bounded. Run it on a quiet machine: another process on the cores changes every figure (llama.cpp's threads wait
+for each other at every operation, so a thread that loses its core holds the others).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import re
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from benchmarks.concurrency import PROMPTS, SYSTEM, RawDecoder, packaged_gguf  # noqa: E402
+
+STAGES = ("raw", "raw-ref", "scheduler", "engine", "runner", "gateway")
+
+
+def window_rate(stamps: list[list[tuple[float, int]]]) -> float:
+    """Tokens per second while every stream is past its first token and none has had its last."""
+    start = max(s[0][0] for s in stamps)
+    end = min(s[-1][0] for s in stamps)
+    if end <= start:
+        raise RuntimeError("the streams did not overlap: too few tokens")
+    tokens = sum(k for s in stamps for t, k in s if start < t <= end)
+    return tokens / (end - start)
+
+
+def request(i: int, tokens: int):
+    from meshgate.protocols.model import Message, Request, Sampling, TextPart
+
+    prompt = PROMPTS[i % len(PROMPTS)]
+    return Request(
+        model="m",
+        messages=(
+            Message(role="system", parts=(TextPart(text=SYSTEM),)),
+            Message(role="user", parts=(TextPart(text=prompt),)),
+        ),
+        sampling=Sampling(temperature=0.0),
+        max_tokens=tokens,
+    )
+
+
+def threaded(n: int, one: Callable[[int, list[tuple[float, int]]], None]) -> float:
+    stamps: list[list[tuple[float, int]]] = [[] for _ in range(n)]
+    threads = [threading.Thread(target=one, args=(i, stamps[i])) for i in range(n)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=600)
+    return window_rate(stamps)
+
+
+class InProcess:
+    """The scheduler and engine stages: one ``LlamaEngine`` loaded here."""
+
+    def __init__(self, gguf: str, threads: int, parallel: int, n_ctx: int) -> None:
+        from meshgate.backends.llama_cpp.engine import LlamaEngine
+
+        self.engine = LlamaEngine(gguf, n_ctx=n_ctx, n_threads=threads, parallel=parallel)
+
+    def scheduler(self, n: int, tokens: int) -> float:
+        from meshgate.backends.llama_cpp.batch import Job
+
+        engine = self.engine
+
+        def one(i: int, stamps: list[tuple[float, int]]) -> None:
+            prompt = engine.llm.tokenize(PROMPTS[i % len(PROMPTS)].encode())
+            sampler = engine._sampler(request(i, tokens))
+            job = Job(prompt=prompt, limit=tokens, sampler=sampler, cancel=threading.Event())
+            engine.scheduler.submit(job)
+            while job.out.get(timeout=600) is not None:
+                stamps.append((time.perf_counter(), 1))
+
+        return threaded(n, one)
+
+    def generate(self, n: int, tokens: int) -> float:
+        from meshgate.protocols.model import TextDelta
+
+        def one(i: int, stamps: list[tuple[float, int]]) -> None:
+            for event in self.engine.generate(request(i, tokens), threading.Event()):
+                if isinstance(event, TextDelta):
+                    stamps.append((time.perf_counter(), max(1, len(event.tokens))))
+
+        return threaded(n, one)
+
+    def close(self) -> None:
+        self.engine.scheduler.close()
+
+
+def runner_stage(
+    gguf: str, threads: int, parallel: int, n_ctx: int, levels: list[int], tokens: int
+) -> dict[int, float]:
+    """A runner process (its own secret), each level's streams read with ``RunnerClient``."""
+    import httpx
+
+    from meshgate.backends.runner.client import RunnerClient
+    from meshgate.protocols.model import TextDelta
+
+    env = {**os.environ, "MESHGATE_RUNNER_SECRET": "per-token-bench", "PYTHONPATH": str(ROOT)}
+    argv = [sys.executable, "-m", "meshgate.backends.llama_cpp.runner", "--model", gguf, "--n-ctx", str(n_ctx)]
+    argv += ["--threads", str(threads), "--parallel", str(parallel)]
+    pipes = {"stdin": subprocess.PIPE, "stdout": subprocess.PIPE, "stderr": subprocess.DEVNULL}
+    proc = subprocess.Popen(argv, env=env, text=True, **pipes)
+    try:
+        port = None
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            if found := re.search(r"READY port=(\d+)", line):
+                port = int(found.group(1))
+                break
+        if port is None:
+            raise RuntimeError("the runner did not start")
+
+        async def level(n: int) -> float:
+            async with httpx.AsyncClient(timeout=600) as http:
+                client = RunnerClient(f"http://127.0.0.1:{port}", http, secret="per-token-bench")
+                stamps: list[list[tuple[float, int]]] = [[] for _ in range(n)]
+
+                async def one(i: int) -> None:
+                    async for event in client.generate(request(i, tokens)):
+                        if isinstance(event, TextDelta):
+                            stamps[i].append((time.perf_counter(), max(1, len(event.tokens))))
+
+                await asyncio.gather(*(one(i) for i in range(n)))
+                return window_rate(stamps)
+
+        asyncio.run(level(1))  # warm-up
+        return {n: max(asyncio.run(level(n)) for _ in range(2)) for n in levels}
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+
+
+def gateway_stage(threads: int, parallel: int, n_ctx: int, levels: list[int], tokens: int) -> dict[int, float]:
+    """``meshgate serve`` on the packaged model; OpenAI chat streams (one content chunk per token or burst)."""
+    import httpx
+
+    from benchmarks.concurrency import calibrated
+    from tests.conftest import Server
+
+    data_dir = Path(os.environ.get("MESHGATE_TEST_DATA", ROOT / ".cache" / "test-data"))
+    env = {"MESHGATE_PARALLEL": str(parallel)}
+    server = Server(data_dir, "--threads", str(threads), "--n-ctx", str(n_ctx), env=env)
+    try:
+
+        async def level(n: int) -> float:
+            import json
+
+            stamps: list[list[tuple[float, int]]] = [[] for _ in range(n)]
+            limits = httpx.Limits(max_connections=n + 4)
+            async with httpx.AsyncClient(base_url=server.url, timeout=600, limits=limits, trust_env=False) as http:
+
+                async def one(i: int) -> None:
+                    body = {
+                        "model": "gemma3:270m",
+                        "messages": [
+                            {"role": "system", "content": SYSTEM},
+                            {"role": "user", "content": PROMPTS[i % len(PROMPTS)]},
+                        ],
+                        "max_tokens": tokens,
+                        "temperature": 0,
+                        "stream": True,
+                    }
+                    async with http.stream("POST", "/v1/chat/completions", json=body) as response:
+                        async for line in response.aiter_lines():
+                            if line.startswith("data: {"):
+                                chunk = json.loads(line[6:])
+                                if chunk.get("choices") and chunk["choices"][0]["delta"].get("content"):
+                                    stamps[i].append((time.perf_counter(), 1))
+
+                await asyncio.gather(*(one(i) for i in range(n)))
+                return window_rate(stamps)
+
+        asyncio.run(level(1))  # loads the model
+        calibrated(server.url, 600, lambda *a: None)
+        return {n: max(asyncio.run(level(n)) for _ in range(2)) for n in levels}
+    finally:
+        server.stop()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--levels", default="1,8")
+    parser.add_argument("--tokens", type=int, default=128, help="max_tokens of each stream (greedy)")
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--parallel", type=int, default=8, help="the runner's slots (MESHGATE_PARALLEL)")
+    parser.add_argument("--n-ctx", type=int, default=1024)
+    parser.add_argument("--stages", default=",".join(STAGES))
+    args = parser.parse_args()
+    levels = [int(n) for n in args.levels.split(",")]
+    stages = [s for s in args.stages.split(",") if s]
+    data_dir = Path(os.environ.get("MESHGATE_TEST_DATA", ROOT / ".cache" / "test-data"))
+    gguf = str(packaged_gguf(data_dir))
+    rates: dict[str, dict[int, float]] = {}
+    if "raw" in stages or "raw-ref" in stages:
+        raw = RawDecoder(gguf, args.threads, args.n_ctx)
+        raw.decode_rate(1, 4, PROMPTS)
+        if "raw" in stages:
+            rates["raw"] = {n: max(raw.decode_rate(n, args.tokens, PROMPTS) for _ in range(2)) for n in levels}
+        if "raw-ref" in stages:
+            rates["raw-ref"] = {n: max(raw_reference(raw, n, args.tokens) for _ in range(2)) for n in levels}
+    if "scheduler" in stages or "engine" in stages:
+        here = InProcess(gguf, args.threads, args.parallel, args.n_ctx)
+        try:
+            here.generate(1, 8)
+            if "scheduler" in stages:
+                rates["scheduler"] = {n: max(here.scheduler(n, args.tokens) for _ in range(2)) for n in levels}
+            if "engine" in stages:
+                rates["engine"] = {n: max(here.generate(n, args.tokens) for _ in range(2)) for n in levels}
+        finally:
+            here.close()
+    if "runner" in stages:
+        rates["runner"] = runner_stage(gguf, args.threads, args.parallel, args.n_ctx, levels, args.tokens)
+    if "gateway" in stages:
+        rates["gateway"] = gateway_stage(args.threads, args.parallel, args.n_ctx, levels, args.tokens)
+    print(table(rates, levels, args))
+
+
+def raw_reference(raw: RawDecoder, n: int, tokens: int) -> float:
+    """``raw``'s decode with ggml's reference matmuls on for the whole run (``cpu_kernels``), if they can be had."""
+    import llama_cpp as lib
+
+    from meshgate.backends.llama_cpp.cpu_kernels import ReferenceKernels, cpu_backend
+
+    made, free = lib.llama_init_from_model, lib.llama_free
+    kernels: list[ReferenceKernels] = []
+
+    def init(model, params):  # the raw loop's context, with the reference kernels on for its whole run
+        ctx = made(model, params)
+        backend = cpu_backend(ctx)
+        if backend is not None:
+            kernels.append(ReferenceKernels(backend))
+            kernels[-1].__enter__()
+        return ctx
+
+    def release(ctx):  # off again before the context (and its backend) goes
+        while kernels:
+            kernels.pop().__exit__(None, None, None)
+        free(ctx)
+
+    lib.llama_init_from_model, lib.llama_free = init, release
+    try:
+        return raw.decode_rate(n, tokens, PROMPTS)
+    finally:
+        lib.llama_init_from_model, lib.llama_free = made, free
+
+
+def table(rates: dict[str, dict[int, float]], levels: list[int], args: argparse.Namespace) -> str:
+    base = rates.get("raw", {})
+    lines = [
+        f"Gemma 3 270M Q4_K_M, greedy, {args.tokens} tokens a stream, {args.threads} llama.cpp threads, "
+        f"{args.parallel} slots; decode rate in tok/s (x raw; ms a step more than raw)",
+        "| stage | " + " | ".join(f"{n} stream{'s' if n > 1 else ''}" for n in levels) + " |",
+        "|---" * (len(levels) + 1) + "|",
+    ]
+    for stage, by_level in rates.items():
+        cells = []
+        for n in levels:
+            rate = by_level[n]
+            if stage == "raw" or n not in base:
+                cells.append(f"{rate:.1f}")
+            else:
+                extra = (n / rate - n / base[n]) * 1000
+                cells.append(f"{rate:.1f} ({rate / base[n]:.2f}x; {extra:+.2f} ms)")
+        lines.append(f"| {stage} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    main()

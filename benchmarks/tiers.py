@@ -1,0 +1,356 @@
+"""Service tiers: a batch job in the capacity interactive clients leave, and a gateway killed halfway through one.
+
+    .venv/bin/python benchmarks/tiers.py [--lines 500] [--clients 4] [--rounds 4] [--json]
+    .venv/bin/python benchmarks/tiers.py --lines 60 --rounds 3 --kill-lines 60      # ~10 minutes on 2 cores
+
+Starts a gateway on the packaged Gemma 3 270M GGUF (``meshgate serve``, ``MESHGATE_PARALLEL`` lanes, ``--spares``
+spare sequences: ``MESHGATE_BATCH_SPARES``; ``MESHGATE_BATCH_CONCURRENCY`` = the lanes) and measures, from the
+client:
+
+1. **idle**: ``--clients`` interactive clients chat at once, ``--rounds`` streamed greedy requests each, one after
+   another: time to first token (request sent to first content chunk), p50 and p99;
+2. **batch alone**: a batch of ``--lines`` short chat lines (greedy, ``max_tokens`` ``--line-tokens``) through the
+   OpenAI Batch API (``/v1/files`` + ``/v1/batches``, polled): lines/s and completion tokens/s from creation to
+   completion: the runner's capacity with no interactive load;
+3. **batch + interactive**: the same batch again with the same clients chatting while it runs: their TTFT against
+   the idle figures, and the batch's lines/s and tokens/s against (2);
+4. **killed halfway** (``--kill-lines``, 0 to skip): Redis, one ``meshgate node`` agent holding the runner, and two
+   gateways on the store. A batch is created on gateway A; when half its lines are done A is SIGKILLed and started
+   again; its claimed lines run again once their lease (``MESHGATE_BATCH_LEASE``, ``--lease``) runs out. The
+   output and error files must answer every ``custom_id`` exactly once. (Without Redis batch jobs live in the
+   gateway's memory and die with it: the restart part needs the store.)
+
+Every loop is bounded by ``--timeout``. The figures depend on the machine and on what else runs on it: on a shared
+box they are noisy.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import io
+import json
+import os
+import signal
+import statistics
+import sys
+import tempfile
+import time
+from collections import Counter
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import httpx
+
+from meshgate.gateway.cli.bench import percentile  # the nearest-rank quantile `meshgate bench` reports
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+MODEL = "gemma3:270m"
+CHATS = [
+    "Explain how a hash table works.",
+    "What causes the seasons on Earth?",
+    "Describe a relaxing weekend in the mountains.",
+    "Give three tips for writing clear documentation.",
+    "What is the difference between a process and a thread?",
+    "How does photosynthesis work?",
+]
+SECRET = "tiers-benchmark"  # the runners' secret, to read their /health
+TOPICS = ["rivers", "owls", "bridges", "tea", "comets", "maps", "bees", "clocks", "salt", "kites", "ferns", "glass"]
+
+
+@dataclass
+class Phase:
+    name: str
+    ttft_p50: float | None = None
+    ttft_p99: float | None = None
+    chats: int = 0
+    lines: int = 0
+    wall_s: float = 0.0
+    lines_s: float | None = None
+    tokens_s: float | None = None
+    answered_once: bool | None = None
+    notes: list[str] = field(default_factory=list)
+
+
+# --------------------------------------------------------------------------------------------- interactive clients
+
+
+async def chat(client: httpx.AsyncClient, prompt: str, tokens: int) -> float:
+    """One streamed greedy chat; returns its time to first content chunk."""
+    body = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": prompt}],
+        "max_tokens": tokens,
+        "temperature": 0,
+        "stream": True,
+    }
+    started = time.perf_counter()
+    first = None
+    async with client.stream("POST", "/v1/chat/completions", json=body) as response:
+        if response.status_code != 200:
+            raise RuntimeError(f"HTTP {response.status_code}: {(await response.aread())[:200]!r}")
+        async for line in response.aiter_lines():
+            if first is None and line.startswith("data: {") and '"content":"' in line.replace(" ", ""):
+                chunk = json.loads(line[6:])
+                if chunk.get("choices") and chunk["choices"][0]["delta"].get("content"):
+                    first = time.perf_counter() - started
+    if first is None:
+        raise RuntimeError("no content")
+    return first
+
+
+async def clients(url: str, n: int, rounds: int, tokens: int, timeout: float) -> list[float]:
+    """``n`` clients, ``rounds`` chats each one after another: every chat's TTFT."""
+
+    async def one(i: int) -> list[float]:
+        async with httpx.AsyncClient(base_url=url, timeout=timeout) as client:
+            return [await chat(client, CHATS[(i + r) % len(CHATS)] + f" ({i}.{r})", tokens) for r in range(rounds)]
+
+    return [t for ts in await asyncio.gather(*(one(i) for i in range(n))) for t in ts]
+
+
+# ------------------------------------------------------------------------------------------------------ batch jobs
+
+
+def lines(n: int, tokens: int) -> list[dict]:
+    return [
+        {
+            "custom_id": f"line-{i}",
+            "method": "POST",
+            "url": "/v1/chat/completions",
+            "body": {
+                "model": MODEL,
+                "messages": [{"role": "user", "content": f"One sentence about {TOPICS[i % len(TOPICS)]} ({i})."}],
+                "max_tokens": tokens,
+                "temperature": 0,
+            },
+        }
+        for i in range(n)
+    ]
+
+
+def create_batch(url: str, rows: list[dict]) -> str:
+    data = "\n".join(json.dumps(row) for row in rows).encode()
+    files = {"file": ("lines.jsonl", io.BytesIO(data), "application/jsonl")}
+    uploaded = httpx.post(f"{url}/v1/files", files=files, data={"purpose": "batch"}, timeout=60)
+    uploaded.raise_for_status()
+    body = {"input_file_id": uploaded.json()["id"], "endpoint": "/v1/chat/completions", "completion_window": "24h"}
+    created = httpx.post(f"{url}/v1/batches", json=body, timeout=60)
+    created.raise_for_status()
+    return str(created.json()["id"])
+
+
+def batch_state(url: str, batch_id: str) -> dict:
+    answer = httpx.get(f"{url}/v1/batches/{batch_id}", timeout=30)
+    answer.raise_for_status()
+    return dict(answer.json())
+
+
+async def wait_batch(url: str, batch_id: str, timeout: float) -> dict:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        state = await asyncio.to_thread(batch_state, url, batch_id)
+        if state["status"] in ("completed", "failed", "expired", "cancelled"):
+            return state
+        await asyncio.sleep(0.5)
+    raise RuntimeError(f"batch {batch_id} did not finish in {timeout:g} s")
+
+
+def results(url: str, state: dict) -> list[dict]:
+    """The output and error files' rows."""
+    rows = []
+    for key in ("output_file_id", "error_file_id"):
+        if state.get(key):
+            text = httpx.get(f"{url}/v1/files/{state[key]}/content", timeout=60).text
+            rows += [json.loads(line) for line in text.splitlines() if line.strip()]
+    return rows
+
+
+def tokens_of(rows: list[dict]) -> int:
+    return sum(
+        ((row.get("response") or {}).get("body") or {}).get("usage", {}).get("completion_tokens", 0) for row in rows
+    )
+
+
+def exactly_once(rows: list[dict], n: int) -> tuple[bool, str]:
+    seen = Counter(row["custom_id"] for row in rows)
+    missing = [f"line-{i}" for i in range(n) if f"line-{i}" not in seen]
+    twice = [cid for cid, k in seen.items() if k > 1]
+    errors = sum(1 for row in rows if row.get("error") or (row.get("response") or {}).get("status_code") != 200)
+    return (
+        not missing and not twice,
+        f"{len(seen)} answered, {len(missing)} missing, {len(twice)} twice, {errors} errors",
+    )
+
+
+async def run_batch(url: str, n: int, tokens: int, timeout: float, name: str) -> tuple[Phase, float, float]:
+    """A batch of ``n`` lines from creation to completion: the phase, when it was created and when it ended."""
+    rows = lines(n, tokens)
+    started = time.perf_counter()
+    batch_id = await asyncio.to_thread(create_batch, url, rows)
+    state = await wait_batch(url, batch_id, timeout)
+    ended = time.perf_counter()
+    got = await asyncio.to_thread(results, url, state)
+    once, note = exactly_once(got, n)
+    wall = ended - started
+    phase = Phase(name, lines=n, wall_s=wall, lines_s=n / wall, tokens_s=tokens_of(got) / wall, answered_once=once)
+    phase.notes.append(f"{state['status']}: {note}")
+    return phase, started, ended
+
+
+def ttft(phase: Phase, times: list[float]) -> Phase:
+    phase.chats = len(times)
+    phase.ttft_p50, phase.ttft_p99 = statistics.median(times), percentile(times, 99)
+    return phase
+
+
+# ----------------------------------------------------------------------------------------------------- the phases
+
+
+def gateway_env(args: argparse.Namespace) -> dict[str, str]:
+    return {
+        "MESHGATE_PARALLEL": str(args.parallel),
+        "MESHGATE_BATCH_SPARES": str(args.spares),
+        "MESHGATE_BATCH_CONCURRENCY": str(args.parallel),
+        "MESHGATE_BATCH_LEASE": str(args.lease),
+        "MESHGATE_EXACT_BATCHES": "1",
+        "MESHGATE_CLUSTER_SECRET": SECRET,
+    }
+
+
+async def tiers(url: str, args: argparse.Namespace, say) -> list[Phase]:
+    await clients(url, 1, 1, 4, args.timeout)  # loads the model
+    phases = [ttft(Phase("idle"), await clients(url, args.clients, args.rounds, args.chat_tokens, args.timeout))]
+    say(row(phases[-1]))
+    alone, _, _ = await run_batch(url, args.lines, args.line_tokens, args.timeout, "batch alone")
+    phases.append(alone)
+    say(row(alone))
+    batch = asyncio.create_task(run_batch(url, args.lines, args.line_tokens, args.timeout, "batch + chats"))
+    await asyncio.sleep(2.0)  # the batch's lanes are taken
+    chats = await clients(url, args.clients, args.rounds, args.chat_tokens, args.timeout)
+    mixed, _, _ = await batch
+    phases.append(ttft(mixed, chats))
+    mixed.notes.append(f"TTFT x{mixed.ttft_p50 / phases[0].ttft_p50:.2f} (p50) of idle")  # type: ignore[operator]
+    mixed.notes.append(f"throughput {mixed.lines_s / alone.lines_s:.0%} of the batch alone")  # type: ignore[operator]
+    say(row(mixed))
+    health = runner_health(url)
+    mixed.notes.append(f"runner: {health.get('paused_batch_jobs', '?')} batch jobs paused in all")
+    return phases
+
+
+def runner_health(url: str) -> dict:
+    """The model's runner's ``/health`` (its scheduler's figures), or ``{}``."""
+    try:
+        instance = next(i for i in httpx.get(f"{url}/instances", timeout=10).json() if i["model"] == MODEL)
+        runner = next(r["url"] for r in instance["runners"].values() if r.get("url"))
+        return dict(httpx.get(f"{runner}/health", headers={"x-meshgate-secret": SECRET}, timeout=10).json())
+    except (httpx.HTTPError, ValueError, StopIteration, KeyError, TypeError):
+        return {}
+
+
+def killed_halfway(data_dir: Path, args: argparse.Namespace, say) -> Phase:
+    from tests.cluster.redis_server import RedisServer
+    from tests.cluster.test_cluster_e2e import Agent, wait_for
+    from tests.conftest import Server
+
+    phase = Phase("gateway killed halfway", lines=args.kill_lines)
+    env = {**gateway_env(args), "MESHGATE_HEARTBEAT": "0.3", "MESHGATE_NODE_TTL": "1.5", "MESHGATE_THREADS": "2"}
+    work = Path(tempfile.mkdtemp(prefix="meshgate-tiers-"))
+    gateways: list[Server] = []
+    agent = None
+    with RedisServer(work / "redis") as redis:
+        try:
+            agent = Agent(redis.url, "a", data_dir, work, n_ctx=args.n_ctx, env=env, memory=str(3 << 30))
+            args_ = ("--redis", redis.url, "--n-ctx", str(args.n_ctx))
+            gateways += [Server(data_dir, *args_, env=env) for _ in range(2)]
+            wait_for(lambda: httpx.get(f"{gateways[0].url}/cluster").json()["nodes"], 60, "the node")
+            r = httpx.post(f"{gateways[0].url}/instances", json={"model": MODEL}, timeout=120)
+            assert r.status_code == 201, r.text
+            asyncio.run(clients(gateways[0].url, 1, 1, 4, args.timeout))  # ready
+            batch_id = create_batch(gateways[0].url, lines(args.kill_lines, args.line_tokens))
+            started = time.perf_counter()
+            half = args.kill_lines // 2
+            wait_for(
+                lambda: batch_state(gateways[1].url, batch_id)["request_counts"]["completed"] >= half, args.timeout
+            )
+            done = batch_state(gateways[1].url, batch_id)["request_counts"]
+            gateways[0].proc.send_signal(signal.SIGKILL)
+            gateways[0].proc.wait()
+            say(f"  killed gateway A at {done['completed']}/{args.kill_lines} lines; restarting it")
+            gateways[0] = Server(data_dir, *args_, env=env)
+            state = asyncio.run(wait_batch(gateways[0].url, batch_id, args.timeout))
+            phase.wall_s = time.perf_counter() - started
+            rows = results(gateways[1].url, state)
+            phase.answered_once, note = exactly_once(rows, args.kill_lines)
+            phase.lines_s, phase.tokens_s = args.kill_lines / phase.wall_s, tokens_of(rows) / phase.wall_s
+            phase.notes.append(f"{state['status']}: {note}; A killed at {done['completed']} done")
+        finally:
+            for gateway in gateways:
+                gateway.stop()
+            if agent is not None:
+                agent.stop()
+    say(row(phase))
+    return phase
+
+
+def row(p: Phase) -> str:
+    def f(x: float | None, spec: str) -> str:
+        return format(x, spec) if x is not None else "-"
+
+    once = "-" if p.answered_once is None else ("yes" if p.answered_once else "NO")
+    return (
+        f"{p.name:<24} {f(p.ttft_p50, '.3f'):>8} {f(p.ttft_p99, '.3f'):>8} {p.chats:>5} {p.lines:>5} "
+        f"{f(p.wall_s, '.1f'):>7} {f(p.lines_s, '.2f'):>7} {f(p.tokens_s, '.1f'):>7} {once:>5}  {'; '.join(p.notes)}"
+    )
+
+
+HEADER = (
+    f"{'phase':<24} {'TTFT p50':>8} {'p99':>8} {'chats':>5} {'lines':>5} {'wall s':>7} {'lines/s':>7} "
+    f"{'tok/s':>7} {'once':>5}  notes"
+)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--lines", type=int, default=500, help="lines of the measured batch")
+    parser.add_argument("--line-tokens", type=int, default=16, help="max_tokens of each batch line (greedy)")
+    parser.add_argument("--clients", type=int, default=4, help="interactive clients")
+    parser.add_argument("--rounds", type=int, default=4, help="chats each client sends one after another")
+    parser.add_argument("--chat-tokens", type=int, default=24, help="max_tokens of each chat (greedy)")
+    parser.add_argument("--parallel", type=int, default=4, help="MESHGATE_PARALLEL: the runner's decode lanes")
+    parser.add_argument("--spares", type=int, default=4, help="MESHGATE_BATCH_SPARES: sequences for interactive")
+    parser.add_argument("--lease", type=float, default=5.0, help="MESHGATE_BATCH_LEASE, seconds")
+    parser.add_argument("--kill-lines", type=int, default=100, help="lines of the killed-halfway batch (0: skip)")
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--n-ctx", type=int, default=1024)
+    parser.add_argument("--timeout", type=float, default=1800.0, help="seconds any one phase may take")
+    parser.add_argument("--json", action="store_true", help="print the results as one JSON object")
+    args = parser.parse_args()
+    data_dir = Path(os.environ.get("MESHGATE_TEST_DATA", ROOT / ".cache" / "test-data"))
+    data_dir.mkdir(parents=True, exist_ok=True)
+    say = (lambda *a: print(*a, file=sys.stderr, flush=True)) if args.json else (lambda *a: print(*a, flush=True))
+
+    from benchmarks.concurrency import calibrated
+    from tests.conftest import Server
+
+    say(HEADER)
+    started = time.perf_counter()
+    server = Server(data_dir, "--threads", str(args.threads), "--n-ctx", str(args.n_ctx), env=gateway_env(args))
+    try:
+        calibrated(server.url, args.timeout, say)
+        phases = asyncio.run(tiers(server.url, args, say))
+    finally:
+        server.stop()
+    if args.kill_lines:
+        phases.append(killed_halfway(data_dir, args, say))
+    summary = {"settings": vars(args), "phases": [asdict(p) for p in phases], "took_s": time.perf_counter() - started}
+    if args.json:
+        print(json.dumps(summary, indent=2))
+    else:
+        print(f"\n{HEADER}\n" + "\n".join(row(p) for p in phases) + f"\n(took {summary['took_s']:.0f} s)")
+
+
+if __name__ == "__main__":
+    main()

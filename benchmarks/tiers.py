@@ -31,6 +31,7 @@ import asyncio
 import io
 import json
 import os
+import shutil
 import signal
 import statistics
 import sys
@@ -291,6 +292,7 @@ def killed_halfway(data_dir: Path, args: argparse.Namespace, say) -> Phase:
                 gateway.stop()
             if agent is not None:
                 agent.stop()
+    shutil.rmtree(work, ignore_errors=True)
     say(row(phase))
     return phase
 

@@ -31,6 +31,7 @@ FIELDS = [
     "ttft_ms",
     "duration_ms",
     "instance",
+    "class",  # the request's priority class (interactive or batch)
 ]
 _PAIR = re.compile(r'(\w+)=("(?:[^"\\]|\\.)*"|\S+)')
 

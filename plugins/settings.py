@@ -134,8 +134,8 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
         batch_spares: Sequences a llama.cpp runner holds beyond its ``parallel`` slots, each with a whole-context
             KV cache (the planner counts them): while batch-class requests hold slots, that many interactive
             requests more are sent to it, and it pauses as many batch sequences at a step boundary (their KV kept
-            in their sequences) until a slot frees up; their text is unchanged. 0: interactive requests wait for a
-            free slot instead.
+            in their sequences) until a slot frees up; their text is unchanged. 0 (the default: each spare costs a
+            whole context's KV, and placements stay as they were): interactive requests wait for a free slot.
         batch_concurrency: Lines of batch jobs (``/v1/batches``, ``/v1/messages/batches``) one gateway runs at once.
         batch_lease: Seconds a gateway's claim on a batch line lasts unless renewed (it is renewed every third of
             that while the line runs); a line whose gateway died is run again by another once its lease expires.
@@ -192,7 +192,7 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     kv_sharing: Literal["tenant", "all"] = "tenant"
     default_priority: Literal["interactive", "batch"] = "interactive"
     batch_aging: Annotated[float, msgspec.Meta(ge=0)] = 30.0
-    batch_spares: Annotated[int, msgspec.Meta(ge=0)] = 1
+    batch_spares: Annotated[int, msgspec.Meta(ge=0)] = 0
     batch_concurrency: Annotated[int, msgspec.Meta(ge=1)] = 4
     batch_lease: Annotated[float, msgspec.Meta(gt=0)] = 30.0
     batch_max_bytes: Annotated[int, msgspec.Meta(ge=1)] = 64 << 20

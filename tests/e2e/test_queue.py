@@ -72,7 +72,14 @@ async def test_overflow_is_refused_at_once_in_each_protocol(server):
             asyncio.create_task(http.post("/v1/chat/completions", json=_chat("hello"))) for _ in range(MAX_QUEUE)
         ]
         queue = await _until(server, queued=MAX_QUEUE)
-        assert queue == {"active": 1, "queued": MAX_QUEUE, "parallel": 1, "max_queue": MAX_QUEUE}
+        assert queue == {
+            "active": 1,
+            "queued": MAX_QUEUE,
+            "parallel": 1,
+            "max_queue": MAX_QUEUE,
+            "batch_active": 0,  # the batch class's own (none here: every request is interactive)
+            "batch_queued": 0,
+        }
         listed = next(i for i in (await http.get("/instances")).json() if i["model"] == "scripted")
         assert listed["queue"]["queued"] == MAX_QUEUE, "the instances list shows the queue too"
 

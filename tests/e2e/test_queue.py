@@ -117,6 +117,8 @@ async def test_overflow_is_refused_at_once_in_each_protocol(server):
             "queued": 0,
             "parallel": 1,
             "max_queue": MAX_QUEUE,
+            "batch_active": 0,
+            "batch_queued": 0,
         }
 
 

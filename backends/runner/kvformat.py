@@ -82,37 +82,39 @@ def encode(entry: Entry, namespace: str) -> list[Any]:
 
 def read_header(f: BinaryIO) -> dict[str, Any]:
     """The JSON header of the entry ``f`` starts with (``f`` is left at its body)."""
-    fixed = f.read(_FIXED.size)
+    return _header(f.read)
+
+
+def parse(data: bytearray | memoryview) -> tuple[dict[str, Any], memoryview]:
+    """The JSON header and the body of the entry ``data`` holds whole (a peer's transfer), without copying it."""
+    view = memoryview(data).cast("B")
+    at = 0
+
+    def read(n: int) -> bytes:
+        nonlocal at
+        piece = bytes(view[at : at + n])
+        at += len(piece)
+        return piece
+
+    header = _header(read)
+    return header, view[at:]
+
+
+def _header(read: Callable[[int], bytes]) -> dict[str, Any]:
+    """The fixed header's checks and the JSON header, read with ``read(n)`` (at most ``n`` bytes)."""
+    fixed = read(_FIXED.size)
     if len(fixed) != _FIXED.size:
         raise ValueError("shorter than its header")
     magic, version, length = _FIXED.unpack(fixed)
     if magic != MAGIC or version != FORMAT:
         raise ValueError(f"not a meshgate KV entry of format {FORMAT}")
-    raw = f.read(length)
+    raw = read(length)
     if len(raw) != length:
         raise ValueError("shorter than its header")
     header = json.loads(raw)
     if not isinstance(header, dict):
         raise ValueError("its header is not an object")
     return header
-
-
-def parse(data: bytearray | memoryview) -> tuple[dict[str, Any], memoryview]:
-    """The JSON header and the body of the entry ``data`` holds whole (a peer's transfer), without copying it."""
-    view = memoryview(data).cast("B")
-    fixed = bytes(view[: _FIXED.size])
-    if len(fixed) != _FIXED.size:
-        raise ValueError("shorter than its header")
-    magic, version, length = _FIXED.unpack(fixed)
-    if magic != MAGIC or version != FORMAT:
-        raise ValueError(f"not a meshgate KV entry of format {FORMAT}")
-    end = _FIXED.size + length
-    if len(view) < end:
-        raise ValueError("shorter than its header")
-    header = json.loads(bytes(view[_FIXED.size : end]))
-    if not isinstance(header, dict):
-        raise ValueError("its header is not an object")
-    return header, view[end:]
 
 
 def decode(

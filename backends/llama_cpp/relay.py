@@ -26,6 +26,7 @@ import os
 import queue
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -175,7 +176,7 @@ class Pushed:
         self.started = time.perf_counter_ns()
         self.first_token_at: int | None = None
         self.ping_at = time.monotonic() + PREFILL_PING
-        self.replayed = [(token, REPLAYED) for token in request.resume]
+        self.replayed = deque((token, REPLAYED) for token in request.resume)
         self.done = False
 
     def poll(self) -> tuple[list[Event], bool]:
@@ -183,7 +184,7 @@ class Pushed:
         then ``Finished``, or ``Failed``; none after a cancel)."""
         text, job, events = self.text, self.job, []
         while self.replayed and not text.stopped:
-            events += text.token(*self.replayed.pop(0))
+            events += text.token(*self.replayed.popleft())
         while not text.stopped:
             try:
                 item = job.out.get_nowait()

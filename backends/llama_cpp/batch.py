@@ -59,10 +59,12 @@ the way llama.cpp's own server drives its slots:
   interactive job waits, a slot is free and every lane is taken while batch jobs hold some, the batch job admitted
   last is paused at the step boundary: it keeps its slot and its KV stream untouched, and steps skip it. Paused
   jobs resume, oldest first, as lanes free up with no interactive job waiting for them (waiting batch jobs come
-  after them). Keeping the KV in its own sequence is what makes this exact: the job's next decode sees the cells
-  it left, and decode rows do not depend on their neighbours (above), so its greedy text is byte for byte the
-  undisturbed run's; restoring a saved state elsewhere would not be (the tier's ends, below). A paused job's
-  client sees a longer gap between two tokens; cancelled, it leaves at the next step. ``stats`` counts pauses.
+  after them); one paused ``aging`` seconds (``PAUSE_AGING``) takes the next free lane before interactive jobs and
+  is not paused again, so a steady interactive load never starves a batch job. Keeping the KV in its own
+  sequence is what makes this exact: the job's next decode sees the cells it left, and decode rows do not depend
+  on their neighbours (above), so its greedy text is byte for byte the undisturbed run's; restoring a saved
+  state elsewhere would not be (the tier's ends, below). A paused job's client sees a longer gap between two
+  tokens; cancelled, it leaves at the next step. ``stats`` counts pauses.
 - With a KV tier (``kvstate.Keeper``, ``runner.kvtier``), a job whose ``restore`` (a tier hit) holds more of its
   prompt than any slot restores it into the free slot used longest ago and prefills the rest from there: from a
   restore point (a multiple of ``CHUNK``, or where the kept prompt's last chunk started: multiples of 256, so the
@@ -157,6 +159,10 @@ numbers (and so its greedy text) depend on what the slot held before (see above)
 CHUNK = 512
 """Prompt tokens per step (``Llama``'s ``n_batch``: the chunks ``Llama.eval`` feeds one sequence's prompt in)."""
 
+PAUSE_AGING = 30.0
+"""Seconds a paused batch job waits at most: then it takes the next free lane before waiting interactive jobs and
+is not paused again (the gateway's admission ages waiting batch requests the same way: bulk work never starves)."""
+
 PREEMPTIONS = 1
 """Times one prompt chunk may be stopped for a newcomer: each costs up to a chunk's work, done again."""
 
@@ -191,6 +197,8 @@ class Job:
     wake: Callable[[], None] | None = None  # its reader polls: called once a step it has tokens (``relay.Pushed``)
     batch: bool = False  # the batch class: paused for an interactive job when every decode lane is taken
     paused: bool = False  # kept in its slot (its KV with it) and skipped by the steps until a lane frees up
+    paused_at: float = 0.0  # monotonic time of its last pause
+    aged: bool = False  # resumed after waiting ``PAUSE_AGING``: not paused again
 
     def gone(self) -> bool:
         """The client went away or the engine has what it needs: the job leaves at the next step."""
@@ -227,17 +235,19 @@ class Scheduler:
         tier: KVTier | None = None,
         exact: bool = True,
         spares: int = 0,
+        aging: float = PAUSE_AGING,
     ) -> None:
         """``fair=False`` prefills oldest first and never stops a chunk (the policy before this one), to compare
         (``benchmarks/prefill.py``). ``exact``: a long prompt reuses a slot's cache only where that gives cold's
         numbers (``_reusable``). ``spares``: sequences beyond the ``parallel`` that decode each step, where batch
-        jobs are paused for interactive ones (``Job.batch``)."""
+        jobs are paused for interactive ones (``Job.batch``), ``aging`` seconds at most each (``PAUSE_AGING``)."""
         import llama_cpp as lib
 
         self._lib = lib
         self.n_ctx = n_ctx
         self.parallel = parallel  # decode lanes: sequences that run in one step at most
         self.spares = spares = max(0, spares)
+        self.aging = aging
         self.group = max(1, group)  # sequences decoded in one call at most
         self.n_batch = n_batch = CHUNK + parallel
         self.is_eog = is_eog
@@ -353,16 +363,22 @@ class Scheduler:
         for slot in self.slots:
             if slot.job is not None and slot.job.paused and slot.job.gone():
                 self._release(slot, "cancelled")
+        overdue = time.monotonic() - self.aging
         while True:
             free = any(slot.job is None for slot in self.slots)
             lanes = self.parallel - sum(slot.job is not None and not slot.job.paused for slot in self.slots)
             head = self.waiting[0] if self.waiting else None
+            paused = [slot.job for slot in self.slots if slot.job is not None and slot.job.paused]
+            aged = [job for job in paused if job.paused_at <= overdue]
+            if aged and lanes > 0:  # waited long enough: before interactive jobs, and not paused again
+                job = min(aged, key=lambda j: j.admitted)
+                job.paused, job.aged = False, True
+                continue
             if head is not None and not head.batch and free and (lanes > 0 or self._pause()):
                 self._place(self.waiting.popleft())
                 continue
             if lanes <= 0:
                 return
-            paused = [slot.job for slot in self.slots if slot.job is not None and slot.job.paused]
             if paused:  # its KV never left its sequence: it goes on at its next step as if never stopped
                 min(paused, key=lambda j: j.admitted).paused = False
                 continue
@@ -372,10 +388,12 @@ class Scheduler:
 
     def _pause(self) -> bool:
         """Pause the running batch job admitted last (it has the least done), if any: it keeps its slot."""
-        running = [slot.job for slot in self.slots if slot.job is not None and slot.job.batch and not slot.job.paused]
+        jobs = [slot.job for slot in self.slots if slot.job is not None]
+        running = [job for job in jobs if job.batch and not job.paused and not job.aged]
         if not running:
             return False
-        max(running, key=lambda j: j.admitted).paused = True
+        job = max(running, key=lambda j: j.admitted)
+        job.paused, job.paused_at = True, time.monotonic()
         self.pauses += 1
         return True
 

@@ -27,7 +27,7 @@ from typing import Any
 import msgspec
 import numpy as np
 
-from meshgate.backends.llama_cpp.batch import CHUNK, MIN_REUSE, Job, Scheduler, decode_group
+from meshgate.backends.llama_cpp.batch import CHUNK, MIN_REUSE, PAUSE_AGING, Job, Scheduler, decode_group
 from meshgate.backends.llama_cpp.embed import Embedder
 from meshgate.backends.llama_cpp.grammar import FORMAT_OPTIONS, JSON_OBJECT, Grammars
 from meshgate.backends.llama_cpp.kvstate import ALIGN
@@ -96,6 +96,7 @@ class LlamaEngine:
         repack: bool = False,
         parallel: int = PARALLEL,
         spares: int = 0,
+        batch_aging: float = PAUSE_AGING,
         exact: bool = True,
         kv_ram: int = 0,
         kv_dir: str | None = None,
@@ -106,10 +107,11 @@ class LlamaEngine:
         order) the blocks are split over llama.cpp RPC workers. ``repack`` lets llama.cpp repack CPU weights
         (faster on some CPUs, but different numerics from a split run). Each of the ``parallel`` sequences holds
         up to ``n_ctx`` tokens, and ``spares`` more sequences hold batch-class requests paused for interactive ones
-        (``batch.Scheduler``); ``exact`` decodes them so each row gets its single-sequence numbers: all in one
-        call on ggml's reference matmuls (``cpu_kernels``) when the whole model is local and not repacked, else in
-        groups of ``DECODE_GROUP`` while ggml's tiled K-quant kernel is on (see ``batch.decode_group``); ``False``
-        decodes all in one call with the kernels as they are (greedy text may then depend on the load).
+        (``batch.Scheduler``), ``batch_aging`` seconds at most each; ``exact`` decodes them so each row gets its
+        single-sequence numbers: all in one call on ggml's reference matmuls (``cpu_kernels``) when the whole model
+        is local and not repacked, else in groups of ``DECODE_GROUP`` while ggml's tiled K-quant kernel is on (see
+        ``batch.decode_group``); ``False`` decodes all in one call with the kernels as they are (greedy text may
+        then depend on the load).
 
         ``kv_ram`` bytes of host memory and ``kv_disk`` bytes of ``kv_dir`` keep prompts' KV (``runner.kvtier``);
         ``digest`` names the model's weights for the tiers' namespace (else the file's path, size and mtime). Not
@@ -163,6 +165,7 @@ class LlamaEngine:
             tier=self.tier,
             exact=exact,
             spares=spares,
+            aging=batch_aging,
         )
         threading.Thread(target=self.scheduler.run, name="llama-scheduler", daemon=True).start()
         self.load_ns = time.perf_counter_ns() - started

@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
+from meshgate.backends.llama_cpp.batch import PAUSE_AGING
 from meshgate.backends.llama_cpp.engine import PARALLEL, LlamaEngine
 from meshgate.backends.runner.server import FAILED_LINE, serve
 
@@ -38,6 +40,12 @@ def main(argv: list[str] | None = None) -> None:
         help="sequences beyond --parallel where batch-class requests are paused for interactive ones",
     )
     parser.add_argument(
+        "--batch-aging",
+        type=float,
+        default=float(os.environ.get("MESHGATE_BATCH_AGING") or PAUSE_AGING),  # the gateway's admission setting
+        help="seconds a paused batch-class request waits at most before it goes on",
+    )
+    parser.add_argument(
         "--inexact",
         action="store_true",
         help="decode every sequence in one call with llama.cpp's kernels as they are: faster, "
@@ -58,6 +66,7 @@ def main(argv: list[str] | None = None) -> None:
             repack=args.repack,
             parallel=args.parallel,
             spares=args.spares,
+            batch_aging=args.batch_aging,
             exact=not args.inexact,
             kv_ram=args.kv_ram,
             kv_dir=args.kv_dir,

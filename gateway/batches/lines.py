@@ -11,7 +11,7 @@ the error the endpoint would have answered, in its protocol's envelope, and the 
 batch class, so a greedy line's answer is the same text as the same request sent on its own; the answer (or the
 error) is encoded by the same codec. Each line is stored as ``{"custom_id", "body"}`` JSON.
 
-Imports the protocols' codecs, the dispatcher and the batch store's records.
+Imports the protocols' codecs, the dispatcher, the batch store's records and the telemetry record.
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ from meshgate.gateway.cluster.batch_store import Job, LineResult, Outcome
 from meshgate.gateway.serving.context_fit import Fit
 from meshgate.gateway.serving.dispatch import Dispatcher
 from meshgate.gateway.serving.streams import aclose
+from meshgate.gateway.telemetry.record import RequestRecord, bind, unbind
 from meshgate.protocols import anthropic, openai, openai_completions, openai_embeddings, openai_responses
 from meshgate.protocols.model import GatewayError, InvalidRequest, Meta, Overloaded, Request, collect, decode_body
 
@@ -201,19 +202,34 @@ def model_of(line: bytes) -> str | None:
     return model if isinstance(model, str) else None
 
 
-async def run(dispatcher: Dispatcher, job: Job, index: int, line: bytes) -> LineResult:
+async def run(
+    dispatcher: Dispatcher, job: Job, index: int, line: bytes, report: Callable[[RequestRecord], None] | None = None
+) -> LineResult:
     """One line answered through the dispatcher at the batch class, for the job's owner (module docstring).
-    ``Overloaded`` is raised (the worker tries the line again later); any other error is the line's result."""
-    codec = _CODECS["/v1/messages" if job.api == "anthropic" else job.endpoint]
+    ``Overloaded`` is raised (the worker tries the line again later); any other error is the line's result.
+    ``report`` (the gateway's request telemetry) gets the line's ``RequestRecord``: its log line and metrics."""
+    endpoint = "/v1/messages" if job.api == "anthropic" else job.endpoint
+    codec = _CODECS[endpoint]
     stored = _line_json.decode(line)
     may_use: Callable[[str], bool] | None = (lambda name: name in job.models) if job.models else None
     request_id = _request_id()
+    record = RequestRecord(request_id) if report is not None else None
+    token = bind(record)
+    status, error = 500, b""  # until answered: an unexpected error is the worker's (it gives the line back)
     try:
         status, body = 200, await _answer(dispatcher, job, codec, bytes(stored.body), may_use)
     except Overloaded:  # a full queue: not the line's fault
+        record = None  # tried again later: the try that answers is the one reported
         raise
     except GatewayError as exc:
         status, body = codec.errors(exc)
+        error = body
+    finally:
+        unbind(token)
+        if record is not None and report is not None:
+            record.batch = job.id
+            record.ended("POST", endpoint, endpoint, status, job.api, error, job.owner)
+            report(record)
     outcome: Outcome = "succeeded" if status == 200 else "errored"
     return LineResult(
         index=index,

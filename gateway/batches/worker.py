@@ -13,7 +13,8 @@ A running line's claim is renewed every third of ``lease``; its result is writte
 this gateway's (``BatchStore.finish``), so a line that another gateway took over after a stall is answered once. A
 full queue (``Overloaded``) is not the line's fault: it is tried again after a pause, its claim kept. When the
 gateway stops, its running lines are cancelled and their claims given back, so another gateway takes them at once
-rather than after their lease.
+rather than after their lease. With ``report`` set (the app sets its request telemetry's ``add``), every line
+answered is logged and counted in ``/metrics`` as a request of its endpoint at the batch class.
 
 Imports the batch store, ``jobs`` and ``lines``, and the dispatcher's type.
 """
@@ -25,11 +26,13 @@ import contextlib
 import logging
 import secrets
 import time
+from collections.abc import Callable
 
 from meshgate.gateway.batches import jobs
 from meshgate.gateway.batches import lines as batch_lines
 from meshgate.gateway.cluster.batch_store import BatchStore, Job
 from meshgate.gateway.serving.dispatch import Dispatcher
+from meshgate.gateway.telemetry.record import RequestRecord
 from meshgate.protocols.model import Overloaded, StoreUnavailable
 
 __all__ = ["POLL", "BatchWorker"]
@@ -54,6 +57,7 @@ class BatchWorker:
         self.running: dict[tuple[str, int], asyncio.Task[None]] = {}
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
+        self.report: Callable[[RequestRecord], None] | None = None  # the request telemetry's ``add``: lines logged
 
     def start(self) -> None:
         self._task = asyncio.create_task(self._loop(), name="batch-worker")
@@ -126,7 +130,7 @@ class BatchWorker:
         try:
             while True:
                 try:
-                    result = await batch_lines.run(self.dispatcher, job, index, line)
+                    result = await batch_lines.run(self.dispatcher, job, index, line, self.report)
                     break
                 except Overloaded:
                     await asyncio.sleep(BUSY_PAUSE)

@@ -63,6 +63,8 @@ def create_app(settings: Settings, plugins: pluggy.PluginManager, *, worker: int
             )
             app.state.dispatcher = plane.dispatcher
             app.state.plane = plane
+            if plane.batch_worker is not None:  # batch lines are logged and counted as requests
+                plane.batch_worker.report = app.state.telemetry.add
             accounts = open_accounts(settings.redis, settings.data_dir, timeout=settings.store_timeout)
             app.state.keyring = KeyRing(accounts, settings.api_keys, settings.rate_limit)
             keeping = asyncio.create_task(app.state.keyring.keep_seal(), name="keep-seal")

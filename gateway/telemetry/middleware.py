@@ -11,6 +11,8 @@ dispatcher fills as the request runs; when the app returns (after a stream's las
     class=interactive
 
 (one line; ``-`` where a field does not apply; ``class``, a generation's priority class, only on generations;
+``batch``, the job's id, only on a batch line's: each line is logged and counted as a request of its endpoint's,
+with no HTTP request of its own, its ``key`` the job's owner;
 ``worker``, the process's index under ``meshgate serve --workers N``, only there). A
 4xx/5xx line ends with ``error="..."``, the message the client got (read from the error body); a stream that
 failed after its 200 carries its ``Failed`` message there too.
@@ -120,11 +122,16 @@ class RequestTelemetry:
             if status and not complete and not record.error:
                 record.error = "the response was cut short (the client went away)"
             record.finished(scope, status or 499, error_body, protocol_of(scope["path"], scope["headers"]))
-            self._finished.append(record)
-            if len(self._finished) >= REPORT_MAX:
-                self.flush()
-            elif self._timer is None:
-                self._timer = asyncio.get_running_loop().call_later(REPORT_DELAY, self.flush)
+            self.add(record)
+
+    def add(self, record: RequestRecord) -> None:
+        """Report ``record``, finished (``RequestRecord.ended``), with the next batch of lines: a request's, or a
+        batch line's (``gateway.batches.worker`` runs lines outside any HTTP request)."""
+        self._finished.append(record)
+        if len(self._finished) >= REPORT_MAX:
+            self.flush()
+        elif self._timer is None:
+            self._timer = asyncio.get_running_loop().call_later(REPORT_DELAY, self.flush)
 
     def flush(self) -> None:
         """Log and count every finished request not reported yet."""
@@ -183,6 +190,8 @@ class RequestTelemetry:
             fields["worker"] = self.worker
         if record.klass is not None:
             fields["class"] = record.klass
+        if record.batch is not None:
+            fields["batch"] = record.batch
         if record.resumes:
             fields["resumes"], fields["resume_wait_ms"] = record.resumes, round(record.resume_wait * 1000)
         if record.cached_tokens:

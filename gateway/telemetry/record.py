@@ -35,6 +35,7 @@ class RequestRecord:
 
     __slots__ = (
         "asked",
+        "batch",
         "cache_note",
         "cached_tokens",
         "klass",
@@ -76,15 +77,22 @@ class RequestRecord:
         self.error: str | None = None  # why a stream that had started failed (the status was sent already)
         self.resumes = 0  # times the stream moved to another replica after its own failed (``gateway.serving.resume``)
         self.resume_wait = 0.0  # seconds the client waited for those moves
+        self.batch: str | None = None  # a batch line's job id (``gateway.batches``: no HTTP request of its own)
 
     def finished(self, scope: Any, status: int, error_body: bytes, protocol: str) -> None:
         """The response is done: what its report needs from the ASGI ``scope``, which is not kept."""
+        caller = scope.get("state", {}).get("caller")  # the auth guard's ``Caller``
+        endpoint = scope.get("path_template") or "other"  # Litestar's router sets it when a route matched
+        bucket = getattr(caller, "bucket", "")
+        self.ended(scope["method"], scope["path"], endpoint, status, protocol, error_body, bucket)
+
+    def ended(
+        self, method: str, path: str, endpoint: str, status: int, protocol: str, error_body: bytes, bucket: str
+    ) -> None:
+        """The request is done (``finished`` for an HTTP request; a batch line says its own)."""
         self.finished_at = time.perf_counter()
         self.status, self.error_body, self.protocol = status, error_body, protocol
-        self.method, self.path = scope["method"], scope["path"]
-        self.endpoint: str = scope.get("path_template") or "other"  # Litestar's router sets it when a route matched
-        caller = scope.get("state", {}).get("caller")  # the auth guard's ``Caller``
-        self.bucket: str = getattr(caller, "bucket", "")
+        self.method, self.path, self.endpoint, self.bucket = method, path, endpoint, bucket
 
 
 _current: contextvars.ContextVar[RequestRecord | None] = contextvars.ContextVar("meshgate_request", default=None)

@@ -10,6 +10,7 @@ import json
 import logging
 
 import anthropic
+import httpx
 import openai
 import pytest
 import uvicorn
@@ -206,3 +207,33 @@ async def test_an_anthropic_batch_cancelled_reports_canceled_lines(http):
     assert done.request_counts.canceled > 0 and done.request_counts.canceled + done.request_counts.succeeded == 6
     kinds = [r.result.type async for r in await ant.messages.batches.results(made.id)]
     assert set(kinds) <= {"succeeded", "canceled"} and len(kinds) == 6
+
+
+async def test_batch_lines_are_logged_and_counted_at_the_batch_class(http, caplog):
+    oai, ant = http
+    url = str(oai.base_url).removesuffix("/v1/")
+    content = _jsonl(_chat("a", "hello"), _chat("gone", "hello", model="no-such-model"))
+    uploaded = await oai.files.create(file=("in.jsonl", io.BytesIO(content)), purpose="batch")
+    with caplog.at_level(logging.INFO, logger="meshgate.requests"):
+        batch = await oai.batches.create(
+            input_file_id=uploaded.id, endpoint="/v1/chat/completions", completion_window="24h"
+        )
+
+        async def ended():
+            found = await oai.batches.retrieve(batch.id)
+            return found if found.status == "completed" else None
+
+        await _until(ended)
+        async with httpx.AsyncClient(base_url=url) as client:
+            metrics = (await client.get("/metrics")).text  # a scrape reports what is pending first
+    assert 'meshgate_class_requests_total{class="batch",model="scripted"} 1.0' in metrics
+    assert (
+        'meshgate_requests_total{endpoint="/v1/chat/completions",model="scripted",protocol="openai",status="200"} 1.0'
+        in metrics
+    )
+    assert 'status="404"' in metrics
+    logged = [r.getMessage() for r in caplog.records if r.name == "meshgate.requests"]
+    lines = [line for line in logged if f"batch={batch.id}" in line]
+    assert len(lines) == 2, lines
+    assert any("class=batch" in line and "status=200" in line and "generated_tokens=" in line for line in lines)
+    assert any("status=404" in line and "error=" in line for line in lines)

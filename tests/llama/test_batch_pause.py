@@ -136,3 +136,34 @@ def test_a_paused_job_can_be_cancelled(scheduler):
     chat_thread.join(120)
     assert paused.end == "cancelled" and paused.count < BATCH_TOKENS
     assert chat.end in ("length", "stop") and s.stats()["active_sequences"] == 0
+
+
+def test_a_paused_job_waits_at_most_the_aging_bound_under_steady_interactive_load(scheduler):
+    """Interactive jobs queue up faster than they finish: without aging the paused batch job would wait for all of
+    them; past ``aging`` it takes the next free lane before them, is not paused again, and its text is unchanged."""
+    s = scheduler
+    alone = _job(s, BATCH[1], BATCH_TOKENS, batch=True)
+    alone_thread, alone_got = _reading(alone)
+    s.submit(alone)
+    alone_thread.join(120)
+    s.aging = 0.5
+    try:
+        jobs = [_job(s, text, BATCH_TOKENS, batch=True) for text in BATCH]
+        readers = [_reading(job) for job in jobs]
+        for job in jobs:
+            s.submit(job)
+        _wait(lambda: all(job.count >= 8 for job in jobs))
+        chats = [_job(s, f"{CHAT} ({i})", CHAT_TOKENS, batch=False) for i in range(16)]
+        chat_readers = [_reading(chat) for chat in chats]
+        for chat in chats:
+            s.submit(chat)
+        for thread, _ in [*readers, *chat_readers]:
+            thread.join(120)
+    finally:
+        s.aging = 30.0
+    paused = max(jobs, key=lambda j: j.admitted)  # the one the first interactive job paused
+    last_chat_starts = max(got["times"][0] for _, got in chat_readers)
+    assert paused.aged, "the paused job never aged"
+    assert readers[1][1]["times"][-1] < last_chat_starts, "the paused job waited for every interactive job"
+    assert readers[1][1]["tokens"] == alone_got["tokens"], "an aged job's text changed"
+    assert all(chat.end in ("length", "stop") for chat in chats) and s.stats()["paused_sequences"] == 0

@@ -13,7 +13,8 @@ client:
    OpenAI Batch API (``/v1/files`` + ``/v1/batches``, polled): lines/s and completion tokens/s from creation to
    completion: the runner's capacity with no interactive load;
 3. **batch + interactive**: the same batch again with the same clients chatting while it runs: their TTFT against
-   the idle figures, and the batch's lines/s and tokens/s against (2);
+   the idle figures, and the batch's lines/s and tokens/s against (2), and against the capacity the chats left
+   (the gaps: (2)'s tokens/s times this phase's wall time, less the tokens the chats generated);
 4. **killed halfway** (``--kill-lines``, 0 to skip): Redis, one ``meshgate node`` agent holding the runner, and two
    gateways on the store. A batch is created on gateway A; when half its lines are done A is SIGKILLed and started
    again; its claimed lines run again once their lease (``MESHGATE_BATCH_LEASE``, ``--lease``) runs out. The
@@ -72,21 +73,24 @@ class Phase:
     lines_s: float | None = None
     tokens_s: float | None = None
     answered_once: bool | None = None
+    gap_share: float | None = None  # batch tokens against the alone rate x wall, less the chats' tokens
     notes: list[str] = field(default_factory=list)
 
 
 # --------------------------------------------------------------------------------------------- interactive clients
 
 
-async def chat(client: httpx.AsyncClient, prompt: str, tokens: int) -> float:
-    """One streamed greedy chat; returns its time to first content chunk."""
+async def chat(client: httpx.AsyncClient, prompt: str, tokens: int) -> tuple[float, int]:
+    """One streamed greedy chat; returns its time to first content chunk and the tokens it generated."""
     body = {
         "model": MODEL,
         "messages": [{"role": "user", "content": prompt}],
         "max_tokens": tokens,
         "temperature": 0,
         "stream": True,
+        "stream_options": {"include_usage": True},
     }
+    generated = 0
     started = time.perf_counter()
     first = None
     async with client.stream("POST", "/v1/chat/completions", json=body) as response:
@@ -97,15 +101,17 @@ async def chat(client: httpx.AsyncClient, prompt: str, tokens: int) -> float:
                 chunk = json.loads(line[6:])
                 if chunk.get("choices") and chunk["choices"][0]["delta"].get("content"):
                     first = time.perf_counter() - started
+            elif line.startswith("data: {") and '"usage":{' in line.replace(" ", ""):
+                generated = (json.loads(line[6:]).get("usage") or {}).get("completion_tokens", 0)
     if first is None:
         raise RuntimeError("no content")
-    return first
+    return first, generated
 
 
-async def clients(url: str, n: int, rounds: int, tokens: int, timeout: float) -> list[float]:
-    """``n`` clients, ``rounds`` chats each one after another: every chat's TTFT."""
+async def clients(url: str, n: int, rounds: int, tokens: int, timeout: float) -> list[tuple[float, int]]:
+    """``n`` clients, ``rounds`` chats each one after another: every chat's TTFT and generated tokens."""
 
-    async def one(i: int) -> list[float]:
+    async def one(i: int) -> list[tuple[float, int]]:
         async with httpx.AsyncClient(base_url=url, timeout=timeout) as client:
             return [await chat(client, CHATS[(i + r) % len(CHATS)] + f" ({i}.{r})", tokens) for r in range(rounds)]
 
@@ -201,7 +207,8 @@ async def run_batch(url: str, n: int, tokens: int, timeout: float, name: str) ->
     return phase, started, ended
 
 
-def ttft(phase: Phase, times: list[float]) -> Phase:
+def ttft(phase: Phase, chats: list[tuple[float, int]]) -> Phase:
+    times = [t for t, _ in chats]
     phase.chats = len(times)
     phase.ttft_p50, phase.ttft_p99 = statistics.median(times), percentile(times, 99)
     return phase
@@ -235,6 +242,11 @@ async def tiers(url: str, args: argparse.Namespace, say) -> list[Phase]:
     phases.append(ttft(mixed, chats))
     mixed.notes.append(f"TTFT x{mixed.ttft_p50 / phases[0].ttft_p50:.2f} (p50) of idle")  # type: ignore[operator]
     mixed.notes.append(f"throughput {mixed.lines_s / alone.lines_s:.0%} of the batch alone")  # type: ignore[operator]
+    # the gaps the chats left: what the runner does alone in the same time, less the tokens the chats took
+    chat_tokens = sum(n for _, n in chats)
+    gaps = alone.tokens_s * mixed.wall_s - chat_tokens  # type: ignore[operator]
+    mixed.gap_share = mixed.tokens_s * mixed.wall_s / gaps  # type: ignore[operator]
+    mixed.notes.append(f"{mixed.gap_share:.0%} of the capacity the chats left ({chat_tokens} chat tokens)")
     say(row(mixed))
     health = runner_health(url)
     mixed.notes.append(f"runner: {health.get('paused_batch_jobs', '?')} batch jobs paused in all")

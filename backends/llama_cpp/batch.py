@@ -305,12 +305,20 @@ class Scheduler:
 
     def _jumps(self, job: Job, inflight: Job) -> bool:
         """Whether waiting ``job`` stops ``inflight``'s chunk (with the lock held): it would be prefilled first
-        (fewer tokens than ``inflight`` has left, or interactive against a batch job's chunk), a slot is free for
-        it, and the chunk was not stopped already."""
+        (fewer tokens than ``inflight`` has left, or interactive against a batch job's chunk), ``_admit`` would place
+        it now (a slot is free, and a lane, or a batch job to pause for an interactive one), and the chunk was not
+        stopped already. (With spares a slot can be free while every lane is taken: a batch job waiting then must
+        not stop a chunk it cannot take the place of.)"""
         free = sum(slot.job is None for slot in self.slots)
         ahead = self.waiting.index(job)
         first = len(job.prompt) < inflight.left() or (inflight.batch and not job.batch)
-        return self.fair and first and ahead < free and inflight.preempted < PREEMPTIONS
+        if not (self.fair and first and ahead < free and inflight.preempted < PREEMPTIONS):
+            return False
+        jobs = [slot.job for slot in self.slots if slot.job is not None]
+        lanes = self.parallel - sum(not j.paused for j in jobs)
+        if job.batch:
+            return lanes > 0 and not any(j.paused for j in jobs)
+        return lanes > 0 or any(j.batch and not j.paused and not j.aged for j in jobs)
 
     def _should_abort(self, _data: Any) -> bool:
         """ggml's abort callback, called on the decoding thread between graph nodes of a prompt chunk."""
@@ -463,7 +471,8 @@ class Scheduler:
         return keep
 
     def _step(self) -> None:
-        """One decode of every generating sequence, then prompt chunks, shortest remaining prompt first."""
+        """One decode of every generating sequence, then prompt chunks, shortest remaining prompt first; while batch
+        jobs generate, interactive prompts go before their decode (a person's first token does not wait for it)."""
         for slot in self.slots:  # a restored whole prompt: its first token from the logits kept with it
             if slot.job is not None and slot.job.logits is not None and not slot.job.gone() and not slot.job.paused:
                 self._sample(slot, 0, slot.job.logits)
@@ -480,6 +489,9 @@ class Scheduler:
                 continue
             elif job.fed == len(job.prompt):  # generating: feed the token sampled last
                 generating.append(slot)
+        budget = CHUNK
+        if any(slot.job is not None and slot.job.batch for slot in generating):
+            budget = self._prompts(budget, interactive=True)
         groups = -(-len(generating) // self.group)
         for g in range(groups):  # balanced, each of consecutive sequence ids (llama.cpp splits a ubatch at gaps)
             group = generating[len(generating) * g // groups : len(generating) * (g + 1) // groups]
@@ -494,16 +506,23 @@ class Scheduler:
                 for row, slot in enumerate(group):
                     self._sample(slot, row)
         self._notify()  # the decoded tokens go out now, not after this step's prompt chunks
+        self._prompts(budget)
+
+    def _prompts(self, budget: int, *, interactive: bool = False) -> int:
+        """Prompt chunks, in ``_order``, up to ``budget`` tokens (only interactive jobs' with ``interactive``);
+        what is left of the budget (0 when one was stopped for a newcomer)."""
         prompts = [s for s in self.slots if s.job and s.job.left() and not s.job.gone() and not s.job.paused]
-        budget = CHUNK
         for slot in sorted(prompts, key=self._order):
             if budget <= 0:
                 break
+            if interactive and slot.job is not None and slot.job.batch:
+                continue
             n = self._prefill(slot)
             self._notify()
             if n == 0:  # stopped: admit the newcomer first
-                break
+                return 0
             budget -= n
+        return budget
 
     def _notify(self) -> None:
         """Wake the readers of the jobs that got tokens (or ended) since the last call: once each, however many of
@@ -535,6 +554,7 @@ class Scheduler:
             end = tail(end)  # a long prompt's last rows in a chunk of their own: the tier restores up to them
         with self._wake:
             if any(self._jumps(waiting, job) for waiting in self.waiting):  # came in since ``_admit``
+                job.preempted += 1  # stopped before it began: not stopped again (``_admit`` places the newcomer)
                 return 0
             self._inflight, self._preempt = job, False
         n = 0

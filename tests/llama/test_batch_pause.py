@@ -167,3 +167,18 @@ def test_a_paused_job_waits_at_most_the_aging_bound_under_steady_interactive_loa
     assert readers[1][1]["times"][-1] < last_chat_starts, "the paused job waited for every interactive job"
     assert readers[1][1]["tokens"] == alone_got["tokens"], "an aged job's text changed"
     assert all(chat.end in ("length", "stop") for chat in chats) and s.stats()["paused_sequences"] == 0
+
+
+def test_a_waiting_batch_job_without_a_lane_stops_no_chunk(scheduler):
+    """A spare sequence is free but both lanes are taken: a waiting batch job with a shorter prompt cannot take a
+    running job's place, so it must not stop that job's prompt chunk (it did, step after step, for ever: a
+    livelock once a gateway sent more batch requests than the runner has lanes)."""
+    s = scheduler
+    jobs = [_job(s, text, 8, batch=True) for text in (*BATCH, "Hi.")]  # the last one's prompt is the shortest
+    readers = [_reading(job) for job in jobs]
+    for job in jobs:
+        s.submit(job)
+    for thread, _ in readers:
+        thread.join(60)
+    assert [job.end for job in jobs] == ["length"] * 3, "a job never ran"
+    assert s.stats()["active_sequences"] == 0 and s.stats()["waiting"] == 0

@@ -7,6 +7,7 @@ import io
 import json
 import time
 
+import anthropic
 import openai
 
 from tests.conftest import MODEL
@@ -34,3 +35,27 @@ def test_a_greedy_batch_line_answers_as_the_interactive_request(real_server):
     assert output["custom_id"] == "colours" and answer["service_tier"] == "flex"
     assert answer["choices"][0]["message"]["content"] == interactive.choices[0].message.content
     assert interactive.service_tier == "default"
+
+
+def test_a_greedy_message_batch_answers_as_the_interactive_request(real_server):
+    client = anthropic.Anthropic(base_url=real_server.url, api_key="x", max_retries=0, timeout=120)
+    params = {
+        "model": MODEL,
+        "max_tokens": 24,
+        "temperature": 0,
+        "messages": [{"role": "user", "content": "Name three animals."}],
+    }
+    interactive = client.messages.create(  # this SDK's create() takes no temperature: sent as the wire has it
+        **{k: v for k, v in params.items() if k != "temperature"}, extra_body={"temperature": 0}
+    )
+    made = client.messages.batches.create(requests=[{"custom_id": "animals", "params": params}])
+    deadline = time.monotonic() + 120
+    while made.processing_status != "ended" and time.monotonic() < deadline:
+        time.sleep(0.2)
+        made = client.messages.batches.retrieve(made.id)
+    assert made.processing_status == "ended" and made.request_counts.succeeded == 1, made
+    results = {r.custom_id: r.result for r in client.messages.batches.results(made.id)}
+    assert results["animals"].type == "succeeded"
+    message = results["animals"].message
+    assert message.content[0].text == interactive.content[0].text and message.usage.service_tier == "batch"
+    assert interactive.usage.service_tier == "standard"

@@ -12,10 +12,11 @@ client:
    prompt starts with its own tag: no chat finds its question in a slot);
 2. **batch alone**: a batch of ``--lines`` short chat lines (greedy, ``max_tokens`` ``--line-tokens``) through the
    OpenAI Batch API (``/v1/files`` + ``/v1/batches``, polled): lines/s and completion tokens/s from creation to
-   completion: the runner's capacity with no interactive load;
+   completion: the runner's capacity with no interactive load; then the idle clients again (``idle, after the
+   batch``: the machine after minutes of load, as the mixed phase finds it);
 3. **batch + interactive**: the same batch again with the same clients chatting while it runs (``--waves`` waves,
    ``--wave-gap`` seconds apart, the first 2 s after the batch starts): their TTFT against
-   the idle figures, and the batch's lines/s and tokens/s against (2), and against the capacity the chats left
+   both idle figures, and the batch's lines/s and tokens/s against (2), and against the capacity the chats left
    (the gaps: (2)'s tokens/s times this phase's wall time, less the tokens the chats generated);
 4. **killed halfway** (``--kill-lines``, 0 to skip): Redis, one ``meshgate node`` agent holding the runner, and two
    gateways on the store. A batch is created on gateway A; when half its lines are done A is SIGKILLed and started
@@ -40,7 +41,9 @@ Measured 2026-12-07 on the quiet 2-core box, defaults (500 lines of 16 tokens, 4
 
 With ``--waves 3`` (the default since: 48 chats a phase, each prompt tagged so no chat finds its question in a slot;
 ``--kill-lines 0``): idle 0.253 / 0.416 s, beside the batch 0.433 / 0.725 s (**x1.71** p50), the batch 81% of alone
-and 91% of the capacity the chats left. The single-wave runs were a lucky and an unlucky draw of one wave: the
+and 91% of the capacity the chats left. Again, with the idle clients measured after the batch alone too: idle
+0.301 / 1.149 s, after the batch 0.297 / 0.551 s, beside the batch 0.347 / 0.635 s (**x1.15 / x1.17** p50), the
+batch 86% of alone and 99% of the gaps. The single-wave runs were a lucky and an unlucky draw of one wave: the
 one above, and ``--rounds 8 --kill-lines 0`` (32 chats): idle 0.268 / 0.477 s, beside the batch 0.357 / 0.596 s
 (x1.33 p50, x1.25 p99), the batch 87% of alone, 95% of the gaps. What it is not: the scheduler alone (in process,
 a chat beside 4 batch jobs fed continuously) gives 60-63 ms p50 against 74-76 ms idle (its prompt goes before
@@ -273,6 +276,11 @@ async def tiers(url: str, args: argparse.Namespace, say) -> list[Phase]:
     alone, _, _ = await run_batch(url, args.lines, args.line_tokens, args.timeout, "batch alone")
     phases.append(alone)
     say(row(alone))
+    again: list[tuple[float, int]] = []  # idle again, right after minutes of load (as the mixed phase comes)
+    for _ in range(args.waves):
+        again += await clients(url, args.clients, args.rounds, args.chat_tokens, args.timeout)
+    phases.append(ttft(Phase("idle, after the batch"), again))
+    say(row(phases[-1]))
     batch = asyncio.create_task(run_batch(url, args.lines, args.line_tokens, args.timeout, "batch + chats"))
     chats: list[tuple[float, int]] = []
     for wave in range(args.waves):  # spread over the batch's run: the first once its lanes are taken
@@ -281,7 +289,8 @@ async def tiers(url: str, args: argparse.Namespace, say) -> list[Phase]:
             chats += await clients(url, args.clients, args.rounds, args.chat_tokens, args.timeout)
     mixed, _, _ = await batch
     phases.append(ttft(mixed, chats))
-    mixed.notes.append(f"TTFT x{mixed.ttft_p50 / phases[0].ttft_p50:.2f} (p50) of idle")  # type: ignore[operator]
+    before, after, now = phases[0].ttft_p50 or 1.0, phases[2].ttft_p50 or 1.0, mixed.ttft_p50 or 0.0
+    mixed.notes.append(f"TTFT x{now / before:.2f} / x{now / after:.2f} (p50) of idle before / after the batch alone")
     mixed.notes.append(f"throughput {mixed.lines_s / alone.lines_s:.0%} of the batch alone")  # type: ignore[operator]
     # the gaps the chats left: what the runner does alone in the same time, less the tokens the chats took
     chat_tokens = sum(n for _, n in chats)

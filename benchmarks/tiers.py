@@ -60,6 +60,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import io
+import itertools
 import json
 import os
 import shutil
@@ -138,7 +139,7 @@ async def chat(client: httpx.AsyncClient, prompt: str, tokens: int) -> tuple[flo
     return first, generated
 
 
-_WAVES = iter(range(1 << 30))
+_WAVES = itertools.count()
 
 
 async def clients(url: str, n: int, rounds: int, tokens: int, timeout: float) -> list[tuple[float, int]]:

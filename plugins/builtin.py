@@ -89,6 +89,7 @@ def meshgate_register_backends(
             parallel=settings.parallel,
             exact=own.exact_batches,
             spares=settings.batch_spares,
+            batch_aging=settings.batch_aging,
             calibration_model=(lambda: _packaged_path(settings)) if own.llama_calibrate else None,
             **kv_tiers(own, Path(settings.data_dir)),
         )

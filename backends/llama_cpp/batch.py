@@ -314,11 +314,18 @@ class Scheduler:
         first = len(job.prompt) < inflight.left() or (inflight.batch and not job.batch)
         if not (self.fair and first and ahead < free and inflight.preempted < PREEMPTIONS):
             return False
+        if job.batch:  # after every paused job (``_admit``)
+            return self._lanes() > 0 and not any(slot.job is not None and slot.job.paused for slot in self.slots)
+        return self._lanes() > 0 or bool(self._pausable())
+
+    def _lanes(self) -> int:
+        """Decode lanes free: ``parallel`` less the jobs in slots that are not paused."""
+        return self.parallel - sum(slot.job is not None and not slot.job.paused for slot in self.slots)
+
+    def _pausable(self) -> list[Job]:
+        """Running batch jobs that may be paused for an interactive one (not those resumed by aging)."""
         jobs = [slot.job for slot in self.slots if slot.job is not None]
-        lanes = self.parallel - sum(not j.paused for j in jobs)
-        if job.batch:
-            return lanes > 0 and not any(j.paused for j in jobs)
-        return lanes > 0 or any(j.batch and not j.paused and not j.aged for j in jobs)
+        return [job for job in jobs if job.batch and not job.paused and not job.aged]
 
     def _should_abort(self, _data: Any) -> bool:
         """ggml's abort callback, called on the decoding thread between graph nodes of a prompt chunk."""
@@ -374,7 +381,7 @@ class Scheduler:
         overdue = time.monotonic() - self.aging
         while True:
             free = any(slot.job is None for slot in self.slots)
-            lanes = self.parallel - sum(slot.job is not None and not slot.job.paused for slot in self.slots)
+            lanes = self._lanes()
             head = self.waiting[0] if self.waiting else None
             paused = [slot.job for slot in self.slots if slot.job is not None and slot.job.paused]
             aged = [job for job in paused if job.paused_at <= overdue]
@@ -396,8 +403,7 @@ class Scheduler:
 
     def _pause(self) -> bool:
         """Pause the running batch job admitted last (it has the least done), if any: it keeps its slot."""
-        jobs = [slot.job for slot in self.slots if slot.job is not None]
-        running = [job for job in jobs if job.batch and not job.paused and not job.aged]
+        running = self._pausable()
         if not running:
             return False
         job = max(running, key=lambda j: j.admitted)
@@ -490,7 +496,7 @@ class Scheduler:
             elif job.fed == len(job.prompt):  # generating: feed the token sampled last
                 generating.append(slot)
         budget = CHUNK
-        if any(slot.job is not None and slot.job.batch for slot in generating):
+        if any(slot.job.batch for slot in generating if slot.job is not None):
             budget = self._prompts(budget, interactive=True)
         groups = -(-len(generating) // self.group)
         for g in range(groups):  # balanced, each of consecutive sequence ids (llama.cpp splits a ubatch at gaps)

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 
 from meshgate.backends.llama_cpp.batch import PAUSE_AGING
@@ -42,8 +41,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--batch-aging",
         type=float,
-        default=float(os.environ.get("MESHGATE_BATCH_AGING") or PAUSE_AGING),  # the gateway's admission setting
-        help="seconds a paused batch-class request waits at most before it goes on",
+        default=PAUSE_AGING,
+        help="seconds a paused batch-class request waits at most before it goes on (MESHGATE_BATCH_AGING)",
     )
     parser.add_argument(
         "--inexact",

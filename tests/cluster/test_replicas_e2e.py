@@ -237,7 +237,7 @@ def test_keep_alive_zero_unloads_idle_replicas_and_never_cuts_a_stream(two_gatew
         with httpx.stream(
             "POST",
             f"{one.url}/api/generate",
-            json={"model": MODEL, "prompt": "Count slowly:", "options": {"num_predict": 480}},
+            json={"model": MODEL, "prompt": "Count slowly:", "options": {"num_predict": 480, "temperature": 0}},
             timeout=180,
         ) as r:
             for line in r.iter_lines():

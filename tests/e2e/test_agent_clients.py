@@ -8,16 +8,18 @@ status, prompt tokens and TTFT, is read from the gateway's request log (``meshga
 
 Claude Code's own system prompt and tool definitions are about 18,700 tokens. At the default context (4,096) the
 gateway refuses that with Anthropic's ``prompt is too long`` 400, which Claude Code reports as its result; at
-32,768 it fits, and its first prefill takes about 4 minutes on 2 cores. Its turn loop on the packaged model runs
-with ``--bare``, a short ``--system-prompt`` and one tool (``Read``), about 450 tokens. Codex runs with its
-instructions replaced by one line (``model_instructions_file``) and its function tools kept, about 2,200 tokens.
-The packaged model is a base model that never ends a turn by itself: on it Claude Code's answers stop at
-``max_tokens`` (``CLAUDE_CODE_MAX_OUTPUT_TOKENS=8``) and Codex's answer is held to a JSON schema
-(``--output-schema``), whose grammar ends it. A model created from it with a stored ``stop`` (Ollama's Modelfile
-``PARAMETER stop``, through ``/api/create``) ends its turns: on it Claude Code, with its whole default prompt, and
-a plain ``codex exec`` report success.
+32,768 it fits, but its first prefill takes about 4 minutes on 2 cores, too long for the suite (docs/operations.md
+has the figures), so the success test keeps Claude Code's own system prompt with one of its tools (``--tools
+Read``, about 2,000 tokens). Its turn loop on the packaged model runs with ``--bare``, a short ``--system-prompt``
+and one tool (``Read``), about 450 tokens. Codex runs with its instructions replaced by one line
+(``model_instructions_file``) and its function tools kept, about 2,200 tokens. The packaged model is a base model
+that never ends a turn by itself: on it Claude Code's answers stop at ``max_tokens``
+(``CLAUDE_CODE_MAX_OUTPUT_TOKENS=8``) and Codex's answer is held to a JSON schema (``--output-schema``), whose
+grammar ends it. A model created from it with a stored ``stop`` (Ollama's Modelfile ``PARAMETER stop``, through
+``/api/create``) ends its turns: on it Claude Code, with its own system prompt, and a plain ``codex exec`` report
+success.
 
-Slow (long): every test starts a gateway and the model; Claude Code's whole prompt alone takes about 4 minutes.
+Slow (long): every test starts a gateway and the model.
 """
 
 from __future__ import annotations
@@ -72,14 +74,6 @@ def small(data_dir: Path) -> Iterator[Server]:
 def roomy(data_dir: Path) -> Iterator[Server]:
     """A context of 16,384 tokens, for the agents' turns and the long-prefill test."""
     server = _gateway(data_dir, 16384)
-    yield server
-    server.stop()
-
-
-@pytest.fixture(scope="module")
-def large(data_dir: Path) -> Iterator[Server]:
-    """A context of 32,768 tokens: room for Claude Code's whole default prompt (~18.7k tokens)."""
-    server = _gateway(data_dir, 32768)
     yield server
     server.stop()
 
@@ -188,34 +182,22 @@ def test_claude_code_runs_its_turn_loop_on_the_model(bin_dir, roomy, tmp_path):
     assert usage["input_tokens"] + usage["cache_read_input_tokens"] == sum(prompts), result
 
 
-def test_claude_code_completes_a_turn_with_its_whole_default_prompt(bin_dir, large, tmp_path):
-    """``claude -p "Say hello" --model gemma3-brief``, nothing else changed: its whole system prompt and tool set
-    (~18.7k tokens) fit the 32k context; the first prefill is the long part (about 4 minutes on 2 cores, kept
-    alive by the runner's keep-alives). The stored stop ends the one-line answer, so Claude Code's single request
-    is its whole turn and it reports success with the answer as its result."""
-    _create_brief(large)
-    before = len(_requests(large))
-    # Claude Code gives up on a stream that sends no content for 300 s (pings do not count: its stream watchdog,
-    # at least CLAUDE_STREAM_IDLE_TIMEOUT_MS) and sends the request again; this prefill takes 160-240 s on a quiet
-    # 2-core box and passed 300 once under load (a retry, so two requests). Users on slow machines set it too
-    # (docs/operations.md, "Claude Code and Codex").
-    run = agent_clients.claude(
-        bin_dir,
-        large.url,
-        tmp_path / "home",
-        "Say hello",
-        "--model",
-        BRIEF,
-        timeout=900,
-        env={"CLAUDE_STREAM_IDLE_TIMEOUT_MS": "900000"},
-    )
+def test_claude_code_completes_a_turn_with_its_default_system_prompt(bin_dir, roomy, tmp_path):
+    """``claude -p "Say hello" --model gemma3-brief --tools Read``: Claude Code's own default system prompt (not
+    ``--bare``, no ``--system-prompt``) with one of its tools, about 2,000 tokens. The stored stop ends the one-line
+    answer, so Claude Code's single request is its whole turn and it reports success with the answer as its
+    result. Its whole tool set (~18.7k tokens) is counted by the 4,096 test above; served at 32,768 it succeeds
+    the same way, after a first prefill of about 4 minutes on 2 cores (docs/operations.md: too long for the suite)."""
+    _create_brief(roomy)
+    before = len(_requests(roomy))
+    run = agent_clients.claude(bin_dir, roomy.url, tmp_path / "home", "Say hello", "--model", BRIEF, "--tools", "Read")
     result = run.json()
-    lines = _requests(large, before)
-    _report("claude default@32768", lines)
-    print(f"claude default@32768: {run.seconds:.1f} s, result {result.get('result')!r}")
+    lines = _requests(roomy, before)
+    _report("claude default system prompt@16384", lines)
+    print(f"claude default system prompt@16384: {run.seconds:.1f} s, result {result.get('result')!r}")
     calls = _api_calls(lines)
     assert calls == [("POST", "/v1/messages", 200)], calls  # one request: the turn ended by itself
-    assert lines[0]["error"] is None and lines[0]["prompt_tokens"] > 15_000, lines  # its system prompt and tools
+    assert lines[0]["error"] is None and lines[0]["prompt_tokens"] > 1_500, lines  # its own system prompt, not --bare
     assert result["is_error"] is False and result["subtype"] == "success", result
     assert result["stop_reason"] == "end_turn" and result["num_turns"] == 1, result
     assert result["result"].strip() and "\n" not in result["result"].strip(), result

@@ -3,7 +3,7 @@ scripted runners on one virtual clock; see ``tests.sim.episode`` for the operati
 
 Each run goes through ``python -m tests.sim``, as a developer replays a failing seed: it runs with
 ``PYTHONHASHSEED=0``, so the seed printed here gives the same episode on any machine. ``MESHGATE_SIM_EPISODES``
-sets how many episodes the first test runs (default 500, on two processes: about 80 s on 2 cores; the suite's
+sets how many episodes the first test runs (default 300, on two processes: about 60 s on 2 cores; the suite's
 time bound keeps it there: ``--episodes 5000 --workers 2`` explores further, about 13 minutes).
 """
 
@@ -15,7 +15,7 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-EPISODES = int(os.environ.get("MESHGATE_SIM_EPISODES", "500"))
+EPISODES = int(os.environ.get("MESHGATE_SIM_EPISODES", "300"))
 
 
 def _sim(*args: str) -> subprocess.CompletedProcess[str]:

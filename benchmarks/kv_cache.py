@@ -28,13 +28,21 @@ that many tokens):
     | RAM tier, whole entry (the inexact mode)  | 0.01 s     | 0.01 s      | yes                 |
     | disk tier after a restart                 | 0.40 s     | 0.43 s      | yes                 |
 
-``--prefix 8000 18714 --peers --skip agents`` (prompts of 8,067 and 18,883 tokens; the peer's link taken as 1 GB/s,
-over loopback, where the fetch itself ran at ~1 GB/s: 0.13 and 0.15 s; run 2026-12-05 evening):
+``--prefix 8000 18714 --peers --skip agents``: the prompts' text is cut where it tokenizes to exactly 8,000 and
+18,714 tokens (``exact_text``); the peer's link taken as 1 GB/s, over loopback. Run 2026-12-07, quiet box:
 
-    | from                          | TTFT 8,067                   | TTFT 18,883                  |
-    | RAM tier, slots empty         | 0.62 s                       | 1.13 s                       |
-    | a peer's tier (55 / 87 MiB)   | 0.79 s (estimate 0.06 s)     | 1.40 s (estimate 0.09 s)     |
-    | a new replica, warmed         | 0.61 s                       | 1.23 s                       |
+    | from                          | TTFT 8,000 (54.6 MiB)        | TTFT 18,714 (86.1 MiB)       | same as cold |
+    | cold                          | 53.97 s                      | 194.95 s                     | -            |
+    | RAM tier, slots empty         | 0.38 s                       | 0.30 s                       | yes          |
+    | disk tier after a restart     | 0.50 s                       | 0.41 s                       | yes          |
+    | a peer's tier                 | 0.65 s (estimate 0.06 s,     | 0.69 s (estimate 0.09 s,     | yes          |
+    |                               |  fetched in 0.12 s)          |  fetched in 0.19 s)          |              |
+    | a new replica, warmed         | 0.39 s                       | 0.44 s                       | yes          |
+
+Exact mode evaluates the prompt's tokens past its last multiple of 256 again, on every restore path: 64 and 26
+tokens here. A prompt just short of a multiple pays up to 255: at 18,883 tokens (195 past) the same table read
+RAM tier 1.13 s, a peer's tier 1.40 s (estimate 0.09 s), a warmed replica 1.23 s (2026-12-05, when ``--peers``
+took the uncut text of about ``--prefix`` tokens).
 
     12 agents, 3 turns, 4 slots (``--skip ttft --agent-prefix 2300``: prefixes of 2,395 tokens): prompt tokens
     evaluated per turn, share of the prefixes restored or reused in turns 2-3
@@ -112,8 +120,24 @@ def text(llm, name: str, n: int, cut: bool = False) -> tuple[str, list[int]]:
             return prompt, tokens[:n] if cut else tokens
 
 
+def exact_text(llm, name: str, n: int) -> tuple[str, list[int]]:
+    """A plain prompt whose text is exactly ``n`` tokens (for runner processes, which take text): ``text`` cut at
+    the shortest length that tokenizes to ``n`` (found by bisection), else the nearest length above."""
+    prompt, _ = text(llm, name, n)
+
+    def count(k: int) -> int:
+        return len(llm.tokenize(prompt[:k].encode(), add_bos=True, special=False))
+
+    lo, hi = 0, len(prompt)
+    while lo < hi:
+        mid = (lo + hi) // 2
+        lo, hi = (mid + 1, hi) if count(mid) < n else (lo, mid)
+    k = next((k for k in range(lo, min(lo + 16, len(prompt)) + 1) if count(k) == n), lo)
+    return prompt[:k], llm.tokenize(prompt[:k].encode(), add_bos=True, special=False)
+
+
 def ttft_table(llm, args, directory: Path, prefix: int) -> None:
-    raw, prompt = text(llm, "System", prefix, cut=not args.peers)
+    raw, prompt = exact_text(llm, "System", prefix) if args.peers else text(llm, "System", prefix, cut=True)
     tier = KVTier(args.namespace, ram_budget=4 << 30, directory=directory, disk_budget=8 << 30)
     with scheduler(llm, 2, args.n_ctx, args.threads, tier) as s:
         cold, t_cold, _ = ask(s, prompt, args.tokens, tier)  # evaluated, kept

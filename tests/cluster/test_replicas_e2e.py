@@ -208,6 +208,7 @@ def test_pipeline_replicas_over_rpc(two_gateways, replicas):
     r = httpx.post(f"{one.url}/instances", json=body, timeout=60)
     assert r.status_code == 201, r.text
     placed = _ready(one, [i["id"] for i in r.json()["replicas"]])
+    _ready(two, [i["id"] for i in placed])  # the gateway sending them sees both ready (CI once saw it route to one)
     assert all(sorted(s["node_id"] for s in i["placement"]["shards"]) == ["a", "b"] for i in placed)
     assert placed[0]["note"] is None and "shares" in placed[1]["note"]  # two nodes hold both: it says why
     client = openai.OpenAI(base_url=f"{two.url}/v1", api_key="x", max_retries=0, timeout=120)

@@ -2,16 +2,18 @@
 
 Redis, two ``meshgate node`` agents (``a`` on 127.0.0.2, ``b`` on 127.0.0.3: Ray takes 127.0.0.1 for "this machine"
 and swaps in the routable address, so each stand-in machine has its own loopback address) and a gateway. The tiny
-deterministic llama of ``tests/vllm/tiny_model.py`` first on ``a`` alone (vLLM's mp-less single worker: the
-reference), then ``{"strategy": "pipeline", "min_nodes": 2}``: the agents start a Ray head and a Ray worker node,
-the head's agent joins them and starts vLLM's API server with ``--distributed-executor-backend ray``, PP=2. Greedy
-text through the OpenAI SDK equals the reference; no process of the instance listens on a wildcard address. Then
-vLLM's worker actor on the other node is killed mid-generation: the stream fails, the instance is re-placed and
-answers alike; deleting it leaves no process and no folder behind.
+deterministic llama of ``tests/vllm/tiny_model.py`` is placed with ``{"strategy": "pipeline", "min_nodes": 2}``: the
+agents start a Ray head and a Ray worker node, the head's agent joins them and starts vLLM's API server with
+``--distributed-executor-backend ray``, PP=2. Meanwhile the same model starts alone on this machine (vLLM's mp-less
+single worker, through ``VllmBackend.launch`` as an agent starts it: the reference; the two starts overlap, each
+mostly one Python thread). Greedy text through the OpenAI SDK equals the reference; no process of the instance
+listens on a wildcard address. Then vLLM's worker actor on the other node is killed mid-generation: the stream
+fails, the instance is re-placed and answers alike; deleting it leaves no process and no folder behind.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import re
@@ -32,7 +34,8 @@ from tests.cluster.faults import alive, long_stream
 from tests.cluster.sockets import listening, public
 from tests.cluster.test_cluster_e2e import instance, wait_for
 from tests.conftest import Server
-from tests.vllm.test_vllm import HERE, _cmdline, _snapshot, short_dir, vllm_python
+from tests.vllm.test_vllm import HERE, _cmdline, _launch_and_generate, _snapshot, short_dir, vllm_python
+from tests.vllm.test_vllm import TOKENS as REFERENCE_TOKENS
 
 MODEL = "tiny-vllm"
 PROMPTS = ["Hello world", "Ranks talk over a ring"]
@@ -49,18 +52,19 @@ def runtime_dir() -> Iterator[Path]:
 
 
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory, data_dir, runtime_dir: Path) -> Iterator[Server]:
-    python = vllm_python()
-    checkpoints = tmp_path_factory.mktemp("ray-checkpoints")
+def checkpoint(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("ray-checkpoints") / MODEL
     subprocess.run(
-        [str(python), str(HERE / "tiny_model.py"), str(checkpoints / MODEL)],
-        check=True,
-        timeout=120,
-        capture_output=True,
+        [str(vllm_python()), str(HERE / "tiny_model.py"), str(path)], check=True, timeout=120, capture_output=True
     )
+    return path
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory, data_dir, runtime_dir: Path, checkpoint: Path) -> Iterator[Server]:
     env = {
-        "MESHGATE_MODELS": f"{MODEL}={checkpoints / MODEL}",
-        "MESHGATE_VLLM_PYTHON": str(python),
+        "MESHGATE_MODELS": f"{MODEL}={checkpoint}",
+        "MESHGATE_VLLM_PYTHON": str(vllm_python()),
         "MESHGATE_VLLM_EAGER": "1",
         "MESHGATE_RUNTIME_DIR": str(runtime_dir),
         "MESHGATE_DISABLED_PLUGINS": "mlx",
@@ -69,9 +73,6 @@ def cluster(tmp_path_factory, data_dir, runtime_dir: Path) -> Iterator[Server]:
         "MESHGATE_HEARTBEAT": "0.5",
         "MESHGATE_NODE_TTL": "15",
         "MESHGATE_LINK_PROBE_EVERY": "2",
-        # In turn, so both replicas serve whatever the timing: with affinity two short prompts may hash to one
-        # replica and finish before the next arrives (routing itself is tests/cluster/test_routing.py's).
-        "MESHGATE_ROUTING": "round_robin",
         # Streams are not resumed here: the fault test checks that a stream whose replica died ends with its
         # protocol's error when no other may take over (resume itself: test_vllm's worker-kill test).
         "MESHGATE_RESUME_WAIT": "0",
@@ -134,44 +135,27 @@ def texts(gateway: Server) -> list[str]:
     ]
 
 
-def served(gateway: Server) -> dict[str, float]:
-    """``meshgate_instance_requests_total`` by instance."""
-    pattern = re.compile(r'^meshgate_instance_requests_total\{[^}]*instance="([^"]+)"[^}]*\} ([0-9.e+]+)$', re.M)
-    return {i: float(v) for i, v in pattern.findall(httpx.get(f"{gateway.url}/metrics").text)}
+def single_reference(checkpoint: Path) -> list[str]:
+    """The greedy texts of ``PROMPTS`` from the model started alone on this machine (TP=1, no Ray)."""
+    with short_dir("mg-ref-") as runtime:
+        found, startup = asyncio.run(_launch_and_generate(vllm_python(), checkpoint, runtime, "single", tuple(PROMPTS)))
+    print(f"single-node reference: ready in {startup:.1f}s")
+    return found
 
 
 @pytest.fixture(scope="module")
-def pipeline(cluster: Server, runtime_dir: Path) -> dict:
-    """The single-node reference texts from two single-node replicas (one on each agent, both serving), then the
-    PP=2 instance over Ray (left running for the tests below)."""
+def pipeline(cluster: Server, runtime_dir: Path, checkpoint: Path) -> dict:
+    """The PP=2 instance over Ray (left running for the tests below), placed while the single-node reference
+    starts beside it."""
+    assert REFERENCE_TOKENS == TOKENS
     before = _snapshot()
     started = time.monotonic()
-    first = place(cluster, replicas=2)
-    ids = [i["id"] for i in httpx.get(f"{cluster.url}/instances").json()]
-    replicas = [
-        wait_for(lambda i=i: (f := instance(cluster, i))["state"]["state"] == "ready" and f, 400, i) for i in ids
-    ]
-    assert first["id"] in ids and sorted(r["placement"]["shards"][0]["node_id"] for r in replicas) == ["a", "b"]
-    assert all(r["placement"]["backend"] == "vllm" and r["placement"]["strategy"] == "single" for r in replicas)
-    reference = texts(cluster)
-    assert all(reference)
-    client = openai.OpenAI(base_url=f"{cluster.url}/v1", api_key="x", max_retries=0, timeout=120)
-    with ThreadPoolExecutor(4) as pool:  # at once, in turn: every replica gives the same greedy text
-        together = list(
-            pool.map(
-                lambda p: (
-                    client.completions.create(model=MODEL, prompt=p, max_tokens=TOKENS, temperature=0).choices[0].text
-                ),
-                PROMPTS * 2,
-            )
-        )
-    assert together == reference * 2
-    assert all(served(cluster).get(i, 0) > 0 for i in ids), "both replicas served"
-    print(f"two single-node replicas: ready and answered in {time.monotonic() - started:.1f}s")
-    remove_all(cluster, runtime_dir)
-    started = time.monotonic()
-    ready = place(cluster, strategy="pipeline", min_nodes=2)
-    print(f"PP=2 over Ray: ready in {time.monotonic() - started:.1f}s")
+    with ThreadPoolExecutor(1) as pool:
+        single = pool.submit(single_reference, checkpoint)
+        ready = place(cluster, strategy="pipeline", min_nodes=2)
+        print(f"PP=2 over Ray: ready in {time.monotonic() - started:.1f}s")
+        reference = single.result(timeout=600)
+    assert all(reference), reference
     return {"instance": ready, "reference": reference, "before": before}
 
 

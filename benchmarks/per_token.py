@@ -32,7 +32,8 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections import defaultdict
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -42,8 +43,12 @@ from benchmarks.concurrency import PROMPTS, SYSTEM, RawDecoder, packaged_gguf  #
 
 STAGES = ("raw", "raw-ref", "scheduler", "engine", "runner", "gateway")
 
+CPU: dict[str, dict[int, tuple[float, float]]] = defaultdict(dict)
+"""Per gateway row and level: ms of CPU a token in the gateway and runner processes outside llama.cpp's compute
+threads (the ``--threads`` busiest), and in this client."""
 
-def window_rate(stamps: list[list[tuple[float, int]]]) -> float:
+
+def window_rate(stamps: Sequence[Sequence[tuple[float, float]]]) -> float:
     """Tokens per second while every stream is past its first token and none has had its last."""
     start = max(s[0][0] for s in stamps)
     end = min(s[-1][0] for s in stamps)
@@ -116,9 +121,10 @@ class InProcess:
 
 
 def runner_stage(
-    gguf: str, threads: int, parallel: int, n_ctx: int, levels: list[int], tokens: int
+    gguf: str, threads: int, parallel: int, n_ctx: int, levels: list[int], tokens: int, interval_ms: int
 ) -> dict[int, float]:
-    """A runner process (its own secret), each level's streams read with ``RunnerClient``."""
+    """A runner process (its own secret) holding tokens ``interval_ms`` after a write (``--stream-interval``), each
+    level's streams read with ``RunnerClient``."""
     import httpx
 
     from meshgate.backends.runner.client import RunnerClient
@@ -126,7 +132,7 @@ def runner_stage(
 
     env = {**os.environ, "MESHGATE_RUNNER_SECRET": "per-token-bench", "PYTHONPATH": str(ROOT)}
     argv = [sys.executable, "-m", "meshgate.backends.llama_cpp.runner", "--model", gguf, "--n-ctx", str(n_ctx)]
-    argv += ["--threads", str(threads), "--parallel", str(parallel)]
+    argv += ["--threads", str(threads), "--parallel", str(parallel), "--stream-interval", str(interval_ms / 1000)]
     pipes = {"stdin": subprocess.PIPE, "stdout": subprocess.PIPE, "stderr": subprocess.DEVNULL}
     proc = subprocess.Popen(argv, env=env, text=True, **pipes)
     try:
@@ -159,22 +165,26 @@ def runner_stage(
         proc.wait(timeout=30)
 
 
-def gateway_stage(threads: int, parallel: int, n_ctx: int, levels: list[int], tokens: int) -> dict[int, float]:
-    """``meshgate serve`` on the packaged model; OpenAI chat streams (one content chunk per token or burst)."""
+def gateway_stage(
+    threads: int, parallel: int, n_ctx: int, levels: list[int], tokens: int, interval_ms: int, row: str = ""
+) -> dict[int, float]:
+    """``meshgate serve`` on the packaged model (``MESHGATE_LLAMA_STREAM_INTERVAL_MS``); OpenAI chat streams. A
+    content chunk carries one token or a burst: each counts its share of the stream's tokens (``usage``) by its
+    share of the text."""
     import httpx
 
     from benchmarks.concurrency import calibrated
     from tests.conftest import Server
 
     data_dir = Path(os.environ.get("MESHGATE_TEST_DATA", ROOT / ".cache" / "test-data"))
-    env = {"MESHGATE_PARALLEL": str(parallel)}
+    env = {"MESHGATE_PARALLEL": str(parallel), "MESHGATE_LLAMA_STREAM_INTERVAL_MS": str(interval_ms)}
     server = Server(data_dir, "--threads", str(threads), "--n-ctx", str(n_ctx), env=env)
     try:
 
         async def level(n: int) -> float:
             import json
 
-            stamps: list[list[tuple[float, int]]] = [[] for _ in range(n)]
+            stamps: list[list[tuple[float, float]]] = [[] for _ in range(n)]
             limits = httpx.Limits(max_connections=n + 4)
             async with httpx.AsyncClient(base_url=server.url, timeout=600, limits=limits, trust_env=False) as http:
 
@@ -188,24 +198,71 @@ def gateway_stage(threads: int, parallel: int, n_ctx: int, levels: list[int], to
                         "max_tokens": tokens,
                         "temperature": 0,
                         "stream": True,
+                        "stream_options": {"include_usage": True},
                     }
+                    chunks: list[tuple[float, int]] = []  # (arrival, characters)
+                    total = 0
                     async with http.stream("POST", "/v1/chat/completions", json=body) as response:
                         async for line in response.aiter_lines():
                             if line.startswith("data: {"):
                                 chunk = json.loads(line[6:])
                                 if chunk.get("choices") and chunk["choices"][0]["delta"].get("content"):
-                                    stamps[i].append((time.perf_counter(), 1))
+                                    chunks.append((time.perf_counter(), len(chunk["choices"][0]["delta"]["content"])))
+                                if chunk.get("usage"):
+                                    total = chunk["usage"]["completion_tokens"]
+                    chars = sum(c for _, c in chunks) or 1
+                    stamps[i] = [(t, c * total / chars) for t, c in chunks]
 
+                cpu = thread_seconds(server.proc.pid), time.process_time()
                 await asyncio.gather(*(one(i) for i in range(n)))
+                made = sum(sum(k for _, k in s) for s in stamps)
+                relay[n].append(relay_ms(cpu[0], thread_seconds(server.proc.pid), made, threads))
+                client[n].append(1000 * (time.process_time() - cpu[1]) / max(made, 1.0))
                 return window_rate(stamps)
 
+        relay: dict[int, list[float]] = {n: [] for n in [1, *levels]}
+        client: dict[int, list[float]] = {n: [] for n in [1, *levels]}
         asyncio.run(level(1))  # loads the model
         calibrated(server.url, 600, lambda *a: None)
         settle()  # the node agent measures llama.cpp in a subprocess of its own at first: not beside a level
         steady(lambda: asyncio.run(level(1)))
-        return {n: max(asyncio.run(level(n)) for _ in range(3)) for n in levels}
+        for n in levels:
+            relay[n].clear()
+            client[n].clear()
+        rates = {n: max(asyncio.run(level(n)) for _ in range(3)) for n in levels}
+        for n in levels:  # the least of three runs: what the layers cost with the least interference
+            CPU[row or f"gateway, {interval_ms} ms"][n] = (min(relay[n]), min(client[n]))
+        return rates
     finally:
         server.stop()
+
+
+def thread_seconds(pid: int) -> dict[int, float]:
+    """CPU seconds (user + system) of each thread of ``pid`` and of its descendants' threads, by thread id."""
+    pids, children = [pid], {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            children.setdefault(int(fields[1]), []).append(int(entry.name))
+    for parent in pids:
+        pids.extend(children.get(parent, []))
+    seconds = {}
+    for one in pids:
+        for task in Path(f"/proc/{one}/task").glob("*"):
+            try:  # nanoseconds on a CPU (the scheduler's own count; stat's ticks are 10 ms)
+                seconds[int(task.name)] = int((task / "schedstat").read_text().split()[0]) / 1e9
+            except (OSError, ValueError, IndexError):
+                continue
+    return seconds
+
+
+def relay_ms(before: dict[int, float], after: dict[int, float], tokens: float, compute: int) -> float:
+    """Milliseconds of CPU a token outside the ``compute`` busiest threads (llama.cpp's) between two readings."""
+    used = sorted((after[t] - before.get(t, 0.0) for t in after), reverse=True)
+    return 1000 * sum(used[compute:]) / max(tokens, 1.0)
 
 
 def steady(run: Callable[[], float], tries: int = 6) -> None:
@@ -244,7 +301,13 @@ def main() -> None:
     parser.add_argument("--parallel", type=int, default=8, help="the runner's slots (MESHGATE_PARALLEL)")
     parser.add_argument("--n-ctx", type=int, default=1024)
     parser.add_argument("--stages", default=",".join(STAGES))
+    parser.add_argument(
+        "--intervals",
+        default="0,50",
+        help="the runner's stream interval(s) in ms (MESHGATE_LLAMA_STREAM_INTERVAL_MS): runner and gateway rows each",
+    )
     args = parser.parse_args()
+    intervals = [int(v) for v in args.intervals.split(",")]
     levels = [int(n) for n in args.levels.split(",")]
     stages = [s for s in args.stages.split(",") if s]
     data_dir = Path(os.environ.get("MESHGATE_TEST_DATA", ROOT / ".cache" / "test-data"))
@@ -267,11 +330,19 @@ def main() -> None:
                 rates["engine"] = {n: max(here.generate(n, args.tokens) for _ in range(2)) for n in levels}
         finally:
             here.close()
-    if "runner" in stages:
-        rates["runner"] = runner_stage(gguf, args.threads, args.parallel, args.n_ctx, levels, args.tokens)
-    if "gateway" in stages:
-        rates["gateway"] = gateway_stage(args.threads, args.parallel, args.n_ctx, levels, args.tokens)
+    for k, ms in enumerate(intervals):  # an interval named twice runs twice (alternate them: the box drifts)
+        if "runner" in stages:
+            row = f"runner, {ms} ms" + (f" ({k + 1})" if intervals.count(ms) > 1 else "")
+            rates[row] = runner_stage(gguf, args.threads, args.parallel, args.n_ctx, levels, args.tokens, ms)
+    for k, ms in enumerate(intervals):
+        if "gateway" in stages:
+            row = f"gateway, {ms} ms" + (f" ({k + 1})" if intervals.count(ms) > 1 else "")
+            rates[row] = gateway_stage(args.threads, args.parallel, args.n_ctx, levels, args.tokens, ms, row)
     print(table(rates, levels, args))
+    if CPU:
+        print("\nCPU a token, ms: gateway + runner outside llama.cpp's threads / the client (least of 3 runs)")
+        for row, by_level in CPU.items():
+            print(f"| {row} | " + " | ".join(f"{n}: {r:.3f} / {c:.3f}" for n, (r, c) in by_level.items()) + " |")
 
 
 def raw_reference(raw: RawDecoder, n: int, tokens: int) -> float:

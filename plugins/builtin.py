@@ -19,9 +19,10 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
 import httpx
+import msgspec
 
 from meshgate.backends.base import Backend, ModelCard, ModelSource
 from meshgate.backends.llama_cpp import LlamaCppBackend
@@ -58,6 +59,10 @@ class LlamaCppSettings(PluginSettings, frozen=True):
         kv_disk_mib: MiB of ``kv_dir`` the node's runners keep prompts' KV in, across restarts; -1: a tenth of the
             free space there, at most 32 GiB; 0: no disk tier.
         kv_dir: The disk tier's directory (default ``<data dir>/kv-cache``).
+        llama_stream_interval_ms: Milliseconds a llama.cpp runner holds its streams' next tokens after it sent some, so
+            a fast decode sends several tokens a write instead of one (each write wakes the runner's, the gateway's
+            and the client's threads, which take the cores from llama.cpp's compute threads; docs/runtimes.md). A
+            stream's first token and its end are never held. 0: every token goes out the step it is decoded.
     """
 
     llama_repack: bool = False
@@ -66,6 +71,7 @@ class LlamaCppSettings(PluginSettings, frozen=True):
     kv_ram_mib: int = -1
     kv_disk_mib: int = -1
     kv_dir: str = ""
+    llama_stream_interval_ms: Annotated[int, msgspec.Meta(ge=0)] = 50
 
 
 def _gguf_card(path: str) -> ModelCard | None:
@@ -90,6 +96,7 @@ def meshgate_register_backends(
             exact=own.exact_batches,
             spares=settings.batch_spares,
             batch_aging=settings.batch_aging,
+            stream_interval=own.llama_stream_interval_ms / 1000,
             calibration_model=(lambda: _packaged_path(settings)) if own.llama_calibrate else None,
             **kv_tiers(own, Path(settings.data_dir)),
         )

@@ -82,6 +82,10 @@ PUBLISHED = 256
 PARALLEL = 4
 """Sequences a runner decodes together unless told otherwise (``MESHGATE_PARALLEL``)."""
 
+STREAM_INTERVAL = 0.05
+"""Seconds a runner holds its streams' next tokens after it sent some, unless told otherwise
+(``MESHGATE_LLAMA_STREAM_INTERVAL_MS``; ``pushed.Waker``): a first token and an end go out at once."""
+
 
 class LlamaEngine:
     """One GGUF loaded with llama-cpp-python, generating for up to ``parallel`` requests at once."""
@@ -102,6 +106,7 @@ class LlamaEngine:
         kv_dir: str | None = None,
         kv_disk: int = 0,
         digest: str = "",
+        stream_interval: float = STREAM_INTERVAL,
     ) -> None:
         """Load ``path``; with ``shards`` (``(endpoint or None for local, layer_start, layer_end)`` in pipeline
         order) the blocks are split over llama.cpp RPC workers. ``repack`` lets llama.cpp repack CPU weights
@@ -116,7 +121,9 @@ class LlamaEngine:
         ``kv_ram`` bytes of host memory and ``kv_disk`` bytes of ``kv_dir`` keep prompts' KV (``runner.kvtier``);
         ``digest`` names the model's weights for the tiers' namespace (else the file's path, size and mtime). Not
         ``exact``, a prompt that goes on from an entry's whole prompt restores all of it and prefills the rest in
-        other chunks than a cold evaluation (next turns restore more; greedy text may differ from cold)."""
+        other chunks than a cold evaluation (next turns restore more; greedy text may differ from cold).
+
+        ``stream_interval``: seconds the runner's streams hold tokens after sending some (``pushed.Waker``)."""
         import llama_cpp
 
         from meshgate.backends.llama_cpp.gguf import read_metadata
@@ -144,6 +151,7 @@ class LlamaEngine:
                 **split,
             )
         self.n_ctx = n_ctx
+        self.stream_interval = stream_interval  # read by the runner server's ``Waker``
         self.parallel = max(1, parallel) + max(0, spares)  # generations at once (the runner server's bound)
         self.exact = exact  # inexact: a tier entry's end also serves the prompts that go on from it
         self.tier = None
@@ -231,7 +239,7 @@ class LlamaEngine:
         finally:
             job.done.set()
 
-    def open_stream(self, request: Request, cancel: threading.Event, wake: Callable[[], None]) -> Pushed:
+    def open_stream(self, request: Request, cancel: threading.Event, wake: Callable[[bool], None]) -> Pushed:
         """The same generation for the runner's event loop (``relay.Pushed``): set up here (on a thread: a KV tier
         entry may be read from disk or fetched from a peer), then submitted; the scheduler calls ``wake`` once a
         step when this job has tokens, and the loop polls them."""
@@ -254,7 +262,7 @@ class LlamaEngine:
             job.sampler.close()
             job.out.put(None)
             if job.wake is not None:
-                job.wake()
+                job.wake(True)
         else:
             self.scheduler.submit(job)
 

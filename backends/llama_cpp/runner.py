@@ -11,7 +11,7 @@ import json
 import sys
 
 from meshgate.backends.llama_cpp.batch import PAUSE_AGING
-from meshgate.backends.llama_cpp.engine import PARALLEL, LlamaEngine
+from meshgate.backends.llama_cpp.engine import PARALLEL, STREAM_INTERVAL, LlamaEngine
 from meshgate.backends.runner.server import FAILED_LINE, serve
 
 
@@ -45,6 +45,12 @@ def main(argv: list[str] | None = None) -> None:
         help="seconds a paused batch-class request waits at most before it goes on (MESHGATE_BATCH_AGING)",
     )
     parser.add_argument(
+        "--stream-interval",
+        type=float,
+        default=STREAM_INTERVAL,
+        help="seconds the streams hold their next tokens after sending some (first tokens and ends go at once)",
+    )
+    parser.add_argument(
         "--inexact",
         action="store_true",
         help="decode every sequence in one call with llama.cpp's kernels as they are: faster, "
@@ -71,6 +77,7 @@ def main(argv: list[str] | None = None) -> None:
             kv_dir=args.kv_dir,
             kv_disk=args.kv_disk,
             digest=args.model_digest,
+            stream_interval=args.stream_interval,
         )
     except Exception as exc:  # tell the supervisor why, then exit: nothing is served
         print(f"{FAILED_LINE} {exc}", flush=True)

@@ -27,6 +27,7 @@ from meshgate.protocols.model import (
     GatewayError,
     InvalidRequest,
     Request,
+    TextDelta,
 )
 
 __all__ = ["POLL", "Waker", "run_pushed"]
@@ -36,30 +37,54 @@ POLL = 0.1
 
 
 class Waker:
-    """One event loop's streams, woken together: ``wake`` from any thread, ``wait`` on the loop."""
+    """One event loop's streams, woken together: ``wake`` from any thread, ``wait`` on the loop.
 
-    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+    ``interval`` (seconds, ``LlamaEngine.stream_interval``): after the loop has run a wake, wakes that come within
+    ``interval`` are held until it has passed and then run as one (the timer is the loop's own, so a held wake
+    costs the engine's thread a lock and nothing else: no cross-thread wake, no socket write, no read at the
+    gateway or the client). ``wake(now=True)`` (a stream's first token, its end) is never held. 0: every wake runs
+    as soon as the loop can."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, interval: float = 0.0) -> None:
         self.loop = loop
+        self.interval = max(0.0, interval)
         self._waiting: list[asyncio.Future[None]] = []
         self._lock = threading.Lock()
-        self._scheduled = False
+        self._scheduled = False  # a callback to ``_resolve`` is on its way to the loop
+        self._holding = False  # the interval after the last resolve has not passed: wakes are held
+        self._held = False  # a wake came while holding
 
-    def wake(self) -> None:
+    def wake(self, now: bool = False) -> None:
         """Called by the engine's thread: the waiting streams poll (one callback, however often it is called before
-        the loop runs it)."""
+        the loop runs it; held while ``interval`` has not passed since the last unless ``now``)."""
         with self._lock:
             if self._scheduled:
+                return
+            if self._holding and not now:
+                self._held = True
                 return
             self._scheduled = True
         self.loop.call_soon_threadsafe(self._resolve)
 
     def _resolve(self) -> None:
         with self._lock:
-            self._scheduled = False
+            self._scheduled = self._held = False
+            hold = self.interval > 0 and not self._holding
+            self._holding = self._holding or hold
+        if hold:
+            self.loop.call_later(self.interval, self._release)
         waiting, self._waiting = self._waiting, []
         for future in waiting:
             if not future.done():
                 future.set_result(None)
+
+    def _release(self) -> None:
+        """The interval has passed: run the wakes held meanwhile (and hold again), or stop holding."""
+        with self._lock:
+            self._holding = False
+            held = self._held and not self._scheduled
+        if held:
+            self._resolve()
 
     def armed(self) -> asyncio.Future[None]:
         """A future the next wake resolves; take it *before* polling, so a wake that comes between the poll and the
@@ -105,7 +130,7 @@ async def run_pushed(
                 yield [Failed(error=GatewayError(repr(exc)).info())]
                 return
             if events:
-                yield events
+                yield _joined(events)
             if done:
                 if not events or not isinstance(events[-1], (Failed, Finished)):
                     if not cancel.is_set():
@@ -117,3 +142,21 @@ async def run_pushed(
     finally:
         cancel.set()
         stream.close()
+
+
+def _joined(events: list[Event]) -> list[Event]:
+    """``events`` with each run of text deltas made one (their text, tokens and log probabilities in order): a poll
+    that found several tokens sends one delta, which the gateway and the client then handle once."""
+    out: list[Event] = []
+    for event in events:
+        last = out[-1] if out else None
+        if (
+            isinstance(event, TextDelta)
+            and isinstance(last, TextDelta)
+            and (event.logprobs is None) == (last.logprobs is None)
+        ):
+            logprobs = None if last.logprobs is None else last.logprobs + (event.logprobs or ())
+            out[-1] = TextDelta(text=last.text + event.text, logprobs=logprobs, tokens=last.tokens + event.tokens)
+        else:
+            out.append(event)
+    return out

@@ -146,7 +146,8 @@ class RunnerApp:
                 try:
                     if hasattr(self.engine, "open_stream"):
                         if self._waker is None:
-                            self._waker = Waker(asyncio.get_running_loop())
+                            interval = float(getattr(self.engine, "stream_interval", 0.0))
+                            self._waker = Waker(asyncio.get_running_loop(), interval)
                         source = run_pushed(self.engine, request, cancel, self._waker)
                     else:
                         source = _run_in_thread(self.engine, request, cancel)

@@ -14,9 +14,19 @@ import time
 import httpx
 import msgspec
 
-from meshgate.backends.runner.pushed import Waker, run_pushed
+from meshgate.backends.runner.pushed import Waker, _joined, run_pushed
 from meshgate.backends.runner.server import RunnerApp
-from meshgate.protocols.model import Event, Failed, Finished, Message, Request, TextDelta, TextPart, Usage
+from meshgate.protocols.model import (
+    Event,
+    Failed,
+    Finished,
+    Message,
+    Request,
+    TextDelta,
+    TextPart,
+    TokenLogprob,
+    Usage,
+)
 
 
 async def test_many_wakes_before_the_loop_runs_are_one_callback_that_resolves_every_armed_wait():
@@ -46,6 +56,55 @@ async def test_many_wakes_before_the_loop_runs_are_one_callback_that_resolves_ev
     started = time.monotonic()
     await waker.wait(waker.armed(), 0.05)
     assert 0.04 <= time.monotonic() - started < 1.0, "no wake: the wait ends at its timeout"
+
+
+async def test_wakes_within_the_interval_are_held_and_sent_as_one_but_a_first_token_or_end_never_waits():
+    """With an interval, the first wake runs at once; wakes in the next ``interval`` seconds are held and run as one
+    when it has passed (then the next interval holds); ``now`` (a first token, an end) runs at once; a wake after a
+    quiet interval runs at once again."""
+    loop = asyncio.get_running_loop()
+    interval = 1.0  # long beside the windows below, so a loaded machine cannot blur them
+    waker = Waker(loop, interval)
+
+    async def woken(*, now: bool = False, within: float) -> bool:
+        """Whether a wake (from another thread, as the decode loop's) resolves an armed wait within ``within`` s."""
+        armed = waker.armed()
+        threading.Thread(target=waker.wake, args=(now,)).start()
+        try:
+            await asyncio.wait_for(asyncio.shield(armed), within)
+        except TimeoutError:
+            return False
+        return True
+
+    assert await woken(within=0.4), "the first wake runs at once"
+    started = time.monotonic()
+    assert not await woken(within=0.4), "a wake right after one is held"
+    armed = waker.armed()
+    threading.Thread(target=lambda: [waker.wake() for _ in range(20)]).start()
+    await armed  # the held wakes run as one when the interval has passed
+    assert interval - 0.1 <= time.monotonic() - started < interval + 1.0
+    assert await woken(now=True, within=0.4), "a first token or an end is never held"
+    await asyncio.sleep(interval * 2.2)  # a quiet interval: holding stops
+    assert await woken(within=0.4), "after a quiet interval a wake runs at once"
+
+
+def test_the_text_deltas_one_poll_found_go_out_as_one_in_order():
+    lp = [TokenLogprob(token=t, logprob=-0.5) for t in "abc"]
+    events: list[Event] = [
+        TextDelta(text="He", tokens=(1,)),
+        TextDelta(text="", tokens=(2,)),  # a token whose text is held back (a stop string's start)
+        TextDelta(text="llo", tokens=(3,)),
+        Usage(prompt_tokens=3),
+        TextDelta(text="a", logprobs=(lp[0],), tokens=(4,)),
+        TextDelta(text="b", logprobs=(lp[1],), tokens=(5,)),
+        TextDelta(text="c", tokens=(6,)),  # no log probabilities: not joined to those with them
+    ]
+    assert _joined(events) == [
+        TextDelta(text="Hello", tokens=(1, 2, 3)),
+        Usage(prompt_tokens=3),
+        TextDelta(text="ab", logprobs=(lp[0], lp[1]), tokens=(4, 5)),
+        TextDelta(text="c", tokens=(6,)),
+    ]
 
 
 class _Stream:

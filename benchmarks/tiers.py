@@ -300,7 +300,10 @@ async def tiers(url: str, args: argparse.Namespace, say) -> list[Phase]:
     mixed.notes.append(f"{mixed.gap_share:.0%} of the capacity the chats left ({chat_tokens} chat tokens)")
     say(row(mixed))
     health = runner_health(url)
-    mixed.notes.append(f"runner: {health.get('paused_batch_jobs', '?')} batch jobs paused in all")
+    mixed.notes.append(
+        f"runner: {health.get('paused_batch_jobs', '?')} batch jobs paused in all, "
+        f"{health.get('interrupted_steps', '?')} batch steps stopped for a chat"
+    )
     return phases
 
 

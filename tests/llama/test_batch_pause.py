@@ -96,6 +96,56 @@ def test_an_interactive_job_pauses_a_batch_job_whose_text_stays_the_same(schedul
     assert paused[0].end == "length" and s.stats()["paused_sequences"] == 0
 
 
+class _SubmitsInFlight:
+    """llama_cpp as the scheduler calls it, but the first decode of batch jobs only (``Scheduler._batch_step``) once
+    ``ready()`` submits ``job`` just before llama.cpp runs it: an interactive request arriving mid-step, every time."""
+
+    def __init__(self, s: Scheduler, job: Job, ready) -> None:
+        self.lib, self.s, self.job, self.ready = s._lib, s, job, ready
+
+    def __getattr__(self, name: str):
+        return getattr(self.lib, name)
+
+    def llama_decode(self, ctx, batch):
+        if self.job is not None and self.s._batch_step and self.ready():
+            job, self.job = self.job, None
+            self.s.submit(job)
+        return self.lib.llama_decode(ctx, batch)
+
+
+def test_an_interactive_job_stops_a_batch_step_in_flight_and_the_batch_text_stays_the_same(scheduler):
+    """An interactive job submitted while a decode of batch jobs only runs stops it (ggml's abort callback; llama.cpp
+    drops the step's cells), is placed (pausing a batch job) and prefilled first; the stopped rows decode again at
+    the next step with the same numbers, so both batch texts are the undisturbed ones, token for token."""
+    s = scheduler
+    undisturbed = []
+    for text in BATCH:
+        job = _job(s, text, BATCH_TOKENS, batch=True)
+        thread, got = _reading(job)
+        s.submit(job)
+        thread.join(120)
+        undisturbed.append(got["tokens"])
+    before = s.stats()
+    jobs = [_job(s, text, BATCH_TOKENS, batch=True) for text in BATCH]
+    readers = [_reading(job) for job in jobs]
+    chat = _job(s, CHAT, CHAT_TOKENS, batch=False)
+    chat_thread, chat_got = _reading(chat)
+    s._lib = _SubmitsInFlight(s, chat, lambda: all(job.count >= 8 for job in jobs))  # type: ignore[assignment]
+    try:
+        for job in jobs:
+            s.submit(job)
+        for thread, _ in [*readers, (chat_thread, None)]:
+            thread.join(120)
+    finally:
+        s._lib = s._lib.lib  # type: ignore[attr-defined]
+    after = s.stats()
+    assert after["interrupted_steps"] == before["interrupted_steps"] + 1, "the step in flight was not stopped"
+    assert after["paused_batch_jobs"] == before["paused_batch_jobs"] + 1
+    assert chat.end in ("length", "stop") and chat_got["times"][0] < min(got["times"][-1] for _, got in readers)
+    assert [got["tokens"] for _, got in readers] == undisturbed, "a stopped step changed a batch job's text"
+    assert s.stats()["active_sequences"] == 0
+
+
 def test_interactive_jobs_wait_before_batch_jobs(scheduler):
     s = scheduler
     jobs = [_job(s, text, BATCH_TOKENS, batch=True) for text in BATCH]

@@ -224,6 +224,65 @@ class RawDecoder:
             raise RuntimeError("tokenize failed")
         return list(buffer[:n])
 
+    def workload_rate(self, n: int, tokens: int, prompts: list[str], rounds: int) -> float:
+        """Tokens per second of ``rounds`` rounds in which ``n`` sequences each prefill a chat prompt (``SYSTEM`` and
+        the prompt in Gemma's turn format, one sequence a decode, as meshgate's scheduler prefills) and then generate
+        ``tokens`` greedy tokens batched: what ``run_level``'s clients ask, prefill included, timed whole."""
+        import numpy as np
+
+        lib = self.lib
+        turn = "<start_of_turn>user\n{}\n\n{}<end_of_turn>\n<start_of_turn>model\n"
+        batches = [
+            [self.tokenize(turn.format(SYSTEM, prompts[(i * rounds + r) % len(prompts)])) for i in range(n)]
+            for r in range(rounds)
+        ]
+        n_batch = max(n, max(len(p) for b in batches for p in b))
+        params = lib.llama_context_default_params()
+        params.n_ctx = self.n_ctx * n
+        params.n_batch = params.n_ubatch = n_batch
+        params.n_seq_max = n
+        params.kv_unified = False
+        params.swa_full = True
+        params.n_threads = params.n_threads_batch = self.threads
+        params.flash_attn_type = lib.LLAMA_FLASH_ATTN_TYPE_DISABLED
+        ctx = lib.llama_init_from_model(self.model, params)
+        if not ctx:
+            raise RuntimeError(f"llama.cpp could not make a context of {self.n_ctx} x {n}")
+        batch = lib.llama_batch_init(n_batch, 0, 1)
+
+        def put(row: int, token: int, pos: int, seq: int, logits: bool) -> None:
+            batch.token[row], batch.pos[row], batch.n_seq_id[row] = token, pos, 1
+            batch.seq_id[row][0], batch.logits[row] = seq, logits
+
+        def argmax(row: int) -> int:
+            return int(np.ctypeslib.as_array(lib.llama_get_logits_ith(ctx, row), shape=(self.n_vocab,)).argmax())
+
+        try:
+            started = time.perf_counter()
+            for prompt_tokens in batches:
+                lib.llama_memory_clear(lib.llama_get_memory(ctx), True)
+                nxt, pos = [], []
+                for seq, toks in enumerate(prompt_tokens):
+                    for i, token in enumerate(toks):
+                        put(i, token, i, seq, i == len(toks) - 1)
+                    batch.n_tokens = len(toks)
+                    if lib.llama_decode(ctx, batch) != 0:
+                        raise RuntimeError("prefill failed")
+                    nxt.append(argmax(len(toks) - 1))  # the first token
+                    pos.append(len(toks))
+                for _ in range(tokens - 1):
+                    for seq in range(n):
+                        put(seq, nxt[seq], pos[seq], seq, True)
+                        pos[seq] += 1
+                    batch.n_tokens = n
+                    if lib.llama_decode(ctx, batch) != 0:
+                        raise RuntimeError("decode failed")
+                    nxt = [argmax(seq) for seq in range(n)]
+            return n * tokens * rounds / (time.perf_counter() - started)
+        finally:
+            lib.llama_batch_free(batch)
+            lib.llama_free(ctx)
+
     def decode_rate(self, n: int, steps: int, prompts: list[str]) -> float:
         """Tokens per second of ``steps`` batched decode steps over ``n`` sequences, after their prefill."""
         import numpy as np

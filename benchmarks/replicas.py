@@ -42,6 +42,15 @@ the engine's own ceiling for two one-thread replicas on this box.
     | round_robin  | 45792 / 53933  (84.9%) |   1.08 s |  34.41 s |   1.13 s |    0.88 s | 106 s |
     routing cost: 22.3 us a request with the prefix key (2 replicas), 29.5 us (8); 3.6 us without a key
 
+Run again 2026-12-07 (``--skip prefix``), with the raw columns also running the clients' own work (their chat
+prompts prefilled one a decode, then their 32 tokens batched, timed whole: ``RawDecoder.workload_rate``; the
+decode-only columns leave out the ~1 s of prefill each request waits for its first token):
+
+    | streams | 1 replica | 2 replicas | ratio | raw 1 proc, with prefill | raw 2 procs, with prefill | meshgate / raw |
+    |       8 |  44.0 t/s |   72.8 t/s |  1.65 |                45.6 t/s |                  76.6 t/s | 0.97x, 0.95x   |
+    |      16 |  46.2 t/s |   84.9 t/s |  1.84 |                50.6 t/s |                  86.8 t/s | 0.91x, 0.98x   |
+    (decode only, same run: raw 67.6 / 107.0 t/s at 8, 72.8 / 128.4 at 16)
+
 Two replicas give what two raw llama.cpp processes give here (1.51-1.61x one process: batching n/2 sequences is
 less efficient than n, and the two share the box's memory bandwidth and the rest of the load), so the cluster
 adds all the capacity the engine can on this box. Affinity reuses the most (98.8%) and finishes the workload
@@ -328,14 +337,17 @@ raw = RawDecoder(sys.argv[2], int(sys.argv[3]), 2048)
 raw.decode_rate(1, 4, PROMPTS)
 print("ready", flush=True)
 sys.stdin.readline()
-print(raw.decode_rate(int(sys.argv[4]), int(sys.argv[5]), PROMPTS), flush=True)
+n, steps, rounds = int(sys.argv[4]), int(sys.argv[5]), int(sys.argv[6])
+print(raw.decode_rate(n, steps, PROMPTS) if rounds == 0 else raw.workload_rate(n, steps, PROMPTS, rounds), flush=True)
 """
 
 
-def raw_pair_rate(gguf: Path, threads: int, n: int, steps: int) -> float:
+def raw_pair_rate(gguf: Path, threads: int, n: int, steps: int, rounds: int = 0) -> float:
     """Tokens per second of two raw llama.cpp processes decoding ``n // 2`` sequences each, started together: the
-    most two one-node replicas could give on this box (against ``RawDecoder.decode_rate(n)`` in one process)."""
+    most two one-node replicas could give on this box (against ``RawDecoder.decode_rate(n)`` in one process);
+    with ``rounds``, ``RawDecoder.workload_rate``'s prefill and decode instead."""
     argv = [sys.executable, "-c", _RAW_CHILD, str(ROOT), str(gguf), str(threads), str(n // 2), str(steps)]
+    argv.append(str(rounds))
     procs = [subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True) for _ in range(2)]
     try:
         for proc in procs:
@@ -400,6 +412,11 @@ def main() -> None:
         report["raw_tok_s"] = {n: raw.decode_rate(n, args.tokens, PROMPTS) for n in levels}
         gguf = packaged_gguf(data_dir)
         report["raw_pair_tok_s"] = {n: raw_pair_rate(gguf, args.threads, n, args.tokens) for n in levels}
+        # the clients' own work done raw: their prompts prefilled, then their tokens, timed whole
+        report["raw_work_tok_s"] = {n: raw.workload_rate(n, args.tokens, PROMPTS, args.rounds) for n in levels}
+        report["raw_work_pair_tok_s"] = {
+            n: raw_pair_rate(gguf, args.threads, n, args.tokens, args.rounds) for n in levels
+        }
         report["capacity"] = {nodes: [asdict(lv) for lv in lvs] for nodes, lvs in capacity.items()}
         say("")
         say(
@@ -414,6 +431,13 @@ def main() -> None:
                 f"{a.concurrency:>7} {a.tok_s:16.1f} {b.tok_s:17.1f} {b.tok_s / a.tok_s:6.2f} "
                 f"{one:10.1f} {two:11.1f} {two / one:6.2f} {a.ttft_p50:7.2f}/{a.ttft_p99:<7.2f}s "
                 f"{b.ttft_p50:7.2f}/{b.ttft_p99:<7.2f}s"
+            )
+        say("with prefill (the raw columns run the clients' prompts, then their tokens, timed whole):")
+        for a, b in zip(capacity[1], capacity[2], strict=True):
+            one, two = report["raw_work_tok_s"][a.concurrency], report["raw_work_pair_tok_s"][a.concurrency]
+            say(
+                f"{a.concurrency:>7} {a.tok_s:16.1f} {b.tok_s:17.1f} {b.tok_s / a.tok_s:6.2f} "
+                f"{one:10.1f} {two:11.1f} {two / one:6.2f}   meshgate / raw: {a.tok_s / one:.2f}x, {b.tok_s / two:.2f}x"
             )
         if "eighth_cold_prompt_ttft_s" in report:
             say(f"first token of the 8th of 8 cold prompts (1 replica): {report['eighth_cold_prompt_ttft_s']:.2f} s")

@@ -228,111 +228,94 @@ class RawDecoder:
         """Tokens per second of ``rounds`` rounds in which ``n`` sequences each prefill a chat prompt (``SYSTEM`` and
         the prompt in Gemma's turn format, one sequence a decode, as meshgate's scheduler prefills) and then generate
         ``tokens`` greedy tokens batched: what ``run_level``'s clients ask, prefill included, timed whole."""
-        import numpy as np
-
-        lib = self.lib
         turn = "<start_of_turn>user\n{}\n\n{}<end_of_turn>\n<start_of_turn>model\n"
         batches = [
             [self.tokenize(turn.format(SYSTEM, prompts[(i * rounds + r) % len(prompts)])) for i in range(n)]
             for r in range(rounds)
         ]
-        n_batch = max(n, max(len(p) for b in batches for p in b))
-        params = lib.llama_context_default_params()
-        params.n_ctx = self.n_ctx * n
-        params.n_batch = params.n_ubatch = n_batch
-        params.n_seq_max = n
-        params.kv_unified = False
-        params.swa_full = True
-        params.n_threads = params.n_threads_batch = self.threads
-        params.flash_attn_type = lib.LLAMA_FLASH_ATTN_TYPE_DISABLED
-        ctx = lib.llama_init_from_model(self.model, params)
-        if not ctx:
-            raise RuntimeError(f"llama.cpp could not make a context of {self.n_ctx} x {n}")
-        batch = lib.llama_batch_init(n_batch, 0, 1)
-
-        def put(row: int, token: int, pos: int, seq: int, logits: bool) -> None:
-            batch.token[row], batch.pos[row], batch.n_seq_id[row] = token, pos, 1
-            batch.seq_id[row][0], batch.logits[row] = seq, logits
-
-        def argmax(row: int) -> int:
-            return int(np.ctypeslib.as_array(lib.llama_get_logits_ith(ctx, row), shape=(self.n_vocab,)).argmax())
-
-        try:
+        with _Loop(self, n, max(len(p) for b in batches for p in b)) as loop:
             started = time.perf_counter()
             for prompt_tokens in batches:
-                lib.llama_memory_clear(lib.llama_get_memory(ctx), True)
-                nxt, pos = [], []
-                for seq, toks in enumerate(prompt_tokens):
-                    for i, token in enumerate(toks):
-                        put(i, token, i, seq, i == len(toks) - 1)
-                    batch.n_tokens = len(toks)
-                    if lib.llama_decode(ctx, batch) != 0:
-                        raise RuntimeError("prefill failed")
-                    nxt.append(argmax(len(toks) - 1))  # the first token
-                    pos.append(len(toks))
+                loop.clear()
+                nxt, pos = loop.prefill(prompt_tokens)  # each sequence's first token
                 for _ in range(tokens - 1):
-                    for seq in range(n):
-                        put(seq, nxt[seq], pos[seq], seq, True)
-                        pos[seq] += 1
-                    batch.n_tokens = n
-                    if lib.llama_decode(ctx, batch) != 0:
-                        raise RuntimeError("decode failed")
-                    nxt = [argmax(seq) for seq in range(n)]
+                    nxt = loop.step(nxt, pos)
             return n * tokens * rounds / (time.perf_counter() - started)
-        finally:
-            lib.llama_batch_free(batch)
-            lib.llama_free(ctx)
 
     def decode_rate(self, n: int, steps: int, prompts: list[str]) -> float:
         """Tokens per second of ``steps`` batched decode steps over ``n`` sequences, after their prefill."""
-        import numpy as np
-
-        lib = self.lib
         prompt_tokens = [self.tokenize(prompts[i % len(prompts)]) for i in range(n)]
-        n_batch = max(n, max(len(p) for p in prompt_tokens))
+        with _Loop(self, n, max(len(p) for p in prompt_tokens)) as loop:
+            nxt, pos = loop.prefill(prompt_tokens)
+            started = time.perf_counter()
+            for _ in range(steps):
+                nxt = loop.step(nxt, pos)
+            return n * steps / (time.perf_counter() - started)
+
+
+class _Loop:
+    """A context of ``n`` sequences on ``raw``'s model and a batch for it: greedy prefill and batched decode steps."""
+
+    def __init__(self, raw: RawDecoder, n: int, longest: int) -> None:
+        lib = self.lib = raw.lib
+        self.n, self.n_vocab = n, raw.n_vocab
+        n_batch = max(n, longest)
         params = lib.llama_context_default_params()
-        params.n_ctx = self.n_ctx * n
+        params.n_ctx = raw.n_ctx * n
         params.n_batch = params.n_ubatch = n_batch
         params.n_seq_max = n
         params.kv_unified = False
         params.swa_full = True
-        params.n_threads = params.n_threads_batch = self.threads
+        params.n_threads = params.n_threads_batch = raw.threads
         params.flash_attn_type = lib.LLAMA_FLASH_ATTN_TYPE_DISABLED
-        ctx = lib.llama_init_from_model(self.model, params)
-        if not ctx:
-            raise RuntimeError(f"llama.cpp could not make a context of {self.n_ctx} x {n}")
-        batch = lib.llama_batch_init(n_batch, 0, 1)
+        self.ctx = lib.llama_init_from_model(raw.model, params)
+        if not self.ctx:
+            raise RuntimeError(f"llama.cpp could not make a context of {raw.n_ctx} x {n}")
+        self.batch = lib.llama_batch_init(n_batch, 0, 1)
 
-        def put(row: int, token: int, pos: int, seq: int, logits: bool) -> None:
-            batch.token[row], batch.pos[row], batch.n_seq_id[row] = token, pos, 1
-            batch.seq_id[row][0], batch.logits[row] = seq, logits
+    def __enter__(self) -> _Loop:
+        return self
 
-        def argmax(row: int) -> int:
-            return int(np.ctypeslib.as_array(lib.llama_get_logits_ith(ctx, row), shape=(self.n_vocab,)).argmax())
+    def __exit__(self, *_: object) -> None:
+        self.lib.llama_batch_free(self.batch)
+        self.lib.llama_free(self.ctx)
 
-        try:
-            nxt, pos = [], []
-            for seq, tokens in enumerate(prompt_tokens):  # prefill, one sequence per decode
-                for i, token in enumerate(tokens):
-                    put(i, token, i, seq, i == len(tokens) - 1)
-                batch.n_tokens = len(tokens)
-                if lib.llama_decode(ctx, batch) != 0:
-                    raise RuntimeError("prefill failed")
-                nxt.append(argmax(len(tokens) - 1))
-                pos.append(len(tokens))
-            started = time.perf_counter()
-            for _ in range(steps):
-                for seq in range(n):
-                    put(seq, nxt[seq], pos[seq], seq, True)
-                    pos[seq] += 1
-                batch.n_tokens = n
-                if lib.llama_decode(ctx, batch) != 0:
-                    raise RuntimeError("decode failed")
-                nxt = [argmax(seq) for seq in range(n)]
-            return n * steps / (time.perf_counter() - started)
-        finally:
-            lib.llama_batch_free(batch)
-            lib.llama_free(ctx)
+    def _put(self, row: int, token: int, pos: int, seq: int, logits: bool) -> None:
+        batch = self.batch
+        batch.token[row], batch.pos[row], batch.n_seq_id[row] = token, pos, 1
+        batch.seq_id[row][0], batch.logits[row] = seq, logits
+
+    def _argmax(self, row: int) -> int:
+        import numpy as np
+
+        logits = self.lib.llama_get_logits_ith(self.ctx, row)
+        return int(np.ctypeslib.as_array(logits, shape=(self.n_vocab,)).argmax())
+
+    def clear(self) -> None:
+        self.lib.llama_memory_clear(self.lib.llama_get_memory(self.ctx), True)
+
+    def prefill(self, prompts: list[list[int]]) -> tuple[list[int], list[int]]:
+        """Each prompt into its sequence, one sequence a decode; each one's first token and next position."""
+        nxt, pos = [], []
+        for seq, tokens in enumerate(prompts):
+            for i, token in enumerate(tokens):
+                self._put(i, token, i, seq, i == len(tokens) - 1)
+            self.batch.n_tokens = len(tokens)
+            if self.lib.llama_decode(self.ctx, self.batch) != 0:
+                raise RuntimeError("prefill failed")
+            nxt.append(self._argmax(len(tokens) - 1))
+            pos.append(len(tokens))
+        return nxt, pos
+
+    def step(self, nxt: list[int], pos: list[int]) -> list[int]:
+        """One batched decode of every sequence's last token (``pos`` advances); the next tokens."""
+        for seq in range(self.n):
+            self._put(seq, nxt[seq], pos[seq], seq, True)
+            pos[seq] += 1
+        self.batch.n_tokens = self.n
+        if self.lib.llama_decode(self.ctx, self.batch) != 0:
+            raise RuntimeError("decode failed")
+        return [self._argmax(seq) for seq in range(self.n)]
 
 
 # ------------------------------------------------------------------------------------------------ the run

@@ -307,17 +307,15 @@ class Scheduler:
             else:  # interactive jobs wait before batch ones, in their own order
                 self.waiting.insert(next((i for i, w in enumerate(self.waiting) if w.batch), len(self.waiting)), job)
             self._wake.notify()
-            if self._inflight is not None and self._jumps(job, self._inflight):
-                self._preempt = True
-            if self._batch_step and self._interrupts(job):
+            if (self._inflight is not None and self._jumps(job, self._inflight)) or (
+                self._batch_step and self._interrupts(job)
+            ):
                 self._preempt = True
 
     def _interrupts(self, job: Job) -> bool:
         """Whether waiting ``job`` stops a decode of batch jobs only (with the lock held): it is interactive and
         ``_admit`` would place it now (a slot is free, and a lane or a batch job to pause)."""
-        if job.batch or all(slot.job is not None for slot in self.slots):
-            return False
-        return self._lanes() > 0 or bool(self._pausable())
+        return not job.batch and any(slot.job is None for slot in self.slots) and self._room()
 
     def _jumps(self, job: Job, inflight: Job) -> bool:
         """Whether waiting ``job`` stops ``inflight``'s chunk (with the lock held): it would be prefilled first
@@ -332,6 +330,10 @@ class Scheduler:
             return False
         if job.batch:  # after every paused job (``_admit``)
             return self._lanes() > 0 and not any(slot.job is not None and slot.job.paused for slot in self.slots)
+        return self._room()
+
+    def _room(self) -> bool:
+        """Whether an interactive job placed now gets a lane: one is free, or a batch job can be paused for it."""
         return self._lanes() > 0 or bool(self._pausable())
 
     def _lanes(self) -> int:

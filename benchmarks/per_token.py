@@ -32,7 +32,6 @@ import subprocess
 import sys
 import threading
 import time
-from collections import defaultdict
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
@@ -42,10 +41,6 @@ sys.path.insert(0, str(ROOT))
 from benchmarks.concurrency import PROMPTS, SYSTEM, RawDecoder, packaged_gguf  # noqa: E402
 
 STAGES = ("raw", "raw-ref", "scheduler", "engine", "runner", "gateway")
-
-CPU: dict[str, dict[int, tuple[float, float]]] = defaultdict(dict)
-"""Per gateway row and level: ms of CPU a token in the gateway and runner processes outside llama.cpp's compute
-threads (the ``--threads`` busiest), and in this client."""
 
 
 def window_rate(stamps: Sequence[Sequence[tuple[float, float]]]) -> float:
@@ -166,7 +161,13 @@ def runner_stage(
 
 
 def gateway_stage(
-    threads: int, parallel: int, n_ctx: int, levels: list[int], tokens: int, interval_ms: int, row: str = ""
+    threads: int,
+    parallel: int,
+    n_ctx: int,
+    levels: list[int],
+    tokens: int,
+    interval_ms: int,
+    cpu: dict[int, tuple[float, float]],
 ) -> dict[int, float]:
     """``meshgate serve`` on the packaged model (``MESHGATE_LLAMA_STREAM_INTERVAL_MS``); OpenAI chat streams. A
     content chunk carries one token or a burst: each counts its share of the stream's tokens (``usage``) by its
@@ -213,11 +214,11 @@ def gateway_stage(
                     chars = sum(c for _, c in chunks) or 1
                     stamps[i] = [(t, c * total / chars) for t, c in chunks]
 
-                cpu = thread_seconds(server.proc.pid), time.process_time()
+                before = thread_seconds(server.proc.pid), time.process_time()
                 await asyncio.gather(*(one(i) for i in range(n)))
                 made = sum(sum(k for _, k in s) for s in stamps)
-                relay[n].append(relay_ms(cpu[0], thread_seconds(server.proc.pid), made, threads))
-                client[n].append(1000 * (time.process_time() - cpu[1]) / max(made, 1.0))
+                relay[n].append(relay_ms(before[0], thread_seconds(server.proc.pid), made, threads))
+                client[n].append(1000 * (time.process_time() - before[1]) / max(made, 1.0))
                 return window_rate(stamps)
 
         relay: dict[int, list[float]] = {n: [] for n in [1, *levels]}
@@ -231,14 +232,14 @@ def gateway_stage(
             client[n].clear()
         rates = {n: max(asyncio.run(level(n)) for _ in range(3)) for n in levels}
         for n in levels:  # the least of three runs: what the layers cost with the least interference
-            CPU[row or f"gateway, {interval_ms} ms"][n] = (min(relay[n]), min(client[n]))
+            cpu[n] = (min(relay[n]), min(client[n]))
         return rates
     finally:
         server.stop()
 
 
 def thread_seconds(pid: int) -> dict[int, float]:
-    """CPU seconds (user + system) of each thread of ``pid`` and of its descendants' threads, by thread id."""
+    """Seconds on a CPU of each thread of ``pid`` and of its descendants' threads, by thread id."""
     pids, children = [pid], {}
     for entry in Path("/proc").iterdir():
         if entry.name.isdigit():
@@ -313,6 +314,7 @@ def main() -> None:
     data_dir = Path(os.environ.get("MESHGATE_TEST_DATA", ROOT / ".cache" / "test-data"))
     gguf = str(packaged_gguf(data_dir))
     rates: dict[str, dict[int, float]] = {}
+    cpu: dict[str, dict[int, tuple[float, float]]] = {}  # gateway rows: relay and client ms of CPU a token
     if "raw" in stages or "raw-ref" in stages:
         raw = RawDecoder(gguf, args.threads, args.n_ctx)
         raw.decode_rate(1, 4, PROMPTS)
@@ -337,11 +339,12 @@ def main() -> None:
     for k, ms in enumerate(intervals):
         if "gateway" in stages:
             row = f"gateway, {ms} ms" + (f" ({k + 1})" if intervals.count(ms) > 1 else "")
-            rates[row] = gateway_stage(args.threads, args.parallel, args.n_ctx, levels, args.tokens, ms, row)
+            cpu[row] = {}
+            rates[row] = gateway_stage(args.threads, args.parallel, args.n_ctx, levels, args.tokens, ms, cpu[row])
     print(table(rates, levels, args))
-    if CPU:
+    if cpu:
         print("\nCPU a token, ms: gateway + runner outside llama.cpp's threads / the client (least of 3 runs)")
-        for row, by_level in CPU.items():
+        for row, by_level in cpu.items():
             print(f"| {row} | " + " | ".join(f"{n}: {r:.3f} / {c:.3f}" for n, (r, c) in by_level.items()) + " |")
 
 

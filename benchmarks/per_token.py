@@ -1,6 +1,7 @@
 """Where a streamed token's time goes: the same greedy decode measured at each layer meshgate adds, in one run.
 
     .venv/bin/python benchmarks/per_token.py [--levels 1,8] [--tokens 128] [--threads 2] [--stages raw,...]
+    .venv/bin/python benchmarks/per_token.py --interleave 6 --intervals 50 --tokens 256    # raw against gateway
 
 Each stage decodes ``--tokens`` greedy tokens for N sequences at once (N in ``--levels``), on the packaged Gemma 3
 270M GGUF with ``--threads`` llama.cpp threads, and reports its decode rate: tokens per second over the window in
@@ -18,7 +19,9 @@ same window at every stage). The stages, each a layer on top of the one before:
 - ``gateway``: ``meshgate serve`` with its runner, read as OpenAI chat streams by an httpx client.
 
 The difference between two stages is what that layer costs per token (1 sequence) or per step (N). Every loop
-is bounded. Run it on a quiet machine: another process on the cores changes every figure (llama.cpp's threads wait
+is bounded. ``--interleave N`` runs only raw and gateway, N rounds of the two back to back (ABBA), and reports each
+round's ratio and their median: on a VM whose speed drifts by 10% between minutes, the ratio within a round is the
+figure to trust. Run it on a quiet machine: another process on the cores changes every figure (llama.cpp's threads wait
 for each other at every operation, so a thread that loses its core holds the others).
 """
 
@@ -28,6 +31,7 @@ import argparse
 import asyncio
 import os
 import re
+import statistics
 import subprocess
 import sys
 import threading
@@ -160,6 +164,84 @@ def runner_stage(
         proc.wait(timeout=30)
 
 
+class Gateway:
+    """``meshgate serve`` on the packaged model (``MESHGATE_LLAMA_STREAM_INTERVAL_MS``), read as OpenAI chat streams
+    by an httpx client; ``level(n)`` is one run of ``n`` streams. A content chunk carries one token or a burst: each
+    counts its share of the stream's tokens (``usage``) by its share of the text."""
+
+    def __init__(self, threads: int, parallel: int, n_ctx: int, interval_ms: int) -> None:
+        from benchmarks.concurrency import calibrated
+        from tests.conftest import Server
+
+        data_dir = Path(os.environ.get("MESHGATE_TEST_DATA", ROOT / ".cache" / "test-data"))
+        env = {"MESHGATE_PARALLEL": str(parallel), "MESHGATE_LLAMA_STREAM_INTERVAL_MS": str(interval_ms)}
+        self.threads = threads
+        self.cpu: dict[int, list[tuple[float, float]]] = {}  # per level: relay and client ms of CPU a token, a run
+        self.server = Server(data_dir, "--threads", str(threads), "--n-ctx", str(n_ctx), env=env)
+        try:
+            self.level(1, 4)  # loads the model
+            calibrated(self.server.url, 600, lambda *a: None)
+            settle()  # the node agent measures llama.cpp in a subprocess of its own at first: not beside a level
+            steady(lambda: self.level(1, 32))
+            self.cpu.clear()
+        except BaseException:
+            self.server.stop()
+            raise
+
+    def level(self, n: int, tokens: int) -> float:
+        return asyncio.run(self._level(n, tokens))
+
+    async def _level(self, n: int, tokens: int) -> float:
+        import json
+
+        import httpx
+
+        stamps: list[list[tuple[float, float]]] = [[] for _ in range(n)]
+        limits = httpx.Limits(max_connections=n + 4)
+        async with httpx.AsyncClient(base_url=self.server.url, timeout=600, limits=limits, trust_env=False) as http:
+
+            async def one(i: int) -> None:
+                body = {
+                    "model": "gemma3:270m",
+                    "messages": [
+                        {"role": "system", "content": SYSTEM},
+                        {"role": "user", "content": PROMPTS[i % len(PROMPTS)]},
+                    ],
+                    "max_tokens": tokens,
+                    "temperature": 0,
+                    "stream": True,
+                    "stream_options": {"include_usage": True},
+                }
+                chunks: list[tuple[float, int]] = []  # (arrival, characters)
+                total = 0
+                async with http.stream("POST", "/v1/chat/completions", json=body) as response:
+                    async for line in response.aiter_lines():
+                        if line.startswith("data: {"):
+                            chunk = json.loads(line[6:])
+                            if chunk.get("choices") and chunk["choices"][0]["delta"].get("content"):
+                                chunks.append((time.perf_counter(), len(chunk["choices"][0]["delta"]["content"])))
+                            if chunk.get("usage"):
+                                total = chunk["usage"]["completion_tokens"]
+                chars = sum(c for _, c in chunks) or 1
+                stamps[i] = [(t, c * total / chars) for t, c in chunks]
+
+            before = thread_seconds(self.server.proc.pid), time.process_time()
+            await asyncio.gather(*(one(i) for i in range(n)))
+            made = sum(sum(k for _, k in s) for s in stamps)
+            relay = relay_ms(before[0], thread_seconds(self.server.proc.pid), made, self.threads)
+            client = 1000 * (time.process_time() - before[1]) / max(made, 1.0)
+            self.cpu.setdefault(n, []).append((relay, client))
+            return window_rate(stamps)
+
+    def least_cpu(self) -> dict[int, tuple[float, float]]:
+        """Each level's least relay and client CPU a token over its runs: what the layers cost with the least
+        interference."""
+        return {n: (min(r for r, _ in runs), min(c for _, c in runs)) for n, runs in self.cpu.items()}
+
+    def stop(self) -> None:
+        self.server.stop()
+
+
 def gateway_stage(
     threads: int,
     parallel: int,
@@ -169,73 +251,52 @@ def gateway_stage(
     interval_ms: int,
     cpu: dict[int, tuple[float, float]],
 ) -> dict[int, float]:
-    """``meshgate serve`` on the packaged model (``MESHGATE_LLAMA_STREAM_INTERVAL_MS``); OpenAI chat streams. A
-    content chunk carries one token or a burst: each counts its share of the stream's tokens (``usage``) by its
-    share of the text."""
-    import httpx
-
-    from benchmarks.concurrency import calibrated
-    from tests.conftest import Server
-
-    data_dir = Path(os.environ.get("MESHGATE_TEST_DATA", ROOT / ".cache" / "test-data"))
-    env = {"MESHGATE_PARALLEL": str(parallel), "MESHGATE_LLAMA_STREAM_INTERVAL_MS": str(interval_ms)}
-    server = Server(data_dir, "--threads", str(threads), "--n-ctx", str(n_ctx), env=env)
+    """Each level's best of three runs through a ``Gateway``; ``cpu`` gets the least CPU a token of each."""
+    gateway = Gateway(threads, parallel, n_ctx, interval_ms)
     try:
-
-        async def level(n: int) -> float:
-            import json
-
-            stamps: list[list[tuple[float, float]]] = [[] for _ in range(n)]
-            limits = httpx.Limits(max_connections=n + 4)
-            async with httpx.AsyncClient(base_url=server.url, timeout=600, limits=limits, trust_env=False) as http:
-
-                async def one(i: int) -> None:
-                    body = {
-                        "model": "gemma3:270m",
-                        "messages": [
-                            {"role": "system", "content": SYSTEM},
-                            {"role": "user", "content": PROMPTS[i % len(PROMPTS)]},
-                        ],
-                        "max_tokens": tokens,
-                        "temperature": 0,
-                        "stream": True,
-                        "stream_options": {"include_usage": True},
-                    }
-                    chunks: list[tuple[float, int]] = []  # (arrival, characters)
-                    total = 0
-                    async with http.stream("POST", "/v1/chat/completions", json=body) as response:
-                        async for line in response.aiter_lines():
-                            if line.startswith("data: {"):
-                                chunk = json.loads(line[6:])
-                                if chunk.get("choices") and chunk["choices"][0]["delta"].get("content"):
-                                    chunks.append((time.perf_counter(), len(chunk["choices"][0]["delta"]["content"])))
-                                if chunk.get("usage"):
-                                    total = chunk["usage"]["completion_tokens"]
-                    chars = sum(c for _, c in chunks) or 1
-                    stamps[i] = [(t, c * total / chars) for t, c in chunks]
-
-                before = thread_seconds(server.proc.pid), time.process_time()
-                await asyncio.gather(*(one(i) for i in range(n)))
-                made = sum(sum(k for _, k in s) for s in stamps)
-                relay[n].append(relay_ms(before[0], thread_seconds(server.proc.pid), made, threads))
-                client[n].append(1000 * (time.process_time() - before[1]) / max(made, 1.0))
-                return window_rate(stamps)
-
-        relay: dict[int, list[float]] = {n: [] for n in [1, *levels]}
-        client: dict[int, list[float]] = {n: [] for n in [1, *levels]}
-        asyncio.run(level(1))  # loads the model
-        calibrated(server.url, 600, lambda *a: None)
-        settle()  # the node agent measures llama.cpp in a subprocess of its own at first: not beside a level
-        steady(lambda: asyncio.run(level(1)))
-        for n in levels:
-            relay[n].clear()
-            client[n].clear()
-        rates = {n: max(asyncio.run(level(n)) for _ in range(3)) for n in levels}
-        for n in levels:  # the least of three runs: what the layers cost with the least interference
-            cpu[n] = (min(relay[n]), min(client[n]))
+        rates = {n: max(gateway.level(n, tokens) for _ in range(3)) for n in levels}
+        cpu.update(gateway.least_cpu())
         return rates
     finally:
-        server.stop()
+        gateway.stop()
+
+
+def interleaved(
+    raw: RawDecoder, gateway: Gateway, levels: list[int], tokens: int, rounds: int
+) -> dict[int, list[tuple[float, float]]]:
+    """``rounds`` pairs of runs a level, raw llama.cpp and the gateway back to back, in ABBA order (raw first in
+    even rounds): each pair shares the machine's state of the moment, so the ratio within a pair is free of the
+    drift between minutes that moves either rate more than the relay costs. Both are loaded the whole time; the
+    one not measured is idle."""
+    pairs: dict[int, list[tuple[float, float]]] = {n: [] for n in levels}
+    for r in range(rounds):
+        for n in levels:
+            if r % 2 == 0:
+                raw_rate = raw.decode_rate(n, tokens, PROMPTS)
+                gateway_rate = gateway.level(n, tokens)
+            else:
+                gateway_rate = gateway.level(n, tokens)
+                raw_rate = raw.decode_rate(n, tokens, PROMPTS)
+            pairs[n].append((raw_rate, gateway_rate))
+    return pairs
+
+
+def pairs_table(pairs: dict[int, list[tuple[float, float]]], interval_ms: int) -> str:
+    lines = [
+        f"Interleaved, gateway at {interval_ms} ms: each round's raw and gateway tok/s and their ratio",
+        "| streams | rounds | raw tok/s (median) | gateway tok/s (median) | ratio median | ratio range |",
+        "|---|---|---|---|---|---|",
+    ]
+    for n, runs in pairs.items():
+        ratios = sorted(g / r for r, g in runs)
+        raw_m = statistics.median(r for r, _ in runs)
+        gw_m = statistics.median(g for _, g in runs)
+        lines.append(
+            f"| {n} | {len(runs)} | {raw_m:.1f} | {gw_m:.1f} | {statistics.median(ratios):.3f}x | "
+            f"{ratios[0]:.3f}-{ratios[-1]:.3f}x |"
+        )
+        lines.append("| | | " + ", ".join(f"{r:.1f}/{g:.1f}" for r, g in runs) + " | | | |")
+    return "\n".join(lines)
 
 
 def thread_seconds(pid: int) -> dict[int, float]:
@@ -307,12 +368,32 @@ def main() -> None:
         default="0,50",
         help="the runner's stream interval(s) in ms (MESHGATE_LLAMA_STREAM_INTERVAL_MS): runner and gateway rows each",
     )
+    parser.add_argument(
+        "--interleave",
+        type=int,
+        default=0,
+        help="rounds of raw and gateway runs back to back (ABBA), a ratio a round, instead of the stages one after "
+        "another (each interval in turn; --stages is then ignored)",
+    )
     args = parser.parse_args()
     intervals = [int(v) for v in args.intervals.split(",")]
     levels = [int(n) for n in args.levels.split(",")]
     stages = [s for s in args.stages.split(",") if s]
     data_dir = Path(os.environ.get("MESHGATE_TEST_DATA", ROOT / ".cache" / "test-data"))
     gguf = str(packaged_gguf(data_dir))
+    if args.interleave:
+        raw = RawDecoder(gguf, args.threads, args.n_ctx)
+        raw.decode_rate(1, 4, PROMPTS)
+        for ms in intervals:
+            gateway = Gateway(args.threads, args.parallel, args.n_ctx, ms)
+            try:
+                pairs = interleaved(raw, gateway, levels, args.tokens, args.interleave)
+            finally:
+                gateway.stop()
+            print(pairs_table(pairs, ms), flush=True)
+            cpu_line = ", ".join(f"{n}: {r:.3f} / {c:.3f}" for n, (r, c) in gateway.least_cpu().items())
+            print(f"CPU a token, ms, relay / client (least of the rounds): {cpu_line}\n", flush=True)
+        return
     rates: dict[str, dict[int, float]] = {}
     cpu: dict[str, dict[int, tuple[float, float]]] = {}  # gateway rows: relay and client ms of CPU a token
     if "raw" in stages or "raw-ref" in stages:

@@ -25,34 +25,31 @@ client:
    gateway's memory and die with it: the restart part needs the store.)
 
 Every loop is bounded by ``--timeout``. The figures depend on the machine and on what else runs on it: on a shared
-box they are noisy.
+box they are noisy, so each phase prints ``other``, the cores' worth of CPU spent outside the gateway's processes
+and the benchmark's while it ran (``OtherLoad``): a run whose ``other`` is not near 0 measured the box's load too.
 
-Measured 2026-12-07 on the quiet 2-core box, defaults (500 lines of 16 tokens, 4 clients x 4 chats of 24 tokens,
-4 lanes + 4 spares, exact batches), 339 s in all:
+Measured 2026-12-07 on the quiet 2-core box (load average under 0.5 before the start), defaults (500 lines of 16
+tokens, 4 clients x 4 chats of 24 tokens x 6 waves, 4 lanes + 4 spares, exact batches), 403 s in all:
 
     phase                    TTFT p50      p99 chats lines  wall s lines/s   tok/s  once
-    idle                        0.299    0.455    16     0
-    batch alone                     -        -     0   500   140.4    3.56    57.0   yes
-    batch + chats               0.302    0.486    16   500   141.4    3.54    56.6   yes   TTFT x1.01 (p50), x1.07
-                                                                                          (p99) of idle; 99% of the
-                                                                                          batch alone, 104% of the
-                                                                                          capacity the chats left
-    gateway killed halfway          -        -     0   100    35.9    2.79    44.6   yes   A killed at 52 done
+    idle                        0.265    0.537    96     0
+    batch alone                     -        -     0   500   128.5    3.89    62.2   yes
+    idle, after the batch       0.265    0.574    96     0
+    batch + chats               0.283    0.507    96   500   159.5    3.14    50.2   yes   TTFT x1.06 / x1.07 (p50)
+                                                                                          of idle before / after;
+                                                                                          81% of the batch alone,
+                                                                                          105% of the capacity the
+                                                                                          chats left
+    gateway killed halfway          -        -     0   100    33.1    3.02    48.3   yes   A killed at 52 done
 
-With ``--waves 3`` (the default since: 48 chats a phase, each prompt tagged so no chat finds its question in a slot;
-``--kill-lines 0``): idle 0.253 / 0.416 s, beside the batch 0.433 / 0.725 s (**x1.71** p50), the batch 81% of alone
-and 91% of the capacity the chats left. Again, with the idle clients measured after the batch alone too: idle
-0.301 / 1.149 s, after the batch 0.297 / 0.551 s, beside the batch 0.347 / 0.635 s (**x1.15 / x1.17** p50), the
-batch 86% of alone and 99% of the gaps. The single-wave runs were a lucky and an unlucky draw of one wave: the
-one above, and ``--rounds 8 --kill-lines 0`` (32 chats): idle 0.268 / 0.477 s, beside the batch 0.357 / 0.596 s
-(x1.33 p50, x1.25 p99), the batch 87% of alone, 95% of the gaps. What it is not: the scheduler alone (in process,
-a chat beside 4 batch jobs fed continuously) gives 60-63 ms p50 against 74-76 ms idle (its prompt goes before
-their decode); py-spy on the runner in the mixed phase finds 94% of its samples in ``llama_decode`` (decode 71%,
-prompt chunks 22%), its event loop ~4%; the gateway uses 2.6% of a core during a batch, and its own ``ttft_ms``
-(request log) moved 297 -> 310 ms where the client's moved 307 -> 340 ms in a 4 x 4 probe. Not found yet.
-
-Before the scheduler fix of that day (a waiting batch job stopped a chat's prompt chunk it could not take the
-place of, step after step) the same run gave x1.16 and x1.96 (p50) and the killed-halfway phase never ended.
+The same day with ``--waves 3 --wave-gap 20 --kill-lines 0`` (48 chats a phase): idle 0.246 / 0.453 s, after the
+batch 0.261 / 0.427 s, beside the batch 0.267 / 0.493 s (x1.09 / x1.02 p50), the batch 92% of alone and 106% of
+the gaps. With 48 chats p99 is the slowest chat, so the default is 6 waves (96). Earlier runs of the 3-wave form
+ranged from x1.15 to x1.71 (p50) on a box that was not checked for other load: two cores, two of them llama.cpp's,
+leave no room for a third busy process, and a chat's path (client, gateway, runner) waits for a core at each hop.
+A chat is never behind a batch step it could go before: ``batch.Scheduler`` prefills interactive prompts before
+the batch jobs' decode, pauses a batch job for a chat that finds every lane taken, and stops a chunk or a decode
+of batch jobs only for one (``interrupted_steps``).
 """
 
 from __future__ import annotations
@@ -105,6 +102,7 @@ class Phase:
     tokens_s: float | None = None
     answered_once: bool | None = None
     gap_share: float | None = None  # batch tokens against the alone rate x wall, less the chats' tokens
+    other_cores: float | None = None  # CPU spent outside the gateway and the benchmark meanwhile (``OtherLoad``)
     notes: list[str] = field(default_factory=list)
 
 
@@ -253,6 +251,42 @@ def ttft(phase: Phase, chats: list[tuple[float, int]]) -> Phase:
     return phase
 
 
+class OtherLoad:
+    """The CPU the machine spent outside the gateway's processes (``pid`` and its descendants) and this one while a
+    phase ran, in cores: the load a phase's figures shared the box with (two cores leave no room for a third busy
+    process: a chat's path waits for a core at each hop). Processes that ended during the phase count as other."""
+
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
+        self.start = self._read()
+
+    def _read(self) -> tuple[float, float, float]:
+        tick = os.sysconf("SC_CLK_TCK")
+        with open("/proc/stat") as f:
+            values = [int(v) for v in f.readline().split()[1:9]]
+        busy = (sum(values) - values[3] - values[4]) / tick  # all but idle and iowait
+        children: dict[int, list[int]] = {}
+        stats: dict[int, list[str]] = {}
+        for entry in Path("/proc").iterdir():
+            if entry.name.isdigit():
+                try:
+                    fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+                except OSError:
+                    continue
+                stats[int(entry.name)] = fields
+                children.setdefault(int(fields[1]), []).append(int(entry.name))
+        tree = [self.pid]
+        for parent in tree:
+            tree.extend(children.get(parent, []))
+        ours = sum(int(stats[p][11]) + int(stats[p][12]) for p in tree if p in stats) / tick  # utime + stime
+        return time.monotonic(), busy, ours + time.process_time()
+
+    def cores(self) -> float:
+        now, busy, ours = self._read()
+        then, busy0, ours0 = self.start
+        return max(0.0, (busy - busy0) - (ours - ours0)) / max(now - then, 1e-6)
+
+
 # ----------------------------------------------------------------------------------------------------- the phases
 
 
@@ -267,21 +301,26 @@ def gateway_env(args: argparse.Namespace) -> dict[str, str]:
     }
 
 
-async def tiers(url: str, args: argparse.Namespace, say) -> list[Phase]:
+async def tiers(url: str, pid: int, args: argparse.Namespace, say) -> list[Phase]:
     await clients(url, 1, 1, 4, args.timeout)  # loads the model
-    idle: list[tuple[float, int]] = []
-    for _ in range(args.waves):
-        idle += await clients(url, args.clients, args.rounds, args.chat_tokens, args.timeout)
-    phases = [ttft(Phase("idle"), idle)]
-    say(row(phases[-1]))
+
+    async def idle(name: str) -> Phase:
+        load = OtherLoad(pid)
+        chats: list[tuple[float, int]] = []
+        for _ in range(args.waves):
+            chats += await clients(url, args.clients, args.rounds, args.chat_tokens, args.timeout)
+        phase = ttft(Phase(name, other_cores=load.cores()), chats)
+        say(row(phase))
+        return phase
+
+    phases = [await idle("idle")]
+    load = OtherLoad(pid)
     alone, _, _ = await run_batch(url, args.lines, args.line_tokens, args.timeout, "batch alone")
+    alone.other_cores = load.cores()
     phases.append(alone)
     say(row(alone))
-    again: list[tuple[float, int]] = []  # idle again, right after minutes of load (as the mixed phase comes)
-    for _ in range(args.waves):
-        again += await clients(url, args.clients, args.rounds, args.chat_tokens, args.timeout)
-    phases.append(ttft(Phase("idle, after the batch"), again))
-    say(row(phases[-1]))
+    phases.append(await idle("idle, after the batch"))  # right after minutes of load, as the mixed phase comes
+    load = OtherLoad(pid)
     batch = asyncio.create_task(run_batch(url, args.lines, args.line_tokens, args.timeout, "batch + chats"))
     chats: list[tuple[float, int]] = []
     for wave in range(args.waves):  # spread over the batch's run: the first once its lanes are taken
@@ -289,9 +328,12 @@ async def tiers(url: str, args: argparse.Namespace, say) -> list[Phase]:
         if not batch.done():
             chats += await clients(url, args.clients, args.rounds, args.chat_tokens, args.timeout)
     mixed, _, _ = await batch
+    mixed.other_cores = load.cores()
     phases.append(ttft(mixed, chats))
-    before, after, now = phases[0].ttft_p50 or 1.0, phases[2].ttft_p50 or 1.0, mixed.ttft_p50 or 0.0
-    mixed.notes.append(f"TTFT x{now / before:.2f} / x{now / after:.2f} (p50) of idle before / after the batch alone")
+    for q in ("p50", "p99"):
+        before, after = getattr(phases[0], f"ttft_{q}") or 1.0, getattr(phases[2], f"ttft_{q}") or 1.0
+        now = getattr(mixed, f"ttft_{q}") or 0.0
+        mixed.notes.append(f"TTFT x{now / before:.2f} / x{now / after:.2f} ({q}) of idle before / after")
     mixed.notes.append(f"throughput {mixed.lines_s / alone.lines_s:.0%} of the batch alone")  # type: ignore[operator]
     # the gaps the chats left: what the runner does alone in the same time, less the tokens the chats took
     chat_tokens = sum(n for _, n in chats)
@@ -370,13 +412,14 @@ def row(p: Phase) -> str:
     once = "-" if p.answered_once is None else ("yes" if p.answered_once else "NO")
     return (
         f"{p.name:<24} {f(p.ttft_p50, '.3f'):>8} {f(p.ttft_p99, '.3f'):>8} {p.chats:>5} {p.lines:>5} "
-        f"{f(p.wall_s, '.1f'):>7} {f(p.lines_s, '.2f'):>7} {f(p.tokens_s, '.1f'):>7} {once:>5}  {'; '.join(p.notes)}"
+        f"{f(p.wall_s, '.1f'):>7} {f(p.lines_s, '.2f'):>7} {f(p.tokens_s, '.1f'):>7} {once:>5} "
+        f"{f(p.other_cores, '.2f'):>6}  {'; '.join(p.notes)}"
     )
 
 
 HEADER = (
     f"{'phase':<24} {'TTFT p50':>8} {'p99':>8} {'chats':>5} {'lines':>5} {'wall s':>7} {'lines/s':>7} "
-    f"{'tok/s':>7} {'once':>5}  notes"
+    f"{'tok/s':>7} {'once':>5} {'other':>6}  notes"
 )
 
 
@@ -386,8 +429,8 @@ def main() -> None:
     parser.add_argument("--line-tokens", type=int, default=16, help="max_tokens of each batch line (greedy)")
     parser.add_argument("--clients", type=int, default=4, help="interactive clients")
     parser.add_argument("--rounds", type=int, default=4, help="chats each client sends one after another")
-    parser.add_argument("--waves", type=int, default=3, help="times the clients chat so, in each phase")
-    parser.add_argument("--wave-gap", type=float, default=20.0, help="seconds between waves beside the batch")
+    parser.add_argument("--waves", type=int, default=6, help="times the clients chat so, in each phase")
+    parser.add_argument("--wave-gap", type=float, default=15.0, help="seconds between waves beside the batch")
     parser.add_argument("--chat-tokens", type=int, default=24, help="max_tokens of each chat (greedy)")
     parser.add_argument("--parallel", type=int, default=4, help="MESHGATE_PARALLEL: the runner's decode lanes")
     parser.add_argument("--spares", type=int, default=4, help="MESHGATE_BATCH_SPARES: sequences for interactive")
@@ -410,7 +453,7 @@ def main() -> None:
     server = Server(data_dir, "--threads", str(args.threads), "--n-ctx", str(args.n_ctx), env=gateway_env(args))
     try:
         calibrated(server.url, args.timeout, say)
-        phases = asyncio.run(tiers(server.url, args, say))
+        phases = asyncio.run(tiers(server.url, server.proc.pid, args, say))
     finally:
         server.stop()
     if args.kill_lines:

@@ -16,7 +16,10 @@ checks each stream ended in ``[DONE]``: it parses nothing, so it costs little be
 
 Printed side by side: tokens/s, ratio to linear (tokens/s over N times the 1-worker figure), each worker's CPU
 (cores busy, from ``/proc/<pid>/task/*/schedstat``), gateway CPU per token, and the runner's and this client's
-CPU: when the runner or the client is at a core, more workers cannot help, and the table shows it. Linux only.
+CPU, and the rest of the server's process tree (with N > 1: the redis-server, the node agent, the supervisor): when
+the runner or the client is at a core, more workers cannot help, and the table shows it. ``x free-core linear``
+is the figure against linear up to the cores those leave free: the 1-worker tokens/s per core of worker CPU, times
+N or the free cores, whichever is less. Linux only.
 """
 
 from __future__ import annotations
@@ -180,7 +183,8 @@ def measure(n: int, args: argparse.Namespace) -> dict:
         asyncio.run(load(server.port, min(args.streams, 64), 1.0, args.pacing, 16))  # every worker warm
         time.sleep(1.0)
         workers, runners = roles(server)
-        watched = [*workers, *runners, os.getpid()]
+        rest = [q for q in [server.proc.pid, *descendants(server.proc.pid)] if q not in (*workers, *runners)]
+        watched = [*workers, *runners, *rest, os.getpid()]  # rest: the store, the node agent, the supervisor
         rounds = [
             asyncio.run(load(server.port, args.streams, args.seconds, args.pacing, args.tokens, watched))
             for _ in range(args.rounds)
@@ -208,7 +212,17 @@ def measure(n: int, args: argparse.Namespace) -> dict:
         "gateway_us_per_token": gateway_cpu * 1e6 / max(tokens, 1),
         "runner_cores": sum(spent[p] for p in runners) / wall,
         "client_cores": spent[os.getpid()] / wall,
+        "rest_cores": sum(spent[p] for p in rest) / wall,
     }
+
+
+def free_linear(result: dict, one: dict, cores: int) -> float:
+    """``result``'s tokens/s over linear up to the free cores: the 1-worker figure per core of worker CPU, times the
+    cores its N workers could have had (N, or what the runner, the client and the rest of the tree left of the
+    machine's ``cores``, whichever is less)."""
+    per_core = one["tokens_per_s"] / max(sum(one["worker_cores"]), 1e-6)
+    others = result["runner_cores"] + result["client_cores"] + result["rest_cores"]
+    return result["tokens_per_s"] / (per_core * min(result["workers"], max(cores - others, 1e-6)))
 
 
 def main() -> None:
@@ -225,21 +239,23 @@ def main() -> None:
     if args.json:
         print(json.dumps(results))
         return
-    base = next((r["tokens_per_s"] for r in results if r["workers"] == 1), results[0]["tokens_per_s"])
+    one = next((r for r in results if r["workers"] == 1), results[0])
+    base, cores = one["tokens_per_s"], os.cpu_count() or 1
     print(
         f"relayed tokens/s through the gateway: {args.streams} concurrent OpenAI chat streams x {args.tokens} tokens, "
         f"runner '{args.pacing}', best of {args.rounds} x {args.seconds:g} s per row, {os.cpu_count()} cores"
     )
     print(
         f"{'workers':>7} {'tokens/s':>10} {'x linear':>8} {'streams':>8} {'failed':>6} {'worker CPU (cores each)':>28} "
-        f"{'us CPU/token':>12} {'runner':>7} {'client':>7}"
+        f"{'us CPU/token':>12} {'runner':>7} {'client':>7} {'rest':>5} {'x free-core linear':>18}"
     )
     for r in results:
         each = " ".join(f"{c:.2f}" for c in r["worker_cores"])
         print(
             f"{r['workers']:>7} {r['tokens_per_s']:>10.0f} {r['tokens_per_s'] / (base * r['workers']):>8.2f} "
             f"{r['streams']:>8} {r['failed']:>6} {each:>28} {r['gateway_us_per_token']:>12.1f} "
-            f"{r['runner_cores']:>7.2f} {r['client_cores']:>7.2f}"
+            f"{r['runner_cores']:>7.2f} {r['client_cores']:>7.2f} {r['rest_cores']:>5.2f} "
+            f"{free_linear(r, one, cores):>18.2f}"
         )
     if FIRST_FAILURE:
         print(f"the first failed stream received: {FIRST_FAILURE[0]!r}")

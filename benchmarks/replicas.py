@@ -390,6 +390,17 @@ def main() -> None:
 
     if "capacity" not in skip:
         capacity: dict[int, list[Level]] = {}
+        gguf = packaged_gguf(data_dir)
+        raw = RawDecoder(str(gguf), args.threads, 2048)
+        raw.decode_rate(1, 4, PROMPTS)
+        beside: dict[int, dict[int, tuple[float, float]]] = {1: {}, 2: {}}  # raw with prefill before / after a level
+
+        def raw_work(nodes: int, n: int) -> float:
+            """The level's work done raw while the cluster idles: in this process (1 node) or two (2 nodes)."""
+            if nodes == 1:
+                return raw.workload_rate(n, args.tokens, PROMPTS, args.rounds)
+            return raw_pair_rate(gguf, args.threads, n, args.tokens, args.rounds)
+
         for nodes in (1, 2):
             say(f"capacity: {nodes} replica(s) on {nodes} node(s) ...")
             with cluster(data_dir, logs, nodes, args.threads) as (url, pid):
@@ -401,22 +412,22 @@ def main() -> None:
                     report["one_stream_gateway_cpu_ms_per_token_net"] = one.gateway_cpu_ms_per_token_net
                 capacity[nodes] = []
                 for n in levels:
+                    before = raw_work(nodes, n)  # the same work raw, just before and just after: the VM drifts
                     level = asyncio.run(run_level(url, MODEL, n, args.rounds, args.tokens, pid, args.timeout))
+                    beside[nodes][n] = (before, raw_work(nodes, n))
                     capacity[nodes].append(level)
                     say(f"  {n} streams: {level.tok_s:.1f} tok/s, TTFT p99 {level.ttft_p99:.2f} s")
                 if nodes == 1 and 8 in levels:
                     cold = asyncio.run(run_level(url, MODEL, 8, 1, 8, None, args.timeout))  # 8 new prompts
                     report["eighth_cold_prompt_ttft_s"] = cold.ttft_p99
-        raw = RawDecoder(str(packaged_gguf(data_dir)), args.threads, 2048)
-        raw.decode_rate(1, 4, PROMPTS)
         report["raw_tok_s"] = {n: raw.decode_rate(n, args.tokens, PROMPTS) for n in levels}
-        gguf = packaged_gguf(data_dir)
         report["raw_pair_tok_s"] = {n: raw_pair_rate(gguf, args.threads, n, args.tokens) for n in levels}
         # the clients' own work done raw: their prompts prefilled, then their tokens, timed whole
         report["raw_work_tok_s"] = {n: raw.workload_rate(n, args.tokens, PROMPTS, args.rounds) for n in levels}
         report["raw_work_pair_tok_s"] = {
             n: raw_pair_rate(gguf, args.threads, n, args.tokens, args.rounds) for n in levels
         }
+        report["raw_work_beside_tok_s"] = beside
         report["capacity"] = {nodes: [asdict(lv) for lv in lvs] for nodes, lvs in capacity.items()}
         say("")
         say(
@@ -439,6 +450,14 @@ def main() -> None:
                 f"{a.concurrency:>7} {a.tok_s:16.1f} {b.tok_s:17.1f} {b.tok_s / a.tok_s:6.2f} "
                 f"{one:10.1f} {two:11.1f} {two / one:6.2f}   meshgate / raw: {a.tok_s / one:.2f}x, {b.tok_s / two:.2f}x"
             )
+        say("beside it (the same work raw just before and just after each level, the cluster idle; mean of the two):")
+        for nodes in (1, 2):
+            for level in capacity[nodes]:
+                before, after = beside[nodes][level.concurrency]
+                say(
+                    f"{level.concurrency:>7} streams, {nodes} replica(s): meshgate {level.tok_s:.1f}, raw {before:.1f} "
+                    f"before / {after:.1f} after: {level.tok_s / ((before + after) / 2):.2f}x"
+                )
         if "eighth_cold_prompt_ttft_s" in report:
             say(f"first token of the 8th of 8 cold prompts (1 replica): {report['eighth_cold_prompt_ttft_s']:.2f} s")
         say(

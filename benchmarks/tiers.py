@@ -17,7 +17,10 @@ client:
 3. **batch + interactive**: the same batch again with the same clients chatting while it runs (``--waves`` waves,
    ``--wave-gap`` seconds apart, the first 2 s after the batch starts): their TTFT against
    both idle figures, and the batch's lines/s and tokens/s against (2), and against the capacity the chats left
-   (the gaps: (2)'s tokens/s times this phase's wall time, less the tokens the chats generated);
+   (the gaps: (2)'s tokens/s times this phase's wall time, less the tokens the chats generated); then the idle
+   clients a third time (``idle, after both``), so the mixed phase has an idle phase on either side of it in time:
+   its TTFT is set against each idle phase and against the mean of those two neighbours (the VM's speed drifts by
+   up to 10% between minutes, and one phase's chats take about 10 s of prefill and decode in all);
 4. **killed halfway** (``--kill-lines``, 0 to skip): Redis, one ``meshgate node`` agent holding the runner, and two
    gateways on the store. A batch is created on gateway A; when half its lines are done A is SIGKILLed and started
    again; its claimed lines run again once their lease (``MESHGATE_BATCH_LEASE``, ``--lease``) runs out. The
@@ -143,16 +146,34 @@ _WAVES = itertools.count()
 async def clients(url: str, n: int, rounds: int, tokens: int, timeout: float) -> list[tuple[float, int]]:
     """``n`` clients, ``rounds`` chats each one after another: every chat's TTFT and generated tokens. Every prompt
     starts with its own tag, so no chat finds more of itself in a slot than the chat template (a slot that held
-    the same question would make a chat faster in one phase than in the other)."""
+    the same question would make a chat faster in one phase than in the other). The clients share the one
+    ``CHATTERS`` client of ``url`` (its connections stay open between waves): a new httpx client builds an SSL
+    context, tens of milliseconds of CPU taken from llama.cpp's threads just as a wave's prompts are evaluated."""
     wave = next(_WAVES)
+    if url not in CHATTERS:
+        CHATTERS[url] = httpx.AsyncClient(base_url=url, timeout=timeout, limits=httpx.Limits(max_connections=64))
+    client = CHATTERS[url]
 
     async def one(i: int) -> list[tuple[float, int]]:
-        async with httpx.AsyncClient(base_url=url, timeout=timeout) as client:
-            return [
-                await chat(client, f"[{wave}.{i}.{r}] " + CHATS[(i + r) % len(CHATS)], tokens) for r in range(rounds)
-            ]
+        return [await chat(client, f"[{wave}.{i}.{r}] " + CHATS[(i + r) % len(CHATS)], tokens) for r in range(rounds)]
 
     return [t for ts in await asyncio.gather(*(one(i) for i in range(n))) for t in ts]
+
+
+async def one_chat(url: str, timeout: float) -> None:
+    """One short chat on a client of its own (closed again): the model is loaded and answers."""
+    await clients(url, 1, 1, 4, timeout)
+    await forget_chatters()
+
+
+CHATTERS: dict[str, httpx.AsyncClient] = {}  # by base URL, for the life of one event loop (``forget_chatters``)
+
+
+async def forget_chatters() -> None:
+    """Close the shared chat clients (before their event loop ends)."""
+    for client in CHATTERS.values():
+        await client.aclose()
+    CHATTERS.clear()
 
 
 # ------------------------------------------------------------------------------------------------------ batch jobs
@@ -186,19 +207,22 @@ def create_batch(url: str, rows: list[dict]) -> str:
     return str(created.json()["id"])
 
 
-def batch_state(url: str, batch_id: str) -> dict:
-    answer = httpx.get(f"{url}/v1/batches/{batch_id}", timeout=30)
+def batch_state(url: str, batch_id: str, http: httpx.Client | None = None) -> dict:
+    answer = (http or httpx).get(f"{url}/v1/batches/{batch_id}", timeout=30)
     answer.raise_for_status()
     return dict(answer.json())
 
 
 async def wait_batch(url: str, batch_id: str, timeout: float) -> dict:
+    """Poll the batch once a second until it ends, on one client (a new client a poll would build an SSL context
+    each time: ~6% of a core at two polls a second, measured, taken from the chats' prefills)."""
     deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        state = await asyncio.to_thread(batch_state, url, batch_id)
-        if state["status"] in ("completed", "failed", "expired", "cancelled"):
-            return state
-        await asyncio.sleep(0.5)
+    with httpx.Client(timeout=30) as http:
+        while time.monotonic() < deadline:
+            state = await asyncio.to_thread(batch_state, url, batch_id, http)
+            if state["status"] in ("completed", "failed", "expired", "cancelled"):
+                return state
+            await asyncio.sleep(1.0)
     raise RuntimeError(f"batch {batch_id} did not finish in {timeout:g} s")
 
 
@@ -329,11 +353,14 @@ async def tiers(url: str, pid: int, args: argparse.Namespace, say) -> list[Phase
             chats += await clients(url, args.clients, args.rounds, args.chat_tokens, args.timeout)
     mixed, _, _ = await batch
     mixed.other_cores = load.cores()
-    phases.append(ttft(mixed, chats))
-    for q in ("p50", "p99"):
-        before, after = getattr(phases[0], f"ttft_{q}") or 1.0, getattr(phases[2], f"ttft_{q}") or 1.0
+    ttft(mixed, chats)
+    last = await idle("idle, after both")  # the mixed phase's other neighbour in time
+    phases += [mixed, last]
+    for q in ("p50", "p99"):  # against each idle phase, and against the two on either side of it
+        idles = [getattr(phases[k], f"ttft_{q}") or 1.0 for k in (0, 2, 4)]
         now = getattr(mixed, f"ttft_{q}") or 0.0
-        mixed.notes.append(f"TTFT x{now / before:.2f} / x{now / after:.2f} ({q}) of idle before / after")
+        ratios = " / ".join(f"x{now / t:.2f}" for t in [*idles, (idles[1] + idles[2]) / 2])
+        mixed.notes.append(f"TTFT {ratios} ({q}) of idle before / after / after both / its neighbours' mean")
     mixed.notes.append(f"throughput {mixed.lines_s / alone.lines_s:.0%} of the batch alone")  # type: ignore[operator]
     # the gaps the chats left: what the runner does alone in the same time, less the tokens the chats took
     chat_tokens = sum(n for _, n in chats)
@@ -346,6 +373,7 @@ async def tiers(url: str, pid: int, args: argparse.Namespace, say) -> list[Phase
         f"runner: {health.get('paused_batch_jobs', '?')} batch jobs paused in all, "
         f"{health.get('interrupted_steps', '?')} batch steps stopped for a chat"
     )
+    await forget_chatters()
     return phases
 
 
@@ -377,7 +405,7 @@ def killed_halfway(data_dir: Path, args: argparse.Namespace, say) -> Phase:
             wait_for(lambda: httpx.get(f"{gateways[0].url}/cluster").json()["nodes"], 60, "the node")
             r = httpx.post(f"{gateways[0].url}/instances", json={"model": MODEL}, timeout=120)
             assert r.status_code == 201, r.text
-            asyncio.run(clients(gateways[0].url, 1, 1, 4, args.timeout))  # ready
+            asyncio.run(one_chat(gateways[0].url, args.timeout))  # ready
             batch_id = create_batch(gateways[0].url, lines(args.kill_lines, args.line_tokens))
             started = time.perf_counter()
             half = args.kill_lines // 2

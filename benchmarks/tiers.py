@@ -31,28 +31,29 @@ Every loop is bounded by ``--timeout``. The figures depend on the machine and on
 box they are noisy, so each phase prints ``other``, the cores' worth of CPU spent outside the gateway's processes
 and the benchmark's while it ran (``OtherLoad``): a run whose ``other`` is not near 0 measured the box's load too.
 
-Measured 2026-12-07 on the quiet 2-core box (load average under 0.5 before the start), defaults (500 lines of 16
-tokens, 4 clients x 4 chats of 24 tokens x 6 waves, 4 lanes + 4 spares, exact batches), 403 s in all:
+Measured 2026-12-07 on the quiet 2-core box (``other`` 0.01 in every phase), defaults (500 lines of 16 tokens,
+4 clients x 4 chats of 24 tokens x 6 waves, 4 lanes + 4 spares, exact batches), 425 s in all:
 
     phase                    TTFT p50      p99 chats lines  wall s lines/s   tok/s  once
-    idle                        0.265    0.537    96     0
-    batch alone                     -        -     0   500   128.5    3.89    62.2   yes
-    idle, after the batch       0.265    0.574    96     0
-    batch + chats               0.283    0.507    96   500   159.5    3.14    50.2   yes   TTFT x1.06 / x1.07 (p50)
-                                                                                          of idle before / after;
-                                                                                          81% of the batch alone,
-                                                                                          105% of the capacity the
-                                                                                          chats left
-    gateway killed halfway          -        -     0   100    33.1    3.02    48.3   yes   A killed at 52 done
+    idle                        0.245    0.477    96     0
+    batch alone                     -        -     0   500   121.8    4.10    65.7   yes
+    idle, after the batch       0.251    0.517    96     0
+    batch + chats               0.282    0.540    96   500   158.0    3.16    50.6   yes   TTFT x1.11 (p50), x1.02
+                                                                                          (p99) of its neighbours'
+                                                                                          mean; 77% of the batch
+                                                                                          alone, 99% of the gaps
+    idle, after both            0.255    0.539    96     0
+    gateway killed halfway          -        -     0   100    35.0    2.86    45.7   yes   A killed at 52 done
 
-The same day with ``--waves 3 --wave-gap 20 --kill-lines 0`` (48 chats a phase): idle 0.246 / 0.453 s, after the
-batch 0.261 / 0.427 s, beside the batch 0.267 / 0.493 s (x1.09 / x1.02 p50), the batch 92% of alone and 106% of
-the gaps. With 48 chats p99 is the slowest chat, so the default is 6 waves (96). Earlier runs of the 3-wave form
-ranged from x1.15 to x1.71 (p50) on a box that was not checked for other load: two cores, two of them llama.cpp's,
-leave no room for a third busy process, and a chat's path (client, gateway, runner) waits for a core at each hop.
-A chat is never behind a batch step it could go before: ``batch.Scheduler`` prefills interactive prompts before
-the batch jobs' decode, pauses a batch job for a chat that finds every lane taken, and stops a chunk or a decode
-of batch jobs only for one (``interrupted_steps``).
+The run before it: idle 0.240 / 0.288 / 0.279 s (p50; the three idle phases of one run differ by 20%), beside the
+batch 0.275 s: x0.97 (p50) and x1.02 (p99) of its neighbours' mean, 105% of the gaps. Earlier runs without the
+neighbours (and with the benchmark's own polling taking 6% of a core, since fixed) ranged from x1.05 to x1.40
+against the idle phase before the batch. Where a chat's time goes in the runner (a trace of ``batch.Scheduler``,
+submit to first token, means over 80 chats a phase, one run): idle 263 ms = own prompt 102 + other chats' prompts
+144 + decode steps 15 + 2; beside the batch 288 ms = 103 + 155 + decode steps 23 (14 of them with batch rows) +
+batch prompt chunks 4 + 3. What the batch itself adds there is ~12 ms (~4%); a chat's prompt takes 98-106 ms in
+every phase, moving with the VM, not with the batch. Prompts are evaluated one sequence at a time (exact
+batches: a row's numbers must not depend on its neighbours), so the fourth chat of a wave waits for three.
 """
 
 from __future__ import annotations

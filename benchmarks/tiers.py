@@ -60,6 +60,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import io
 import itertools
 import json
@@ -286,24 +287,17 @@ class OtherLoad:
         self.start = self._read()
 
     def _read(self) -> tuple[float, float, float]:
+        from benchmarks.workers import descendants
+
         tick = os.sysconf("SC_CLK_TCK")
         with open("/proc/stat") as f:
             values = [int(v) for v in f.readline().split()[1:9]]
         busy = (sum(values) - values[3] - values[4]) / tick  # all but idle and iowait
-        children: dict[int, list[int]] = {}
-        stats: dict[int, list[str]] = {}
-        for entry in Path("/proc").iterdir():
-            if entry.name.isdigit():
-                try:
-                    fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
-                except OSError:
-                    continue
-                stats[int(entry.name)] = fields
-                children.setdefault(int(fields[1]), []).append(int(entry.name))
-        tree = [self.pid]
-        for parent in tree:
-            tree.extend(children.get(parent, []))
-        ours = sum(int(stats[p][11]) + int(stats[p][12]) for p in tree if p in stats) / tick  # utime + stime
+        ours = 0.0
+        for pid in [self.pid, *descendants(self.pid)]:
+            with contextlib.suppress(OSError, IndexError, ValueError):  # one that ended meanwhile
+                fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+                ours += (int(fields[11]) + int(fields[12])) / tick  # utime + stime, its ended threads' included
         return time.monotonic(), busy, ours + time.process_time()
 
     def cores(self) -> float:

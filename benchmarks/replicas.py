@@ -51,6 +51,18 @@ decode-only columns leave out the ~1 s of prefill each request waits for its fir
     |      16 |  46.2 t/s |   84.9 t/s |  1.84 |                50.6 t/s |                  86.8 t/s | 0.91x, 0.98x   |
     (decode only, same run: raw 67.6 / 107.0 t/s at 8, 72.8 / 128.4 at 16)
 
+Measured sequentially, raw minutes after meshgate, those ratios moved with the VM (another run: 1.19x, 0.97x at 8,
+1.05x, 0.87x at 16), so each level's work now also runs raw just before and just after it, the cluster idle
+("beside it"). Two runs the same afternoon, meshgate against the mean of the raw runs beside it:
+
+    | streams, replicas | run 1                          | run 2                          |
+    |             8, 1  | 51.9 t/s, raw 52.0 / 47.1: 1.05x | 49.9 t/s, raw 50.0 / 50.5: 0.99x |
+    |            16, 1  | 58.5 t/s, raw 55.9 / 55.2: 1.05x | 47.4 t/s, raw 53.8 / 48.1: 0.93x |
+    |             8, 2  | 82.6 t/s, raw 80.9 / 85.0: 1.00x | 72.9 t/s, raw 77.9 / 82.3: 0.91x |
+    |            16, 2  | 94.1 t/s, raw 95.4 / 100.4: 0.96x | 93.9 t/s, raw 92.5 / 94.3: 1.01x |
+
+Two replicas against one at 16 streams: 1.61x and 1.98x (the raw work beside them: 1.76x and 1.83x).
+
 Two replicas give what two raw llama.cpp processes give here (1.51-1.61x one process: batching n/2 sequences is
 less efficient than n, and the two share the box's memory bandwidth and the rest of the load), so the cluster
 adds all the capacity the engine can on this box. Affinity reuses the most (98.8%) and finishes the workload

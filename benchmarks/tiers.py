@@ -56,8 +56,8 @@ every phase, moving with the VM, not with the batch. Prompts are evaluated one s
 batches: a row's numbers must not depend on its neighbours), so the fourth chat of a wave waits for three.
 With ``--threads 1 --lines 250 --kill-lines 0`` (a core left to the gateway, the runner's event loop and the
 clients): idle 0.456 / 0.444 / 0.444 s, beside the batch 0.432 s, x0.97 (p50) and x0.95 (p99) of its neighbours'
-mean, 106% of the gaps: what is left above at two threads is each hop of a chat's request waiting for a core
-that llama.cpp holds for the whole mixed phase.
+mean, 106% of the gaps; a second run x1.02 / x1.04, 93%. What is left above at two threads is each hop of a chat's
+request waiting for a core that llama.cpp holds for the whole mixed phase.
 """
 
 from __future__ import annotations

@@ -239,11 +239,11 @@ def main() -> None:
     if args.json:
         print(json.dumps(results))
         return
-    one = next((r for r in results if r["workers"] == 1), results[0])
-    base, cores = one["tokens_per_s"], os.cpu_count() or 1
+    one = next((r for r in results if r["workers"] == 1), None)  # the free-core column needs a 1-worker row
+    base, cores = (one or results[0])["tokens_per_s"], os.cpu_count() or 1
     print(
         f"relayed tokens/s through the gateway: {args.streams} concurrent OpenAI chat streams x {args.tokens} tokens, "
-        f"runner '{args.pacing}', best of {args.rounds} x {args.seconds:g} s per row, {os.cpu_count()} cores"
+        f"runner '{args.pacing}', best of {args.rounds} x {args.seconds:g} s per row, {cores} cores"
     )
     print(
         f"{'workers':>7} {'tokens/s':>10} {'x linear':>8} {'streams':>8} {'failed':>6} {'worker CPU (cores each)':>28} "
@@ -255,7 +255,7 @@ def main() -> None:
             f"{r['workers']:>7} {r['tokens_per_s']:>10.0f} {r['tokens_per_s'] / (base * r['workers']):>8.2f} "
             f"{r['streams']:>8} {r['failed']:>6} {each:>28} {r['gateway_us_per_token']:>12.1f} "
             f"{r['runner_cores']:>7.2f} {r['client_cores']:>7.2f} {r['rest_cores']:>5.2f} "
-            f"{free_linear(r, one, cores):>18.2f}"
+            f"{free_linear(r, one, cores) if one else float('nan'):>18.2f}"
         )
     if FIRST_FAILURE:
         print(f"the first failed stream received: {FIRST_FAILURE[0]!r}")

@@ -47,13 +47,13 @@ Measured 2026-12-07 on the quiet 2-core box (``other`` 0.01 in every phase), def
 
 The run before it: idle 0.240 / 0.288 / 0.279 s (p50; the three idle phases of one run differ by 20%), beside the
 batch 0.275 s: x0.97 (p50) and x1.02 (p99) of its neighbours' mean, 105% of the gaps. Earlier runs without the
-neighbours (and with the benchmark's own polling taking 6% of a core, since fixed) ranged from x1.05 to x1.40
-against the idle phase before the batch. Where a chat's time goes in the runner (a trace of ``batch.Scheduler``,
-submit to first token, means over 80 chats a phase, one run): idle 263 ms = own prompt 102 + other chats' prompts
-144 + decode steps 15 + 2; beside the batch 288 ms = 103 + 155 + decode steps 23 (14 of them with batch rows) +
-batch prompt chunks 4 + 3. What the batch itself adds there is ~12 ms (~4%); a chat's prompt takes 98-106 ms in
-every phase, moving with the VM, not with the batch. Prompts are evaluated one sequence at a time (exact
-batches: a row's numbers must not depend on its neighbours), so the fourth chat of a wave waits for three.
+neighbours ranged from x1.05 to x1.40 against the idle phase before the batch (all but the last with the benchmark's
+own polling taking 6% of a core, since fixed). Where a chat's time goes in the runner (a trace of
+``batch.Scheduler``, submit to first token, means over 80 chats a phase, one run): idle 263 ms = own prompt 102 +
+other chats' prompts 144 + decode steps 15 + 2; beside the batch 288 ms = 103 + 155 + decode steps 23 (14 of them
+with batch rows) + batch prompt chunks 4 + 3. What the batch itself adds there is ~12 ms (~4%); a chat's prompt
+takes 98-106 ms in every phase, moving with the VM, not with the batch. Prompts are evaluated one sequence at a time
+(exact batches: a row's numbers must not depend on its neighbours), so the fourth chat of a wave waits for three.
 With ``--threads 1 --lines 250 --kill-lines 0`` (a core left to the gateway, the runner's event loop and the
 clients): idle 0.456 / 0.444 / 0.444 s, beside the batch 0.432 s, x0.97 (p50) and x0.95 (p99) of its neighbours'
 mean, 106% of the gaps; a second run x1.02 / x1.04, 93%. What is left above at two threads is each hop of a chat's

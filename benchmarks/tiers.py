@@ -320,6 +320,7 @@ def gateway_env(args: argparse.Namespace) -> dict[str, str]:
         "MESHGATE_BATCH_CONCURRENCY": str(args.parallel),
         "MESHGATE_BATCH_LEASE": str(args.lease),
         "MESHGATE_EXACT_BATCHES": "1",
+        "MESHGATE_LLAMA_BATCH_CPU": args.batch_cpu,
         "MESHGATE_CLUSTER_SECRET": SECRET,
     }
 
@@ -336,6 +337,10 @@ async def tiers(url: str, pid: int, args: argparse.Namespace, say) -> list[Phase
         say(row(phase))
         return phase
 
+    if not args.lines:
+        phases = await paired(url, pid, args, say)
+        await forget_chatters()
+        return phases
     phases = [await idle("idle")]
     load = OtherLoad(pid)
     alone, _, _ = await run_batch(url, args.lines, args.line_tokens, args.timeout, "batch alone")
@@ -372,8 +377,65 @@ async def tiers(url: str, pid: int, args: argparse.Namespace, say) -> list[Phase
         f"runner: {health.get('paused_batch_jobs', '?')} batch jobs paused in all, "
         f"{health.get('interrupted_steps', '?')} batch steps stopped for a chat"
     )
+    if args.pairs:
+        phases += await paired(url, pid, args, say)
     await forget_chatters()
     return phases
+
+
+async def paired(url: str, pid: int, args: argparse.Namespace, say) -> list[Phase]:
+    """``--pairs`` rounds of one idle wave and one wave beside a running batch, in ABBA order (idle first in even
+    rounds, the batch first in odd ones), so the two sets of chats are measured seconds apart, not minutes: the
+    VM's drift between phases cancels. A wave beside a batch: a batch of ``--pair-lines`` lines is created, its
+    lanes fill (2 s, as in the mixed phase), the clients chat once, and the batch is cancelled and the runner left
+    to empty before the next wave. TTFT p50/p99 of each set, and the batch waves' against the idle ones'."""
+    load = OtherLoad(pid)
+    idle: list[tuple[float, int]] = []
+    beside: list[tuple[float, int]] = []
+    per_round = []
+    for k in range(args.pairs):
+        waves = {}
+        for which in ("idle", "beside") if k % 2 == 0 else ("beside", "idle"):
+            if which == "idle":
+                waves[which] = await clients(url, args.clients, args.rounds, args.chat_tokens, args.timeout)
+                continue
+            batch_id = await asyncio.to_thread(create_batch, url, lines(args.pair_lines, args.line_tokens))
+            await asyncio.sleep(2.0)
+            waves[which] = await clients(url, args.clients, args.rounds, args.chat_tokens, args.timeout)
+            await asyncio.to_thread(cancel_batch, url, batch_id)
+            state = await wait_batch(url, batch_id, args.timeout)
+            if state["status"] == "completed":
+                raise RuntimeError(
+                    f"the batch of {args.pair_lines} lines ended before its wave: pass more --pair-lines"
+                )
+            await asyncio.to_thread(runner_empty, url, args.timeout)
+        idle += waves["idle"]
+        beside += waves["beside"]
+        per_round.append(
+            statistics.median(t for t, _ in waves["beside"]) / statistics.median(t for t, _ in waves["idle"])
+        )
+    other = load.cores()
+    phases = [ttft(Phase("idle, paired", other_cores=other), idle), ttft(Phase("beside a batch, paired"), beside)]
+    a, b = phases
+    spread = f"x{min(per_round):.2f}-x{max(per_round):.2f}, median x{statistics.median(per_round):.2f}"
+    b.notes.append(
+        f"TTFT x{b.ttft_p50 / a.ttft_p50:.2f} (p50), x{b.ttft_p99 / a.ttft_p99:.2f} (p99) of the idle waves "  # type: ignore[operator]
+        f"between; each round's wave medians {spread}"
+    )
+    for phase in phases:
+        say(row(phase))
+    return phases
+
+
+def cancel_batch(url: str, batch_id: str) -> None:
+    httpx.post(f"{url}/v1/batches/{batch_id}/cancel", timeout=30).raise_for_status()
+
+
+def runner_empty(url: str, timeout: float) -> None:
+    """Wait until the model's runner holds no sequence (a cancelled batch's lines have left it)."""
+    deadline = time.monotonic() + timeout
+    while runner_health(url).get("active_sequences", 0) and time.monotonic() < deadline:
+        time.sleep(0.5)
 
 
 def runner_health(url: str) -> dict:
@@ -462,8 +524,15 @@ def main() -> None:
     parser.add_argument("--parallel", type=int, default=4, help="MESHGATE_PARALLEL: the runner's decode lanes")
     parser.add_argument("--spares", type=int, default=4, help="MESHGATE_BATCH_SPARES: sequences for interactive")
     parser.add_argument("--lease", type=float, default=5.0, help="MESHGATE_BATCH_LEASE, seconds")
+    parser.add_argument(
+        "--pairs", type=int, default=6, help="rounds of an idle wave and a wave beside a batch (0: skip)"
+    )
+    parser.add_argument("--pair-lines", type=int, default=200, help="lines of each paired wave's batch (cancelled)")
     parser.add_argument("--kill-lines", type=int, default=100, help="lines of the killed-halfway batch (0: skip)")
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument(
+        "--batch-cpu", choices=("idle", "normal"), default="idle", help="MESHGATE_LLAMA_BATCH_CPU: batch decodes' class"
+    )
     parser.add_argument("--n-ctx", type=int, default=1024)
     parser.add_argument("--timeout", type=float, default=1800.0, help="seconds any one phase may take")
     parser.add_argument("--json", action="store_true", help="print the results as one JSON object")

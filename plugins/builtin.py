@@ -19,7 +19,7 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any
 
 import httpx
 import msgspec
@@ -63,11 +63,6 @@ class LlamaCppSettings(PluginSettings, frozen=True):
             a fast decode sends several tokens a write instead of one (each write wakes the runner's, the gateway's
             and the client's threads, which take the cores from llama.cpp's compute threads; docs/runtimes.md). A
             stream's first token and its end are never held. 0: every token goes out the step it is decoded.
-        llama_batch_cpu: The CPU class of a llama.cpp runner's decodes of batch-class requests only (their steps and
-            prompt chunks): ``idle`` (the default; Linux ``SCHED_IDLE``, ``idle.IdleThread``): any other thread that
-            wants a core takes it from them at once, so a person's request does not queue for a core behind bulk
-            work; ``normal``: the ordinary class, for a node whose cores other busy processes share (idle-class
-            work waits for them too).
     """
 
     llama_repack: bool = False
@@ -77,7 +72,6 @@ class LlamaCppSettings(PluginSettings, frozen=True):
     kv_disk_mib: int = -1
     kv_dir: str = ""
     llama_stream_interval_ms: Annotated[int, msgspec.Meta(ge=0)] = 50
-    llama_batch_cpu: Literal["idle", "normal"] = "idle"
 
 
 def _gguf_card(path: str) -> ModelCard | None:
@@ -103,7 +97,6 @@ def meshgate_register_backends(
             spares=settings.batch_spares,
             batch_aging=settings.batch_aging,
             stream_interval=own.llama_stream_interval_ms / 1000,
-            batch_cpu=own.llama_batch_cpu,
             calibration_model=(lambda: _packaged_path(settings)) if own.llama_calibrate else None,
             **kv_tiers(own, Path(settings.data_dir)),
         )

@@ -125,16 +125,13 @@ class LlamaCppBackend(Backend):
         spares: int = 0,
         batch_aging: float = 30.0,
         stream_interval: float | None = None,
-        batch_cpu: str = "idle",
     ) -> None:
         """``kv_ram``: bytes of host memory each head runner keeps prompts' KV in (``None``: ``KV_SHARE`` of its
         node's memory, at most ``KV_CAP``; the planner counts it as the runner's memory); ``kv_disk`` bytes of
         ``kv_dir`` for the node's disk tier (``runner.kvtier``). ``spares``: sequences each head runner holds
         beyond its slots, where batch-class sequences are paused for interactive ones (``batch.Scheduler``),
         ``batch_aging`` seconds at most each (the gateway's ``batch_aging`` setting). ``stream_interval``: seconds
-        a runner's streams hold their next tokens after sending some (``None``: the runner's default).
-        ``batch_cpu``: ``idle`` runs decodes of batch-class sequences only at idle CPU priority, ``normal`` does not
-        (``idle.IdleThread``)."""
+        a runner's streams hold their next tokens after sending some (``None``: the runner's default)."""
         self.http = http
         self.calibration_model = calibration_model  # a small GGUF's path to measure the node with (calibrate)
         self.python = python or sys.executable
@@ -149,7 +146,6 @@ class LlamaCppBackend(Backend):
         self.spares = max(0, spares)
         self.batch_aging = batch_aging
         self.stream_interval = stream_interval
-        self.batch_cpu = batch_cpu
 
     def supports(self, card: ModelCard) -> bool:
         return card.format == "gguf"
@@ -234,7 +230,6 @@ class LlamaCppBackend(Backend):
         argv += ["--parallel", str(slots)] + ([] if self.exact else ["--inexact"])
         argv += ["--spares", str(placement.spares)] if placement.spares else []  # as the planner counted them
         argv += ["--batch-aging", repr(self.batch_aging)] if placement.spares else []  # only paused jobs age there
-        argv += ["--batch-cpu", self.batch_cpu]
         argv += ["--stream-interval", repr(self.stream_interval)] if self.stream_interval is not None else []
         kv_ram = shard.cache_bytes if self.kv_ram is None else self.kv_ram  # as the planner counted it
         argv += ["--kv-ram", str(kv_ram), "--model-digest", card.digest]

@@ -116,7 +116,6 @@ from typing import Any
 import numpy as np
 
 from meshgate.backends.llama_cpp.cpu_kernels import ReferenceKernels, cpu_backend
-from meshgate.backends.llama_cpp.idle import IdleThread
 from meshgate.backends.llama_cpp.kvstate import ROWS, SAVED, Keeper, tail
 from meshgate.backends.llama_cpp.sampling import GrammarStuck, Sampler
 from meshgate.backends.runner.kvtier import Hit, KVTier
@@ -241,13 +240,11 @@ class Scheduler:
         exact: bool = True,
         spares: int = 0,
         aging: float = PAUSE_AGING,
-        idle_batch: bool = True,
     ) -> None:
         """``fair=False`` prefills oldest first and never stops a chunk (the policy before this one), to compare
         (``benchmarks/prefill.py``). ``exact``: a long prompt reuses a slot's cache only where that gives cold's
         numbers (``_reusable``). ``spares``: sequences beyond the ``parallel`` that decode each step, where batch
-        jobs are paused for interactive ones (``Job.batch``), ``aging`` seconds at most each (``PAUSE_AGING``).
-        ``idle_batch``: decodes of batch jobs only run at idle CPU priority (``idle.IdleThread``)."""
+        jobs are paused for interactive ones (``Job.batch``), ``aging`` seconds at most each (``PAUSE_AGING``)."""
         import llama_cpp as lib
 
         self._lib = lib
@@ -297,8 +294,6 @@ class Scheduler:
         self._batch_step = False  # a decode of batch jobs only is in flight (stopped for an interactive newcomer)
         self._abort = lib.ggml_abort_callback(self._should_abort)  # kept alive with the scheduler
         self._no_abort = lib.ggml_abort_callback()
-        self._idle = IdleThread() if idle_batch else None  # decodes of batch jobs only, at idle CPU priority
-        self.batch_cpu = (self._idle.idle or "normal (refused)") if self._idle is not None else "normal"
         self.keeper = Keeper(lib, self.ctx, model, tier, CHUNK) if tier is not None else None
         self.restored = 0  # prompt tokens restored from the KV tier instead of evaluated
         self.prompt_rate = 200.0  # prompt tokens/s on chunks, a moving average (peer fetches are weighed on it)
@@ -601,7 +596,7 @@ class Scheduler:
         started = time.perf_counter()
         try:
             self.batch.n_tokens = n
-            code = self._llama_decode(idle=job.batch)
+            code = self._lib.llama_decode(self.ctx, self.batch)
         finally:
             self._lib.llama_set_abort_callback(self.ctx, self._no_abort, None)
             with self._wake:
@@ -644,7 +639,7 @@ class Scheduler:
             self._lib.llama_set_abort_callback(self.ctx, self._abort, None)
         self.batch.n_tokens = n
         try:
-            code = self._llama_decode(idle=stoppable)
+            code = self._lib.llama_decode(self.ctx, self.batch)
         finally:
             if stoppable:
                 self._lib.llama_set_abort_callback(self.ctx, self._no_abort, None)
@@ -659,12 +654,6 @@ class Scheduler:
             self._fail_batch(code)
             return False
         return True
-
-    def _llama_decode(self, *, idle: bool) -> int:
-        """``llama_decode`` of ``self.batch``; ``idle`` (batch jobs only) on the idle-priority thread."""
-        if idle and self._idle is not None:
-            return int(self._idle.call(self._lib.llama_decode, self.ctx, self.batch))
-        return int(self._lib.llama_decode(self.ctx, self.batch))
 
     def _add(self, n: int, slot: _Slot, token: int, logits: bool) -> int:
         batch = self.batch
@@ -730,8 +719,6 @@ class Scheduler:
 
     def free(self) -> None:
         """Free the context (after ``run`` has returned)."""
-        if self._idle is not None:
-            self._idle.close()
         self._lib.llama_batch_free(self.batch)
         self._lib.llama_free(self.ctx)
 

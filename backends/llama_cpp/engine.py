@@ -101,7 +101,6 @@ class LlamaEngine:
         parallel: int = PARALLEL,
         spares: int = 0,
         batch_aging: float = PAUSE_AGING,
-        idle_batch: bool = True,
         exact: bool = True,
         kv_ram: int = 0,
         kv_dir: str | None = None,
@@ -113,8 +112,7 @@ class LlamaEngine:
         order) the blocks are split over llama.cpp RPC workers. ``repack`` lets llama.cpp repack CPU weights
         (faster on some CPUs, but different numerics from a split run). Each of the ``parallel`` sequences holds
         up to ``n_ctx`` tokens, and ``spares`` more sequences hold batch-class requests paused for interactive ones
-        (``batch.Scheduler``), ``batch_aging`` seconds at most each, their decodes at idle CPU priority with
-        ``idle_batch``; ``exact`` decodes them so each row gets its
+        (``batch.Scheduler``), ``batch_aging`` seconds at most each; ``exact`` decodes them so each row gets its
         single-sequence numbers: all in one call on ggml's reference matmuls (``cpu_kernels``) when the whole model
         is local and not repacked, else in groups of ``DECODE_GROUP`` while ggml's tiled K-quant kernel is on (see
         ``batch.decode_group``); ``False`` decodes all in one call with the kernels as they are (greedy text may
@@ -176,7 +174,6 @@ class LlamaEngine:
             exact=exact,
             spares=spares,
             aging=batch_aging,
-            idle_batch=idle_batch,
         )
         threading.Thread(target=self.scheduler.run, name="llama-scheduler", daemon=True).start()
         self.load_ns = time.perf_counter_ns() - started
@@ -200,7 +197,6 @@ class LlamaEngine:
             "n_ctx": self.n_ctx,
             "family": self.family,
             **self.scheduler.stats(),
-            "batch_cpu": self.scheduler.batch_cpu,
             **({"kv_tier": {**self.tier.stats(), "prefixes": self.tier.tags(PUBLISHED)}} if self.tier else {}),
         }
 

@@ -45,12 +45,6 @@ def main(argv: list[str] | None = None) -> None:
         help="seconds a paused batch-class request waits at most before it goes on (MESHGATE_BATCH_AGING)",
     )
     parser.add_argument(
-        "--batch-cpu",
-        choices=("idle", "normal"),
-        default="idle",
-        help="CPU class of decodes of batch-class requests only (idle: SCHED_IDLE, so any other thread goes first)",
-    )
-    parser.add_argument(
         "--stream-interval",
         type=float,
         default=STREAM_INTERVAL,
@@ -78,7 +72,6 @@ def main(argv: list[str] | None = None) -> None:
             parallel=args.parallel,
             spares=args.spares,
             batch_aging=args.batch_aging,
-            idle_batch=args.batch_cpu == "idle",
             exact=not args.inexact,
             kv_ram=args.kv_ram,
             kv_dir=args.kv_dir,

@@ -8,7 +8,6 @@ text is the undisturbed run's, token for token. A paused job that is cancelled l
 
 from __future__ import annotations
 
-import os
 import threading
 import time
 
@@ -233,42 +232,3 @@ def test_a_waiting_batch_job_without_a_lane_stops_no_chunk(scheduler):
         thread.join(60)
     assert [job.end for job in jobs] == ["length"] * 3, "a job never ran"
     assert s.stats()["active_sequences"] == 0 and s.stats()["waiting"] == 0
-
-
-class _Policies:
-    """llama_cpp as the scheduler calls it, recording each ``llama_decode``'s CPU class (of the calling thread,
-    whose class ggml's compute threads inherit) with the jobs in flight: (policy, a batch job's decode)."""
-
-    def __init__(self, s: Scheduler) -> None:
-        self.lib, self.s, self.seen = s._lib, s, []
-
-    def __getattr__(self, name: str):
-        return getattr(self.lib, name)
-
-    def llama_decode(self, ctx, batch):
-        jobs = [slot.job for slot in self.s.slots if slot.job is not None and not slot.job.paused]
-        self.seen.append((os.sched_getscheduler(0), all(job.batch for job in jobs)))
-        return self.lib.llama_decode(ctx, batch)
-
-
-def test_batch_jobs_decode_at_idle_cpu_priority_with_the_text_of_an_interactive_job(scheduler):
-    """A batch job's prompt chunks and steps run on the idle-class thread (``idle.IdleThread``: Linux's
-    ``SCHED_IDLE``), an interactive job's on the scheduler's own ordinary one; the same greedy prompt gives the same
-    tokens either way (the two threads' ggml teams compute alike)."""
-    s = scheduler
-    assert s.batch_cpu == "SCHED_IDLE"
-    texts = {}
-    s._lib = recorder = _Policies(s)  # type: ignore[assignment]
-    try:
-        for batch in (True, False):
-            job = _job(s, BATCH[1], CHAT_TOKENS * 2, batch=batch)
-            thread, got = _reading(job)
-            s.submit(job)
-            thread.join(120)
-            texts[batch] = got["tokens"]
-    finally:
-        s._lib = s._lib.lib  # type: ignore[attr-defined]
-    batch_policies = {policy for policy, batch in recorder.seen if batch}
-    chat_policies = {policy for policy, batch in recorder.seen if not batch}
-    assert batch_policies == {os.SCHED_IDLE} and chat_policies == {os.SCHED_OTHER}, recorder.seen
-    assert len(texts[True]) == CHAT_TOKENS * 2 and texts[True] == texts[False]

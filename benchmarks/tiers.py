@@ -320,7 +320,6 @@ def gateway_env(args: argparse.Namespace) -> dict[str, str]:
         "MESHGATE_BATCH_CONCURRENCY": str(args.parallel),
         "MESHGATE_BATCH_LEASE": str(args.lease),
         "MESHGATE_EXACT_BATCHES": "1",
-        "MESHGATE_LLAMA_BATCH_CPU": args.batch_cpu,
         "MESHGATE_CLUSTER_SECRET": SECRET,
     }
 
@@ -530,9 +529,6 @@ def main() -> None:
     parser.add_argument("--pair-lines", type=int, default=200, help="lines of each paired wave's batch (cancelled)")
     parser.add_argument("--kill-lines", type=int, default=100, help="lines of the killed-halfway batch (0: skip)")
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument(
-        "--batch-cpu", choices=("idle", "normal"), default="idle", help="MESHGATE_LLAMA_BATCH_CPU: batch decodes' class"
-    )
     parser.add_argument("--n-ctx", type=int, default=1024)
     parser.add_argument("--timeout", type=float, default=1800.0, help="seconds any one phase may take")
     parser.add_argument("--json", action="store_true", help="print the results as one JSON object")

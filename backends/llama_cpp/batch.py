@@ -110,8 +110,9 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 
@@ -121,6 +122,8 @@ from meshgate.backends.llama_cpp.sampling import GrammarStuck, Sampler
 from meshgate.backends.runner.kvtier import Hit, KVTier
 
 __all__ = ["DECODE_GROUP", "TILED_ENV", "Job", "Scheduler", "decode_group"]
+
+T = TypeVar("T")
 
 TILED_ENV = "GGML_CPU_TILED_MM"
 """ggml-cpu's switch for its tiled K-quant matmul (``ggml-cpu/tiled/tiled.cpp``, on unless ``0``), read once per
@@ -297,6 +300,7 @@ class Scheduler:
         self.keeper = Keeper(lib, self.ctx, model, tier, CHUNK) if tier is not None else None
         self.restored = 0  # prompt tokens restored from the KV tier instead of evaluated
         self.prompt_rate = 200.0  # prompt tokens/s on chunks, a moving average (peer fetches are weighed on it)
+        self._calls: deque[tuple[Callable[..., Any], tuple[Any, ...], Future[Any]]] = deque()  # ``call``'s, in order
         self._woken: dict[Callable[[bool], None], bool] = {}  # readers to wake at the next ``_notify`` (``Job.wake``),
         # and whether one of theirs got its first token or ended
 
@@ -370,6 +374,21 @@ class Scheduler:
             "restored_tokens": self.restored,
         }
 
+    def call(self, fn: Callable[..., T], *args: Any) -> T:
+        """``fn(*args)`` run on the decoding thread between two steps: what it returns, or what it raises. Every other
+        ggml compute of the runner (an embedding's decodes) goes through here. llama.cpp's CPU backend is an OpenMP
+        build, where each thread that runs a graph gets a thread team of its own; once libgomp manages more threads
+        than the machine has CPUs, it cuts every team's barrier spin to 100 turns before a futex sleep, and ggml
+        passes such a barrier between every two nodes of a graph. Embeddings run on the server's pool threads made
+        their teams, and every decode after them cost ~40% more on 2 cores (63.5 -> 37-42 tokens/s)."""
+        done: Future[T] = Future()
+        with self._wake:
+            if self._closed:
+                raise RuntimeError("the scheduler is closed")
+            self._calls.append((fn, args, done))
+            self._wake.notify()
+        return done.result()
+
     def close(self) -> None:
         with self._wake:
             self._closed = True
@@ -379,11 +398,19 @@ class Scheduler:
         """The decode loop; returns after ``close``."""
         while True:
             with self._wake:
-                while not self._closed and not self.waiting and not any(s.job for s in self.slots):
+                while not (self._closed or self.waiting or self._calls or any(s.job for s in self.slots)):
                     self._wake.wait()
+                calls, self._calls = self._calls, deque()
                 if self._closed:
+                    for _, _, done in calls:
+                        done.set_exception(RuntimeError("the scheduler is closed"))
                     return
                 self._admit()
+            for fn, args, done in calls:
+                try:
+                    done.set_result(fn(*args))
+                except BaseException as exc:  # the caller's to raise, on its own thread
+                    done.set_exception(exc)
             self._step()
             self._notify()
 

@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -63,7 +63,16 @@ class Embedder:
     ``chunk`` (tokens per decode) defaults to what ``LOGITS_BUDGET`` allows, between 16 and 512.
     """
 
-    def __init__(self, llm: Any, *, chunk: int | None = None, n_ctx: int | None = None) -> None:
+    def __init__(
+        self,
+        llm: Any,
+        *,
+        chunk: int | None = None,
+        n_ctx: int | None = None,
+        run: Callable[..., Any] | None = None,
+    ) -> None:
+        """``run(fn, *args)`` calls each decode (``batch.Scheduler.call``: on the thread that runs every other
+        decode of the process, so llama.cpp's OpenMP build keeps one thread team); ``None``: on the caller's."""
         import llama_cpp
         from llama_cpp._internals import LlamaBatch, LlamaContext
 
@@ -85,6 +94,7 @@ class Embedder:
         params.swa_full = False
         self.ctx = LlamaContext(model=llm._model, params=params, verbose=False)
         self.batch = LlamaBatch(n_tokens=self.chunk, embd=0, n_seq_max=1, verbose=False)
+        self._run = run or (lambda fn, *args: fn(*args))
         self.load_ns = time.perf_counter_ns() - started
 
     def embed(self, request: EmbedRequest, cancel: threading.Event | None = None) -> Embeddings:
@@ -134,7 +144,7 @@ class Embedder:
                 batch.n_seq_id[i] = 1
                 batch.logits[i] = True
             batch.n_tokens = len(part)
-            self.ctx.decode(self.batch)
+            self._run(self.ctx.decode, self.batch)
             pooled = llama_cpp.llama_get_embeddings_seq(self.ctx.ctx, 0)
             if not pooled:
                 raise GatewayError("llama.cpp returned no pooled embedding")

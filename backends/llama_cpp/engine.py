@@ -206,7 +206,7 @@ class LlamaEngine:
         with self._embed_lock:
             load_ns = 0
             if self._embedder is None:
-                self._embedder = Embedder(self.llm, n_ctx=self.n_ctx)
+                self._embedder = Embedder(self.llm, n_ctx=self.n_ctx, run=self.scheduler.call)
                 load_ns = self._embedder.load_ns
             result = self._embedder.embed(request, cancel)
         return Embeddings(vectors=result.vectors, prompt_tokens=result.prompt_tokens, load_ns=load_ns)

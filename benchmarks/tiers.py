@@ -58,6 +58,16 @@ With ``--threads 1 --lines 250 --kill-lines 0`` (a core left to the gateway, the
 clients): idle 0.456 / 0.444 / 0.444 s, beside the batch 0.432 s, x0.97 (p50) and x0.95 (p99) of its neighbours'
 mean, 106% of the gaps; a second run x1.02 / x1.04, 93%. What is left above at two threads is each hop of a chat's
 request waiting for a core that llama.cpp holds for the whole mixed phase.
+
+Paired waves (``--pairs``, added since: each round one idle wave and one beside a fresh batch, ABBA, seconds
+apart). Defaults, 2026-12-07 evening, the box ~15% slower than the run above: idle 0.289 / 0.276 / 0.303 s, beside
+the batch 0.308 s: x1.06 (p50), x1.18 (p99) of its neighbours' mean, 73% of the batch alone (63.6 tok/s), 93% of
+the gaps; paired: idle waves 0.306 / 0.560 s, beside a batch 0.320 / 0.579 s: **x1.05 (p50), x1.03 (p99)**, the
+rounds' ratios x0.90-x1.24 (median x1.01); 100 of 100 lines exactly once after the kill. A paired-only run
+(``--lines 0 --pairs 8``) an hour earlier: x1.14 / x1.15. Tried and dropped: batch-only decodes on a second
+thread at Linux's ``SCHED_IDLE`` (x1.10 / x1.05 paired), since a second decoding thread gives llama.cpp a second
+OpenMP team and libgomp then throttles every team's barriers (docs/runtimes.md): the batch alone fell to 39-47
+tok/s and the idle phases after it slowed by a third.
 """
 
 from __future__ import annotations

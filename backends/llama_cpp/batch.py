@@ -64,10 +64,11 @@ the way llama.cpp's own server drives its slots:
   sequence is what makes this exact: the job's next decode sees the cells it left, and decode rows do not depend
   on their neighbours (above), so its greedy text is byte for byte the undisturbed run's; restoring a saved
   state elsewhere would not be (the tier's ends, below). A paused job's client sees a longer gap between two
-  tokens; cancelled, it leaves at the next step. ``stats`` counts pauses. A decode of batch jobs only is stopped
-  as a chunk is (the abort callback) when an interactive job that could be placed arrives during it, so a
-  person's prompt never waits for a batch step (up to ~60 ms of 8 rows on 2 cores); the stopped rows decode again
-  at the next step with the same numbers (``interrupted_steps``).
+  tokens; cancelled, it leaves at the next step. ``stats`` counts pauses. A decode that holds batch jobs is
+  stopped as a chunk is (the abort callback) when an interactive job that could be placed arrives during it, so a
+  person's prompt never waits for a step that batch work shares (up to ~60 ms of 8 rows on 2 cores); the stopped
+  rows decode again at the next step with the same numbers (``interrupted_steps``). One that holds interactive
+  jobs too is not stopped twice in a row, so a running chat's next token waits for one stopped step at most.
 - With a KV tier (``kvstate.Keeper``, ``runner.kvtier``), a job whose ``restore`` (a tier hit) holds more of its
   prompt than any slot restores it into the free slot used longest ago and prefills the rest from there: from a
   restore point (a multiple of ``CHUNK``, or where the kept prompt's last chunk started: multiples of 256, so the
@@ -286,7 +287,7 @@ class Scheduler:
         self.copies = 0  # prefixes copied from another slot's KV stream
         self.preempted = 0  # prompt chunks stopped for a newcomer or a cancel, and evaluated again
         self.pauses = 0  # batch jobs paused for an interactive one
-        self.interrupted = 0  # decodes of batch jobs only, stopped for an interactive newcomer and run again
+        self.interrupted = 0  # decodes holding batch jobs, stopped for an interactive newcomer and run again
         self._wake = threading.Condition()
         self._closed = False
         self._admitted = 0
@@ -294,7 +295,8 @@ class Scheduler:
         self.exact = exact
         self._inflight: Job | None = None  # the job whose prompt chunk is being decoded (set under ``_wake``)
         self._preempt = False  # stop that chunk: a job that goes first is waiting, or the chunk's job is gone
-        self._batch_step = False  # a decode of batch jobs only is in flight (stopped for an interactive newcomer)
+        self._batch_step = False  # a decode holding batch jobs is in flight (stopped for an interactive newcomer)
+        self._stopped = False  # the last decode holding interactive jobs was stopped (not stopped again at once)
         self._abort = lib.ggml_abort_callback(self._should_abort)  # kept alive with the scheduler
         self._no_abort = lib.ggml_abort_callback()
         self.keeper = Keeper(lib, self.ctx, model, tier, CHUNK) if tier is not None else None
@@ -317,7 +319,7 @@ class Scheduler:
                 self._preempt = True
 
     def _interrupts(self, job: Job) -> bool:
-        """Whether waiting ``job`` stops a decode of batch jobs only (with the lock held): it is interactive and
+        """Whether waiting ``job`` stops a decode that holds batch jobs (with the lock held): it is interactive and
         ``_admit`` would place it now (a slot is free, and a lane or a batch job to pause)."""
         return not job.batch and any(slot.job is None for slot in self.slots) and self._room()
 
@@ -351,7 +353,7 @@ class Scheduler:
 
     def _should_abort(self, _data: Any) -> bool:
         """ggml's abort callback, called on the decoding thread between graph nodes of a prompt chunk or of a decode
-        of batch jobs only."""
+        that holds batch jobs."""
         job = self._inflight
         return self._preempt or (job is not None and job.gone())
 
@@ -546,6 +548,11 @@ class Scheduler:
         if any(slot.job.batch for slot in generating if slot.job is not None):
             budget = self._prompts(budget, interactive=True)
         interactive = any(slot.job is not None and not slot.job.batch for slot in generating)
+        # a decode that holds batch rows is stopped for an interactive newcomer; one that holds interactive rows too,
+        # not twice in a row (the running chats' next tokens wait for at most one stopped step each time)
+        stoppable = any(slot.job is not None and slot.job.batch for slot in generating) and not (
+            interactive and self._stopped
+        )
         groups = -(-len(generating) // self.group)
         for g in range(groups):  # balanced, each of consecutive sequence ids (llama.cpp splits a ubatch at gaps)
             group = generating[len(generating) * g // groups : len(generating) * (g + 1) // groups]
@@ -555,12 +562,14 @@ class Scheduler:
                 n = self._add(n, slot, slot.job.last, True)
             wide = self._reference if self._reference is not None and n > DECODE_GROUP else contextlib.nullcontext()
             with wide:  # ggml's tiled kernel would give these rows other numbers than alone
-                decoded = self._decode(n, group, stoppable=not interactive)
+                decoded = self._decode(n, group, stoppable=stoppable)
             if decoded is None:  # stopped for an interactive newcomer: these rows decode again at the next step
                 for slot in group:
                     slot.tokens.pop()
+                self._stopped = interactive
                 self._notify()
                 return
+            self._stopped = False
             if decoded:
                 for row, slot in enumerate(group):
                     self._sample(slot, row)
@@ -652,10 +661,10 @@ class Scheduler:
 
     def _decode(self, n: int, slots: list[_Slot], *, stoppable: bool = False) -> bool | None:
         """Evaluate the batch's first ``n`` tokens (of ``slots``); on failure every job fails and ``False`` is
-        returned. ``stoppable`` (batch jobs only): an interactive job that ``_admit`` would place, waiting now or
+        returned. ``stoppable`` (it holds batch jobs): an interactive job that ``_admit`` would place, waiting now or
         submitted while it runs, stops it (``None``): llama.cpp drops the step's cells, as a stopped chunk's, and
         the rows decode again with the same numbers (decode rows do not depend on their neighbours), so a person's
-        prompt waits for no batch step."""
+        prompt waits for no step that batch work shares."""
         if stoppable:
             with self._wake:
                 self._preempt = any(self._interrupts(job) for job in self.waiting)

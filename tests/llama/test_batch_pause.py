@@ -232,3 +232,41 @@ def test_a_waiting_batch_job_without_a_lane_stops_no_chunk(scheduler):
         thread.join(60)
     assert [job.end for job in jobs] == ["length"] * 3, "a job never ran"
     assert s.stats()["active_sequences"] == 0 and s.stats()["waiting"] == 0
+
+
+def test_an_interactive_job_stops_a_step_a_chat_shares_with_a_batch_job_and_no_text_changes(scheduler):
+    """A decode holding a running chat and a batch job is stopped for an interactive newcomer as a batch-only one
+    is: the newcomer pauses the batch job and is prefilled first; the chat's and the batch job's rows decode again
+    at the next step with the same numbers, so both texts are the undisturbed ones, token for token."""
+    s = scheduler
+    running_chat = "Describe a walk along the sea in autumn."
+    undisturbed = {}
+    for name, text, batch in (("batch", BATCH[0], True), ("chat", running_chat, False)):
+        job = _job(s, text, BATCH_TOKENS, batch=batch)
+        thread, got = _reading(job)
+        s.submit(job)
+        thread.join(120)
+        undisturbed[name] = got["tokens"]
+    before = s.stats()
+    batch_job = _job(s, BATCH[0], BATCH_TOKENS, batch=True)
+    chat = _job(s, running_chat, BATCH_TOKENS, batch=False)
+    readers = {"batch": _reading(batch_job), "chat": _reading(chat)}
+    newcomer = _job(s, CHAT, CHAT_TOKENS, batch=False)
+    new_thread, _ = _reading(newcomer)
+
+    def both_generating() -> bool:
+        return batch_job.count >= 8 and 8 <= chat.count < BATCH_TOKENS - 8
+
+    s._lib = _SubmitsInFlight(s, newcomer, both_generating)  # type: ignore[assignment]
+    try:
+        s.submit(batch_job)
+        s.submit(chat)
+        for thread, _ in [*readers.values(), (new_thread, None)]:
+            thread.join(120)
+    finally:
+        s._lib = s._lib.lib  # type: ignore[attr-defined]
+    after = s.stats()
+    assert after["interrupted_steps"] == before["interrupted_steps"] + 1, "the shared step was not stopped"
+    assert after["paused_batch_jobs"] == before["paused_batch_jobs"] + 1
+    assert newcomer.end in ("length", "stop")
+    assert {name: got["tokens"] for name, (_, got) in readers.items()} == undisturbed, "a stopped step changed a text"

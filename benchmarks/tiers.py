@@ -26,6 +26,10 @@ client:
    again; its claimed lines run again once their lease (``MESHGATE_BATCH_LEASE``, ``--lease``) runs out. The
    output and error files must answer every ``custom_id`` exactly once. (Without Redis batch jobs live in the
    gateway's memory and die with it: the restart part needs the store.)
+5. **paired** (``--pairs``, 0 to skip; run before the kill phase): rounds of one idle wave and one wave beside a
+   fresh batch of ``--pair-lines`` (cancelled once its wave is done, the runner left to empty), in ABBA order: the
+   two sets of chats are seconds apart, so the VM's drift, which moves whole phases by more than 10%, cancels.
+   ``--lines 0`` runs only this.
 
 Every loop is bounded by ``--timeout``. The figures depend on the machine and on what else runs on it: on a shared
 box they are noisy, so each phase prints ``other``, the cores' worth of CPU spent outside the gateway's processes
@@ -60,11 +64,12 @@ mean, 106% of the gaps; a second run x1.02 / x1.04, 93%. What is left above at t
 request waiting for a core that llama.cpp holds for the whole mixed phase.
 
 Paired waves (``--pairs``, added since: each round one idle wave and one beside a fresh batch, ABBA, seconds
-apart). Defaults, 2026-12-07 evening, the box ~15% slower than the run above: idle 0.289 / 0.276 / 0.303 s, beside
-the batch 0.308 s: x1.06 (p50), x1.18 (p99) of its neighbours' mean, 73% of the batch alone (63.6 tok/s), 93% of
-the gaps; paired: idle waves 0.306 / 0.560 s, beside a batch 0.320 / 0.579 s: **x1.05 (p50), x1.03 (p99)**, the
-rounds' ratios x0.90-x1.24 (median x1.01); 100 of 100 lines exactly once after the kill. A paired-only run
-(``--lines 0 --pairs 8``) an hour earlier: x1.14 / x1.15. Tried and dropped: batch-only decodes on a second
+apart). Defaults, 2026-12-07 evening, after a step that a chat shares with batch jobs became stoppable for a
+newcomer (``batch.Scheduler``): idle 0.306 / 0.298 / 0.244 s, beside the batch 0.314 s (x1.02 / x1.05 / x1.29 p50),
+77% of the batch alone (62.5 tok/s), 99% of the gaps; paired: idle waves 0.274 / 0.484 s, beside a batch 0.264 /
+0.530 s: **x0.97 (p50), x1.09 (p99)**, the rounds' ratios x0.76-x1.14 (median x1.00); 100 of 100 lines exactly once
+after the kill. Paired only (``--lines 0 --kill-lines 0 --pairs 8``), back to back: without that change x1.14 /
+x1.22, with it x1.00 / x0.85 (and x1.07 / x0.99 just before). Tried and dropped: batch-only decodes on a second
 thread at Linux's ``SCHED_IDLE`` (x1.10 / x1.05 paired), since a second decoding thread gives llama.cpp a second
 OpenMP team and libgomp then throttles every team's barriers (docs/runtimes.md): the batch alone fell to 39-47
 tok/s and the idle phases after it slowed by a third.

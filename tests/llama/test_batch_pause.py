@@ -113,6 +113,19 @@ class _SubmitsInFlight:
         return self.lib.llama_decode(ctx, batch)
 
 
+def _submit_with_newcomer(s: Scheduler, jobs: list[Job], newcomer: Job, ready, readers: list[threading.Thread]) -> None:
+    """Submit ``jobs``, and ``newcomer`` just before the first stoppable decode once ``ready()`` (``_SubmitsInFlight``);
+    wait for ``readers``."""
+    s._lib = _SubmitsInFlight(s, newcomer, ready)  # type: ignore[assignment]
+    try:
+        for job in jobs:
+            s.submit(job)
+        for thread in readers:
+            thread.join(120)
+    finally:
+        s._lib = s._lib.lib  # type: ignore[attr-defined]
+
+
 def test_an_interactive_job_stops_a_batch_step_in_flight_and_the_batch_text_stays_the_same(scheduler):
     """An interactive job submitted while a decode of batch jobs only runs stops it (ggml's abort callback; llama.cpp
     drops the step's cells), is placed (pausing a batch job) and prefilled first; the stopped rows decode again at
@@ -130,14 +143,8 @@ def test_an_interactive_job_stops_a_batch_step_in_flight_and_the_batch_text_stay
     readers = [_reading(job) for job in jobs]
     chat = _job(s, CHAT, CHAT_TOKENS, batch=False)
     chat_thread, chat_got = _reading(chat)
-    s._lib = _SubmitsInFlight(s, chat, lambda: all(job.count >= 8 for job in jobs))  # type: ignore[assignment]
-    try:
-        for job in jobs:
-            s.submit(job)
-        for thread, _ in [*readers, (chat_thread, None)]:
-            thread.join(120)
-    finally:
-        s._lib = s._lib.lib  # type: ignore[attr-defined]
+    _submit_with_newcomer(s, jobs, chat, lambda: all(job.count >= 8 for job in jobs), [t for t, _ in readers])
+    chat_thread.join(120)
     after = s.stats()
     assert after["interrupted_steps"] == before["interrupted_steps"] + 1, "the step in flight was not stopped"
     assert after["paused_batch_jobs"] == before["paused_batch_jobs"] + 1
@@ -257,14 +264,8 @@ def test_an_interactive_job_stops_a_step_a_chat_shares_with_a_batch_job_and_no_t
     def both_generating() -> bool:
         return batch_job.count >= 8 and 8 <= chat.count < BATCH_TOKENS - 8
 
-    s._lib = _SubmitsInFlight(s, newcomer, both_generating)  # type: ignore[assignment]
-    try:
-        s.submit(batch_job)
-        s.submit(chat)
-        for thread, _ in [*readers.values(), (new_thread, None)]:
-            thread.join(120)
-    finally:
-        s._lib = s._lib.lib  # type: ignore[attr-defined]
+    _submit_with_newcomer(s, [batch_job, chat], newcomer, both_generating, [t for t, _ in readers.values()])
+    new_thread.join(120)
     after = s.stats()
     assert after["interrupted_steps"] == before["interrupted_steps"] + 1, "the shared step was not stopped"
     assert after["paused_batch_jobs"] == before["paused_batch_jobs"] + 1

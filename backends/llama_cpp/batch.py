@@ -545,14 +545,13 @@ class Scheduler:
             elif job.fed == len(job.prompt):  # generating: feed the token sampled last
                 generating.append(slot)
         budget = CHUNK
-        if any(slot.job.batch for slot in generating if slot.job is not None):
+        holds_batch = any(slot.job.batch for slot in generating if slot.job is not None)
+        if holds_batch:
             budget = self._prompts(budget, interactive=True)
         interactive = any(slot.job is not None and not slot.job.batch for slot in generating)
         # a decode that holds batch rows is stopped for an interactive newcomer; one that holds interactive rows too,
         # not twice in a row (the running chats' next tokens wait for at most one stopped step each time)
-        stoppable = any(slot.job is not None and slot.job.batch for slot in generating) and not (
-            interactive and self._stopped
-        )
+        stoppable = holds_batch and not (interactive and self._stopped)
         groups = -(-len(generating) // self.group)
         for g in range(groups):  # balanced, each of consecutive sequence ids (llama.cpp splits a ubatch at gaps)
             group = generating[len(generating) * g // groups : len(generating) * (g + 1) // groups]
